@@ -1,0 +1,46 @@
+# The two commands a user types: `make run` and `make test`. Each does its own set-up.
+BUILD_DIR ?= build
+JOBS ?= $(shell nproc)
+PYTHON ?= python3
+CMAKE_FLAGS ?=
+
+.PHONY: all deps build test unit-test integration-test bench run format clean fixtures
+
+all: build
+
+deps:
+	@bash scripts/deps.sh
+
+$(BUILD_DIR)/CMakeCache.txt:
+	cmake -S . -B $(BUILD_DIR) -G Ninja $(CMAKE_FLAGS)
+
+build: deps $(BUILD_DIR)/CMakeCache.txt
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+unit-test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)
+
+integration-test: build
+	TGIS_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest -q tests/integration
+
+# ctest and pytest both run; the target fails if either failed.
+test: build
+	@rc=0; \
+	(cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)) || rc=1; \
+	TGIS_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest -q tests/integration || rc=1; \
+	exit $$rc
+
+bench: build
+	$(PYTHON) benchmarks/tokenizer_bench.py --build-dir $(BUILD_DIR)
+
+run: build
+	@echo "The server is not built yet: the tokenizer CLI is $(BUILD_DIR)/tokenizer/tgis-tokenizer"
+
+fixtures:
+	$(PYTHON) tests/fixtures/make_tokenizer_fixtures.py
+
+format:
+	find tokenizer tests benchmarks -name '*.cc' -o -name '*.h' | xargs clang-format -i
+
+clean:
+	rm -rf $(BUILD_DIR)

@@ -1,0 +1,17 @@
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "tokenizer/tokenizer.h"
+
+namespace tgis::tok {
+
+// A tokenizer.json pipeline. `file` names the file in error messages.
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadHfTokenizer(const std::string& file);
+// A SentencePiece .model file; add_bos / add_eos as tokenizer_config.json says.
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadSpTokenizer(const std::string& file, bool add_bos,
+                                                           bool add_eos);
+
+}  // namespace tgis::tok

@@ -1,0 +1,43 @@
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "tokenizer/src/pipeline.h"
+
+namespace tgis::tok {
+
+absl::StatusOr<const Json*> Field(const Json& j, const std::string& path, const char* key) {
+  if (!j.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": expected an object"));
+  auto it = j.find(key);
+  if (it == j.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ".", key, ": missing field"));
+  }
+  return &*it;
+}
+
+absl::StatusOr<std::string> StringField(const Json& j, const std::string& path, const char* key) {
+  auto f = Field(j, path, key);
+  if (!f.ok()) return f.status();
+  if (!(*f)->is_string()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ".", key, ": expected a string"));
+  }
+  return (*f)->get<std::string>();
+}
+
+absl::StatusOr<bool> BoolField(const Json& j, const std::string& path, const char* key,
+                               std::optional<bool> default_value) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) {
+    if (default_value) return *default_value;
+    return absl::InvalidArgumentError(absl::StrCat(path, ".", key, ": missing field"));
+  }
+  if (!it->is_boolean()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ".", key, ": expected a boolean"));
+  }
+  return it->get<bool>();
+}
+
+absl::Status Unsupported(const std::string& path, std::string_view what) {
+  return absl::UnimplementedError(absl::StrCat(path, ": unsupported ", std::string(what)));
+}
+
+}  // namespace tgis::tok
