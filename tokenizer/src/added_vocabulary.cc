@@ -100,21 +100,22 @@ bool StartsWithWord(std::string_view s) {
 }
 }  // namespace
 
-void AddedVocabulary::SplitOn(const Matcher& m, PreTokenizedString::Piece& piece,
-                              std::vector<PreTokenizedString::Piece>* out) const {
-  const std::string& s = piece.text.get();
+void AddedVocabulary::FindSplits(std::string_view text, bool normalized,
+                                 std::vector<TextSplit>* out) const {
+  FindSplitsWith(normalized ? normalized_ : raw_, text, out);
+}
+
+void AddedVocabulary::FindSplitsWith(const Matcher& m, std::string_view s,
+                                     std::vector<TextSplit>* out) const {
+  out->clear();
   size_t start_offset = 0;
-  struct Hit {
-    size_t start, stop;
-    int32_t token;
-  };
-  std::vector<Hit> hits;
   size_t i = 0;
   while (i < s.size()) {
     if (!m.first_byte[static_cast<unsigned char>(s[i])]) {
       ++i;
       continue;
     }
+    // Leftmost-longest: the longest pattern starting at the first position that has one.
     int32_t node = 0, best = -1;
     size_t best_end = 0;
     for (size_t j = i; j < s.size(); ++j) {
@@ -130,16 +131,13 @@ void AddedVocabulary::SplitOn(const Matcher& m, PreTokenizedString::Piece& piece
       ++i;
       continue;
     }
-    hits.push_back({i, best_end, best});
+    const size_t hit_start = i;
     i = best_end;
-  }
-  std::vector<std::pair<std::pair<size_t, size_t>, int32_t>> splits;
-  for (Hit h : hits) {
-    const AddedToken& t = tokens_[h.token];
-    size_t start = h.start, stop = h.stop;
+    const AddedToken& t = tokens_[best];
+    size_t start = hit_start, stop = best_end;
     if (t.single_word) {
-      bool start_space = start == 0 || !EndsWithWord(std::string_view(s).substr(0, start));
-      bool stop_space = stop == s.size() || !StartsWithWord(std::string_view(s).substr(stop));
+      bool start_space = start == 0 || !EndsWithWord(s.substr(0, start));
+      bool stop_space = stop == s.size() || !StartsWithWord(s.substr(stop));
       if (!start_space || !stop_space) continue;
     }
     if (t.lstrip) {
@@ -162,19 +160,25 @@ void AddedVocabulary::SplitOn(const Matcher& m, PreTokenizedString::Piece& piece
         stop += n;
       }
     }
-    if (start_offset < start) splits.push_back({{start_offset, start}, -1});
-    splits.push_back({{start, stop}, h.token});
+    if (start_offset < start) out->push_back({start_offset, start, -1});
+    out->push_back({start, stop, t.id});
     start_offset = stop;
   }
-  if (start_offset != s.size()) splits.push_back({{start_offset, s.size()}, -1});
-  for (auto [range, token] : splits) {
+  if (start_offset != s.size()) out->push_back({start_offset, s.size(), -1});
+}
+
+void AddedVocabulary::SplitOn(const Matcher& m, PreTokenizedString::Piece& piece,
+                              std::vector<PreTokenizedString::Piece>* out) const {
+  std::vector<TextSplit> splits;
+  FindSplitsWith(m, piece.text.get(), &splits);
+  for (const TextSplit& sp : splits) {
     PreTokenizedString::Piece p;
-    p.text = piece.text.Slice(range.first, range.second);
+    p.text = piece.text.Slice(sp.start, sp.end);
     if (p.text.empty()) continue;
-    if (token >= 0) {
+    if (sp.id >= 0) {
       p.has_tokens = true;
-      p.tokens.push_back(Token{tokens_[token].id, p.text.get(),
-                               Span{0, static_cast<uint32_t>(p.text.size())}});
+      p.tokens.push_back(
+          Token{sp.id, p.text.get(), Span{0, static_cast<uint32_t>(p.text.size())}});
     }
     out->push_back(std::move(p));
   }

@@ -33,6 +33,17 @@ class AddedVocabulary {
   void ExtractAndNormalize(std::string_view text, const Normalizer* normalizer,
                            PreTokenizedString* out) const;
 
+  // A split of a text: [start, end) and the added token's id there, or -1 for plain text.
+  struct TextSplit {
+    size_t start;
+    size_t end;
+    int32_t id;
+  };
+  // Splits `text` on raw (non-normalized) or on normalized added tokens.
+  void FindSplits(std::string_view text, bool normalized, std::vector<TextSplit>* out) const;
+  bool HasRaw() const { return !raw_.empty(); }
+  bool HasNormalized() const { return !normalized_.empty(); }
+
   const AddedToken* ById(int32_t id) const {
     auto it = by_id_.find(id);
     return it == by_id_.end() ? nullptr : &tokens_[it->second];
@@ -59,6 +70,7 @@ class AddedVocabulary {
   };
   void SplitOn(const Matcher& m, PreTokenizedString::Piece& piece,
                std::vector<PreTokenizedString::Piece>* out) const;
+  void FindSplitsWith(const Matcher& m, std::string_view s, std::vector<TextSplit>* out) const;
 
   std::vector<AddedToken> tokens_;
   absl::flat_hash_map<int32_t, size_t> by_id_;

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tokenizer/src/added_vocabulary.h"
+#include "tokenizer/src/byte_level_fast_path.h"
 #include "tokenizer/src/pipeline.h"
 #include "tokenizer/src/unicode.h"
 
@@ -45,6 +46,7 @@ class HfTokenizer : public Tokenizer {
   }
 
  private:
+  absl::Status EncodeGeneral(std::string_view text, RawEncoding* out) const;
   const std::string* TokenPtr(int32_t id) const {
     if (const AddedToken* a = added_.ById(id)) return &a->content;
     return model_->IdToToken(id);
@@ -56,6 +58,7 @@ class HfTokenizer : public Tokenizer {
   std::unique_ptr<PostProcessor> post_processor_;
   std::unique_ptr<Decoder> decoder_;
   AddedVocabulary added_;
+  std::unique_ptr<ByteLevelFastPath> fast_path_;
   bool byte_fallback_decoder_ = false;
 };
 
@@ -108,6 +111,7 @@ absl::Status HfTokenizer::Init(const Json& root, const std::string& file) {
   if (const Json* j = get("added_tokens")) {
     if (auto st = added_.Load(*j, "added_tokens", normalizer_.get()); !st.ok()) return prefix(st);
   }
+  fast_path_ = ByteLevelFastPath::Build(root);
   return absl::OkStatus();
 }
 
@@ -116,12 +120,28 @@ absl::StatusOr<Encoding> HfTokenizer::Encode(std::string_view text,
   if (size_t bad = FirstInvalidUtf8(text); bad != std::string_view::npos) {
     return absl::InvalidArgumentError(absl::StrCat("input is not valid UTF-8 (byte ", bad, ")"));
   }
+  RawEncoding raw;
+  if (fast_path_ && fast_path_->Applicable(text)) {
+    if (auto st = fast_path_->Encode(text, added_, *model_, &raw); !st.ok()) return st;
+  } else if (auto st = EncodeGeneral(text, &raw); !st.ok()) {
+    return st;
+  }
+  if (post_processor_) post_processor_->Process(&raw, add_special_tokens);
+  Encoding enc;
+  enc.ids = std::move(raw.ids);
+  enc.tokens = std::move(raw.tokens);
+  enc.offsets.reserve(raw.offsets.size());
+  for (Span s : raw.offsets) enc.offsets.push_back(TokenOffset{s.start, s.end});
+  return enc;
+}
+
+absl::Status HfTokenizer::EncodeGeneral(std::string_view text, RawEncoding* out) const {
+  RawEncoding& raw = *out;
   PreTokenizedString pts;
   added_.ExtractAndNormalize(text, normalizer_.get(), &pts);
   if (pre_tokenizer_) {
     if (auto st = pre_tokenizer_->PreTokenize(&pts); !st.ok()) return st;
   }
-  RawEncoding raw;
   std::vector<Token> tokens;
   for (auto& piece : pts.pieces) {
     tokens.clear();
@@ -139,13 +159,7 @@ absl::StatusOr<Encoding> HfTokenizer::Encode(std::string_view text,
       raw.special.push_back(0);
     }
   }
-  if (post_processor_) post_processor_->Process(&raw, add_special_tokens);
-  Encoding enc;
-  enc.ids = std::move(raw.ids);
-  enc.tokens = std::move(raw.tokens);
-  enc.offsets.reserve(raw.offsets.size());
-  for (Span s : raw.offsets) enc.offsets.push_back(TokenOffset{s.start, s.end});
-  return enc;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> HfTokenizer::Decode(std::span<const int32_t> ids,

@@ -278,13 +278,14 @@ void NormalizedString::Replace(const std::vector<MatchSpan>& matches, std::strin
   }
 }
 
-std::vector<NormalizedString> NormalizedString::Split(const std::vector<MatchSpan>& matches,
-                                                      SplitBehavior behavior) const {
+std::vector<std::pair<size_t, size_t>> SplitRanges(const std::vector<MatchSpan>& matches,
+                                                   SplitBehavior behavior) {
   struct Piece {
     size_t s, e;
     bool remove;
   };
   std::vector<Piece> pieces;
+  pieces.reserve(matches.size());
   switch (behavior) {
     case SplitBehavior::kIsolated:
       for (const auto& m : matches) pieces.push_back({m.start, m.end, false});
@@ -330,11 +331,18 @@ std::vector<NormalizedString> NormalizedString::Split(const std::vector<MatchSpa
       break;
     }
   }
-  std::vector<NormalizedString> out;
+  std::vector<std::pair<size_t, size_t>> out;
   out.reserve(pieces.size());
   for (const Piece& p : pieces) {
-    if (!p.remove) out.push_back(Slice(p.s, p.e));
+    if (!p.remove) out.emplace_back(p.s, p.e);
   }
+  return out;
+}
+
+std::vector<NormalizedString> NormalizedString::Split(const std::vector<MatchSpan>& matches,
+                                                      SplitBehavior behavior) const {
+  std::vector<NormalizedString> out;
+  for (auto [s, e] : SplitRanges(matches, behavior)) out.push_back(Slice(s, e));
   return out;
 }
 

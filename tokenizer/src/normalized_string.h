@@ -81,6 +81,10 @@ class NormalizedString {
   size_t original_len_ = 0;
 };
 
+// The [start, end) pieces that `behavior` keeps from matches covering a string.
+std::vector<std::pair<size_t, size_t>> SplitRanges(const std::vector<MatchSpan>& matches,
+                                                   SplitBehavior behavior);
+
 // Pattern matchers producing MatchSpans that cover the whole input (HF's Pattern contract).
 std::vector<MatchSpan> MatchCharPredicate(std::string_view s,
                                           const std::function<bool(char32_t)>& pred);
