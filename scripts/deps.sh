@@ -11,7 +11,8 @@ APT_PACKAGES=(
   python3-venv
 )
 PY_PACKAGES=(
-  "tokenizers==0.21.1" "sentencepiece==0.2.0" "pytest" "grpcio" "grpcio-tools" "numpy"
+  "tokenizers==0.21.1" "sentencepiece==0.2.0" "transformers==4.55.4" "protobuf" "pytest"
+  "grpcio" "grpcio-tools" "numpy"
 )
 
 SUDO=""

@@ -139,7 +139,17 @@ absl::StatusOr<std::string> IncrementalDecoder::Step(bool final) {
                                         kReplacement) == 0;
   if (!final && (text->size() <= prefix->size() || incomplete)) return std::string();
   std::string out = text->size() > prefix->size() ? text->substr(prefix->size()) : std::string();
-  prefix_offset_ = read_offset_;
+  // The next window starts at the newest token that decodes to some text on its own: decoders
+  // strip leading spaces at the start of a text (SentencePiece strips all of them), so a window
+  // starting at a lone space token would lose the space of the token after it.
+  for (size_t p = read_offset_; p > prefix_offset_; --p) {
+    if (p >= ids_.size()) continue;
+    auto alone = tokenizer_.Decode(all.subspan(p, 1), skip_special_);
+    if (alone.ok() && !alone->empty()) {
+      prefix_offset_ = p;
+      break;
+    }
+  }
   read_offset_ = ids_.size();
   return out;
 }
