@@ -153,6 +153,27 @@ TEST(TokenizerEncode, ByteLevelMergeAndSpecialToken) {
   EXPECT_EQ(enc->offsets[3], (tgis::TokenOffset{3, 5}));
 }
 
+// An added token whose content the model vocabulary already has takes the model's id, not the
+// id written in the file (HF tokenizers 0.21.1 encodes "ba" as [1, 0] and decodes [9, 0, 1] as
+// "ab" for this file).
+TEST(TokenizerEncode, AddedTokenInModelVocabKeepsTheModelId) {
+  TempDir d;
+  std::string json = ByteLevelJson();
+  json.replace(json.find(R"({"id": 6, "content": "<|eos|>")"),
+               std::string(R"({"id": 6, "content": "<|eos|>")").size(),
+               R"({"id": 9, "content": "a")");
+  json.replace(json.find(R"("special": true})"), std::string(R"("special": true})").size(),
+               R"("special": false})");
+  d.Write("tokenizer.json", json);
+  auto t = tgis::Tokenizer::FromDirectory(d.str());
+  ASSERT_TRUE(t.ok()) << t.status();
+  auto enc = (*t)->Encode("ba", true);
+  ASSERT_TRUE(enc.ok());
+  EXPECT_EQ(enc->ids, (std::vector<int32_t>{1, 0}));
+  std::vector<int32_t> ids = {9, 0, 1};
+  EXPECT_EQ(*(*t)->Decode(ids, false), "ab");
+}
+
 TEST(IncrementalDecoder, HoldsBackSplitCodePoint) {
   TempDir d;
   d.Write("tokenizer.json", ByteLevelJson());

@@ -26,8 +26,9 @@ void AddedVocabulary::Matcher::Add(std::string_view pattern, int32_t token) {
   first_byte[static_cast<unsigned char>(pattern[0])] = true;
 }
 
-absl::Status AddedVocabulary::Load(const Json& list, const std::string& path,
-                                   const Normalizer* normalizer) {
+absl::Status AddedVocabulary::Load(
+    const Json& list, const std::string& path, const Normalizer* normalizer,
+    const std::function<std::optional<int32_t>(std::string_view)>& model_id) {
   if (list.is_null()) return absl::OkStatus();
   if (!list.is_array()) return absl::InvalidArgumentError(path + ": expected an array");
   for (size_t i = 0; i < list.size(); ++i) {
@@ -56,6 +57,7 @@ absl::Status AddedVocabulary::Load(const Json& list, const std::string& path,
     if (auto st = flag("normalized", !t.special, &t.normalized); !st.ok()) return st;
     if (t.content.empty()) continue;
     if (!IsValidUtf8(t.content)) return absl::InvalidArgumentError(p + ".content: invalid UTF-8");
+    if (auto in_model = model_id(t.content)) t.id = *in_model;
     size_t index = tokens_.size();
     if (auto it = by_content_.find(t.content); it != by_content_.end()) {
       tokens_[it->second] = t;  // a later entry for the same content wins

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <array>
+#include <functional>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,7 +28,10 @@ struct AddedToken {
 
 class AddedVocabulary {
  public:
-  absl::Status Load(const Json& list, const std::string& path, const Normalizer* normalizer);
+  // `model_id` looks a content up in the model's vocabulary: as in HF, an added token whose
+  // content the model already has takes the model's id, whatever the file says.
+  absl::Status Load(const Json& list, const std::string& path, const Normalizer* normalizer,
+                    const std::function<std::optional<int32_t>(std::string_view)>& model_id);
 
   // Splits pieces on added tokens: first the raw text on non-normalized tokens, then each rest
   // is normalized and split on normalized tokens.

@@ -109,7 +109,10 @@ absl::Status HfTokenizer::Init(const Json& root, const std::string& file) {
     byte_fallback_decoder_ = HasDecoderType(*j, "ByteFallback");
   }
   if (const Json* j = get("added_tokens")) {
-    if (auto st = added_.Load(*j, "added_tokens", normalizer_.get()); !st.ok()) return prefix(st);
+    auto model_id = [this](std::string_view s) { return model_->TokenToId(s); };
+    if (auto st = added_.Load(*j, "added_tokens", normalizer_.get(), model_id); !st.ok()) {
+      return prefix(st);
+    }
   }
   fast_path_ = ByteLevelFastPath::Build(root);
   return absl::OkStatus();
