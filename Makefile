@@ -32,6 +32,7 @@ test: build
 
 bench: build
 	$(PYTHON) benchmarks/tokenizer_bench.py --build-dir $(BUILD_DIR)
+	$(PYTHON) benchmarks/engine_bench.py --build-dir $(BUILD_DIR)
 
 run: build
 	@echo "The server is not built yet: the tokenizer CLI is $(BUILD_DIR)/tokenizer/tgis-tokenizer"

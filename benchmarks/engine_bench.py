@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""CPU engine benchmark: ours against HF transformers on the same random checkpoint.
+
+Makes a ~100M-parameter Llama-shaped checkpoint with random weights (numpy + safetensors, under
+benchmarks/data/, nothing downloaded, nothing committed), runs build/benchmarks/engine_bench on
+it (prefill and decode tokens/s at batch 1 and 16; memory bandwidth measured in the same run
+and the fraction of it batch-1 decode achieves), then HF transformers on the same folder when a
+python with torch is available (Debian's python3-torch for /usr/bin/python3 works).
+
+    python3 benchmarks/engine_bench.py [--build-dir build] [--dtype float32|bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 768,
+    "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
+    "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "bos_token_id": 1,
+    "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "float32",
+}
+
+HF_SCRIPT = r'''
+import sys, time, torch
+from transformers import AutoModelForCausalLM
+path, prompt, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+for batch in (1, 16):
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt))
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = model(ids, use_cache=True)
+        prefill = time.perf_counter() - t0
+        past = out.past_key_values
+        tok = out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = model(tok, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tok = out.logits[:, -1:].argmax(-1)
+        decode = time.perf_counter() - t0
+    print(f"batch {batch}: prefill {batch * prompt / prefill:.1f} tok/s, "
+          f"decode {batch * steps / decode:.1f} tok/s ({decode / steps * 1e3:.1f} ms/step)")
+'''
+
+
+def make_checkpoint(folder: Path) -> None:
+    if (folder / "model.safetensors").exists():
+        return
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    c = CONFIG
+    rng = np.random.default_rng(0)
+    h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    d = h // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * d
+
+    def w(*shape):
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": np.ones(h, np.float32),
+               "lm_head.weight": w(v, h)}
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": w(h, h), p + "self_attn.k_proj.weight": w(kv, h),
+            p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, h),
+            p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+            p + "mlp.down_proj.weight": w(h, i),
+            p + "input_layernorm.weight": np.ones(h, np.float32),
+            p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+        })
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(c, indent=2))
+    params = sum(t.size for t in tensors.values())
+    print(f"made a {params / 1e6:.0f}M-parameter checkpoint in {folder}")
+
+
+def torch_python() -> str | None:
+    for py in (sys.executable, "/usr/bin/python3"):
+        if shutil.which(py) or Path(py).exists():
+            ok = subprocess.run([py, "-c", "import torch, transformers"], capture_output=True)
+            if ok.returncode == 0:
+                return py
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--build-dir", default="build")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32)
+    args = ap.parse_args()
+    folder = REPO / "benchmarks" / "data" / "llama-100m"
+    make_checkpoint(folder)
+    binary = REPO / args.build_dir / "benchmarks" / "engine_bench"
+    print("== ours (C++ engine, CPU)", flush=True)
+    subprocess.run([str(binary), str(folder), "--dtype", args.dtype, "--prompt", str(args.prompt),
+                    "--steps", str(args.steps)], check=True)
+    py = torch_python()
+    if py is None:
+        print("== HF transformers: skipped (no python with torch and transformers)")
+        return 0
+    print(f"== HF transformers (float32, {py})", flush=True)
+    subprocess.run([py, "-c", HF_SCRIPT, str(folder), str(args.prompt), str(args.steps)], check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

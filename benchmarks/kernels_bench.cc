@@ -1,0 +1,155 @@
+// Kernel micro benchmarks: the machine's streaming-read bandwidth, and Linear (the decode hot
+// path) as GB/s of weights streamed and as a fraction of that bandwidth.
+//
+//   kernels_bench [--quick]
+//
+// Weights are cycled over enough copies (>= 1 GiB in all) that no call finds them in cache.
+// T = 1 and 16 take the streaming kernel, T = 64 the OpenBLAS path (shown for reference).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kernels/ops.h"
+#include "kernels/tensor.h"
+
+namespace {
+
+using tgis::kernels::DType;
+using tgis::kernels::Tensor;
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// Sums of n (a multiple of 16) words.
+__attribute__((target("avx2"), noinline)) uint64_t SumAvx2(const uint64_t* p, size_t n) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_add_epi64(a0, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
+    a1 = _mm256_add_epi64(a1, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 4)));
+    a2 = _mm256_add_epi64(a2, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 8)));
+    a3 = _mm256_add_epi64(a3, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 12)));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                     _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)));
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+__attribute__((noinline)) uint64_t SumScalar(const uint64_t* p, size_t n) {
+  uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  size_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    s0 += p[i];
+    s1 += p[i + 1];
+    s2 += p[i + 2];
+    s3 += p[i + 3];
+  }
+  return s0 + s1 + s2 + s3;
+}
+
+// Best-of-5 streaming read of a 1 GiB buffer on the kernels' thread pool, in GB/s (1e9 B/s).
+double MeasureBandwidth(size_t bytes) {
+  const size_t n = bytes / sizeof(uint64_t);
+  auto* buf = static_cast<uint64_t*>(std::aligned_alloc(64, bytes));
+  auto& pool = tgis::kernels::cpu::ThreadPool::Global();
+  const int64_t tasks = pool.size();
+  // Touch the pages from the threads that will read them.
+  pool.Run(tasks, [&](int64_t t) {
+    const size_t b = n * t / tasks, e = n * (t + 1) / tasks;
+    for (size_t i = b; i < e; ++i) buf[i] = i;
+  });
+  const bool avx2 = __builtin_cpu_supports("avx2");
+  double best = 0;
+  std::atomic<uint64_t> sink{0};
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = Clock::now();
+    // 1 MiB pieces handed out dynamically, as Linear hands out its row blocks.
+    const size_t piece = (size_t{1} << 20) / sizeof(uint64_t);
+    pool.Run(static_cast<int64_t>(n / piece), [&](int64_t i) {
+      const uint64_t* p = buf + i * piece;
+      sink += avx2 ? SumAvx2(p, piece) : SumScalar(p, piece);
+    });
+    best = std::max(best, bytes / Seconds(t0, Clock::now()) / 1e9);
+  }
+  if (sink.load() == 42) std::printf(" ");
+  std::free(buf);
+  return best;
+}
+
+struct LinearResult {
+  double seconds;  // per call, best of the timed runs
+};
+
+LinearResult TimeLinear(int64_t out_f, int64_t in, DType dtype, int64_t t_count, bool quick) {
+  const size_t weight_bytes = out_f * in * tgis::kernels::DTypeSize(dtype);
+  const int copies =
+      static_cast<int>(std::max<size_t>(2, ((quick ? 256u : 1024u) << 20) / weight_bytes + 1));
+  std::vector<Tensor> ws;
+  for (int c = 0; c < copies; ++c) {
+    Tensor w = Tensor::Empty({out_f, in}, dtype);
+    // Small deterministic values; the content does not matter for speed.
+    if (dtype == DType::kF32) {
+      for (int64_t i = 0; i < out_f * in; ++i) w.data<float>()[i] = ((i * 7 + c) % 13) * 0.01f;
+    } else {
+      const uint16_t v =
+          dtype == DType::kBF16 ? tgis::kernels::F32ToBf16(0.01f) : tgis::kernels::F32ToF16(0.01f);
+      for (int64_t i = 0; i < out_f * in; ++i) w.data<uint16_t>()[i] = v;
+    }
+    ws.push_back(std::move(w));
+  }
+  Tensor x = Tensor::Empty({t_count, in}, DType::kF32);
+  for (int64_t i = 0; i < t_count * in; ++i) x.data<float>()[i] = (i % 17) * 0.1f;
+  Tensor out = Tensor::Empty({t_count, out_f}, DType::kF32);
+  for (int c = 0; c < copies; ++c) tgis::kernels::Linear(x, ws[c], nullptr, &out);  // warm up
+  const int calls = quick ? copies : 3 * copies;
+  double best = 1e30;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = Clock::now();
+    for (int i = 0; i < calls; ++i) tgis::kernels::Linear(x, ws[i % copies], nullptr, &out);
+    best = std::min(best, Seconds(t0, Clock::now()) / calls);
+  }
+  return {best};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const int threads = tgis::kernels::cpu::ThreadPool::Global().size();
+  std::printf("threads: %d  linear isa: %s\n", threads, tgis::kernels::cpu::ActiveIsaName());
+  const double bw = MeasureBandwidth(size_t{1} << 30);
+  std::printf("memory bandwidth (streaming read, 1 GiB, best of 5): %.1f GB/s\n\n", bw);
+
+  std::printf("%-6s %-14s %4s %10s %10s %8s %10s\n", "dtype", "weight", "T", "ms/call", "GB/s",
+              "of bw", "GFLOP/s");
+  struct Shape {
+    int64_t out_f, in;
+  };
+  for (DType dtype : {DType::kBF16, DType::kF32}) {
+    for (Shape s : {Shape{4096, 4096}, Shape{11008, 4096}}) {
+      for (int64_t t : {1, 16, 64}) {
+        const LinearResult r = TimeLinear(s.out_f, s.in, dtype, t, quick);
+        const double bytes = s.out_f * s.in * tgis::kernels::DTypeSize(dtype);
+        const double gbs = bytes / r.seconds / 1e9;
+        const double gflops = 2.0 * s.out_f * s.in * t / r.seconds / 1e9;
+        std::printf("%-6s %5lldx%-8lld %4lld %10.3f %10.1f %7.0f%% %10.1f\n",
+                    tgis::kernels::DTypeName(dtype), static_cast<long long>(s.out_f),
+                    static_cast<long long>(s.in), static_cast<long long>(t), r.seconds * 1e3, gbs,
+                    100 * gbs / bw, gflops);
+      }
+    }
+  }
+  return 0;
+}

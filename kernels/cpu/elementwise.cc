@@ -1,0 +1,179 @@
+// Embedding, norms, activations and softmax on the CPU (f32 activations).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "kernels/cpu/common.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace tgis::kernels::cpu {
+
+namespace {
+
+// Rows of a [..., H] tensor processed per parallel chunk: about 16K elements.
+int64_t RowGrain(int64_t h) { return std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(1, h)); }
+
+int64_t LastDim(const Tensor& t) { return t.dim(-1); }
+
+}  // namespace
+
+void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out) {
+  CheckIndexTensor(ids, "Embedding", "ids");
+  TGIS_CHECK(weight.rank() == 2 && IsFloatDType(weight.dtype()),
+             "Embedding: weight must be [V, H] f32/bf16/f16");
+  const int64_t t_count = ids.numel();
+  const int64_t vocab = weight.dim(0);
+  const int64_t h = weight.dim(1);
+  PrepareOut(out, {t_count, h}, "Embedding");
+  for (int64_t t = 0; t < t_count; ++t) {
+    const int64_t id = IndexAt(ids, t);
+    TGIS_CHECK(0 <= id && id < vocab, "Embedding: id %lld out of [0, %lld)",
+               static_cast<long long>(id), static_cast<long long>(vocab));
+  }
+  float* o = out->data<float>();
+  ParallelFor(t_count, RowGrain(h), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) LoadF32(weight, IndexAt(ids, t) * h, h, o + t * h);
+  });
+}
+
+void RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor* out) {
+  CheckF32(x, "RmsNorm", "x");
+  const int64_t h = LastDim(x);
+  TGIS_CHECK(w.numel() == h, "RmsNorm: weight has %lld elements, want %lld",
+             static_cast<long long>(w.numel()), static_cast<long long>(h));
+  if (out != &x) PrepareOut(out, x.shape(), "RmsNorm");
+  const std::vector<float> wf = ToFloatVector(w);
+  const int64_t rows = x.numel() / std::max<int64_t>(1, h);
+  const float* xp = x.data<float>();
+  float* op = out->data<float>();
+  ParallelFor(rows, RowGrain(h), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* xr = xp + r * h;
+      float* orow = op + r * h;
+      double ss = 0;
+      for (int64_t i = 0; i < h; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+      const float inv = static_cast<float>(1.0 / std::sqrt(ss / h + eps));
+      for (int64_t i = 0; i < h; ++i) orow[i] = wf[i] * (xr[i] * inv);
+    }
+  });
+}
+
+void LayerNorm(const Tensor& x, const Tensor& w, const Tensor* bias, float eps, Tensor* out) {
+  CheckF32(x, "LayerNorm", "x");
+  const int64_t h = LastDim(x);
+  TGIS_CHECK(w.numel() == h, "LayerNorm: weight size mismatch");
+  const bool has_bias = bias != nullptr && bias->defined();
+  TGIS_CHECK(!has_bias || bias->numel() == h, "LayerNorm: bias size mismatch");
+  if (out != &x) PrepareOut(out, x.shape(), "LayerNorm");
+  const std::vector<float> wf = ToFloatVector(w);
+  const std::vector<float> bf = has_bias ? ToFloatVector(*bias) : std::vector<float>(h, 0.f);
+  const int64_t rows = x.numel() / std::max<int64_t>(1, h);
+  const float* xp = x.data<float>();
+  float* op = out->data<float>();
+  ParallelFor(rows, RowGrain(h), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* xr = xp + r * h;
+      float* orow = op + r * h;
+      double sum = 0;
+      for (int64_t i = 0; i < h; ++i) sum += xr[i];
+      const double mean = sum / h;
+      double var = 0;
+      for (int64_t i = 0; i < h; ++i) var += (xr[i] - mean) * (xr[i] - mean);
+      const double rstd = 1.0 / std::sqrt(var / h + eps);
+      // Centre in f64: an f32 mean would cost up to |mean| * 2^-24 of every output.
+      for (int64_t i = 0; i < h; ++i)
+        orow[i] = static_cast<float>((xr[i] - mean) * rstd) * wf[i] + bf[i];
+    }
+  });
+}
+
+void AddInPlace(Tensor* x, const Tensor& y) {
+  CheckF32(*x, "AddInPlace", "x");
+  CheckF32(y, "AddInPlace", "y");
+  TGIS_CHECK(x->shape() == y.shape(), "AddInPlace: shapes differ");
+  float* xp = x->data<float>();
+  const float* yp = y.data<float>();
+  ParallelFor(x->numel(), 1 << 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) xp[i] += yp[i];
+  });
+}
+
+void SiluMul(const Tensor& gate_up, Tensor* out) {
+  CheckF32(gate_up, "SiluMul", "gate_up");
+  const int64_t two_i = LastDim(gate_up);
+  TGIS_CHECK(two_i % 2 == 0, "SiluMul: last dim %lld is odd", static_cast<long long>(two_i));
+  const int64_t inter = two_i / 2;
+  const int64_t rows = gate_up.numel() / std::max<int64_t>(1, two_i);
+  Shape shape = gate_up.shape();
+  shape.back() = inter;
+  PrepareOut(out, shape, "SiluMul");
+  const float* g = gate_up.data<float>();
+  float* o = out->data<float>();
+  ParallelFor(rows, RowGrain(two_i), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* gr = g + r * two_i;
+      const float* ur = gr + inter;
+      float* orow = o + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float v = gr[i];
+        orow[i] = v / (1.0f + std::exp(-v)) * ur[i];
+      }
+    }
+  });
+}
+
+void Gelu(GeluKind kind, Tensor* x) {
+  CheckF32(*x, "Gelu", "x");
+  float* p = x->data<float>();
+  ParallelFor(x->numel(), 1 << 14, [&](int64_t b, int64_t e) {
+    if (kind == GeluKind::kErf) {
+      constexpr float kInvSqrt2 = 0.70710678118654752440f;
+      for (int64_t i = b; i < e; ++i) p[i] = 0.5f * p[i] * (1.0f + std::erf(p[i] * kInvSqrt2));
+    } else {
+      constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+      for (int64_t i = b; i < e; ++i) {
+        const float v = p[i];
+        p[i] = 0.5f * v * (1.0f + std::tanh(kSqrt2OverPi * (v + 0.044715f * v * v * v)));
+      }
+    }
+  });
+}
+
+namespace {
+
+template <bool kLog>
+void SoftmaxImpl(Tensor* x, const char* op) {
+  CheckF32(*x, op, "x");
+  const int64_t n = LastDim(*x);
+  const int64_t rows = x->numel() / std::max<int64_t>(1, n);
+  float* p = x->data<float>();
+  ParallelFor(rows, RowGrain(n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* row = p + r * n;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, row[i]);
+      // exp in f32 (as torch), the sum in f64 so that long rows (vocabularies) lose nothing.
+      double sum = 0;
+      if (kLog) {
+        for (int64_t i = 0; i < n; ++i) sum += std::exp(row[i] - mx);
+        const float log_sum = static_cast<float>(std::log(sum));
+        for (int64_t i = 0; i < n; ++i) row[i] = (row[i] - mx) - log_sum;
+      } else {
+        for (int64_t i = 0; i < n; ++i) {
+          row[i] = std::exp(row[i] - mx);
+          sum += row[i];
+        }
+        const float inv = static_cast<float>(1.0 / sum);
+        for (int64_t i = 0; i < n; ++i) row[i] *= inv;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void Softmax(Tensor* x) { SoftmaxImpl<false>(x, "Softmax"); }
+void LogSoftmax(Tensor* x) { SoftmaxImpl<true>(x, "LogSoftmax"); }
+
+}  // namespace tgis::kernels::cpu

@@ -1,0 +1,374 @@
+// Linear on the CPU: out[T, N] = x[T, K] @ w[N, K]^T (+ bias).
+//
+// Two paths:
+//  - Small T (decode, T <= kSmallT): a streaming kernel. Output rows are split across the
+//    thread pool; each thread reads every weight row it owns exactly once (in tiles of 4 rows
+//    and chunks of kChunk columns), converts bf16/f16 to f32 in registers and applies it to all
+//    T activation rows, which stay in cache. This is memory-bandwidth bound for T = 1.
+//    AVX2/FMA/F16C code is chosen at run time; a portable scalar version is the fallback.
+//    Each output element is summed in one fixed order (8 lanes over k, a fixed horizontal sum,
+//    then the k % 8 tail), so a row's result does not depend on T, on the other rows in the
+//    batch, or on the number of threads.
+//  - Large T (prefill): OpenBLAS sgemm, one single-threaded call per block of output rows on
+//    our pool (bf16/f16 weight blocks are converted to f32 into a per-thread scratch first).
+#include <cblas.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "kernels/cpu/common.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/thread_pool.h"
+
+extern "C" void openblas_set_num_threads(int num_threads);
+
+namespace tgis::kernels::cpu {
+
+namespace {
+
+constexpr int64_t kSmallT = 16;  // T up to this takes the streaming kernel
+constexpr int64_t kChunk = 512;  // columns per chunk; a multiple of 8
+constexpr int kTileRows = 4;     // weight rows per tile (8 when T = 1)
+
+std::atomic<Isa> g_isa{Isa::kAuto};
+
+bool CpuHasAvx2() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return has;
+}
+
+bool UseAvx2() {
+  switch (g_isa.load(std::memory_order_relaxed)) {
+    case Isa::kScalar:
+      return false;
+    case Isa::kAvx2:
+      TGIS_CHECK(CpuHasAvx2(), "SetIsaForTesting(kAvx2) on a CPU without AVX2/FMA/F16C");
+      return true;
+    case Isa::kAuto:
+      break;
+  }
+  return CpuHasAvx2();
+}
+
+template <DType W>
+inline float LoadScalar(const void* base, int64_t i) {
+  if constexpr (W == DType::kF32) {
+    return static_cast<const float*>(base)[i];
+  } else if constexpr (W == DType::kBF16) {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  } else {
+    return F16ToF32(static_cast<const uint16_t*>(base)[i]);
+  }
+}
+
+template <DType W>
+const void* RowPtr(const void* w, int64_t row, int64_t k) {
+  return static_cast<const char*>(w) + row * k * static_cast<int64_t>(DTypeSize(W));
+}
+
+// Arguments of one streaming-kernel call over output rows [n0, n1).
+struct SmallArgs {
+  const float* x;  // [T, K]
+  int64_t t;
+  int64_t k;
+  const void* w;  // [N, K] of the weight dtype
+  int64_t n;
+  const float* bias;  // [N] or null
+  float* out;         // [T, N]
+};
+
+// ---- scalar fallback ---------------------------------------------------------------------
+
+template <DType W>
+void SmallScalar(const SmallArgs& a, int64_t n0, int64_t n1) {
+  thread_local std::vector<float> row;
+  row.resize(a.k);
+  for (int64_t n = n0; n < n1; ++n) {
+    const void* wr = RowPtr<W>(a.w, n, a.k);
+    for (int64_t i = 0; i < a.k; ++i) row[i] = LoadScalar<W>(wr, i);
+    for (int64_t t = 0; t < a.t; ++t) {
+      const float* xr = a.x + t * a.k;
+      float s[4] = {0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 4 <= a.k; i += 4) {
+        s[0] += row[i] * xr[i];
+        s[1] += row[i + 1] * xr[i + 1];
+        s[2] += row[i + 2] * xr[i + 2];
+        s[3] += row[i + 3] * xr[i + 3];
+      }
+      float sum = (s[0] + s[1]) + (s[2] + s[3]);
+      for (; i < a.k; ++i) sum += row[i] * xr[i];
+      if (a.bias) sum += a.bias[n];
+      a.out[t * a.n + n] = sum;
+    }
+  }
+}
+
+// ---- AVX2 / FMA / F16C --------------------------------------------------------------------
+
+#define TGIS_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+template <DType W>
+TGIS_AVX2 inline __m256 Load8(const void* base, int64_t i) {
+  if constexpr (W == DType::kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  } else if constexpr (W == DType::kBF16) {
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+  }
+}
+
+TGIS_AVX2 inline float HSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// acc[r * acc_stride + t] += sum over k in [0, len) of w_r[k0 + k] * x[t * ldx + k], per lane.
+template <int R, int TT, DType W>
+TGIS_AVX2 inline void Micro(const void* const* wrows, int64_t k0, const float* x, int64_t ldx,
+                            int64_t len, __m256* acc, int64_t acc_stride) {
+  __m256 a[R][TT];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) a[r][t] = acc[r * acc_stride + t];
+  }
+  for (int64_t k = 0; k < len; k += 8) {
+    if constexpr (TT == 1) {
+      const __m256 xv = _mm256_loadu_ps(x + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        a[r][0] = _mm256_fmadd_ps(Load8<W>(wrows[r], k0 + k), xv, a[r][0]);
+    } else {
+      __m256 wv[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) wv[r] = Load8<W>(wrows[r], k0 + k);
+#pragma GCC unroll 4
+      for (int t = 0; t < TT; ++t) {
+        const __m256 xv = _mm256_loadu_ps(x + t * ldx + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) a[r][t] = _mm256_fmadd_ps(wv[r], xv, a[r][t]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) acc[r * acc_stride + t] = a[r][t];
+  }
+}
+
+// All T rows against weight rows [n, n + R), over K in chunks.
+template <int R, DType Wt>
+TGIS_AVX2 void TileAvx2(const SmallArgs& a, int64_t n) {
+  const int64_t k8 = a.k & ~int64_t{7};
+  const int64_t t_count = a.t;
+  static_assert(R <= 2 * kTileRows);
+  alignas(32) __m256 acc[kTileRows * kSmallT];  // R * T <= 8 * 1 or 4 * 16
+  for (int64_t i = 0; i < R * t_count; ++i) acc[i] = _mm256_setzero_ps();
+  alignas(64) static thread_local float scratch[2 * kTileRows * kChunk];
+  const void* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = RowPtr<Wt>(a.w, n + r, a.k);
+
+  // With T <= 2 every weight vector is used once per row: convert it in registers. Otherwise
+  // f32 weights are read directly (from L1 after the first t pair) and bf16/f16 chunks are
+  // converted once into scratch.
+  const bool direct = t_count <= 2 || Wt == DType::kF32;
+  for (int64_t c0 = 0; c0 < k8; c0 += kChunk) {
+    const int64_t len = std::min(kChunk, k8 - c0);
+    if (direct) {
+      int64_t t0 = 0;
+      for (; t0 + 2 <= t_count; t0 += 2)
+        Micro<R, 2, Wt>(wr, c0, a.x + t0 * a.k + c0, a.k, len, acc + t0, t_count);
+      if (t0 < t_count) Micro<R, 1, Wt>(wr, c0, a.x + t0 * a.k + c0, a.k, len, acc + t0, t_count);
+    } else {
+      const void* sr[R];
+      for (int r = 0; r < R; ++r) {
+        float* dst = scratch + r * kChunk;
+        for (int64_t k = 0; k < len; k += 8) _mm256_store_ps(dst + k, Load8<Wt>(wr[r], c0 + k));
+        sr[r] = dst;
+      }
+      int64_t t0 = 0;
+      for (; t0 + 2 <= t_count; t0 += 2)
+        Micro<R, 2, DType::kF32>(sr, 0, a.x + t0 * a.k + c0, a.k, len, acc + t0, t_count);
+      if (t0 < t_count)
+        Micro<R, 1, DType::kF32>(sr, 0, a.x + t0 * a.k + c0, a.k, len, acc + t0, t_count);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t t = 0; t < t_count; ++t) {
+      float s = HSum(acc[r * t_count + t]);
+      const float* xr = a.x + t * a.k;
+      for (int64_t k = k8; k < a.k; ++k) s += LoadScalar<Wt>(wr[r], k) * xr[k];
+      if (a.bias) s += a.bias[n + r];
+      a.out[t * a.n + n + r] = s;
+    }
+  }
+}
+
+template <DType W>
+TGIS_AVX2 void SmallAvx2(const SmallArgs& a, int64_t n0, int64_t n1) {
+  // The tile height changes which rows share a pass, never how a row is summed.
+  int64_t n = n0;
+  if (a.t == 1) {  // 8 independent FMA chains hide the FMA latency
+    for (; n + 2 * kTileRows <= n1; n += 2 * kTileRows) TileAvx2<2 * kTileRows, W>(a, n);
+  }
+  for (; n + kTileRows <= n1; n += kTileRows) TileAvx2<kTileRows, W>(a, n);
+  for (; n < n1; ++n) TileAvx2<1, W>(a, n);
+}
+
+template <DType W>
+void SmallT(const SmallArgs& a) {
+  const bool avx2 = UseAvx2();
+  const int64_t tiles = (a.n + kTileRows - 1) / kTileRows;
+  // At least ~64 KB of weights per parallel chunk.
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kTileRows * a.k * DTypeSize(W) + 1));
+  ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
+    const int64_t n0 = b * kTileRows;
+    const int64_t n1 = std::min(a.n, e * kTileRows);
+    if (avx2) {
+      SmallAvx2<W>(a, n0, n1);
+    } else {
+      SmallScalar<W>(a, n0, n1);
+    }
+  });
+}
+
+// ---- large T: OpenBLAS ---------------------------------------------------------------------
+
+void BlasSingleThreaded() {
+  // Our pool supplies the parallelism; OpenBLAS's own threads would compete with it.
+  static std::once_flag once;
+  std::call_once(once, [] { openblas_set_num_threads(1); });
+}
+
+template <DType W>
+TGIS_AVX2 void ConvertToF32Avx2(const void* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, Load8<W>(src, i));
+  for (; i < n; ++i) dst[i] = LoadScalar<W>(src, i);
+}
+
+template <DType W>
+void ConvertToF32(const void* src, int64_t n, float* dst, bool avx2) {
+  if (avx2) return ConvertToF32Avx2<W>(src, n, dst);
+  for (int64_t i = 0; i < n; ++i) dst[i] = LoadScalar<W>(src, i);
+}
+
+template <DType W>
+void LargeT(const SmallArgs& a) {
+  BlasSingleThreaded();
+  [[maybe_unused]] const bool avx2 = UseAvx2();
+  const int64_t threads = ThreadPool::Global().size();
+  if constexpr (W == DType::kF32) {
+    const int64_t grain = std::max<int64_t>(16, (a.n + threads - 1) / threads);
+    ParallelFor(a.n, grain, [&](int64_t b, int64_t e) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(a.t),
+                  static_cast<int>(e - b), static_cast<int>(a.k), 1.0f, a.x, static_cast<int>(a.k),
+                  static_cast<const float*>(a.w) + b * a.k, static_cast<int>(a.k), 0.0f, a.out + b,
+                  static_cast<int>(a.n));
+    });
+  } else {
+    // Convert blocks of up to ~1M weights (4 MB of f32) at a time.
+    const int64_t block =
+        std::clamp<int64_t>((int64_t{1} << 20) / std::max<int64_t>(1, a.k) / 16 * 16, 16, 256);
+    const int64_t grain = std::max<int64_t>(block, (a.n + threads - 1) / threads);
+    ParallelFor(a.n, grain, [&](int64_t b, int64_t e) {
+      thread_local std::vector<float> buf;
+      buf.resize(block * a.k);
+      for (int64_t r0 = b; r0 < e; r0 += block) {
+        const int64_t rows = std::min(block, e - r0);
+        const void* src = RowPtr<W>(a.w, r0, a.k);
+        ConvertToF32<W>(src, rows * a.k, buf.data(), avx2);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(a.t),
+                    static_cast<int>(rows), static_cast<int>(a.k), 1.0f, a.x, static_cast<int>(a.k),
+                    buf.data(), static_cast<int>(a.k), 0.0f, a.out + r0, static_cast<int>(a.n));
+      }
+    });
+  }
+  if (a.bias) {
+    ParallelFor(a.t, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        for (int64_t n = 0; n < a.n; ++n) a.out[t * a.n + n] += a.bias[n];
+    });
+  }
+}
+
+template <DType W>
+void Dispatch(const SmallArgs& a) {
+  if (a.t <= kSmallT) {
+    SmallT<W>(a);
+  } else {
+    LargeT<W>(a);
+  }
+}
+
+}  // namespace
+
+void SetIsaForTesting(Isa isa) { g_isa.store(isa); }
+
+const char* ActiveIsaName() { return UseAvx2() ? "avx2+fma" : "scalar"; }
+
+void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
+  const char* op = "Linear";
+  CheckF32(x, op, "x");
+  TGIS_CHECK(w.defined() && w.rank() == 2 && IsFloatDType(w.dtype()) && w.device() == Device::kCpu,
+             "Linear: w must be a [out, in] f32/bf16/f16 CPU tensor");
+  const int64_t n = w.dim(0);
+  const int64_t k = w.dim(1);
+  TGIS_CHECK(x.dim(-1) == k, "Linear: x has %lld features, w expects %lld",
+             static_cast<long long>(x.dim(-1)), static_cast<long long>(k));
+  const int64_t t_count = k == 0 ? x.numel() : x.numel() / k;
+  Shape shape = x.shape();
+  shape.back() = n;
+  PrepareOut(out, shape, op);
+  TGIS_CHECK(out->raw() != x.raw(), "Linear: out must not alias x");
+  std::vector<float> bias_f;
+  const float* bias_p = nullptr;
+  if (bias != nullptr && bias->defined()) {
+    TGIS_CHECK(bias->numel() == n, "Linear: bias has %lld elements, want %lld",
+               static_cast<long long>(bias->numel()), static_cast<long long>(n));
+    if (bias->dtype() == DType::kF32) {
+      bias_p = bias->data<float>();
+    } else {
+      bias_f = ToFloatVector(*bias);
+      bias_p = bias_f.data();
+    }
+  }
+  if (t_count == 0 || n == 0) return;
+  if (k == 0) {
+    for (int64_t t = 0; t < t_count; ++t)
+      for (int64_t j = 0; j < n; ++j) out->data<float>()[t * n + j] = bias_p ? bias_p[j] : 0.f;
+    return;
+  }
+  const SmallArgs a{x.data<float>(), t_count, k, w.raw(), n, bias_p, out->data<float>()};
+  switch (w.dtype()) {
+    case DType::kF32:
+      return Dispatch<DType::kF32>(a);
+    case DType::kBF16:
+      return Dispatch<DType::kBF16>(a);
+    case DType::kF16:
+      return Dispatch<DType::kF16>(a);
+    default:
+      TGIS_FATAL("Linear: unsupported weight dtype %s", DTypeName(w.dtype()));
+  }
+}
+
+}  // namespace tgis::kernels::cpu

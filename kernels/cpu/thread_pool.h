@@ -1,0 +1,37 @@
+// Internal: the persistent CPU thread pool the kernels share (one per process, created on first
+// use, sized to std::thread::hardware_concurrency() or the TGIS_CPU_THREADS environment
+// variable). Work is split so that results never depend on the number of threads.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace tgis::kernels::cpu {
+
+class ThreadPool {
+ public:
+  static ThreadPool& Global();
+
+  // Threads that take part in a job, the calling thread included.
+  int size() const { return size_; }
+
+  // Runs fn(task) for every task in [0, num_tasks) and returns when all are done; the calling
+  // thread takes part. A call made from inside a task, or while another thread's job is
+  // running, runs its tasks inline on the calling thread.
+  void Run(int64_t num_tasks, const std::function<void(int64_t)>& fn);
+
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+ private:
+  explicit ThreadPool(int size);
+  struct State;
+  State* state_;
+  int size_;
+};
+
+// Splits [0, n) into contiguous chunks of at least `grain` items (about 4 per thread) and runs
+// fn(begin, end) on each in parallel.
+void ParallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+}  // namespace tgis::kernels::cpu

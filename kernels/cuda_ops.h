@@ -1,0 +1,39 @@
+// The CUDA implementations of the ops in ops.h, and the device memory hooks Tensor uses.
+// Declared always; defined only in builds with CUDA (TGIS_WITH_CUDA, by kernels/cuda/*.cu,
+// not written yet). The dispatcher in ops.cc calls these for Device::kCuda tensors.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "kernels/tensor.h"
+
+namespace tgis::kernels::cuda {
+
+// Memory.
+int DeviceCount();
+void* Malloc(size_t nbytes);
+void Free(void* p);
+void Memset(void* p, int value, size_t nbytes);
+// A synchronous copy between any two devices (host <-> device, device <-> device).
+void Copy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes);
+
+// Ops: same contracts as in ops.h.
+void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out);
+void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out);
+void RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor* out);
+void LayerNorm(const Tensor& x, const Tensor& w, const Tensor* bias, float eps, Tensor* out);
+void AddInPlace(Tensor* x, const Tensor& y);
+void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor* k);
+void SiluMul(const Tensor& gate_up, Tensor* out);
+void Gelu(GeluKind kind, Tensor* x);
+void Softmax(Tensor* x);
+void LogSoftmax(Tensor* x);
+void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
+                     KvCacheLayer* cache);
+void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
+                    float scale, int sliding_window, const std::vector<float>* alibi_slopes,
+                    Tensor* out);
+
+}  // namespace tgis::kernels::cuda

@@ -1,0 +1,93 @@
+// The dispatcher: each op runs on the device of its tensors (all must agree).
+#include "kernels/ops.h"
+
+#include "kernels/check.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cuda_ops.h"
+
+namespace tgis::kernels {
+
+namespace {
+
+// The device of the defined tensors among `ts`; they must all be on the same one.
+Device DeviceOf(const char* op, std::initializer_list<const Tensor*> ts) {
+  bool found = false;
+  Device d = Device::kCpu;
+  for (const Tensor* t : ts) {
+    if (t == nullptr || !t->defined()) continue;
+    if (!found) {
+      d = t->device();
+      found = true;
+    } else {
+      TGIS_CHECK(t->device() == d, "%s: tensors on different devices", op);
+    }
+  }
+  return d;
+}
+
+}  // namespace
+
+#ifdef TGIS_WITH_CUDA
+#define TGIS_DISPATCH(op, tensors, ...)                                      \
+  if (DeviceOf(#op, tensors) == Device::kCuda) return cuda::op(__VA_ARGS__); \
+  return cpu::op(__VA_ARGS__)
+#else
+#define TGIS_DISPATCH(op, tensors, ...)                                                        \
+  if (DeviceOf(#op, tensors) == Device::kCuda)                                                 \
+    TGIS_FATAL("%s: got a CUDA tensor, but this build has no CUDA (configure with TGIS_CUDA)", \
+               #op);                                                                           \
+  return cpu::op(__VA_ARGS__)
+#endif
+#define TGIS_TENSORS(...) \
+  { __VA_ARGS__ }
+
+void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out) {
+  TGIS_DISPATCH(Embedding, TGIS_TENSORS(&ids, &weight, out), ids, weight, out);
+}
+
+void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
+  TGIS_DISPATCH(Linear, TGIS_TENSORS(&x, &w, bias, out), x, w, bias, out);
+}
+
+void RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor* out) {
+  TGIS_DISPATCH(RmsNorm, TGIS_TENSORS(&x, &w, out), x, w, eps, out);
+}
+
+void LayerNorm(const Tensor& x, const Tensor& w, const Tensor* bias, float eps, Tensor* out) {
+  TGIS_DISPATCH(LayerNorm, TGIS_TENSORS(&x, &w, bias, out), x, w, bias, eps, out);
+}
+
+void AddInPlace(Tensor* x, const Tensor& y) {
+  TGIS_DISPATCH(AddInPlace, TGIS_TENSORS(x, &y), x, y);
+}
+
+void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor* k) {
+  TGIS_DISPATCH(Rotary, TGIS_TENSORS(&positions, q, k), cfg, positions, q, k);
+}
+
+void SiluMul(const Tensor& gate_up, Tensor* out) {
+  TGIS_DISPATCH(SiluMul, TGIS_TENSORS(&gate_up, out), gate_up, out);
+}
+
+void Gelu(GeluKind kind, Tensor* x) { TGIS_DISPATCH(Gelu, TGIS_TENSORS(x), kind, x); }
+
+void Softmax(Tensor* x) { TGIS_DISPATCH(Softmax, TGIS_TENSORS(x), x); }
+
+void LogSoftmax(Tensor* x) { TGIS_DISPATCH(LogSoftmax, TGIS_TENSORS(x), x); }
+
+void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
+                     KvCacheLayer* cache) {
+  TGIS_DISPATCH(ReshapeAndCache, TGIS_TENSORS(&k, &v, &slot_mapping, &cache->k, &cache->v), k, v,
+                slot_mapping, cache);
+}
+
+void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
+                    float scale, int sliding_window, const std::vector<float>* alibi_slopes,
+                    Tensor* out) {
+  TGIS_DISPATCH(PagedAttention,
+                TGIS_TENSORS(&q, &cache.k, &cache.v, &batch.query_start, &batch.context_lens,
+                             &batch.block_tables, out),
+                q, cache, batch, scale, sliding_window, alibi_slopes, out);
+}
+
+}  // namespace tgis::kernels

@@ -1,0 +1,95 @@
+// The op set. Each op is declared once here and implemented per device (cpu/, cuda/); the
+// dispatcher picks by the tensors' device. The CPU versions are the reference the CUDA ones
+// are tested against.
+//
+// Conventions: activations are f32 on the CPU (bf16/f16 on CUDA); weights may be f32, bf16 or
+// f16. Batches are ragged and never padded: T is the total number of tokens of all sequences
+// in a step; per-sequence metadata describes how they split.
+//
+// Outputs (`Tensor* out`): an undefined tensor is allocated (f32 on the CPU, on the inputs'
+// device); a defined one (e.g. a view into a workspace) must already have the right shape,
+// dtype and device and is written in place. Only RmsNorm and LayerNorm allow `out` to be the
+// same tensor as `x` (in place); other outputs must not overlap their inputs. Integer index
+// tensors (ids, positions, slot_mapping) may be i32 or i64.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "kernels/tensor.h"
+
+namespace tgis::kernels {
+
+// out[t, :] = weight[ids[t], :]. ids: [T] i32; weight: [V, H]; out: [T, H].
+void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out);
+
+// out = x @ w^T (+ bias). x: [T, in]; w: [out, in]; bias: [out] or undefined; out: [T, out].
+void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out);
+
+// RMSNorm over the last dim: out = x / sqrt(mean(x^2) + eps) * w. x, out: [T, H]; w: [H].
+void RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor* out);
+// LayerNorm over the last dim with weight and optional bias.
+void LayerNorm(const Tensor& x, const Tensor& w, const Tensor* bias, float eps, Tensor* out);
+
+// x += y (same shape).
+void AddInPlace(Tensor* x, const Tensor& y);
+
+enum class RotaryStyle {
+  kNeox,  // rotate halves: (x[i], x[i + d/2]) pairs (Llama, NeoX, Qwen2, Mistral)
+  kGptj,  // rotate interleaved pairs (x[2i], x[2i+1])
+};
+struct RotaryConfig {
+  int rotary_dim = 0;  // leading dims of each head that rotate (partial rotary: < head_dim)
+  RotaryStyle style = RotaryStyle::kNeox;
+  std::vector<float> inv_freq;  // [rotary_dim / 2], already including any rope scaling
+};
+// Computes inv_freq for theta and Llama 3 style scaling (factor, low/high freq factors,
+// original max positions); `llama3_factor` 0 means no scaling.
+std::vector<float> RotaryInvFreq(int rotary_dim, double theta, double llama3_factor = 0,
+                                 double low_freq_factor = 1, double high_freq_factor = 4,
+                                 int original_max_positions = 8192);
+// Rotates q: [T, Hq, D] and k: [T, Hk, D] in place by positions: [T] i32.
+void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor* k);
+
+// ALiBi slopes for n heads, as BLOOM / MPT define them.
+std::vector<float> AlibiSlopes(int num_heads);
+
+// gate_up: [T, 2I] laid out [gate | up]; out: [T, I] = silu(gate) * up.
+void SiluMul(const Tensor& gate_up, Tensor* out);
+enum class GeluKind { kErf, kTanh };
+// In place GELU (erf: exact "gelu"; tanh: "gelu_new" / "gelu_pytorch_tanh" / "gelu_fast").
+void Gelu(GeluKind kind, Tensor* x);
+
+// Over the last dim, in place.
+void Softmax(Tensor* x);
+void LogSoftmax(Tensor* x);
+
+// The paged KV cache of one layer: [num_blocks, block_size, Hk, D] for keys and for values.
+struct KvCacheLayer {
+  Tensor k;
+  Tensor v;
+};
+
+// Writes k, v: [T, Hk, D] into the cache at slot_mapping[t] (= block * block_size + offset;
+// negative slots are skipped).
+void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
+                     KvCacheLayer* cache);
+
+// Attention over a ragged batch whose keys/values are all in the paged cache (the new tokens'
+// too: call ReshapeAndCache first). Sequence s owns query rows [query_start[s],
+// query_start[s+1]) which are its last (query_start[s+1]-query_start[s]) positions of
+// context_lens[s] in total; block_tables: [S, max_blocks] i32. Causal; `sliding_window` > 0
+// limits each query to that many most recent keys; `alibi_slopes` (size Hq) adds ALiBi bias.
+// q, out: [T, Hq, D]. Hq must be a multiple of Hk (MHA, GQA, MQA).
+struct AttentionBatch {
+  Tensor query_start;   // [S + 1] i32
+  Tensor context_lens;  // [S] i32
+  Tensor block_tables;  // [S, max_blocks] i32
+  int block_size = 16;
+};
+void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
+                    float scale, int sliding_window, const std::vector<float>* alibi_slopes,
+                    Tensor* out);
+
+}  // namespace tgis::kernels

@@ -1,0 +1,346 @@
+#include "kernels/tensor.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "kernels/check.h"
+#include "kernels/cuda_ops.h"
+
+namespace tgis::kernels {
+
+size_t DTypeSize(DType t) {
+  switch (t) {
+    case DType::kF32:
+    case DType::kI32:
+      return 4;
+    case DType::kBF16:
+    case DType::kF16:
+      return 2;
+    case DType::kI64:
+      return 8;
+    case DType::kI8:
+      return 1;
+  }
+  TGIS_FATAL("unknown dtype %d", static_cast<int>(t));
+}
+
+const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "f32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "f16";
+    case DType::kI32:
+      return "i32";
+    case DType::kI64:
+      return "i64";
+    case DType::kI8:
+      return "i8";
+  }
+  return "?";
+}
+
+// ---- bf16 / f16 ----------------------------------------------------------------------------
+
+namespace {
+
+uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+float BitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace
+
+float Bf16ToF32(uint16_t v) { return BitsFloat(static_cast<uint32_t>(v) << 16); }
+
+uint16_t F32ToBf16(float v) {
+  uint32_t u = FloatBits(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep the sign, make sure it stays a (quiet) NaN
+    return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  }
+  // Round to nearest even; a carry into the exponent correctly rounds up to the next binade / inf.
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float F16ToF32(uint16_t v) {
+  const uint32_t sign = static_cast<uint32_t>(v & 0x8000u) << 16;
+  const uint32_t exp = (v >> 10) & 0x1fu;
+  uint32_t mant = v & 0x3ffu;
+  if (exp == 0x1f) return BitsFloat(sign | 0x7f800000u | (mant << 13));  // inf / NaN
+  if (exp == 0) {
+    if (mant == 0) return BitsFloat(sign);  // +-0
+    // Subnormal: mant * 2^-24, exact in f32.
+    float f = static_cast<float>(mant) * 0x1p-24f;
+    return sign ? -f : f;
+  }
+  return BitsFloat(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+uint16_t F32ToF16(float v) {
+  const uint32_t u = FloatBits(v);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) {  // NaN: quiet, keep the top payload bits
+    return static_cast<uint16_t>(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));
+  }
+  if (abs >= 0x477ff000u) {  // >= 65520 rounds to inf (65504 is the largest finite half)
+    return static_cast<uint16_t>(sign | 0x7c00u);
+  }
+  if (abs < 0x38800000u) {  // below 2^-14: subnormal half (or zero)
+    // Value = abs_f * 2^24 half-ulps; round to nearest even in integer arithmetic.
+    if (abs < 0x33000000u) return sign;  // < 2^-25: rounds to zero (2^-25 itself ties to 0)
+    const uint32_t e = abs >> 23;        // biased f32 exponent, 102..112
+    const uint32_t m = (abs & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // m * 2^(e-127-23) / 2^-24 = m >> (126 - e)
+    uint32_t q = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1);
+    const uint32_t half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1u))) ++q;
+    return static_cast<uint16_t>(sign | q);  // q may reach 0x400: the smallest normal, correct
+  }
+  // Normal: rebias the exponent (127 -> 15), round the 13 dropped mantissa bits to nearest even.
+  uint32_t h = ((abs - 0x38000000u) >> 13);
+  const uint32_t rem = abs & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // carry may reach inf: correct
+  return static_cast<uint16_t>(sign | h);
+}
+
+// ---- Tensor -------------------------------------------------------------------------------
+
+namespace {
+
+constexpr size_t kAlign = 64;
+
+int64_t NumelOf(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    TGIS_CHECK(d >= 0, "negative dimension %lld", static_cast<long long>(d));
+    n *= d;
+  }
+  return n;
+}
+
+std::shared_ptr<void> Allocate(size_t nbytes, Device device, void** data) {
+  if (device == Device::kCuda) {
+#ifdef TGIS_WITH_CUDA
+    void* p = cuda::Malloc(nbytes);
+    *data = p;
+    return std::shared_ptr<void>(p, [](void* q) { cuda::Free(q); });
+#else
+    TGIS_FATAL("a CUDA tensor was requested but this build has no CUDA");
+#endif
+  }
+  size_t size = (nbytes + kAlign - 1) / kAlign * kAlign;
+  if (size == 0) size = kAlign;
+  void* p = std::aligned_alloc(kAlign, size);
+  TGIS_CHECK(p != nullptr, "out of memory allocating %zu bytes", size);
+  *data = p;
+  return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+}
+
+std::string ShapeString(const Shape& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+double LoadAsDouble(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::kF32:
+      return static_cast<const float*>(p)[i];
+    case DType::kBF16:
+      return Bf16ToF32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF16:
+      return F16ToF32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kI32:
+      return static_cast<const int32_t*>(p)[i];
+    case DType::kI64:
+      return static_cast<double>(static_cast<const int64_t*>(p)[i]);
+    case DType::kI8:
+      return static_cast<const int8_t*>(p)[i];
+  }
+  return 0;
+}
+
+}  // namespace
+
+int64_t Tensor::numel() const { return defined() ? NumelOf(shape_) : 0; }
+
+Tensor Tensor::Empty(const Shape& shape, DType dtype, Device device) {
+  TGIS_CHECK(!shape.empty(), "a tensor needs at least one dimension");
+  Tensor t;
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  t.device_ = device;
+  t.owner_ = Allocate(static_cast<size_t>(NumelOf(shape)) * DTypeSize(dtype), device, &t.data_);
+  return t;
+}
+
+Tensor Tensor::Zeros(const Shape& shape, DType dtype, Device device) {
+  Tensor t = Empty(shape, dtype, device);
+  if (device == Device::kCuda) {
+#ifdef TGIS_WITH_CUDA
+    cuda::Memset(t.data_, 0, t.nbytes());
+#endif
+  } else {
+    std::memset(t.data_, 0, t.nbytes());
+  }
+  return t;
+}
+
+Tensor Tensor::FromHost(const void* data, const Shape& shape, DType dtype) {
+  Tensor t = Empty(shape, dtype, Device::kCpu);
+  if (t.nbytes()) std::memcpy(t.data_, data, t.nbytes());
+  return t;
+}
+
+Tensor Tensor::View(void* data, const Shape& shape, DType dtype, Device device,
+                    std::shared_ptr<void> keepalive) {
+  TGIS_CHECK(!shape.empty(), "a tensor needs at least one dimension");
+  NumelOf(shape);  // validates
+  Tensor t;
+  t.owner_ = std::move(keepalive);
+  t.data_ = data;
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  t.device_ = device;
+  return t;
+}
+
+Tensor Tensor::Rows(int64_t begin, int64_t end) const {
+  TGIS_CHECK(defined(), "Rows of an undefined tensor");
+  TGIS_CHECK(0 <= begin && begin <= end && end <= shape_[0], "Rows [%lld, %lld) out of %s",
+             static_cast<long long>(begin), static_cast<long long>(end),
+             ShapeString(shape_).c_str());
+  Tensor t = *this;
+  const int64_t row = shape_[0] == 0 ? 0 : numel() / shape_[0];
+  t.data_ = static_cast<char*>(data_) + begin * row * static_cast<int64_t>(DTypeSize(dtype_));
+  t.shape_[0] = end - begin;
+  return t;
+}
+
+Tensor Tensor::Reshape(const Shape& shape) const {
+  TGIS_CHECK(defined(), "Reshape of an undefined tensor");
+  Shape s = shape;
+  int infer = -1;
+  int64_t known = 1;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == -1) {
+      TGIS_CHECK(infer < 0, "Reshape: more than one -1 in %s", ShapeString(shape).c_str());
+      infer = static_cast<int>(i);
+    } else {
+      TGIS_CHECK(s[i] >= 0, "Reshape: bad shape %s", ShapeString(shape).c_str());
+      known *= s[i];
+    }
+  }
+  if (infer >= 0) {
+    TGIS_CHECK(known > 0 && numel() % known == 0, "Reshape %s -> %s", ShapeString(shape_).c_str(),
+               ShapeString(shape).c_str());
+    s[infer] = numel() / known;
+    known *= s[infer];
+  }
+  TGIS_CHECK(!s.empty() && known == numel(), "Reshape %s -> %s: element counts differ",
+             ShapeString(shape_).c_str(), ShapeString(shape).c_str());
+  Tensor t = *this;
+  t.shape_ = s;
+  return t;
+}
+
+Tensor Tensor::To(DType dtype) const {
+  TGIS_CHECK(defined(), "To of an undefined tensor");
+  TGIS_CHECK(device_ == Device::kCpu, "Tensor::To(dtype) runs on the CPU only");
+  Tensor out = Empty(shape_, dtype, device_);
+  const int64_t n = numel();
+  if (dtype == dtype_) {
+    if (n) std::memcpy(out.data_, data_, nbytes());
+    return out;
+  }
+  if (dtype_ == DType::kF32 && dtype == DType::kBF16) {
+    const float* src = data<float>();
+    uint16_t* dst = out.data<uint16_t>();
+    for (int64_t i = 0; i < n; ++i) dst[i] = F32ToBf16(src[i]);
+    return out;
+  }
+  if (dtype_ == DType::kF32 && dtype == DType::kF16) {
+    const float* src = data<float>();
+    uint16_t* dst = out.data<uint16_t>();
+    for (int64_t i = 0; i < n; ++i) dst[i] = F32ToF16(src[i]);
+    return out;
+  }
+  // Everything else goes through double: exact for every float <-> float widening and for ints
+  // up to 2^53; float -> int truncates toward zero (as a C cast / torch .to(int) does).
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = LoadAsDouble(data_, dtype_, i);
+    switch (dtype) {
+      case DType::kF32:
+        out.data<float>()[i] = static_cast<float>(v);
+        break;
+      case DType::kBF16:
+        out.data<uint16_t>()[i] = F32ToBf16(static_cast<float>(v));
+        break;
+      case DType::kF16:
+        out.data<uint16_t>()[i] = F32ToF16(static_cast<float>(v));
+        break;
+      case DType::kI32:
+        out.data<int32_t>()[i] = static_cast<int32_t>(v);
+        break;
+      case DType::kI64:
+        out.data<int64_t>()[i] =
+            dtype_ == DType::kI64 ? data<int64_t>()[i] : static_cast<int64_t>(v);
+        break;
+      case DType::kI8:
+        out.data<int8_t>()[i] = static_cast<int8_t>(v);
+        break;
+    }
+  }
+  return out;
+}
+
+Tensor Tensor::ToDevice(Device device) const {
+  TGIS_CHECK(defined(), "ToDevice of an undefined tensor");
+  if (device_ == Device::kCpu && device == Device::kCpu) return To(dtype_);
+#ifdef TGIS_WITH_CUDA
+  Tensor out = Empty(shape_, dtype_, device);
+  cuda::Copy(out.data_, device, data_, device_, nbytes());
+  return out;
+#else
+  TGIS_FATAL("Tensor::ToDevice: CUDA tensors need a build with CUDA");
+#endif
+}
+
+std::string Tensor::DebugString() const {
+  if (!defined()) return "Tensor(undefined)";
+  std::ostringstream os;
+  os << "Tensor(" << DTypeName(dtype_) << ", " << (device_ == Device::kCpu ? "cpu" : "cuda") << ", "
+     << ShapeString(shape_) << ")";
+  if (device_ == Device::kCpu) {
+    const int64_t n = numel();
+    const int64_t show = n < 8 ? n : 8;
+    os << " {";
+    for (int64_t i = 0; i < show; ++i) {
+      if (i) os << ", ";
+      os << LoadAsDouble(data_, dtype_, i);
+    }
+    if (show < n) os << ", ...";
+    os << "}";
+  }
+  return os.str();
+}
+
+}  // namespace tgis::kernels

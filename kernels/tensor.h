@@ -1,0 +1,91 @@
+// Tensor: a device, a dtype, a shape and contiguous storage (owned, or a view of memory kept
+// alive by someone else, such as mmap'd safetensors). Kernels take and return these.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace tgis::kernels {
+
+enum class Device { kCpu, kCuda };
+enum class DType { kF32, kBF16, kF16, kI32, kI64, kI8 };
+
+size_t DTypeSize(DType t);
+const char* DTypeName(DType t);
+
+using Shape = std::vector<int64_t>;
+
+class Tensor {
+ public:
+  Tensor() = default;
+  // Uninitialized / zero-filled storage of the given shape.
+  static Tensor Empty(const Shape& shape, DType dtype, Device device = Device::kCpu);
+  static Tensor Zeros(const Shape& shape, DType dtype, Device device = Device::kCpu);
+  // A copy of host data.
+  static Tensor FromHost(const void* data, const Shape& shape, DType dtype);
+  template <typename T>
+  static Tensor FromVector(const std::vector<T>& v, const Shape& shape);
+  // A view of external memory; `keepalive` owns it.
+  static Tensor View(void* data, const Shape& shape, DType dtype, Device device,
+                     std::shared_ptr<void> keepalive);
+
+  bool defined() const { return !shape_.empty(); }
+  const Shape& shape() const { return shape_; }
+  int64_t dim(int i) const { return shape_[i < 0 ? shape_.size() + i : i]; }
+  int rank() const { return static_cast<int>(shape_.size()); }
+  int64_t numel() const;
+  size_t nbytes() const { return static_cast<size_t>(numel()) * DTypeSize(dtype_); }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+
+  void* raw() const { return data_; }
+  template <typename T>
+  T* data() const {
+    return static_cast<T*>(data_);
+  }
+
+  // Rows [begin, end) along dimension 0, sharing storage.
+  Tensor Rows(int64_t begin, int64_t end) const;
+  // Same storage, another shape with the same number of elements (one dim may be -1).
+  Tensor Reshape(const Shape& shape) const;
+  // A contiguous copy converted to `dtype` (CPU).
+  Tensor To(DType dtype) const;
+  // A copy on `device` (same dtype). CPU -> CPU copies; anything with CUDA needs a CUDA build.
+  Tensor ToDevice(Device device) const;
+  std::string DebugString() const;
+
+ private:
+  std::shared_ptr<void> owner_;
+  void* data_ = nullptr;
+  Shape shape_;
+  DType dtype_ = DType::kF32;
+  Device device_ = Device::kCpu;
+};
+
+// bf16 / f16 <-> f32 conversions on the host.
+float Bf16ToF32(uint16_t v);
+uint16_t F32ToBf16(float v);  // round to nearest even
+float F16ToF32(uint16_t v);
+uint16_t F32ToF16(float v);
+
+template <typename T>
+Tensor Tensor::FromVector(const std::vector<T>& v, const Shape& shape) {
+  DType t;
+  if constexpr (std::is_same_v<T, float>) {
+    t = DType::kF32;
+  } else if constexpr (std::is_same_v<T, int32_t>) {
+    t = DType::kI32;
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    t = DType::kI64;
+  } else {
+    static_assert(sizeof(T) == 0, "unsupported element type");
+  }
+  return FromHost(v.data(), shape, t);
+}
+
+}  // namespace tgis::kernels

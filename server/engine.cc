@@ -1,0 +1,214 @@
+#include "server/engine.h"
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace tgis::server {
+
+using kernels::DType;
+using kernels::Tensor;
+
+Engine::Engine(std::unique_ptr<CausalLM> model, std::vector<int32_t> eos_ids,
+               int64_t max_positions, int num_blocks, int block_size)
+    : model_(std::move(model)), eos_(std::move(eos_ids)), max_positions_(max_positions) {
+  const DecoderSpec& s = model_->spec();
+  cache_ = std::make_unique<KvCache>(static_cast<int>(s.num_layers), num_blocks, block_size,
+                                     static_cast<int>(s.num_kv_heads),
+                                     static_cast<int>(s.head_dim));
+}
+
+size_t Engine::CachedTokens(uint64_t id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? 0 : it->second->cached;
+}
+
+bool Engine::Reserve(Sequence* s) {
+  const size_t bs = static_cast<size_t>(cache_->block_size());
+  const size_t need = (s->tokens.size() + bs - 1) / bs;
+  std::vector<int32_t> got;
+  while (s->blocks.size() + got.size() < need) {
+    auto b = cache_->allocator().Allocate();
+    if (!b) {
+      for (int32_t x : got) cache_->allocator().Free(x);
+      return false;
+    }
+    got.push_back(*b);
+  }
+  s->blocks.insert(s->blocks.end(), got.begin(), got.end());
+  return true;
+}
+
+void Engine::FreeBlocks(Sequence* s) {
+  for (int32_t b : s->blocks) cache_->allocator().Free(b);
+  s->blocks.clear();
+}
+
+void Engine::Release(uint64_t id) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return;
+  FreeBlocks(it->second.get());
+  seqs_.erase(it);
+}
+
+void Engine::ReleaseAll() {
+  for (auto& [id, s] : seqs_) FreeBlocks(s.get());
+  seqs_.clear();
+}
+
+void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out,
+                     std::vector<SequenceError>* errors) {
+  const int64_t vocab = model_->spec().vocab;
+  std::vector<Sequence*> batch;
+  for (NewSequence& n : news) {
+    auto fail = [&](absl::Status st) { errors->push_back({n.id, std::move(st)}); };
+    if (seqs_.count(n.id)) {
+      fail(absl::AlreadyExistsError(absl::StrCat("request ", n.id, " is already running")));
+      continue;
+    }
+    if (n.input_ids.empty()) {
+      fail(absl::InvalidArgumentError("empty input"));
+      continue;
+    }
+    bool bad_id = false;
+    for (int32_t t : n.input_ids) bad_id = bad_id || t < 0 || t >= vocab;
+    if (bad_id) {
+      fail(absl::InvalidArgumentError(absl::StrCat("input token id out of range [0, ", vocab, ")")));
+      continue;
+    }
+    if (static_cast<int64_t>(n.input_ids.size() + n.max_new_tokens) > max_positions_) {
+      fail(absl::InvalidArgumentError(
+          absl::StrCat("input (", n.input_ids.size(), ") plus max_new_tokens (",
+                       n.max_new_tokens, ") exceeds the model's ", max_positions_, " positions")));
+      continue;
+    }
+    auto s = std::make_unique<Sequence>();
+    s->id = n.id;
+    s->tokens = std::move(n.input_ids);
+    s->prompt_len = s->tokens.size();
+    s->sampler = std::make_unique<Sampler>(n.params, eos_);
+    s->top_n = n.top_n;
+    s->input_logprobs = n.input_logprobs;
+    if (!Reserve(s.get())) {
+      FreeBlocks(s.get());
+      fail(absl::ResourceExhaustedError("not enough KV cache blocks for the prompt"));
+      continue;
+    }
+    batch.push_back(s.get());
+    seqs_[n.id] = std::move(s);
+  }
+  if (!batch.empty()) Run(batch, /*prefill=*/true, out);
+}
+
+void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* out,
+                    std::vector<SequenceError>* errors) {
+  std::vector<Sequence*> batch;
+  for (uint64_t id : ids) {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) {
+      errors->push_back({id, absl::NotFoundError(absl::StrCat("request ", id, " is not cached"))});
+      continue;
+    }
+    Sequence* s = it->second.get();
+    if (static_cast<int64_t>(s->tokens.size()) >= max_positions_) {
+      errors->push_back({id, absl::OutOfRangeError("the model's positions are exhausted")});
+      Release(id);
+      continue;
+    }
+    if (!Reserve(s)) {
+      errors->push_back({id, absl::ResourceExhaustedError("out of KV cache blocks")});
+      Release(id);
+      continue;
+    }
+    batch.push_back(s);
+  }
+  if (!batch.empty()) Run(batch, /*prefill=*/false, out);
+}
+
+void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<StepOutput>* out) {
+  const int bs = cache_->block_size();
+  std::vector<int32_t> ids, positions, slots, query_start{0}, context_lens;
+  size_t max_blocks = 0;
+  for (Sequence* s : seqs) max_blocks = std::max(max_blocks, s->blocks.size());
+  std::vector<int32_t> tables(seqs.size() * std::max<size_t>(max_blocks, 1), 0);
+  std::vector<int32_t> logit_rows;
+  // For each sequence: the rows of its logits that we asked for, in order.
+  std::vector<std::pair<int32_t, int32_t>> seq_rows;  // [first logit row, count]
+  std::vector<bool> details;                          // prompt details requested
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Sequence* s = seqs[i];
+    const size_t begin = s->cached, end = s->tokens.size();
+    const int32_t row0 = static_cast<int32_t>(ids.size());
+    for (size_t p = begin; p < end; ++p) {
+      ids.push_back(s->tokens[p]);
+      positions.push_back(static_cast<int32_t>(p));
+      slots.push_back(s->blocks[p / bs] * bs + static_cast<int32_t>(p % bs));
+    }
+    query_start.push_back(static_cast<int32_t>(ids.size()));
+    context_lens.push_back(static_cast<int32_t>(end));
+    std::copy(s->blocks.begin(), s->blocks.end(), tables.begin() + i * std::max<size_t>(max_blocks, 1));
+    const int32_t n = static_cast<int32_t>(end - begin);
+    const bool all_rows = prefill && s->input_logprobs;
+    seq_rows.emplace_back(static_cast<int32_t>(logit_rows.size()), all_rows ? n : 1);
+    details.push_back(all_rows);
+    if (all_rows) {
+      for (int32_t r = 0; r < n; ++r) logit_rows.push_back(row0 + r);
+    } else {
+      logit_rows.push_back(row0 + n - 1);
+    }
+  }
+  const int64_t t = static_cast<int64_t>(ids.size());
+  const int64_t nseq = static_cast<int64_t>(seqs.size());
+  ForwardInput in;
+  in.input_ids = Tensor::FromVector(ids, {t});
+  in.positions = Tensor::FromVector(positions, {t});
+  in.slot_mapping = Tensor::FromVector(slots, {t});
+  in.attn.query_start = Tensor::FromVector(query_start, {nseq + 1});
+  in.attn.context_lens = Tensor::FromVector(context_lens, {nseq});
+  in.attn.block_tables =
+      Tensor::FromVector(tables, {nseq, static_cast<int64_t>(std::max<size_t>(max_blocks, 1))});
+  in.attn.block_size = bs;
+  const auto t0 = std::chrono::steady_clock::now();
+  Tensor logits = model_->Forward(in, cache_->layers(), logit_rows);
+  last_forward_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::steady_clock::now() - t0).count();
+  const int64_t v = logits.dim(1);
+  std::vector<float> lp;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Sequence* s = seqs[i];
+    auto [first_row, count] = seq_rows[i];
+    StepOutput o;
+    o.id = s->id;
+    if (details[i]) {
+      // Prompt details: token p's logprob comes from the logits after token p - 1.
+      TokenInfo first;
+      first.id = s->tokens[0];
+      first.logprob = std::numeric_limits<float>::quiet_NaN();
+      first.rank = 0;
+      o.input_tokens.push_back(first);
+      for (int32_t r = 0; r + 1 < count; ++r) {
+        std::span<const float> row(logits.data<float>() + (first_row + r) * v, v);
+        LogSoftmaxInto(row, &lp);
+        TokenInfo ti;
+        ti.id = s->tokens[r + 1];
+        ti.logprob = lp[ti.id];
+        RankAndTop(lp, ti.id, s->top_n, &ti.rank, &ti.top);
+        o.input_tokens.push_back(std::move(ti));
+      }
+    }
+    std::span<float> last(logits.data<float>() + (first_row + count - 1) * v, v);
+    TokenChoice c = s->sampler->Next(last, s->tokens, s->generated, s->top_n);
+    o.token.id = c.id;
+    o.token.logprob = c.logprob;
+    o.token.rank = c.rank;
+    o.token.top = std::move(c.top);
+    s->cached = s->tokens.size();
+    s->tokens.push_back(c.id);
+    s->generated += 1;
+    out->push_back(std::move(o));
+  }
+}
+
+}  // namespace tgis::server

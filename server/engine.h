@@ -1,0 +1,97 @@
+// The shard's engine: live sequences with their KV blocks, and steps that run any mix of
+// prompt (prefill) and one-token (decode) work as one ragged forward pass.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "server/decoder_model.h"
+#include "server/kv_cache.h"
+#include "server/sampling.h"
+
+namespace tgis::server {
+
+struct NewSequence {
+  uint64_t id = 0;
+  std::vector<int32_t> input_ids;
+  SamplingParams params;
+  uint32_t max_new_tokens = 0;
+  uint32_t top_n = 0;
+  bool input_logprobs = false;
+};
+
+struct TokenInfo {
+  int32_t id = 0;
+  float logprob = 0;
+  uint32_t rank = 1;
+  std::vector<TopToken> top;
+};
+
+struct StepOutput {
+  uint64_t id = 0;
+  TokenInfo token;
+  std::vector<TokenInfo> input_tokens;  // prompt details, when asked (first has NaN logprob)
+};
+
+struct SequenceError {
+  uint64_t id = 0;
+  absl::Status status;
+};
+
+class Engine {
+ public:
+  Engine(std::unique_ptr<CausalLM> model, std::vector<int32_t> eos_ids, int64_t max_positions,
+         int num_blocks, int block_size);
+
+  // Adds sequences and runs their prompts; each surviving one gets its first token. Bad or
+  // unservable sequences come back as errors and are not kept.
+  void Prefill(std::vector<NewSequence> seqs, std::vector<StepOutput>* out,
+               std::vector<SequenceError>* errors);
+  // One more token for each listed live sequence. A sequence that cannot get a KV block is
+  // dropped with an error; the others proceed.
+  void Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* out,
+              std::vector<SequenceError>* errors);
+  void Release(uint64_t id);
+  void ReleaseAll();
+  bool Has(uint64_t id) const { return seqs_.count(id) > 0; }
+  size_t CachedTokens(uint64_t id) const;
+  const CausalLM& model() const { return *model_; }
+  int num_blocks() const { return cache_->num_blocks(); }
+  int free_blocks() { return cache_->allocator().free_count(); }
+  int block_size() const { return cache_->block_size(); }
+
+  // Nanoseconds spent in the last step's forward pass.
+  uint64_t last_forward_ns() const { return last_forward_ns_; }
+
+ private:
+  struct Sequence {
+    uint64_t id;
+    std::vector<int32_t> tokens;  // prompt then generated
+    size_t prompt_len;
+    size_t cached = 0;  // tokens whose keys/values are in the cache
+    std::vector<int32_t> blocks;
+    std::unique_ptr<Sampler> sampler;
+    uint32_t generated = 0;
+    uint32_t top_n = 0;
+    bool input_logprobs = false;
+  };
+
+  // Reserves blocks for every uncached token of s; false when the cache is full.
+  bool Reserve(Sequence* s);
+  void FreeBlocks(Sequence* s);
+  void Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<StepOutput>* out);
+
+  std::unique_ptr<CausalLM> model_;
+  std::vector<int32_t> eos_;
+  int64_t max_positions_;
+  std::unique_ptr<KvCache> cache_;
+  std::map<uint64_t, std::unique_ptr<Sequence>> seqs_;
+  uint64_t last_forward_ns_ = 0;
+};
+
+}  // namespace tgis::server

@@ -1,0 +1,120 @@
+// text-generation-server: one model shard serving proto/generate.proto on a unix socket.
+//
+//   text-generation-server serve MODEL_DIR --uds-path /tmp/text-generation-server
+//       [--dtype float32|bfloat16] [--rank 0 --world-size 1] [--kv-cache-blocks N]
+#include <gflags/gflags.h>
+#include <glog/logging.h>
+#include <grpcpp/grpcpp.h>
+#include <sys/prctl.h>
+
+#include <csignal>
+#include <filesystem>
+#include <thread>
+
+#include "common/env_flags.h"
+#include "server/model_registry.h"
+#include "server/shard_service.h"
+
+DEFINE_string(uds_path, "/tmp/text-generation-server",
+              "Unix socket path prefix; shard N listens on <path>-N (env SHARD_UDS_PATH)");
+DEFINE_string(dtype, "float32", "Weight dtype: float32 or bfloat16 (env DTYPE_STR)");
+DEFINE_int32(rank, 0, "This shard's rank (env RANK)");
+DEFINE_int32(world_size, 1, "Number of shards (env WORLD_SIZE)");
+DEFINE_int32(kv_cache_blocks, 0,
+             "KV cache blocks; 0 sizes the cache from free memory at Warmup (env KV_CACHE_BLOCKS)");
+DEFINE_int32(block_size, 16, "Tokens per KV cache block (env KV_CACHE_BLOCK_SIZE)");
+DEFINE_double(memory_fraction, 0.3,
+              "Fraction of available memory for the KV cache (env KV_CACHE_MEMORY_FRACTION)");
+
+namespace {
+
+std::unique_ptr<grpc::Server> g_server;
+
+void OnSignal(int) {
+  if (g_server) {
+    std::thread([] { g_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5)); })
+        .detach();
+  }
+}
+
+int Fail(const std::string& message) {
+  LOG(ERROR) << message;
+  std::fprintf(stderr, "text-generation-server: %s\n", message.c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage(
+      "serve MODEL_DIR --uds-path PATH [--dtype float32|bfloat16] [--rank R --world-size N]");
+  tgis::NormalizeDashedFlags(argc, argv);
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+  if (std::string err = tgis::ApplyEnvFallbacks({{"uds_path", "SHARD_UDS_PATH"},
+                                                 {"dtype", "DTYPE_STR"},
+                                                 {"rank", "RANK"},
+                                                 {"world_size", "WORLD_SIZE"},
+                                                 {"kv_cache_blocks", "KV_CACHE_BLOCKS"},
+                                                 {"block_size", "KV_CACHE_BLOCK_SIZE"},
+                                                 {"memory_fraction", "KV_CACHE_MEMORY_FRACTION"}});
+      !err.empty()) {
+    return Fail(err);
+  }
+  if (argc != 3 || std::string(argv[1]) != "serve") {
+    return Fail("usage: text-generation-server serve MODEL_DIR --uds-path PATH");
+  }
+  // Exit with the parent (the launcher): no orphaned shard.
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  const std::string model_dir = argv[2];
+  if (FLAGS_world_size != 1) {
+    return Fail("tensor parallelism (world size > 1) is not available yet");
+  }
+  tgis::kernels::DType dtype;
+  if (FLAGS_dtype == "float32" || FLAGS_dtype == "float") {
+    dtype = tgis::kernels::DType::kF32;
+  } else if (FLAGS_dtype == "bfloat16") {
+    dtype = tgis::kernels::DType::kBF16;
+  } else if (FLAGS_dtype == "float16") {
+    dtype = tgis::kernels::DType::kF16;
+  } else {
+    return Fail("--dtype must be float32, bfloat16 or float16, not '" + FLAGS_dtype + "'");
+  }
+  auto config = tgis::server::ModelConfig::Load(model_dir);
+  if (!config.ok()) return Fail(std::string(config.status().message()));
+  auto weights = tgis::server::WeightStore::Open(model_dir);
+  if (!weights.ok()) return Fail(std::string(weights.status().message()));
+  auto model = tgis::server::ModelRegistry::Get().Build(*config, **weights, dtype);
+  if (!model.ok()) return Fail(std::string(model.status().message()));
+  LOG(INFO) << "loaded " << config->model_type << " from " << model_dir << " (" << FLAGS_dtype
+            << ")";
+
+  tgis::server::ShardOptions opts;
+  opts.dtype = FLAGS_dtype;
+  opts.rank = FLAGS_rank;
+  opts.world_size = FLAGS_world_size;
+  opts.block_size = FLAGS_block_size;
+  opts.num_blocks = FLAGS_kv_cache_blocks;
+  opts.memory_fraction = FLAGS_memory_fraction;
+  for (int r = 0; r < FLAGS_world_size; ++r) {
+    opts.urls.push_back("unix://" + FLAGS_uds_path + "-" + std::to_string(r));
+  }
+  const std::string socket = FLAGS_uds_path + "-" + std::to_string(FLAGS_rank);
+  std::error_code ec;
+  std::filesystem::remove(socket, ec);
+  tgis::server::ShardService service(std::move(*config), std::move(*model), opts);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix://" + socket, grpc::InsecureServerCredentials());
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.SetMaxSendMessageSize(64 << 20);
+  builder.RegisterService(&service);
+  g_server = builder.BuildAndStart();
+  if (!g_server) return Fail("cannot listen on unix://" + socket);
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+  LOG(INFO) << "shard " << FLAGS_rank << " serving on unix://" << socket;
+  g_server->Wait();
+  std::filesystem::remove(socket, ec);
+  return 0;
+}

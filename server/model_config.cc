@@ -1,0 +1,132 @@
+#include "server/model_config.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace tgis::server {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+absl::StatusOr<Json> ReadJson(const fs::path& p, bool required) {
+  std::error_code ec;
+  if (!fs::exists(p, ec)) {
+    if (required) return absl::NotFoundError(absl::StrCat(p.string(), ": not found"));
+    return Json();
+  }
+  std::ifstream in(p);
+  std::stringstream buf;
+  buf << in.rdbuf();
+  try {
+    Json j = Json::parse(buf.str());
+    if (!j.is_object()) {
+      return absl::InvalidArgumentError(absl::StrCat(p.string(), ": expected a JSON object"));
+    }
+    return j;
+  } catch (const Json::parse_error& e) {
+    return absl::InvalidArgumentError(absl::StrCat(p.string(), ": invalid JSON: ", e.what()));
+  }
+}
+
+// eos_token_id may be a number or a list of numbers.
+absl::StatusOr<std::vector<int32_t>> EosIds(const Json& j, const std::string& file) {
+  std::vector<int32_t> out;
+  auto it = j.find("eos_token_id");
+  if (it == j.end() || it->is_null()) return out;
+  if (it->is_number_integer()) {
+    out.push_back(it->get<int32_t>());
+  } else if (it->is_array()) {
+    for (const Json& v : *it) {
+      if (!v.is_number_integer()) {
+        return absl::InvalidArgumentError(absl::StrCat(file, ": eos_token_id: expected integers"));
+      }
+      out.push_back(v.get<int32_t>());
+    }
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file, ": eos_token_id: expected an integer or a list"));
+  }
+  return out;
+}
+
+std::optional<int32_t> OptionalId(const Json& j, const char* key) {
+  auto it = j.find(key);
+  if (it == j.end() || !it->is_number_integer()) return std::nullopt;
+  return it->get<int32_t>();
+}
+
+}  // namespace
+
+template <typename T>
+absl::StatusOr<T> ModelConfig::Get(const char* key, std::optional<T> default_value) const {
+  auto it = raw.find(key);
+  if (it == raw.end() || it->is_null()) {
+    if (default_value) return *default_value;
+    return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, ": missing field"));
+  }
+  try {
+    return it->get<T>();
+  } catch (const Json::exception&) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, ": wrong type"));
+  }
+}
+template absl::StatusOr<int64_t> ModelConfig::Get(const char*, std::optional<int64_t>) const;
+template absl::StatusOr<double> ModelConfig::Get(const char*, std::optional<double>) const;
+template absl::StatusOr<bool> ModelConfig::Get(const char*, std::optional<bool>) const;
+template absl::StatusOr<std::string> ModelConfig::Get(const char*,
+                                                      std::optional<std::string>) const;
+
+absl::StatusOr<ModelConfig> ModelConfig::Load(const std::string& model_dir) {
+  const fs::path dir(model_dir);
+  const std::string config_file = (dir / "config.json").string();
+  auto raw = ReadJson(dir / "config.json", /*required=*/true);
+  if (!raw.ok()) return raw.status();
+  auto gen = ReadJson(dir / "generation_config.json", /*required=*/false);
+  if (!gen.ok()) return gen.status();
+  ModelConfig c;
+  c.raw = std::move(*raw);
+  auto type = c.Get<std::string>("model_type");
+  if (!type.ok()) return absl::InvalidArgumentError(absl::StrCat(config_file, ": model_type: missing"));
+  c.model_type = *type;
+  // The names differ between architectures; builders fill in what they know better.
+  auto first_int = [&c](std::initializer_list<const char*> keys) -> int64_t {
+    for (const char* k : keys) {
+      auto it = c.raw.find(k);
+      if (it != c.raw.end() && it->is_number_integer()) return it->get<int64_t>();
+    }
+    return 0;
+  };
+  c.vocab_size = first_int({"vocab_size"});
+  c.hidden_size = first_int({"hidden_size", "n_embd", "d_model"});
+  c.num_layers = first_int({"num_hidden_layers", "n_layer", "num_layers"});
+  c.num_heads = first_int({"num_attention_heads", "n_head", "num_heads"});
+  c.num_kv_heads = first_int({"num_key_value_heads"});
+  if (c.num_kv_heads == 0) c.num_kv_heads = c.num_heads;
+  c.head_dim = first_int({"head_dim"});
+  if (c.head_dim == 0 && c.num_heads > 0) c.head_dim = c.hidden_size / c.num_heads;
+  c.max_position_embeddings = first_int({"max_position_embeddings", "n_positions", "n_ctx"});
+  c.tie_word_embeddings = c.raw.value("tie_word_embeddings", false);
+  c.bos_token_id = OptionalId(c.raw, "bos_token_id");
+  c.pad_token_id = OptionalId(c.raw, "pad_token_id");
+  auto eos = EosIds(c.raw, config_file);
+  if (!eos.ok()) return eos.status();
+  c.eos_token_ids = *eos;
+  if (gen->is_object()) {
+    auto geos = EosIds(*gen, (dir / "generation_config.json").string());
+    if (!geos.ok()) return geos.status();
+    if (!geos->empty()) c.eos_token_ids = *geos;
+    if (auto b = OptionalId(*gen, "bos_token_id")) c.bos_token_id = b;
+    if (auto p = OptionalId(*gen, "pad_token_id")) c.pad_token_id = p;
+  }
+  if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.num_layers <= 0 || c.num_heads <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        config_file, ": vocab_size, hidden size, layer and head counts must be positive"));
+  }
+  return c;
+}
+
+}  // namespace tgis::server

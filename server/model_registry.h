@@ -1,0 +1,41 @@
+// model_type (config.json) -> builder of a CausalLM from the checkpoint.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/tensor.h"
+#include "server/decoder_model.h"
+#include "server/model_config.h"
+#include "server/weights.h"
+
+namespace tgis::server {
+
+// `dtype`: the dtype linear weights are kept in (activations are f32 on the CPU).
+using ModelBuilder = std::function<absl::StatusOr<std::unique_ptr<CausalLM>>(
+    const ModelConfig&, const WeightStore&, kernels::DType dtype)>;
+
+class ModelRegistry {
+ public:
+  static ModelRegistry& Get();  // with every built-in architecture registered
+  void Register(const std::string& model_type, ModelBuilder builder);
+  absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& config,
+                                                  const WeightStore& weights,
+                                                  kernels::DType dtype) const;
+  std::vector<std::string> SupportedTypes() const;
+
+ private:
+  std::vector<std::pair<std::string, ModelBuilder>> builders_;
+};
+
+// Each architecture file defines one of these; ModelRegistry::Get calls them all.
+void RegisterLlamaModels(ModelRegistry* r);  // llama, mistral
+void RegisterQwen2Model(ModelRegistry* r);
+void RegisterGpt2Model(ModelRegistry* r);
+void RegisterGptBigCodeModel(ModelRegistry* r);
+void RegisterGptNeoxModel(ModelRegistry* r);
+
+}  // namespace tgis::server

@@ -1,0 +1,104 @@
+// GPT-NeoX (Pythia, GPT-NeoX-20B, MPT-style NeoX tokenizers aside): LayerNorm, partial NeoX
+// rotary (rotary_pct), per-head interleaved fused qkv, parallel residual by default.
+#include "absl/strings/str_cat.h"
+#include "server/model_registry.h"
+#include "server/models/weight_utils.h"
+
+namespace tgis::server {
+
+using kernels::DType;
+using kernels::Tensor;
+
+namespace {
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
+                                                DType dtype) {
+  DecoderSpec s;
+  s.hidden = c.hidden_size;
+  s.num_layers = c.num_layers;
+  s.num_heads = c.num_heads;
+  s.num_kv_heads = c.num_heads;
+  s.head_dim = c.hidden_size / c.num_heads;
+  s.vocab = c.vocab_size;
+  auto inter = c.Get<int64_t>("intermediate_size");
+  if (!inter.ok()) return inter.status();
+  s.intermediate = *inter;
+  auto eps = c.Get<double>("layer_norm_eps", 1e-5);
+  if (!eps.ok()) return eps.status();
+  s.norm = NormKind::kLayer;
+  s.norm_eps = static_cast<float>(*eps);
+  s.mlp = MlpKind::kPlain;
+  auto act = c.Get<std::string>("hidden_act", std::string("gelu"));
+  if (!act.ok()) return act.status();
+  auto gelu = GeluFromName(*act);
+  if (!gelu.ok()) return gelu.status();
+  s.gelu = *gelu;
+  auto parallel = c.Get<bool>("use_parallel_residual", true);
+  if (!parallel.ok()) return parallel.status();
+  s.parallel_residual = *parallel;
+  s.position = PositionKind::kRotary;
+  auto pct = c.Get<double>("rotary_pct", 1.0);
+  if (!pct.ok()) return pct.status();
+  double theta = c.raw.value("rope_theta", c.raw.value("rotary_emb_base", 10000.0));
+  s.rotary.rotary_dim = static_cast<int>(static_cast<double>(s.head_dim) * *pct);
+  s.rotary.style = kernels::RotaryStyle::kNeox;
+  s.rotary.inv_freq = kernels::RotaryInvFreq(s.rotary.rotary_dim, theta);
+  if (auto it = c.raw.find("rope_scaling"); it != c.raw.end() && !it->is_null()) {
+    return absl::UnimplementedError("config.json: rope_scaling is not supported for gpt_neox");
+  }
+
+  DecoderWeights dw;
+  auto embed = w.Get("gpt_neox.embed_in.weight", dtype);
+  if (!embed.ok()) return embed.status();
+  dw.embed = *embed;
+  for (int64_t i = 0; i < s.num_layers; ++i) {
+    const std::string p = absl::StrCat("gpt_neox.layers.", i, ".");
+    LayerWeights l;
+    auto qkv = LoadF32(w, p + "attention.query_key_value.weight");
+    auto qkv_b = LoadF32(w, p + "attention.query_key_value.bias");
+    if (!qkv.ok()) return qkv.status();
+    if (!qkv_b.ok()) return qkv_b.status();
+    l.qkv_w = ToRunDType(DeinterleaveQkv(*qkv, s.num_heads, s.head_dim), dtype);
+    l.qkv_b = DeinterleaveQkv(*qkv_b, s.num_heads, s.head_dim);
+    for (auto [dst, name] : {std::pair{&l.o_w, "attention.dense.weight"},
+                             std::pair{&l.up_w, "mlp.dense_h_to_4h.weight"},
+                             std::pair{&l.down_w, "mlp.dense_4h_to_h.weight"}}) {
+      auto t = w.Get(p + name, dtype);
+      if (!t.ok()) return t.status();
+      *dst = *t;
+    }
+    for (auto [dst, name] :
+         {std::pair{&l.o_b, "attention.dense.bias"}, std::pair{&l.up_b, "mlp.dense_h_to_4h.bias"},
+          std::pair{&l.down_b, "mlp.dense_4h_to_h.bias"},
+          std::pair{&l.ln1_w, "input_layernorm.weight"},
+          std::pair{&l.ln1_b, "input_layernorm.bias"},
+          std::pair{&l.ln2_w, "post_attention_layernorm.weight"},
+          std::pair{&l.ln2_b, "post_attention_layernorm.bias"}}) {
+      auto t = LoadF32(w, p + name);
+      if (!t.ok()) return t.status();
+      *dst = *t;
+    }
+    dw.layers.push_back(std::move(l));
+  }
+  auto fw = LoadF32(w, "gpt_neox.final_layer_norm.weight");
+  auto fb = LoadF32(w, "gpt_neox.final_layer_norm.bias");
+  if (!fw.ok()) return fw.status();
+  if (!fb.ok()) return fb.status();
+  dw.final_norm_w = *fw;
+  dw.final_norm_b = *fb;
+  if (c.tie_word_embeddings || !w.Has("embed_out.weight")) {
+    dw.lm_head = dw.embed;
+  } else {
+    auto head = w.Get("embed_out.weight", dtype);
+    if (!head.ok()) return head.status();
+    dw.lm_head = *head;
+  }
+  if (auto st = ValidateWeights(s, dw); !st.ok()) return st;
+  return std::make_unique<CausalLM>(std::move(s), std::move(dw));
+}
+
+}  // namespace
+
+void RegisterGptNeoxModel(ModelRegistry* r) { r->Register("gpt_neox", Build); }
+
+}  // namespace tgis::server

@@ -1,0 +1,147 @@
+#include "server/sampling.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+namespace tgis::server {
+
+namespace {
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+}
+
+void LogSoftmaxInto(std::span<const float> logits, std::vector<float>* out) {
+  out->resize(logits.size());
+  float mx = kNegInf;
+  for (float v : logits) mx = std::max(mx, v);
+  double sum = 0;
+  for (float v : logits) sum += v == kNegInf ? 0.0 : std::exp(static_cast<double>(v - mx));
+  const float lse = mx + static_cast<float>(std::log(sum));
+  for (size_t i = 0; i < logits.size(); ++i) (*out)[i] = logits[i] - lse;
+}
+
+void RankAndTop(std::span<const float> lp, int32_t id, uint32_t top_n, uint32_t* rank,
+                std::vector<TopToken>* top) {
+  const float chosen = lp[id];
+  uint32_t better = 0;
+  for (float v : lp) better += v > chosen;
+  *rank = better + 1;
+  top->clear();
+  if (top_n == 0) return;
+  std::vector<int32_t> idx(lp.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  const size_t n = std::min<size_t>(top_n, lp.size());
+  std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), [&lp](int32_t a, int32_t b) {
+    return lp[a] > lp[b] || (lp[a] == lp[b] && a < b);
+  });
+  const float cutoff = lp[idx[n - 1]];
+  for (size_t i = 0; i < n; ++i) top->push_back({idx[i], lp[idx[i]]});
+  // Ties with the last one are included too (TGIS returns more than n on ties).
+  std::vector<int32_t> ties;
+  for (size_t i = 0; i < lp.size(); ++i) {
+    if (lp[i] == cutoff && std::find(idx.begin(), idx.begin() + n, static_cast<int32_t>(i)) ==
+                               idx.begin() + n) {
+      ties.push_back(static_cast<int32_t>(i));
+    }
+  }
+  for (int32_t t : ties) top->push_back({t, lp[t]});
+}
+
+Sampler::Sampler(const SamplingParams& params, std::vector<int32_t> eos_ids)
+    : p_(params), eos_(std::move(eos_ids)), rng_(params.seed) {}
+
+TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> context,
+                          uint32_t generated, uint32_t top_n) {
+  const int64_t v = static_cast<int64_t>(logits.size());
+  // Processors.
+  if (p_.repetition_penalty > 0 && p_.repetition_penalty != 1.0f) {
+    std::vector<uint8_t> seen(v, 0);
+    for (int32_t t : context) {
+      if (t < 0 || t >= v || seen[t]) continue;
+      seen[t] = 1;
+      float& x = logits[t];
+      x = x < 0 ? x * p_.repetition_penalty : x / p_.repetition_penalty;
+    }
+  }
+  if (p_.length_penalty_decay > 0 && generated > p_.length_penalty_start) {
+    const double boost = std::pow(static_cast<double>(p_.length_penalty_decay),
+                                  static_cast<double>(generated - p_.length_penalty_start)) - 1.0;
+    for (int32_t e : eos_) {
+      if (e >= 0 && e < v) logits[e] += std::abs(logits[e]) * static_cast<float>(boost);
+    }
+  }
+  if (generated < p_.min_new_tokens) {
+    for (int32_t e : eos_) {
+      if (e >= 0 && e < v) logits[e] = kNegInf;
+    }
+  }
+  if (p_.do_sample && p_.temperature > 0 && p_.temperature != 1.0f) {
+    for (float& x : logits) x /= p_.temperature;
+  }
+  // Details come from the distribution before truncation.
+  std::vector<float> lp;
+  LogSoftmaxInto(logits, &lp);
+  TokenChoice choice;
+  if (!p_.do_sample) {
+    choice.id = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  } else {
+    // Warpers on a probability vector.
+    std::vector<float> prob(v);
+    for (int64_t i = 0; i < v; ++i) prob[i] = std::exp(lp[i]);
+    std::vector<int32_t> order(v);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&prob](int32_t a, int32_t b) { return prob[a] > prob[b]; });
+    size_t keep = order.size();
+    if (p_.top_k > 0) keep = std::min<size_t>(keep, p_.top_k);
+    if (p_.top_p > 0 && p_.top_p < 1.0f) {
+      double cum = 0;
+      size_t k = 0;
+      while (k < keep) {
+        cum += prob[order[k]];
+        ++k;
+        if (cum >= p_.top_p) break;
+      }
+      keep = std::max<size_t>(1, k);
+    }
+    if (p_.typical_p > 0 && p_.typical_p < 1.0f) {
+      // Keep the tokens whose surprisal is closest to the entropy until typical_p mass.
+      double entropy = 0;
+      for (int64_t i = 0; i < v; ++i) {
+        if (prob[i] > 0) entropy -= prob[i] * lp[i];
+      }
+      std::vector<int32_t> by_typical(order.begin(), order.begin() + keep);
+      std::stable_sort(by_typical.begin(), by_typical.end(), [&](int32_t a, int32_t b) {
+        return std::abs(-lp[a] - entropy) < std::abs(-lp[b] - entropy);
+      });
+      double cum = 0;
+      size_t k = 0;
+      while (k < by_typical.size()) {
+        cum += prob[by_typical[k]];
+        ++k;
+        if (cum >= p_.typical_p) break;
+      }
+      by_typical.resize(std::max<size_t>(1, k));
+      order = std::move(by_typical);
+      keep = order.size();
+    }
+    double total = 0;
+    for (size_t i = 0; i < keep; ++i) total += prob[order[i]];
+    std::uniform_real_distribution<double> uni(0.0, total);
+    double r = uni(rng_);
+    choice.id = order[keep - 1];
+    for (size_t i = 0; i < keep; ++i) {
+      r -= prob[order[i]];
+      if (r <= 0) {
+        choice.id = order[i];
+        break;
+      }
+    }
+  }
+  choice.logprob = lp[choice.id];
+  RankAndTop(lp, choice.id, top_n, &choice.rank, &choice.top);
+  return choice;
+}
+
+}  // namespace tgis::server

@@ -1,0 +1,58 @@
+// Per-request next-token choice: logits processors (repetition penalty, TGIS length penalty,
+// min_new_tokens), warpers (temperature, top-k, top-p, typical-p), greedy or seeded sampling,
+// and the requested details (logprob, rank, top-n).
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+namespace tgis::server {
+
+struct SamplingParams {
+  bool do_sample = false;
+  float temperature = 1.0f;  // <= 0 or 1: none
+  int top_k = 0;
+  float top_p = 1.0f;
+  float typical_p = 1.0f;
+  uint64_t seed = 0;
+  float repetition_penalty = 1.0f;
+  uint32_t length_penalty_start = 0;
+  float length_penalty_decay = 0.0f;  // 0: none
+  uint32_t min_new_tokens = 0;
+};
+
+struct TopToken {
+  int32_t id;
+  float logprob;
+};
+
+struct TokenChoice {
+  int32_t id = 0;
+  float logprob = 0;
+  uint32_t rank = 1;
+  std::vector<TopToken> top;  // the top_n most likely (more on ties), best first
+};
+
+class Sampler {
+ public:
+  Sampler(const SamplingParams& params, std::vector<int32_t> eos_ids);
+  // Chooses the next token from `logits` (modified in place). `context` is every token so far
+  // (prompt and generated) for the repetition penalty; `generated` counts generated tokens.
+  TokenChoice Next(std::span<float> logits, std::span<const int32_t> context, uint32_t generated,
+                   uint32_t top_n);
+
+ private:
+  SamplingParams p_;
+  std::vector<int32_t> eos_;
+  std::mt19937_64 rng_;
+};
+
+// log_softmax of `logits` at every index (used for prompt logprobs too).
+void LogSoftmaxInto(std::span<const float> logits, std::vector<float>* out);
+// Rank (1 = best) and top-n (with ties) of `id` under `logprobs`.
+void RankAndTop(std::span<const float> logprobs, int32_t id, uint32_t top_n, uint32_t* rank,
+                std::vector<TopToken>* top);
+
+}  // namespace tgis::server

@@ -1,0 +1,294 @@
+#include "server/shard_service.h"
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace tgis::server {
+
+namespace pb = generate::v1;
+
+namespace {
+
+// MemAvailable from /proc/meminfo, in bytes (0 when unknown).
+uint64_t AvailableMemory() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb;
+  std::string unit;
+  while (in >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return 0;
+}
+
+SamplingParams FromProto(const pb::SamplingParameters& p) {
+  SamplingParams s;
+  s.do_sample = p.do_sample();
+  s.temperature = p.temperature() > 0 ? p.temperature() : 1.0f;
+  s.top_k = static_cast<int>(p.top_k());
+  s.top_p = p.top_p() > 0 ? p.top_p() : 1.0f;
+  s.typical_p = p.typical_p() > 0 ? p.typical_p() : 1.0f;
+  s.seed = p.seed();
+  s.repetition_penalty = p.repetition_penalty() > 0 ? p.repetition_penalty() : 1.0f;
+  s.length_penalty_start = p.length_penalty().start_index();
+  s.length_penalty_decay = p.length_penalty().decay_factor();
+  s.min_new_tokens = p.min_new_tokens();
+  return s;
+}
+
+void ToProto(const TokenInfo& t, pb::TokenDetail* d) {
+  d->set_token_id(static_cast<uint32_t>(t.id));
+  d->set_logprob(t.logprob);
+  d->set_rank(t.rank);
+  for (const TopToken& top : t.top) {
+    auto* tt = d->add_top_tokens();
+    tt->set_token_id(static_cast<uint32_t>(top.id));
+    tt->set_logprob(top.logprob);
+  }
+}
+
+template <typename Response>
+void AddResults(const std::vector<StepOutput>& outs, const std::vector<SequenceError>& errors,
+                Response* resp) {
+  for (const StepOutput& o : outs) {
+    auto* g = resp->add_generations();
+    g->set_request_id(o.id);
+    ToProto(o.token, g->mutable_token());
+    for (const TokenInfo& t : o.input_tokens) ToProto(t, g->add_input_tokens());
+  }
+  for (const SequenceError& e : errors) {
+    auto* pe = resp->add_errors();
+    pe->set_request_id(e.id);
+    pe->set_code(static_cast<int32_t>(e.status.code()));
+    pe->set_message(std::string(e.status.message()));
+  }
+}
+
+uint64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+ShardService::ShardService(ModelConfig config, std::unique_ptr<CausalLM> model,
+                           ShardOptions options)
+    : config_(std::move(config)), pending_model_(std::move(model)), options_(std::move(options)) {}
+
+grpc::Status ShardService::ServiceDiscovery(grpc::ServerContext*,
+                                            const pb::ServiceDiscoveryRequest*,
+                                            pb::ServiceDiscoveryResponse* resp) {
+  for (const std::string& u : options_.urls) resp->add_urls(u);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardService::Info(grpc::ServerContext*, const pb::InfoRequest*,
+                                pb::InfoResponse* resp) {
+  resp->set_model_kind(pb::DECODER_ONLY);
+  resp->set_model_type(config_.model_type);
+  for (int32_t e : config_.eos_token_ids) resp->add_eos_token_ids(static_cast<uint32_t>(e));
+  resp->set_vocab_size(static_cast<uint32_t>(config_.vocab_size));
+  resp->set_dtype(options_.dtype);
+  resp->set_device("cpu");
+  resp->set_block_size(static_cast<uint32_t>(options_.block_size));
+  resp->set_max_position_embeddings(static_cast<uint32_t>(config_.max_position_embeddings));
+  if (config_.bos_token_id) resp->set_bos_token_id(static_cast<uint32_t>(*config_.bos_token_id));
+  if (config_.pad_token_id) resp->set_pad_token_id(static_cast<uint32_t>(*config_.pad_token_id));
+  resp->set_rank(static_cast<uint32_t>(options_.rank));
+  resp->set_world_size(static_cast<uint32_t>(options_.world_size));
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardService::Health(grpc::ServerContext*, const pb::HealthRequest*,
+                                  pb::HealthResponse*) {
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardService::EnsureEngine() {
+  if (engine_) return grpc::Status::OK;
+  if (!pending_model_) return grpc::Status(grpc::StatusCode::INTERNAL, "no model loaded");
+  int blocks = options_.num_blocks;
+  if (blocks <= 0) {
+    const size_t per_block = pending_model_->KvBytesPerToken() * options_.block_size;
+    const uint64_t budget =
+        static_cast<uint64_t>(static_cast<double>(AvailableMemory()) * options_.memory_fraction);
+    blocks = static_cast<int>(std::min<uint64_t>(budget / per_block, 1u << 20));
+    if (blocks <= 0) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          "not enough memory for a single KV cache block");
+    }
+  }
+  engine_ = std::make_unique<Engine>(std::move(pending_model_), config_.eos_token_ids,
+                                     config_.max_position_embeddings, blocks,
+                                     options_.block_size);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardService::Warmup(grpc::ServerContext*, const pb::WarmupRequest* req,
+                                  pb::WarmupResponse* resp) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!engine_ && req->max_batch_total_tokens() > 0 && options_.num_blocks <= 0) {
+    options_.num_blocks = static_cast<int>(
+        (req->max_batch_total_tokens() + options_.block_size - 1) / options_.block_size);
+  }
+  if (auto st = EnsureEngine(); !st.ok()) return st;
+  // One real forward pass proves the model runs before the router admits traffic.
+  const int tokens = static_cast<int>(std::min<int64_t>(
+      std::max<uint32_t>(1, std::min<uint32_t>(req->max_input_length(), 64)),
+      static_cast<int64_t>(engine_->free_blocks()) * engine_->block_size()));
+  if (tokens > 0) {
+    NewSequence probe;
+    probe.id = std::numeric_limits<uint64_t>::max();
+    probe.input_ids.assign(tokens, 0);
+    std::vector<StepOutput> outs;
+    std::vector<SequenceError> errors;
+    engine_->Prefill({probe}, &outs, &errors);
+    engine_->Release(probe.id);
+    if (!errors.empty()) {
+      return grpc::Status(grpc::StatusCode::INTERNAL,
+                          absl::StrCat("warmup failed: ", errors[0].status.message()));
+    }
+  }
+  resp->set_num_blocks(static_cast<uint32_t>(engine_->num_blocks()));
+  resp->set_block_size(static_cast<uint32_t>(engine_->block_size()));
+  resp->set_max_supported_total_tokens(
+      static_cast<uint32_t>(engine_->num_blocks() * engine_->block_size()));
+  return grpc::Status::OK;
+}
+
+pb::CachedBatch ShardService::Describe(uint64_t batch_id) {
+  pb::CachedBatch b;
+  b.set_id(batch_id);
+  uint32_t total = 0;
+  for (uint64_t id : batches_[batch_id]) {
+    b.add_request_ids(id);
+    total += static_cast<uint32_t>(engine_->CachedTokens(id) + 1);
+  }
+  b.set_size(static_cast<uint32_t>(batches_[batch_id].size()));
+  b.set_total_tokens(total);
+  return b;
+}
+
+grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillRequest* req,
+                                   pb::PrefillResponse* resp) {
+  const uint64_t t0 = NowNs();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto st = EnsureEngine(); !st.ok()) return st;
+  const pb::Batch& batch = req->batch();
+  if (batches_.count(batch.id())) {
+    return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
+                        absl::StrCat("batch ", batch.id(), " already exists"));
+  }
+  std::vector<NewSequence> news;
+  for (const pb::Request& r : batch.requests()) {
+    NewSequence n;
+    n.id = r.id();
+    n.input_ids.assign(r.input_ids().begin(), r.input_ids().end());
+    n.params = FromProto(r.parameters());
+    n.max_new_tokens = r.max_new_tokens();
+    n.top_n = r.top_n_tokens();
+    n.input_logprobs = r.input_logprobs();
+    news.push_back(std::move(n));
+  }
+  std::vector<StepOutput> outs;
+  std::vector<SequenceError> errors;
+  engine_->Prefill(std::move(news), &outs, &errors);
+  AddResults(outs, errors, resp);
+  if (!outs.empty()) {
+    auto& ids = batches_[batch.id()];
+    for (const StepOutput& o : outs) ids.push_back(o.id);
+    *resp->mutable_batch() = Describe(batch.id());
+  }
+  resp->set_forward_ns(engine_->last_forward_ns());
+  resp->set_total_ns(NowNs() - t0);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardService::Decode(grpc::ServerContext*, const pb::DecodeRequest* req,
+                                  pb::DecodeResponse* resp) {
+  const uint64_t t0 = NowNs();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto st = EnsureEngine(); !st.ok()) return st;
+  if (req->batches_size() == 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no batches to decode");
+  }
+  for (const pb::CachedBatch& b : req->batches()) {
+    if (!batches_.count(b.id())) {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("batch ", b.id(), " not found"));
+    }
+  }
+  const std::set<uint64_t> finished(req->finished_request_ids().begin(),
+                                    req->finished_request_ids().end());
+  // Merge the batches into the first one's id, dropping finished requests.
+  const uint64_t merged_id = req->batches(0).id();
+  std::vector<uint64_t> ids;
+  for (const pb::CachedBatch& b : req->batches()) {
+    for (uint64_t id : batches_[b.id()]) {
+      if (finished.count(id)) {
+        engine_->Release(id);
+      } else {
+        ids.push_back(id);
+      }
+    }
+    batches_.erase(b.id());
+  }
+  std::vector<StepOutput> outs;
+  std::vector<SequenceError> errors;
+  if (!ids.empty()) engine_->Decode(ids, &outs, &errors);
+  AddResults(outs, errors, resp);
+  if (!outs.empty()) {
+    auto& kept = batches_[merged_id];
+    for (const StepOutput& o : outs) kept.push_back(o.id);
+    *resp->mutable_batch() = Describe(merged_id);
+  }
+  resp->set_forward_ns(engine_->last_forward_ns());
+  resp->set_total_ns(NowNs() - t0);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardService::FilterBatch(grpc::ServerContext*, const pb::FilterBatchRequest* req,
+                                       pb::FilterBatchResponse* resp) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = batches_.find(req->batch_id());
+  if (it == batches_.end()) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("batch ", req->batch_id(), " not found"));
+  }
+  const std::set<uint64_t> keep(req->request_ids().begin(), req->request_ids().end());
+  std::vector<uint64_t> kept;
+  for (uint64_t id : it->second) {
+    if (keep.count(id)) {
+      kept.push_back(id);
+    } else {
+      engine_->Release(id);
+    }
+  }
+  it->second = std::move(kept);
+  *resp->mutable_batch() = Describe(req->batch_id());
+  if (it->second.empty()) batches_.erase(req->batch_id());
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardService::ClearCache(grpc::ServerContext*, const pb::ClearCacheRequest* req,
+                                      pb::ClearCacheResponse*) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!engine_) return grpc::Status::OK;
+  if (req->has_id()) {
+    auto it = batches_.find(req->id());
+    if (it != batches_.end()) {
+      for (uint64_t id : it->second) engine_->Release(id);
+      batches_.erase(it);
+    }
+  } else {
+    engine_->ReleaseAll();
+    batches_.clear();
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace tgis::server

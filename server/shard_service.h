@@ -1,0 +1,61 @@
+// The shard's gRPC service (proto/generate.proto) over an Engine, with the cached-batch
+// bookkeeping the router relies on.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "proto/generate.grpc.pb.h"
+#include "server/engine.h"
+#include "server/model_config.h"
+
+namespace tgis::server {
+
+struct ShardOptions {
+  std::string dtype = "float32";
+  int rank = 0;
+  int world_size = 1;
+  std::vector<std::string> urls;  // every shard's unix socket URL
+  int block_size = 16;
+  // KV cache budget: explicit blocks, else this fraction of the memory available at Warmup.
+  int num_blocks = 0;
+  double memory_fraction = 0.3;
+};
+
+class ShardService final : public generate::v1::TextGenerationService::Service {
+ public:
+  ShardService(ModelConfig config, std::unique_ptr<CausalLM> model, ShardOptions options);
+
+  grpc::Status ServiceDiscovery(grpc::ServerContext*, const generate::v1::ServiceDiscoveryRequest*,
+                                generate::v1::ServiceDiscoveryResponse*) override;
+  grpc::Status Info(grpc::ServerContext*, const generate::v1::InfoRequest*,
+                    generate::v1::InfoResponse*) override;
+  grpc::Status Health(grpc::ServerContext*, const generate::v1::HealthRequest*,
+                      generate::v1::HealthResponse*) override;
+  grpc::Status Warmup(grpc::ServerContext*, const generate::v1::WarmupRequest*,
+                      generate::v1::WarmupResponse*) override;
+  grpc::Status Prefill(grpc::ServerContext*, const generate::v1::PrefillRequest*,
+                       generate::v1::PrefillResponse*) override;
+  grpc::Status Decode(grpc::ServerContext*, const generate::v1::DecodeRequest*,
+                      generate::v1::DecodeResponse*) override;
+  grpc::Status FilterBatch(grpc::ServerContext*, const generate::v1::FilterBatchRequest*,
+                           generate::v1::FilterBatchResponse*) override;
+  grpc::Status ClearCache(grpc::ServerContext*, const generate::v1::ClearCacheRequest*,
+                          generate::v1::ClearCacheResponse*) override;
+
+ private:
+  grpc::Status EnsureEngine();
+  generate::v1::CachedBatch Describe(uint64_t batch_id);
+
+  std::mutex mu_;  // one step at a time
+  ModelConfig config_;
+  std::unique_ptr<CausalLM> pending_model_;  // moved into the engine at Warmup
+  std::unique_ptr<Engine> engine_;
+  ShardOptions options_;
+  std::map<uint64_t, std::vector<uint64_t>> batches_;  // batch id -> request ids
+};
+
+}  // namespace tgis::server

@@ -1,0 +1,33 @@
+// Safetensors checkpoints: one model.safetensors or a model.safetensors.index.json with shards,
+// mapped into memory; tensors are handed out as views or converted copies.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/tensor.h"
+
+namespace tgis::server {
+
+class WeightStore {
+ public:
+  // Opens every safetensors file of the folder (a bad header names the file and the tensor).
+  static absl::StatusOr<std::unique_ptr<WeightStore>> Open(const std::string& model_dir);
+
+  bool Has(const std::string& name) const { return tensors_.count(name) > 0; }
+  // The tensor converted to `dtype` (a view without copy when the dtype matches).
+  absl::StatusOr<kernels::Tensor> Get(const std::string& name, kernels::DType dtype) const;
+  std::vector<std::string> Names() const;
+
+ private:
+  struct Entry {
+    kernels::Tensor view;
+    std::string file;
+  };
+  std::map<std::string, Entry> tensors_;
+};
+
+}  // namespace tgis::server

@@ -1,0 +1,81 @@
+"""Helpers for integration tests that run the real binaries: where they are, generated gRPC
+stubs for the repository's .proto files, and a process that is always cleaned up."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = REPO_ROOT / "tests" / "fixtures"
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("TGIS_BUILD_DIR", REPO_ROOT / "build"))
+
+
+def binary(relative: str) -> Path:
+    return build_dir() / relative
+
+
+_STUB_DIR = None
+
+
+def proto_module(name: str):
+    """Imports <name>_pb2 and <name>_pb2_grpc generated from proto/<name>.proto."""
+    global _STUB_DIR
+    if _STUB_DIR is None:
+        from grpc_tools import protoc
+
+        _STUB_DIR = tempfile.mkdtemp(prefix="tgis-stubs-")
+        for proto in sorted((REPO_ROOT / "proto").glob("*.proto")):
+            rc = protoc.main(["protoc", f"-I{REPO_ROOT / 'proto'}", f"--python_out={_STUB_DIR}",
+                              f"--grpc_python_out={_STUB_DIR}", str(proto)])
+            if rc != 0:
+                raise RuntimeError(f"protoc failed on {proto}")
+        sys.path.insert(0, _STUB_DIR)
+    return importlib.import_module(f"{name}_pb2"), importlib.import_module(f"{name}_pb2_grpc")
+
+
+class Process:
+    """A child process whose output goes to a log file; stopped on close()."""
+
+    def __init__(self, args: list[str], env: dict | None = None):
+        self.log = tempfile.NamedTemporaryFile(prefix="tgis-proc-", suffix=".log", delete=False)
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.proc = subprocess.Popen([str(a) for a in args], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=full_env)
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_for(self, predicate, timeout: float = 60.0, what: str = "ready"):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if predicate():
+                return
+            if not self.alive():
+                raise RuntimeError(f"process exited ({self.proc.returncode}) before {what}:\n"
+                                   f"{self.output()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"not {what} after {timeout}s:\n{self.output()}")
+
+    def close(self, sig_timeout: float = 10.0) -> int | None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=sig_timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -1,0 +1,823 @@
+// Every op in kernels/ops.h against naive double-precision references written here (plain
+// loops, not the kernels' code). One parametrized suite over device x dtype: the dtype is the
+// storage type of the op's parameters (Linear/Embedding/norm weights, biases, the KV cache) and,
+// on CUDA, of the activations too. CUDA cases report themselves skipped until CUDA is built and
+// a GPU is present.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kernels/ops.h"
+#include "kernels/tensor.h"
+#ifdef TGIS_WITH_CUDA
+#include "kernels/cuda_ops.h"
+#endif
+
+namespace tgis::kernels {
+namespace {
+
+struct OpsParam {
+  Device device;
+  DType dtype;
+};
+
+void PrintTo(const OpsParam& p, std::ostream* os) {
+  *os << (p.device == Device::kCpu ? "cpu" : "cuda") << "/" << DTypeName(p.dtype);
+}
+
+std::string ParamName(const ::testing::TestParamInfo<OpsParam>& info) {
+  std::string d = info.param.device == Device::kCpu ? "Cpu" : "Cuda";
+  switch (info.param.dtype) {
+    case DType::kF32:
+      return d + "_F32";
+    case DType::kBF16:
+      return d + "_BF16";
+    case DType::kF16:
+      return d + "_F16";
+    default:
+      return d + "_Other";
+  }
+}
+
+// Relative tolerance for results computed with `dtype` storage/arithmetic:
+//  - f32: 24-bit significand (eps 6e-8); a few hundred accumulated roundings stay ~1e-5.
+//  - bf16: 8 significant bits (eps 2^-8 = 3.9e-3): ~1e-2 relative.
+//  - f16: 11 significant bits (eps 2^-11 = 4.9e-4): ~1e-3 relative (2e-3 for headroom).
+// The references below use the parameters as stored (rounded to the dtype), so what is left is
+// the arithmetic of the device: f32 on the CPU, the dtype itself for CUDA activations.
+double RelTol(DType t) {
+  switch (t) {
+    case DType::kBF16:
+      return 1e-2;
+    case DType::kF16:
+      return 2e-3;
+    default:
+      return 1e-5;
+  }
+}
+
+float RoundTo(DType t, float v) {
+  switch (t) {
+    case DType::kBF16:
+      return Bf16ToF32(F32ToBf16(v));
+    case DType::kF16:
+      return F16ToF32(F32ToF16(v));
+    default:
+      return v;
+  }
+}
+
+std::vector<float> Random(size_t n, uint32_t seed, float lo = -1, float hi = 1) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// |got - ref| <= tol * (scale + |ref|) elementwise, where `scale` is the size of the terms that
+// made ref (e.g. sum |w_i x_i| for a dot product), so cancellation does not demand the
+// impossible.
+void ExpectClose(const std::vector<float>& got, const std::vector<double>& ref,
+                 const std::vector<double>& scale, double tol, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  int bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double s = scale.empty() ? 0.0 : scale[i];
+    const double err = std::fabs(got[i] - ref[i]);
+    const bool ok =
+        (std::isinf(ref[i]) && got[i] == ref[i]) || err <= tol * (s + std::fabs(ref[i]));
+    if (!ok && ++bad <= 5) {
+      ADD_FAILURE() << what << ": element " << i << " got " << got[i] << " want " << ref[i]
+                    << " (err " << err << ", allowed " << tol * (s + std::fabs(ref[i])) << ")";
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " elements off";
+}
+
+class OpsTest : public ::testing::TestWithParam<OpsParam> {
+ public:
+  void SetUp() override {
+    if (GetParam().device == Device::kCuda) {
+#ifdef TGIS_WITH_CUDA
+      if (cuda::DeviceCount() == 0) GTEST_SKIP() << "CUDA not built/available";
+#else
+      GTEST_SKIP() << "CUDA not built/available";
+#endif
+    }
+  }
+  void TearDown() override { cpu::SetIsaForTesting(cpu::Isa::kAuto); }
+
+  Device device() const { return GetParam().device; }
+  DType dtype() const { return GetParam().dtype; }
+  // The dtype the device computes activations in.
+  DType act_dtype() const { return device() == Device::kCpu ? DType::kF32 : dtype(); }
+  double tol() const { return RelTol(act_dtype()); }
+
+  // Activations: f32 on the CPU; the parameter dtype on CUDA.
+  Tensor Act(const std::vector<float>& v, const Shape& shape) const {
+    Tensor t = Tensor::FromVector(v, shape);
+    if (act_dtype() != DType::kF32) t = t.To(act_dtype());
+    return device() == Device::kCpu ? t : t.ToDevice(device());
+  }
+  // Parameters stored in the parameter dtype; `stored` gets the values as stored.
+  Tensor Weight(const std::vector<float>& v, const Shape& shape,
+                std::vector<float>* stored = nullptr) const {
+    Tensor t = Tensor::FromVector(v, shape).To(dtype());
+    if (stored) {
+      stored->resize(v.size());
+      for (size_t i = 0; i < v.size(); ++i) (*stored)[i] = RoundTo(dtype(), v[i]);
+    }
+    return device() == Device::kCpu ? t : t.ToDevice(device());
+  }
+  Tensor Index(const std::vector<int32_t>& v) const {
+    Tensor t = Tensor::FromVector(v, {static_cast<int64_t>(v.size())});
+    return device() == Device::kCpu ? t : t.ToDevice(device());
+  }
+  // Activation values back on the host in f32 (activations on CUDA are rounded on the way in,
+  // so the inputs a reference should use are these, too).
+  static std::vector<float> Host(const Tensor& t) {
+    Tensor h = t.device() == Device::kCpu ? t : t.ToDevice(Device::kCpu);
+    if (h.dtype() != DType::kF32) h = h.To(DType::kF32);
+    return std::vector<float>(h.data<float>(), h.data<float>() + h.numel());
+  }
+};
+
+// ---- Embedding ----------------------------------------------------------------------------
+
+TEST_P(OpsTest, Embedding) {
+  const int64_t vocab = 50, h = 33;
+  std::vector<float> w_stored;
+  Tensor w = Weight(Random(vocab * h, 1), {vocab, h}, &w_stored);
+  const std::vector<int32_t> ids = {0, 49, 7, 7, 23};
+  Tensor out;
+  Embedding(Index(ids), w, &out);
+  ASSERT_EQ(out.shape(), (Shape{5, h}));
+  std::vector<double> ref;
+  for (int32_t id : ids)
+    for (int64_t j = 0; j < h; ++j) ref.push_back(w_stored[id * h + j]);
+  ExpectClose(Host(out), ref, {}, 0, "embedding");
+
+  if (device() == Device::kCpu) {  // i64 ids give the same rows
+    Tensor ids64 = Tensor::FromVector(std::vector<int64_t>{49, 0}, {2});
+    Tensor out64;
+    Embedding(ids64, w, &out64);
+    EXPECT_EQ(Host(out64)[0], w_stored[49 * h]);
+    EXPECT_EQ(Host(out64)[h], w_stored[0]);
+  }
+}
+
+// ---- Linear -------------------------------------------------------------------------------
+
+void LinearCase(const Tensor& x, const std::vector<float>& xs, const Tensor& w,
+                const std::vector<float>& ws, const Tensor* bias, const std::vector<float>& bs,
+                int64_t t_count, int64_t in, int64_t out_f, double tol, const std::string& what) {
+  Tensor out;
+  Linear(x, w, bias, &out);
+  ASSERT_EQ(out.shape(), (Shape{t_count, out_f})) << what;
+  std::vector<double> ref(t_count * out_f), scale(t_count * out_f);
+  for (int64_t t = 0; t < t_count; ++t) {
+    for (int64_t n = 0; n < out_f; ++n) {
+      double s = 0, a = 0;
+      for (int64_t k = 0; k < in; ++k) {
+        s += static_cast<double>(xs[t * in + k]) * ws[n * in + k];
+        a += std::fabs(static_cast<double>(xs[t * in + k]) * ws[n * in + k]);
+      }
+      if (bias) {
+        s += bs[n];
+        a += std::fabs(bs[n]);
+      }
+      ref[t * out_f + n] = s;
+      scale[t * out_f + n] = a;
+    }
+  }
+  ExpectClose(OpsTest::Host(out), ref, scale, tol, what);
+}
+
+TEST_P(OpsTest, Linear) {
+  struct Size {
+    int64_t in, out;
+  };
+  // Odd sizes (tails of the 8-wide vectors and the 4-row tiles), an aligned one and one that
+  // spans several 512-column chunks.
+  const Size sizes[] = {{67, 35}, {64, 16}, {1030, 45}};
+  std::vector<cpu::Isa> isas = {cpu::Isa::kAuto};
+  if (device() == Device::kCpu) isas.push_back(cpu::Isa::kScalar);
+  uint32_t seed = 10;
+  for (cpu::Isa isa : isas) {
+    cpu::SetIsaForTesting(isa);
+    for (const Size& sz : sizes) {
+      std::vector<float> ws, bs;
+      Tensor w = Weight(Random(sz.out * sz.in, ++seed), {sz.out, sz.in}, &ws);
+      Tensor b = Weight(Random(sz.out, ++seed), {sz.out}, &bs);
+      for (int64_t t : {1, 2, 3, 17, 64}) {
+        Tensor x = Act(Random(t * sz.in, ++seed), {t, sz.in});
+        const std::vector<float> xs = Host(x);
+        for (bool with_bias : {false, true}) {
+          const std::string what = std::string(isa == cpu::Isa::kScalar ? "scalar" : "auto") +
+                                   " T=" + std::to_string(t) + " in=" + std::to_string(sz.in) +
+                                   " out=" + std::to_string(sz.out) +
+                                   (with_bias ? " bias" : " no bias");
+          LinearCase(x, xs, w, ws, with_bias ? &b : nullptr, bs, t, sz.in, sz.out, tol(), what);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(OpsTest, LinearThreeDimInputAndPreallocatedOut) {
+  std::vector<float> ws;
+  Tensor w = Weight(Random(24 * 40, 3), {24, 40}, &ws);
+  Tensor x = Act(Random(2 * 3 * 40, 4), {2, 3, 40});
+  Tensor out = Tensor::Zeros({2, 3, 24}, act_dtype(), device());
+  const void* before = out.raw();
+  Linear(x, w, nullptr, &out);
+  EXPECT_EQ(out.raw(), before);
+  ASSERT_EQ(out.shape(), (Shape{2, 3, 24}));
+  const std::vector<float> xs = Host(x);
+  std::vector<double> ref, scale;
+  for (int t = 0; t < 6; ++t) {
+    for (int n = 0; n < 24; ++n) {
+      double s = 0, a = 0;
+      for (int k = 0; k < 40; ++k) {
+        s += double{xs[t * 40 + k]} * ws[n * 40 + k];
+        a += std::fabs(double{xs[t * 40 + k]} * ws[n * 40 + k]);
+      }
+      ref.push_back(s);
+      scale.push_back(a);
+    }
+  }
+  ExpectClose(Host(out), ref, scale, tol(), "3-d linear");
+}
+
+// The decode path gives every row the same bits whatever else is in the batch (T <= 16), so
+// that a request's output does not depend on its batch mates.
+TEST_P(OpsTest, LinearSmallBatchIsBatchInvariant) {
+  if (device() != Device::kCpu) GTEST_SKIP() << "CPU property";
+  const int64_t in = 1030, out_f = 37, t_count = 16;
+  Tensor w = Weight(Random(out_f * in, 5), {out_f, in});
+  const std::vector<float> xs = Random(t_count * in, 6);
+  Tensor x = Act(xs, {t_count, in});
+  Tensor all;
+  Linear(x, w, nullptr, &all);
+  for (int64_t t : {0, 5, 15}) {
+    Tensor one;
+    Linear(x.Rows(t, t + 1), w, nullptr, &one);
+    for (int64_t n = 0; n < out_f; ++n) {
+      ASSERT_EQ(one.data<float>()[n], all.data<float>()[t * out_f + n]) << t << " " << n;
+    }
+  }
+  Tensor three;
+  Linear(x.Rows(4, 7), w, nullptr, &three);
+  for (int64_t i = 0; i < 3 * out_f; ++i)
+    ASSERT_EQ(three.data<float>()[i], all.data<float>()[4 * out_f + i]);
+}
+
+// ---- Norms and elementwise ----------------------------------------------------------------
+
+TEST_P(OpsTest, RmsNorm) {
+  const int64_t t_count = 5, h = 67;
+  const float eps = 1e-6f;
+  std::vector<float> ws;
+  Tensor w = Weight(Random(h, 7, 0.5f, 1.5f), {h}, &ws);
+  std::vector<float> xv = Random(t_count * h, 8, -3, 3);
+  for (int64_t i = 0; i < h; ++i) xv[4 * h + i] *= 1e-3f;  // a small-norm row
+  Tensor x = Act(xv, {t_count, h});
+  const std::vector<float> xs = Host(x);
+  std::vector<double> ref;
+  for (int64_t t = 0; t < t_count; ++t) {
+    double ss = 0;
+    for (int64_t i = 0; i < h; ++i) ss += double{xs[t * h + i]} * xs[t * h + i];
+    const double inv = 1 / std::sqrt(ss / h + eps);
+    for (int64_t i = 0; i < h; ++i) ref.push_back(xs[t * h + i] * inv * ws[i]);
+  }
+  Tensor out;
+  RmsNorm(x, w, eps, &out);
+  ExpectClose(Host(out), ref, {}, tol(), "rmsnorm");
+  RmsNorm(x, w, eps, &x);  // in place
+  ExpectClose(Host(x), ref, {}, tol(), "rmsnorm in place");
+}
+
+TEST_P(OpsTest, LayerNorm) {
+  const int64_t t_count = 4, h = 45;
+  const float eps = 1e-5f;
+  std::vector<float> ws, bs;
+  Tensor w = Weight(Random(h, 9, 0.5f, 1.5f), {h}, &ws);
+  Tensor b = Weight(Random(h, 10), {h}, &bs);
+  std::vector<float> xv = Random(t_count * h, 11, -2, 2);
+  for (int64_t i = 0; i < h; ++i) xv[2 * h + i] += 100.0f;  // a large mean
+  Tensor x = Act(xv, {t_count, h});
+  const std::vector<float> xs = Host(x);
+  for (bool with_bias : {false, true}) {
+    std::vector<double> ref, scale;
+    for (int64_t t = 0; t < t_count; ++t) {
+      double mean = 0, var = 0;
+      for (int64_t i = 0; i < h; ++i) mean += xs[t * h + i];
+      mean /= h;
+      for (int64_t i = 0; i < h; ++i) var += (xs[t * h + i] - mean) * (xs[t * h + i] - mean);
+      var /= h;
+      for (int64_t i = 0; i < h; ++i) {
+        const double rstd = 1 / std::sqrt(var + eps);
+        const double normed = (xs[t * h + i] - mean) * rstd * ws[i];
+        ref.push_back(normed + (with_bias ? bs[i] : 0.0));
+        // An f32 implementation rounds x and the mean before subtracting: scale by their size.
+        scale.push_back((std::fabs(xs[t * h + i]) + std::fabs(mean)) * rstd * std::fabs(ws[i]));
+      }
+    }
+    Tensor out;
+    LayerNorm(x, w, with_bias ? &b : nullptr, eps, &out);
+    ExpectClose(Host(out), ref, scale, tol(), with_bias ? "layernorm bias" : "layernorm");
+  }
+}
+
+TEST_P(OpsTest, AddInPlace) {
+  const std::vector<float> a = Random(3 * 29, 12), b = Random(3 * 29, 13);
+  Tensor x = Act(a, {3, 29});
+  Tensor y = Act(b, {3, 29});
+  const std::vector<float> as = Host(x), bs = Host(y);
+  AddInPlace(&x, y);
+  std::vector<double> ref, scale;
+  for (size_t i = 0; i < a.size(); ++i) {
+    ref.push_back(double{as[i]} + bs[i]);
+    scale.push_back(std::fabs(as[i]) + std::fabs(bs[i]));
+  }
+  ExpectClose(Host(x), ref, scale, tol(), "add");
+}
+
+TEST_P(OpsTest, SiluMul) {
+  const int64_t t_count = 3, inter = 37;
+  std::vector<float> v = Random(t_count * 2 * inter, 14, -8, 8);
+  v[0] = -90.0f;  // exp overflow territory
+  v[1] = 90.0f;
+  Tensor gu = Act(v, {t_count, 2 * inter});
+  const std::vector<float> s = Host(gu);
+  std::vector<double> ref;
+  for (int64_t t = 0; t < t_count; ++t) {
+    for (int64_t i = 0; i < inter; ++i) {
+      const double g = s[t * 2 * inter + i], u = s[t * 2 * inter + inter + i];
+      ref.push_back(g / (1 + std::exp(-g)) * u);
+    }
+  }
+  Tensor out;
+  SiluMul(gu, &out);
+  ASSERT_EQ(out.shape(), (Shape{t_count, inter}));
+  // Absolute slack of 1e-6 * tol: silu(-90) ~ -7e-38 is 0 in f32 arithmetic (exp overflows).
+  ExpectClose(Host(out), ref, std::vector<double>(ref.size(), 1e-6), tol(), "silu_mul");
+}
+
+TEST_P(OpsTest, Gelu) {
+  std::vector<float> v = Random(200, 15, -6, 6);
+  for (float big : {-30.0f, -10.0f, 0.0f, 10.0f, 30.0f, 1e4f, -1e4f}) v.push_back(big);
+  for (GeluKind kind : {GeluKind::kErf, GeluKind::kTanh}) {
+    Tensor x = Act(v, {static_cast<int64_t>(v.size())});
+    const std::vector<float> s = Host(x);
+    std::vector<double> ref;
+    for (float f : s) {
+      const double d = f;
+      if (kind == GeluKind::kErf) {
+        ref.push_back(0.5 * d * (1 + std::erf(d / std::sqrt(2.0))));
+      } else {
+        ref.push_back(0.5 * d * (1 + std::tanh(std::sqrt(2 / M_PI) * (d + 0.044715 * d * d * d))));
+      }
+    }
+    Gelu(kind, &x);
+    // Scale |x|: gelu(x) ~ 0 for negative x is the difference of two O(|x|) quantities.
+    std::vector<double> scale;
+    for (float f : s) scale.push_back(std::min(1.0, std::fabs(double{f})));
+    ExpectClose(Host(x), ref, scale, tol(), kind == GeluKind::kErf ? "gelu erf" : "gelu tanh");
+  }
+}
+
+TEST_P(OpsTest, SoftmaxAndLogSoftmaxLargeMagnitudes) {
+  const int64_t n = 1000;
+  std::vector<float> v;
+  const std::vector<float> r0 = Random(n, 16, -1e4f, 1e4f);     // huge spread
+  const std::vector<float> r1 = Random(n, 17, 3e4f, 3e4f + 5);  // large offset, small spread
+  std::vector<float> r2 = Random(n, 18, -20, 20);
+  for (int64_t i = 0; i < n; i += 3) r2[i] = -std::numeric_limits<float>::infinity();  // masked
+  v.insert(v.end(), r0.begin(), r0.end());
+  v.insert(v.end(), r1.begin(), r1.end());
+  v.insert(v.end(), r2.begin(), r2.end());
+  for (bool log : {false, true}) {
+    Tensor x = Act(v, {3, n});
+    const std::vector<float> s = Host(x);
+    std::vector<double> ref, scale;
+    for (int64_t r = 0; r < 3; ++r) {
+      double mx = -INFINITY;
+      for (int64_t i = 0; i < n; ++i) mx = std::max(mx, double{s[r * n + i]});
+      double sum = 0;
+      for (int64_t i = 0; i < n; ++i) sum += std::exp(s[r * n + i] - mx);
+      for (int64_t i = 0; i < n; ++i) {
+        const double z = s[r * n + i] - mx;
+        ref.push_back(log ? z - std::log(sum) : std::exp(z) / sum);
+        // Absolute slack: log-softmax 1 * tol (values near 0), softmax 1e-3 * tol.
+        scale.push_back(log ? 1.0 : 1e-3);
+      }
+    }
+    if (log) {
+      LogSoftmax(&x);
+    } else {
+      Softmax(&x);
+    }
+    const std::vector<float> got = Host(x);
+    ExpectClose(got, ref, scale, tol(), log ? "log_softmax" : "softmax");
+    if (!log) {
+      for (int64_t r = 0; r < 3; ++r) {
+        double total = 0;
+        for (int64_t i = 0; i < n; ++i) total += got[r * n + i];
+        EXPECT_NEAR(total, 1.0, 1e3 * tol());
+      }
+    }
+  }
+}
+
+// ---- Rotary -------------------------------------------------------------------------------
+
+// HF: freqs = inv_freq (f32) * position (f32), rounded to f32; cos and sin of that.
+std::vector<double> RotaryReference(const std::vector<float>& x, int64_t t_count, int64_t heads,
+                                    int64_t d, int rot, RotaryStyle style,
+                                    const std::vector<float>& inv,
+                                    const std::vector<int32_t>& pos) {
+  std::vector<double> out(x.begin(), x.end());
+  const int half = rot / 2;
+  for (int64_t t = 0; t < t_count; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* src = x.data() + (t * heads + h) * d;
+      double* dst = out.data() + (t * heads + h) * d;
+      for (int j = 0; j < half; ++j) {
+        const double angle = static_cast<float>(static_cast<float>(pos[t]) * inv[j]);
+        const double c = std::cos(angle), s = std::sin(angle);
+        const int i1 = style == RotaryStyle::kNeox ? j : 2 * j;
+        const int i2 = style == RotaryStyle::kNeox ? j + half : 2 * j + 1;
+        dst[i1] = src[i1] * c - src[i2] * s;
+        dst[i2] = src[i2] * c + src[i1] * s;
+      }
+    }
+  }
+  return out;
+}
+
+TEST_P(OpsTest, Rotary) {
+  const int64_t t_count = 6, hq = 4, hk = 2;
+  const std::vector<int32_t> pos = {0, 1, 5, 100, 4000, 37};
+  struct Case {
+    RotaryStyle style;
+    int64_t d;
+    int rot;
+    const char* name;
+  };
+  const Case cases[] = {{RotaryStyle::kNeox, 16, 16, "neox"},
+                        {RotaryStyle::kGptj, 16, 16, "gptj"},
+                        {RotaryStyle::kNeox, 24, 8, "neox partial"},
+                        {RotaryStyle::kGptj, 24, 8, "gptj partial"}};
+  uint32_t seed = 20;
+  for (const Case& c : cases) {
+    RotaryConfig cfg;
+    cfg.rotary_dim = c.rot;
+    cfg.style = c.style;
+    cfg.inv_freq = RotaryInvFreq(c.rot, 10000.0);
+    Tensor q = Act(Random(t_count * hq * c.d, ++seed), {t_count, hq, c.d});
+    Tensor k = Act(Random(t_count * hk * c.d, ++seed), {t_count, hk, c.d});
+    const std::vector<float> qs = Host(q), ks = Host(k);
+    Rotary(cfg, Index(pos), &q, &k);
+    const std::vector<float> qg = Host(q), kg = Host(k);
+    // Scale 1: outputs are O(1) combinations of O(1) inputs.
+    const std::vector<double> one(qs.size(), 1.0), one_k(ks.size(), 1.0);
+    ExpectClose(qg, RotaryReference(qs, t_count, hq, c.d, c.rot, c.style, cfg.inv_freq, pos), one,
+                tol(), std::string(c.name) + " q");
+    ExpectClose(kg, RotaryReference(ks, t_count, hk, c.d, c.rot, c.style, cfg.inv_freq, pos), one_k,
+                tol(), std::string(c.name) + " k");
+    // The non-rotary tail is untouched, bit for bit.
+    for (int64_t i = 0; i < t_count * hq; ++i)
+      for (int64_t j = c.rot; j < c.d; ++j) ASSERT_EQ(qg[i * c.d + j], qs[i * c.d + j]);
+    // Position 0 is the identity.
+    for (int64_t j = 0; j < hq * c.d; ++j) ASSERT_FLOAT_EQ(qg[j], qs[j]);
+  }
+}
+
+TEST_P(OpsTest, RotaryInvFreqDefault) {
+  for (int dim : {64, 80, 128}) {
+    for (double theta : {10000.0, 500000.0, 1e6}) {
+      const std::vector<float> inv = RotaryInvFreq(dim, theta);
+      ASSERT_EQ(inv.size(), static_cast<size_t>(dim / 2));
+      EXPECT_EQ(inv[0], 1.0f);
+      for (int i = 0; i < dim / 2; ++i) {
+        // f32: (2i / dim) rounded, the power rounded, the reciprocal rounded: a few ulps.
+        const double e = static_cast<float>(2.0f * i / dim);
+        const double want = 1.0 / std::pow(theta, e);
+        EXPECT_NEAR(inv[i], want, 4e-7 * want) << dim << " " << theta << " " << i;
+        // And close to the exact real value (the exponent's rounding moves it by <= 1e-6).
+        const double exact = 1.0 / std::pow(theta, 2.0 * i / dim);
+        EXPECT_NEAR(inv[i], exact, 2e-6 * exact);
+      }
+    }
+  }
+}
+
+TEST_P(OpsTest, RotaryInvFreqLlama3Scaling) {
+  // Llama 3.1 8B: rope_theta 500000, factor 8, low 1, high 4, original 8192; head_dim 128.
+  const int dim = 128;
+  const double theta = 500000, factor = 8, low = 1, high = 4, old_len = 8192;
+  const std::vector<float> base = RotaryInvFreq(dim, theta);
+  const std::vector<float> scaled = RotaryInvFreq(dim, theta, factor, low, high, 8192);
+  ASSERT_EQ(scaled.size(), base.size());
+  // HF's _compute_llama3_parameters, in double.
+  const double low_wavelen = old_len / low, high_wavelen = old_len / high;
+  int n_high = 0, n_low = 0, n_mid = 0;
+  for (int i = 0; i < dim / 2; ++i) {
+    const double f = base[i];
+    const double wavelen = 2 * M_PI / f;
+    // The reference is only meaningful away from the thresholds (f32 vs f64 decisions).
+    ASSERT_GT(std::fabs(wavelen - low_wavelen), 1e-3 * low_wavelen);
+    ASSERT_GT(std::fabs(wavelen - high_wavelen), 1e-3 * high_wavelen);
+    double want;
+    if (wavelen < high_wavelen) {
+      want = f;
+      ++n_high;
+      EXPECT_EQ(scaled[i], base[i]) << i;  // untouched
+    } else if (wavelen > low_wavelen) {
+      want = f / factor;
+      ++n_low;
+    } else {
+      const double smooth = (old_len / wavelen - low) / (high - low);
+      want = (1 - smooth) * f / factor + smooth * f;
+      ++n_mid;
+    }
+    EXPECT_NEAR(scaled[i], want, 1e-6 * want) << i;
+  }
+  // All three regimes occur for these parameters.
+  EXPECT_GT(n_high, 0);
+  EXPECT_GT(n_low, 0);
+  EXPECT_GT(n_mid, 0);
+}
+
+// ---- ALiBi --------------------------------------------------------------------------------
+
+// BLOOM's formula: p = 2^floor(log2 n); slopes base^k for k = 1..p with base = 2^(-8/p), then
+// extra^(2k+1) for the remaining heads with extra = 2^(-4/p). BLOOM makes base and extra f32
+// tensors, so they are rounded to f32 here; the powers are exact (double).
+std::vector<double> AlibiReference(int n) {
+  int p = 1 << static_cast<int>(std::floor(std::log2(n)));
+  const double base = static_cast<float>(std::pow(2.0, -8.0 / p));
+  const double extra = static_cast<float>(std::pow(2.0, -4.0 / p));
+  std::vector<double> s;
+  for (int k = 1; k <= p; ++k) s.push_back(std::pow(base, k));
+  for (int k = 0; k < std::min(p, n - p); ++k) s.push_back(std::pow(extra, 2 * k + 1));
+  return s;
+}
+
+TEST_P(OpsTest, AlibiSlopes) {
+  const std::vector<float> s8 = AlibiSlopes(8);
+  ASSERT_EQ(s8.size(), 8u);
+  for (int k = 0; k < 8; ++k) EXPECT_EQ(s8[k], std::ldexp(1.0f, -(k + 1)));  // 1/2 .. 1/256
+  const std::vector<float> s12 = AlibiSlopes(12);
+  ASSERT_EQ(s12.size(), 12u);
+  // 2^-1 .. 2^-8, then 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5 (BLOOM's powers of an f32 base carry
+  // up to ~7 ulps of that base's rounding: 1e-6).
+  const double known12[12] = {0.5,
+                              0.25,
+                              0.125,
+                              0.0625,
+                              0.03125,
+                              0.015625,
+                              0.0078125,
+                              0.00390625,
+                              0.70710678118654752,
+                              0.35355339059327376,
+                              0.17677669529663688,
+                              0.08838834764831844};
+  for (int k = 0; k < 12; ++k) EXPECT_NEAR(s12[k], known12[k], 1e-6 * known12[k]) << k;
+  for (int n : {1, 5, 12, 16, 20, 32, 40, 112}) {
+    const std::vector<float> got = AlibiSlopes(n);
+    const std::vector<double> want = AlibiReference(n);
+    ASSERT_EQ(got.size(), want.size()) << n;
+    for (int k = 0; k < n; ++k) EXPECT_NEAR(got[k], want[k], 1e-7 * want[k]) << n << " " << k;
+  }
+}
+
+// ---- Paged KV cache and attention ---------------------------------------------------------
+
+struct AttnCase {
+  int64_t hq, hk;
+  int window;
+  bool alibi;
+};
+
+void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device device, double tol) {
+  const int64_t d = 16, bs = 8, num_blocks = 24, max_blocks = 6;
+  // A prefill (q_len 5, ctx 5), a decode (q_len 1, ctx 37: 5 blocks), a chunk of a longer
+  // prompt (q_len 3, ctx 20).
+  const std::vector<int64_t> q_lens = {5, 1, 3}, ctxs = {5, 37, 20};
+  const int64_t num_seqs = 3;
+  // Non-contiguous, shuffled block tables; unused entries are -1.
+  std::vector<int32_t> perm(num_blocks);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(99));
+  std::vector<int32_t> tables(num_seqs * max_blocks, -1);
+  int next = 0;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t b = 0; b < (ctxs[s] + bs - 1) / bs; ++b) tables[s * max_blocks + b] = perm[next++];
+
+  // Keys/values for every context position of every sequence, and the slot of each.
+  std::vector<std::vector<float>> keys(num_seqs), values(num_seqs);
+  auto slot_of = [&](int64_t s, int64_t pos) {
+    return static_cast<int32_t>(tables[s * max_blocks + pos / bs] * bs + pos % bs);
+  };
+  uint32_t seed = 100;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    keys[s] = Random(ctxs[s] * c.hk * d, ++seed);
+    values[s] = Random(ctxs[s] * c.hk * d, ++seed);
+  }
+  auto rows = [&](const std::vector<std::vector<float>>& src, bool new_tokens,
+                  std::vector<int32_t>* slots) {
+    std::vector<float> out;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const int64_t first_new = ctxs[s] - q_lens[s];
+      for (int64_t p = new_tokens ? first_new : 0; p < (new_tokens ? ctxs[s] : first_new); ++p) {
+        out.insert(out.end(), src[s].begin() + p * c.hk * d, src[s].begin() + (p + 1) * c.hk * d);
+        if (slots) slots->push_back(slot_of(s, p));
+      }
+    }
+    return out;
+  };
+
+  // The cache starts out full of a sentinel.
+  const float kSentinel = 512.0f;  // exact in bf16 and f16
+  const int64_t cache_elems = num_blocks * bs * c.hk * d;
+  KvCacheLayer cache;
+  cache.k =
+      Tensor::FromVector(std::vector<float>(cache_elems, kSentinel), {num_blocks, bs, c.hk, d})
+          .To(cache_dtype);
+  cache.v = cache.k.To(cache_dtype);
+  if (device != Device::kCpu) {
+    cache.k = cache.k.ToDevice(device);
+    cache.v = cache.v.ToDevice(device);
+  }
+
+  // Step 1: the past tokens. Step 2: the new ones, plus a padding row with slot -1.
+  std::vector<int32_t> past_slots, new_slots;
+  const std::vector<float> kp = rows(keys, false, &past_slots), vp = rows(values, false, nullptr);
+  const int64_t n_past = static_cast<int64_t>(past_slots.size());
+  ReshapeAndCache(test->Act(kp, {n_past, c.hk, d}), test->Act(vp, {n_past, c.hk, d}),
+                  test->Index(past_slots), &cache);
+  std::vector<float> kn = rows(keys, true, &new_slots), vn = rows(values, true, nullptr);
+  const int64_t t_count = static_cast<int64_t>(new_slots.size());
+  const std::vector<float> junk(c.hk * d, -5.0f);
+  kn.insert(kn.end(), junk.begin(), junk.end());
+  vn.insert(vn.end(), junk.begin(), junk.end());
+  new_slots.push_back(-1);
+  ReshapeAndCache(test->Act(kn, {t_count + 1, c.hk, d}), test->Act(vn, {t_count + 1, c.hk, d}),
+                  test->Index(new_slots), &cache);
+  new_slots.pop_back();
+
+  // The cache holds exactly the tokens, as stored in its dtype, in their slots.
+  const std::vector<float> ck = OpsTest::Host(cache.k), cv = OpsTest::Host(cache.v);
+  std::vector<bool> used(num_blocks * bs, false);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t p = 0; p < ctxs[s]; ++p) {
+      const int64_t slot = slot_of(s, p);
+      used[slot] = true;
+      for (int64_t i = 0; i < c.hk * d; ++i) {
+        ASSERT_EQ(ck[slot * c.hk * d + i], RoundTo(cache_dtype, keys[s][p * c.hk * d + i]));
+        ASSERT_EQ(cv[slot * c.hk * d + i], RoundTo(cache_dtype, values[s][p * c.hk * d + i]));
+      }
+    }
+  }
+  for (int64_t slot = 0; slot < num_blocks * bs; ++slot) {
+    if (!used[slot]) {
+      ASSERT_EQ(ck[slot * c.hk * d], kSentinel) << "slot " << slot;
+    }
+  }
+
+  // Attention.
+  std::vector<int32_t> query_start = {0};
+  for (int64_t s = 0; s < num_seqs; ++s)
+    query_start.push_back(query_start.back() + static_cast<int32_t>(q_lens[s]));
+  AttentionBatch batch;
+  batch.query_start = test->Index(query_start);
+  batch.context_lens = test->Index({static_cast<int32_t>(ctxs[0]), static_cast<int32_t>(ctxs[1]),
+                                    static_cast<int32_t>(ctxs[2])});
+  batch.block_tables = Tensor::FromVector(tables, {num_seqs, max_blocks});
+  if (device != Device::kCpu) batch.block_tables = batch.block_tables.ToDevice(device);
+  batch.block_size = static_cast<int>(bs);
+  Tensor q = test->Act(Random(t_count * c.hq * d, 7), {t_count, c.hq, d});
+  const std::vector<float> qs = OpsTest::Host(q);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const std::vector<float> slopes = AlibiSlopes(static_cast<int>(c.hq));
+  Tensor out;
+  PagedAttention(q, cache, batch, scale, c.window, c.alibi ? &slopes : nullptr, &out);
+  ASSERT_EQ(out.shape(), (Shape{t_count, c.hq, d}));
+
+  // Dense reference from the same K/V (as the cache stores them), in double.
+  std::vector<double> ref, mag;
+  const int64_t group = c.hq / c.hk;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t i = 0; i < q_lens[s]; ++i) {
+      const int64_t row = query_start[s] + i;
+      const int64_t qpos = ctxs[s] - q_lens[s] + i;
+      for (int64_t h = 0; h < c.hq; ++h) {
+        const int64_t kvh = h / group;
+        std::vector<double> logits;
+        std::vector<int64_t> keys_seen;
+        for (int64_t j = 0; j <= qpos; ++j) {
+          if (c.window > 0 && j <= qpos - c.window) continue;
+          double dot = 0;
+          for (int64_t x = 0; x < d; ++x)
+            dot += double{qs[(row * c.hq + h) * d + x]} *
+                   RoundTo(cache_dtype, keys[s][(j * c.hk + kvh) * d + x]);
+          double l = dot * scale;
+          if (c.alibi) l += double{slopes[h]} * static_cast<double>(j - qpos);
+          logits.push_back(l);
+          keys_seen.push_back(j);
+        }
+        const double mx = *std::max_element(logits.begin(), logits.end());
+        double sum = 0;
+        for (double& l : logits) sum += (l = std::exp(l - mx));
+        for (int64_t x = 0; x < d; ++x) {
+          double o = 0, m = 0;
+          for (size_t n = 0; n < keys_seen.size(); ++n) {
+            const double v = RoundTo(cache_dtype, values[s][(keys_seen[n] * c.hk + kvh) * d + x]);
+            o += logits[n] / sum * v;
+            m += logits[n] / sum * std::fabs(v);
+          }
+          ref.push_back(o);
+          mag.push_back(m + 1e-3);
+        }
+      }
+    }
+  }
+  ExpectClose(OpsTest::Host(out), ref, mag, tol, "paged attention");
+}
+
+TEST_P(OpsTest, PagedAttentionMha) {
+  RunAttention(this, {4, 4, 0, false}, dtype(), device(), tol());
+}
+TEST_P(OpsTest, PagedAttentionGqa) {
+  RunAttention(this, {8, 2, 0, false}, dtype(), device(), tol());
+}
+TEST_P(OpsTest, PagedAttentionMqa) {
+  RunAttention(this, {4, 1, 0, false}, dtype(), device(), tol());
+}
+TEST_P(OpsTest, PagedAttentionSlidingWindow) {
+  RunAttention(this, {8, 2, 6, false}, dtype(), device(), tol());
+}
+TEST_P(OpsTest, PagedAttentionAlibi) {
+  RunAttention(this, {4, 4, 0, true}, dtype(), device(), tol());
+}
+TEST_P(OpsTest, PagedAttentionAlibiSlidingWindowMqa) {
+  RunAttention(this, {8, 1, 4, true}, dtype(), device(), tol());
+}
+
+// ---- The CPU thread pool ------------------------------------------------------------------
+
+TEST(CpuThreadPool, ParallelForCoversEveryIndexOnce) {
+  for (int64_t n : {0, 1, 7, 64, 1000, 100003}) {
+    for (int64_t grain : {1, 3, 1000}) {
+      std::vector<std::atomic<int>> hits(n);
+      cpu::ParallelFor(n, grain, [&](int64_t b, int64_t e) {
+        ASSERT_LE(0, b);
+        ASSERT_LT(b, e);
+        ASSERT_LE(e, n);
+        for (int64_t i = b; i < e; ++i) hits[i]++;
+      });
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << n << " " << grain << " " << i;
+    }
+  }
+}
+
+TEST(CpuThreadPool, NestedAndConcurrentCallsComplete) {
+  std::atomic<int64_t> total{0};
+  auto work = [&] {
+    cpu::ParallelFor(64, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        // A nested call runs inline on the calling thread.
+        cpu::ParallelFor(10, 1, [&](int64_t b2, int64_t e2) { total += e2 - b2; });
+      }
+    });
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) threads.emplace_back(work);
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(total.load(), 4 * 64 * 10);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Kernels, OpsTest,
+    ::testing::Values(OpsParam{Device::kCpu, DType::kF32}, OpsParam{Device::kCpu, DType::kBF16},
+                      OpsParam{Device::kCpu, DType::kF16}, OpsParam{Device::kCuda, DType::kF32},
+                      OpsParam{Device::kCuda, DType::kBF16}, OpsParam{Device::kCuda, DType::kF16}),
+    ParamName);
+
+}  // namespace
+}  // namespace tgis::kernels
