@@ -7,7 +7,7 @@ APT_PACKAGES=(
   build-essential cmake ninja-build pkg-config ccache git
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libgflags-dev libgoogle-glog-dev libgtest-dev libgmock-dev libbenchmark-dev
-  libsentencepiece-dev nlohmann-json3-dev libonig-dev libicu-dev libssl-dev
+  libsentencepiece-dev nlohmann-json3-dev libonig-dev libicu-dev libssl-dev libopenblas-dev
   python3-venv
 )
 PY_PACKAGES=(
