@@ -12,7 +12,7 @@ APT_PACKAGES=(
 )
 PY_PACKAGES=(
   "tokenizers==0.21.1" "sentencepiece==0.2.0" "transformers==4.55.4" "protobuf" "pytest"
-  "grpcio" "grpcio-tools" "numpy"
+  "grpcio" "grpcio-tools" "numpy" "pyyaml" "kubernetes-validate"
 )
 
 SUDO=""
@@ -24,10 +24,24 @@ for p in "${APT_PACKAGES[@]}"; do
     missing+=("$p")
   fi
 done
+apt_updated=0
+apt_install() {
+  if [ $apt_updated = 0 ]; then
+    $SUDO apt-get update -qq
+    apt_updated=1
+  fi
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "$@"
+}
 if [ ${#missing[@]} -gt 0 ]; then
   echo "deps: installing ${missing[*]}"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  apt_install "${missing[@]}"
+fi
+
+# kubectl (for `kubectl kustomize` in the manifest tests): any kubectl on PATH will do (some
+# images ship Google Cloud SDK's); otherwise Debian's kubernetes-client.
+if ! command -v kubectl >/dev/null 2>&1; then
+  echo "deps: installing kubernetes-client (kubectl)"
+  apt_install kubernetes-client
 fi
 
 PY=${PYTHON:-python3}
