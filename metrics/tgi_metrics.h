@@ -1,0 +1,53 @@
+// The tgi_ metric set of TGIS's README, with its exact names, kinds and labels.
+#pragma once
+
+#include "metrics/registry.h"
+
+namespace tgis::metrics {
+
+struct TgiMetrics {
+  explicit TgiMetrics(Registry* r);
+
+  // Requests (kind = "single" | "batch" | "stream").
+  Family* request_count;        // counter{kind}
+  Family* request_input_count;  // counter
+  Family* request_failure;      // counter{err}
+  Family* request_success;      // counter{stop_reason, kind}
+  Family* request_max_new_tokens;
+  Family* request_input_length;
+  Family* request_raw_input_length;
+  Family* request_mean_time_per_token_duration;
+  Family* request_validation_duration;
+  Family* request_queue_duration;
+  Family* request_generated_tokens;
+  Family* request_total_tokens;
+  Family* request_duration;
+  Family* request_inference_duration;
+  // Batches (method = "prefill" | "next_token").
+  Family* batch_concatenation_count;
+  Family* batch_inference_count;             // counter{method}
+  Family* batch_inference_success;           // counter{method}
+  Family* batch_inference_failure;           // counter{method, reason}
+  Family* batch_inference_batch_size;        // histogram{method}
+  Family* batch_inference_duration;          // histogram{method, makeup}
+  Family* batch_inference_forward_duration;  // histogram{method, makeup}
+  Family* batch_inference_tokproc_duration;  // histogram{method, makeup}
+  Family* batch_next_tokens;
+  Family* batch_current_size;          // gauge
+  Family* batch_input_tokens;          // gauge
+  Family* batch_max_remaining_tokens;  // gauge
+  Family* queue_size;                  // gauge
+  Family* queue_jump;
+  Family* granular_batch_addition;
+  Family* prefill_weight_limit_exceeded;
+  Family* prefill_padding_limit_exceeded;
+  Family* prompt_load_failure;
+  Family* prompt_load_duration;
+  // Tokenize.
+  Family* tokenize_request_count;
+  Family* tokenize_request_input_count;
+  Family* tokenize_request_tokens;
+  Family* tokenize_request_duration;
+};
+
+}  // namespace tgis::metrics
