@@ -7,6 +7,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "tokenizer/sentencepiece.h"
 #include "tokenizer/tokenizer.h"
 
 int main(int argc, char** argv) {
@@ -15,6 +16,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int repeats = argc > 3 ? std::atoi(argv[3]) : 3;
+  tgis::EnableSentencePieceModels();
   auto tok = tgis::Tokenizer::FromDirectory(argv[1]);
   if (!tok.ok()) {
     std::cerr << tok.status() << "\n";

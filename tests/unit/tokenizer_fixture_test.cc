@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "tokenizer/sentencepiece.h"
 #include "tokenizer/tokenizer.h"
 
 namespace {
@@ -40,6 +41,7 @@ Json ReadJson(const fs::path& p) {
 class FixtureTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
+    tgis::EnableSentencePieceModels();
     dir_ = fs::path(TGIS_FIXTURES_DIR) / "tokenizers" / GetParam();
     auto tok = tgis::Tokenizer::FromDirectory(dir_.string());
     ASSERT_TRUE(tok.ok()) << tok.status();

@@ -6,7 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include "tokenizer/src/hf_tokenizer.h"
 #include "tokenizer/src/unicode.h"
+#include "tokenizer/sentencepiece.h"
 #include "tokenizer/tokenizer.h"
 
 namespace {
@@ -110,7 +112,18 @@ TEST(TokenizerLoad, MergeWithUnknownTokenNamesTheMerge) {
   EXPECT_NE(t.status().message().find("model.merges[1]"), std::string::npos) << t.status();
 }
 
+TEST(TokenizerLoad, SentencePieceModelNeedsTheBackend) {
+  TempDir d;
+  d.Write("spiece.model", "whatever");
+  tgis::tok::SentencePieceLoader() = nullptr;
+  auto t = tgis::Tokenizer::FromDirectory(d.str());
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("spiece.model"), std::string::npos) << t.status();
+  EXPECT_NE(t.status().message().find("tokenizer.json"), std::string::npos) << t.status();
+}
+
 TEST(TokenizerLoad, CorruptSentencePieceModelNamesTheFile) {
+  tgis::EnableSentencePieceModels();
   TempDir d;
   d.Write("spiece.model", "this is not a protobuf");
   auto t = tgis::Tokenizer::FromDirectory(d.str());

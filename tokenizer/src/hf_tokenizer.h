@@ -13,5 +13,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadHfTokenizer(const std::string& fi
 // A SentencePiece .model file; add_bos / add_eos as tokenizer_config.json says.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadSpTokenizer(const std::string& file, bool add_bos,
                                                            bool add_eos);
+// Set by EnableSentencePieceModels() (tokenizer/sentencepiece.h); null in programs without it.
+using SpLoader = absl::StatusOr<std::unique_ptr<Tokenizer>> (*)(const std::string&, bool, bool);
+SpLoader& SentencePieceLoader();
 
 }  // namespace tgis::tok

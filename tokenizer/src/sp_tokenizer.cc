@@ -1,5 +1,6 @@
 // Tokenizer over a SentencePiece .model file (T5/mt0 spiece.model, Llama tokenizer.model).
 #include "absl/strings/str_cat.h"
+#include "tokenizer/sentencepiece.h"
 #include "tokenizer/src/hf_tokenizer.h"
 #include "tokenizer/src/sp_model.h"
 #include "tokenizer/src/unicode.h"
@@ -101,3 +102,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadSpTokenizer(const std::string& fi
 }
 
 }  // namespace tgis::tok
+
+namespace tgis {
+void EnableSentencePieceModels() { tok::SentencePieceLoader() = &tok::LoadSpTokenizer; }
+}  // namespace tgis

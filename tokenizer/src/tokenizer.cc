@@ -12,6 +12,14 @@
 #include "tokenizer/src/unicode.h"
 
 namespace tgis {
+
+namespace tok {
+SpLoader& SentencePieceLoader() {
+  static SpLoader loader = nullptr;
+  return loader;
+}
+}  // namespace tok
+
 namespace {
 
 using Json = nlohmann::json;
@@ -82,8 +90,13 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromDirectory(const std::s
       return absl::NotFoundError(absl::StrCat(
           dir, ": no tokenizer.json, tokenizer.model or spiece.model in this directory"));
     }
-    auto t = tok::LoadSpTokenizer(sp.string(), flag("add_bos_token").value_or(false),
-                                  flag("add_eos_token").value_or(false));
+    if (tok::SentencePieceLoader() == nullptr) {
+      return absl::UnimplementedError(absl::StrCat(
+          sp.string(), ": this program reads tokenizer.json only (SentencePiece .model files are "
+                       "not linked in); convert the tokenizer to tokenizer.json"));
+    }
+    auto t = tok::SentencePieceLoader()(sp.string(), flag("add_bos_token").value_or(false),
+                                        flag("add_eos_token").value_or(false));
     if (!t.ok()) return t.status();
     tok = std::move(*t);
   }

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tokenizer/sentencepiece.h"
 #include "tokenizer/tokenizer.h"
 
 namespace {
@@ -47,6 +48,7 @@ int main(int argc, char** argv) {
     }
   }
   if (mode != "encode" && mode != "decode" && mode != "stream") return Usage();
+  tgis::EnableSentencePieceModels();
   auto tok = tgis::Tokenizer::FromDirectory(dir);
   if (!tok.ok()) {
     std::cerr << "tgis-tokenizer: " << tok.status().message() << "\n";

@@ -1,0 +1,378 @@
+#include "router/batcher.h"
+
+#include <glog/logging.h>
+
+#include <algorithm>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+
+namespace tgis::router {
+namespace {
+
+namespace pb = generate::v1;
+
+pb::Request ToShardRequest(const GenerationRequest& r) {
+  const GenerationParams& p = r.params;
+  pb::Request out;
+  out.set_id(r.id);
+  out.mutable_input_ids()->Add(r.input_ids.begin(), r.input_ids.end());
+  out.set_max_new_tokens(p.max_new_tokens);
+  out.set_top_n_tokens(p.response.top_n_tokens);
+  // The shard computes prompt details only when something beyond the token text is wanted.
+  const ResponseOptions& o = p.response;
+  out.set_input_logprobs(o.input_tokens && (o.token_logprobs || o.token_ranks || o.top_n_tokens));
+  pb::SamplingParameters* s = out.mutable_parameters();
+  s->set_do_sample(p.sample);
+  if (p.sample) {
+    s->set_temperature(p.temperature);
+    s->set_top_k(p.top_k);
+    s->set_top_p(p.top_p);
+    s->set_typical_p(p.typical_p);
+    s->set_seed(p.seed.value_or(0));
+  }
+  s->set_repetition_penalty(p.repetition_penalty);
+  if (p.length_penalty.has_value()) {
+    s->mutable_length_penalty()->set_start_index(p.length_penalty->start_index);
+    s->mutable_length_penalty()->set_decay_factor(p.length_penalty->decay_factor);
+  }
+  s->set_min_new_tokens(p.min_new_tokens);
+  return out;
+}
+
+// A short, log-safe view of generated text.
+std::string Preview(std::string_view text) {
+  constexpr size_t kMax = 32;
+  if (text.size() <= kMax) return std::string(text);
+  size_t cut = kMax;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+  return std::string(text.substr(0, cut)) + "...";
+}
+
+}  // namespace
+
+Batcher::Batcher(ShardClient& shards, const Tokenizer& tokenizer, BatcherConfig config)
+    : shards_(shards), tokenizer_(tokenizer), config_(std::move(config)) {}
+
+Batcher::~Batcher() { Stop(); }
+
+void Batcher::Start() {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Batcher::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Batcher::Enqueue(std::vector<std::unique_ptr<GenerationRequest>> requests) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Clock::time_point now = Clock::now();
+    for (auto& r : requests) {
+      r->queued = now;
+      if (stop_) {
+        r->sink->Finish(absl::UnavailableError("the server is shutting down"));
+        continue;
+      }
+      queue_.Push(std::move(r));
+    }
+  }
+  cv_.notify_all();
+}
+
+void Batcher::Notify() { cv_.notify_all(); }
+
+void Batcher::Loop() {
+  for (;;) {
+    std::vector<std::unique_ptr<GenerationRequest>> batch;
+    RequestQueue::Removed removed;
+    bool stopping = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      for (;;) {
+        removed = queue_.RemoveCancelledAndExpired(Clock::now());
+        if (stop_ || !running_.empty() || !queue_.empty() || !removed.cancelled.empty() ||
+            !removed.expired.empty()) {
+          break;
+        }
+        // Idle: sleep until a request arrives, or a queued one's time limit passes.
+        if (auto deadline = queue_.EarliestDeadline()) {
+          cv_.wait_until(lock, *deadline);
+        } else {
+          cv_.wait(lock);
+        }
+      }
+      stopping = stop_;
+      if (stopping) {
+        for (auto& r : queue_.TakeAll()) removed.cancelled.push_back(std::move(r));
+      } else {
+        batch = TakeBatchLocked(Clock::now());
+      }
+    }
+    if (stopping) {
+      for (auto& r : removed.cancelled) {
+        r->sink->Finish(absl::UnavailableError("the server is shutting down"));
+      }
+      for (auto& r : removed.expired) r->sink->Finish(EarlyTimeoutResponse(*r));
+      FailAllRunning(absl::UnavailableError("the server is shutting down"));
+      (void)shards_.ClearCache(std::nullopt);
+      return;
+    }
+    AnswerRemoved(std::move(removed));
+    DropCancelled();
+    if (!batch.empty()) Prefill(std::move(batch));
+    if (!running_.empty()) {
+      Decode();
+    } else {
+      ReleaseIdleBatches();
+    }
+  }
+}
+
+std::vector<std::unique_ptr<GenerationRequest>> Batcher::TakeBatchLocked(Clock::time_point now) {
+  if (queue_.empty()) return {};
+  size_t min_size = 1;
+  std::vector<Footprint> footprints;
+  footprints.reserve(running_.size());
+  uint32_t most_steps_left = 0;
+  for (const auto& [id, r] : running_) {
+    footprints.push_back(FootprintOf(*r.request, r.progress->generated()));
+    most_steps_left = std::max(most_steps_left, footprints.back().steps);
+  }
+  if (!running_.empty()) {
+    // Leave a batch that finishes at the next step alone, and give decoding at least half as
+    // long as the last prefill took before prefilling again.
+    if (most_steps_left < 2 || now < next_prefill_after_) return {};
+    const uint32_t wait = config_.max_waiting_tokens;
+    if (running_.size() > 1 && steps_since_prefill_ < wait) {
+      min_size = std::max<size_t>(1, running_.size() * (wait - steps_since_prefill_) / wait);
+    }
+  }
+  auto batch = queue_.NextBatch(footprints, min_size, config_.admission);
+  if (batch.empty() && running_.empty()) {
+    // Nothing fits even in an empty batch: the request at the head can never run. Startup
+    // keeps max_sequence_length within the KV cache, so this is only a safety net.
+    std::unique_ptr<GenerationRequest> head = queue_.PopFront();
+    LOG(ERROR) << head->log_name << ": does not fit in the KV cache even alone";
+    head->sink->Finish(
+        absl::ResourceExhaustedError("the request does not fit in the KV cache even alone"));
+  }
+  return batch;
+}
+
+void Batcher::AnswerRemoved(RequestQueue::Removed removed) {
+  for (auto& r : removed.cancelled) {
+    LOG(WARNING) << r->log_name << ": cancelled by the client while queued";
+    r->sink->Finish(absl::CancelledError("cancelled by the client"));
+  }
+  for (auto& r : removed.expired) {
+    LOG(WARNING) << r->log_name << ": time limit reached while queued";
+    r->sink->Finish(EarlyTimeoutResponse(*r));
+  }
+}
+
+void Batcher::DropCancelled() {
+  for (auto it = running_.begin(); it != running_.end();) {
+    auto next = std::next(it);
+    if (it->second.request->sink->Cancelled()) {
+      LOG(WARNING) << it->second.request->log_name << ": cancelled by the client after "
+                   << it->second.progress->generated() << " token(s)";
+      finished_.push_back(it->first);
+      Finish(it, absl::CancelledError("cancelled by the client"));
+    }
+    it = next;
+  }
+}
+
+void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
+  if (!finished_.empty()) FilterFinished();
+  pb::PrefillRequest request;
+  pb::Batch* b = request.mutable_batch();
+  b->set_id(next_batch_id_++);
+  size_t tokens = 0;
+  for (auto& r : batch) {
+    *b->add_requests() = ToShardRequest(*r);
+    tokens += r->input_ids.size();
+    auto progress = std::make_unique<RequestProgress>(tokenizer_, config_.detokenization, *r);
+    const uint64_t id = r->id;
+    running_.emplace(id, Running{std::move(r), std::move(progress)});
+  }
+  LOG(INFO) << "prefill of batch #" << b->id() << ": " << b->requests_size() << " new request(s), "
+            << tokens << " prompt tokens; " << running_.size() << " request(s) in the batch now";
+  const Clock::time_point start = Clock::now();
+  absl::StatusOr<pb::PrefillResponse> response = shards_.Prefill(request);
+  const Clock::time_point end = Clock::now();
+  next_prefill_after_ = end + (end - start) / 2;
+  steps_since_prefill_ = 0;
+  SetShardHealth(response.ok());
+  if (!response.ok()) {
+    LOG(ERROR) << "prefill of batch #" << b->id() << " failed: " << response.status();
+    for (const pb::Request& r : b->requests()) FailRequest(r.id(), response.status());
+    (void)shards_.ClearCache(b->id());
+    return;
+  }
+  for (const pb::RequestError& e : response->errors()) {
+    FailRequest(e.request_id(), absl::Status(static_cast<absl::StatusCode>(e.code()), e.message()));
+  }
+  for (const pb::Generation& g : response->generations()) OnGeneration(g, /*prefill=*/true);
+  if (response->has_batch()) batches_.push_back(response->batch());
+}
+
+void Batcher::Decode() {
+  if (batches_.empty()) {
+    // Every running request lives in some cached batch; this would be a bookkeeping bug.
+    LOG(ERROR) << running_.size() << " running request(s) but no cached batch";
+    FailAllRunning(absl::InternalError("the request was lost by the batcher"));
+    return;
+  }
+  pb::DecodeRequest request;
+  for (const pb::CachedBatch& b : batches_) *request.add_batches() = b;
+  request.mutable_finished_request_ids()->Add(finished_.begin(), finished_.end());
+  const size_t size_before = running_.size();
+  absl::StatusOr<pb::DecodeResponse> response = shards_.Decode(request);
+  batches_.clear();
+  finished_.clear();
+  ++steps_since_prefill_;
+  SetShardHealth(response.ok());
+  if (!response.ok()) {
+    LOG(ERROR) << "decode failed: " << response.status();
+    FailAllRunning(response.status());
+    (void)shards_.ClearCache(std::nullopt);
+    return;
+  }
+  for (const pb::RequestError& e : response->errors()) {
+    FailRequest(e.request_id(), absl::Status(static_cast<absl::StatusCode>(e.code()), e.message()));
+  }
+  for (const pb::Generation& g : response->generations()) OnGeneration(g, /*prefill=*/false);
+  if (response->has_batch()) batches_.push_back(response->batch());
+  if (running_.size() != size_before) {
+    VLOG(1) << "batch: " << running_.size() << " request(s) running";
+  }
+}
+
+void Batcher::FilterFinished() {
+  const std::set<uint64_t> done(finished_.begin(), finished_.end());
+  std::vector<pb::CachedBatch> kept;
+  for (const pb::CachedBatch& b : batches_) {
+    pb::FilterBatchRequest request;
+    request.set_batch_id(b.id());
+    bool any_done = false;
+    for (uint64_t id : b.request_ids()) {
+      if (done.count(id)) {
+        any_done = true;
+      } else {
+        request.add_request_ids(id);
+      }
+    }
+    if (!any_done) {
+      kept.push_back(b);
+      continue;
+    }
+    absl::StatusOr<pb::FilterBatchResponse> response = shards_.FilterBatch(request);
+    if (!response.ok()) {
+      // The next Decode still drops them.
+      LOG(WARNING) << "filtering batch #" << b.id() << " failed: " << response.status();
+      return;
+    }
+    if (request.request_ids_size() > 0) kept.push_back(response->batch());
+  }
+  batches_ = std::move(kept);
+  finished_.clear();
+}
+
+void Batcher::ReleaseIdleBatches() {
+  for (const pb::CachedBatch& b : batches_) {
+    if (absl::Status s = shards_.ClearCache(b.id()); !s.ok()) {
+      LOG(WARNING) << "clearing batch #" << b.id() << " failed: " << s;
+    }
+  }
+  batches_.clear();
+  finished_.clear();
+}
+
+void Batcher::OnGeneration(const pb::Generation& generation, bool prefill) {
+  auto it = running_.find(generation.request_id());
+  if (it == running_.end()) {
+    LOG(WARNING) << "the shard returned a token for unknown request " << generation.request_id();
+    return;
+  }
+  Running& r = it->second;
+  if (prefill) {
+    if (auto message = r.progress->AddInputTokens(generation.input_tokens())) {
+      r.request->sink->Send(std::move(*message));
+    }
+  }
+  absl::StatusOr<RequestProgress::Step> step =
+      r.progress->AddToken(generation.token(), Clock::now());
+  if (!step.ok()) {
+    finished_.push_back(it->first);
+    Finish(it, absl::InternalError(absl::StrCat("Request failed during detokenization: ",
+                                                step.status().message())));
+    return;
+  }
+  if (step->reason == fmaas::NOT_FINISHED) {
+    if (step->message.has_value()) r.request->sink->Send(std::move(*step->message));
+    return;
+  }
+  finished_.push_back(it->first);
+  if (r.request->streaming) {
+    Finish(it, std::move(*step->message));
+  } else {
+    Finish(it, r.progress->TakeUnaryResponse());
+  }
+}
+
+void Batcher::Finish(std::map<uint64_t, Running>::iterator it,
+                     absl::StatusOr<fmaas::GenerationResponse> last) {
+  const GenerationRequest& request = *it->second.request;
+  if (last.ok() && last->stop_reason() != fmaas::CANCELLED) {
+    const auto elapsed =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - request.received);
+    LOG(INFO) << request.log_name << ": generated " << it->second.progress->generated()
+              << " token(s) before " << fmaas::StopReason_Name(last->stop_reason()) << " in "
+              << elapsed.count() << " ms (" << request.input_length() << " input tokens)"
+              << (request.streaming ? ""
+                                    : absl::StrCat(", output \"", Preview(last->text()), "\""));
+  }
+  request.sink->Finish(std::move(last));
+  running_.erase(it);
+}
+
+void Batcher::FailRequest(uint64_t id, const absl::Status& status) {
+  auto it = running_.find(id);
+  if (it == running_.end()) return;
+  const uint32_t generated = it->second.progress->generated();
+  // As TGIS words it; the shard's status code is kept.
+  std::string message = generated == 0 ? std::string(status.message())
+                                       : absl::StrCat("Error after generating ", generated,
+                                                      " tokens: ", status.message());
+  LOG(ERROR) << it->second.request->log_name << ": " << message;
+  Finish(it,
+         absl::Status(status.code(), absl::StrCat("Request failed during generation: ", message)));
+}
+
+void Batcher::SetShardHealth(bool healthy) {
+  if (healthy == shards_healthy_) return;
+  shards_healthy_ = healthy;
+  if (healthy) {
+    LOG(INFO) << "the shards are answering again";
+  } else {
+    LOG(ERROR) << "the shards are failing";
+  }
+  if (config_.on_shard_health) config_.on_shard_health(healthy);
+}
+
+void Batcher::FailAllRunning(const absl::Status& status) {
+  std::vector<uint64_t> ids;
+  for (const auto& [id, r] : running_) ids.push_back(id);
+  for (uint64_t id : ids) FailRequest(id, status);
+  batches_.clear();
+  finished_.clear();
+}
+
+}  // namespace tgis::router

@@ -1,0 +1,99 @@
+// Continuous batching: one background loop that admits queued requests into the running batch
+// (a Prefill of the newcomers, whose cached batch then joins the next Decode), advances the
+// batch one token per Decode, decides for every token whether its request is finished, and
+// answers each request's sink. Finished and cancelled requests leave the shards' batch at the
+// next step (their ids ride on the next Decode, or a FilterBatch before a Prefill).
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "proto/generate.pb.h"
+#include "router/queue.h"
+#include "router/request.h"
+#include "router/request_progress.h"
+#include "router/shard_client.h"
+#include "tokenizer/tokenizer.h"
+
+namespace tgis::router {
+
+struct BatcherConfig {
+  AdmissionLimits admission;
+  // Decode steps after which any queued request may interrupt decoding with its prefill;
+  // before that, a prefill needs a number of waiting requests that shrinks with the steps.
+  uint32_t max_waiting_tokens = 24;
+  DetokenizationConfig detokenization;
+  // Told whether the shards answer (false after a failed Prefill or Decode, true again after
+  // one that worked); called from the batcher's thread when that changes.
+  std::function<void(bool)> on_shard_health;
+};
+
+class Batcher {
+ public:
+  // `shards` and `tokenizer` must outlive the batcher.
+  Batcher(ShardClient& shards, const Tokenizer& tokenizer, BatcherConfig config);
+  ~Batcher();
+  Batcher(const Batcher&) = delete;
+  Batcher& operator=(const Batcher&) = delete;
+
+  void Start();
+  // Answers every queued and running request with UNAVAILABLE and ends the loop.
+  void Stop();
+
+  // Queues requests together, in order (a batched Generate's inputs).
+  void Enqueue(std::vector<std::unique_ptr<GenerationRequest>> requests);
+  // Wakes the loop to look at the requests again (a client went away).
+  void Notify();
+
+ private:
+  struct Running {
+    std::unique_ptr<GenerationRequest> request;
+    std::unique_ptr<RequestProgress> progress;
+  };
+
+  void Loop();
+  // Under mu_: the requests for the next prefill, if it is time for one.
+  std::vector<std::unique_ptr<GenerationRequest>> TakeBatchLocked(Clock::time_point now);
+  void AnswerRemoved(RequestQueue::Removed removed);
+  void DropCancelled();
+  void Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch);
+  void Decode();
+  // Frees the finished requests' KV blocks on the shards now (before a prefill needs them).
+  void FilterFinished();
+  void ReleaseIdleBatches();
+
+  // Handles one generated token; the request may finish.
+  void OnGeneration(const generate::v1::Generation& generation, bool prefill);
+  void Finish(std::map<uint64_t, Running>::iterator it,
+              absl::StatusOr<fmaas::GenerationResponse> last);
+  void FailRequest(uint64_t id, const absl::Status& status);
+  void FailAllRunning(const absl::Status& status);
+  void SetShardHealth(bool healthy);
+
+  ShardClient& shards_;
+  const Tokenizer& tokenizer_;
+  const BatcherConfig config_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  RequestQueue queue_;  // guarded by mu_
+  bool stop_ = false;   // guarded by mu_
+  std::thread thread_;
+
+  // The loop's own state (its thread only).
+  std::map<uint64_t, Running> running_;
+  std::vector<generate::v1::CachedBatch> batches_;  // the shards' batches for the next Decode
+  std::vector<uint64_t> finished_;  // finished here, still holding KV blocks on the shards
+  uint64_t next_batch_id_ = 1;
+  uint32_t steps_since_prefill_ = 0;
+  Clock::time_point next_prefill_after_{};
+  bool shards_healthy_ = true;
+};
+
+}  // namespace tgis::router

@@ -1,0 +1,182 @@
+#include "router/generation_service.h"
+
+#include <glog/logging.h>
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "router/call_reactors.h"
+#include "router/input_encoding.h"
+#include "router/request_progress.h"
+
+namespace tgis::router {
+namespace {
+
+constexpr char kOverloaded[] = "Model is overloaded";
+
+uint32_t RandomSeed() {
+  thread_local std::mt19937 rng{std::random_device{}()};
+  return static_cast<uint32_t>(rng());
+}
+
+// Names the call in logs: the client's x-correlation-id when it sent one.
+std::string CallName(const grpc::CallbackServerContext* context, uint64_t call_number) {
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find("x-correlation-id");
+  if (it != metadata.end()) {
+    return "correlation id " + std::string(it->second.data(), it->second.size());
+  }
+  return absl::StrCat("call ", call_number);
+}
+
+absl::Status TokenizerError(const absl::Status& status) {
+  return absl::InvalidArgumentError(absl::StrCat("tokenizer error ", status.message()));
+}
+
+}  // namespace
+
+GenerationService::GenerationService(const Tokenizer& tokenizer, Batcher& batcher,
+                                     ServiceOptions options)
+    : tokenizer_(tokenizer),
+      batcher_(batcher),
+      options_(std::move(options)),
+      limiter_(options_.max_concurrent_requests) {}
+
+absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> GenerationService::Prepare(
+    const std::optional<std::string>& prefix_id, const fmaas::Parameters* params,
+    const std::vector<const std::string*>& texts, bool streaming, const std::string& log_name,
+    Clock::time_point received) {
+  absl::StatusOr<GenerationParams> converted = ConvertParameters(params, options_.limits, received);
+  if (!converted.ok()) return converted.status();
+  if (prefix_id.has_value()) return PromptPrefixNotFound(*prefix_id);
+
+  std::vector<std::unique_ptr<GenerationRequest>> requests;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    auto r = std::make_unique<GenerationRequest>();
+    r->id = next_id_.fetch_add(1);
+    r->log_name =
+        texts.size() == 1 ? log_name : absl::StrCat(log_name, " [", i + 1, "/", texts.size(), "]");
+    r->input_text = *texts[i];
+    r->params = *converted;
+    r->streaming = streaming;
+    r->received = received;
+    absl::StatusOr<Encoding> encoding =
+        EncodeInput(tokenizer_, r->input_text, r->params.truncate_input_tokens);
+    if (!encoding.ok()) return TokenizerError(encoding.status());
+    r->input_ids = std::move(encoding->ids);
+    absl::Status valid =
+        ValidateInput(r->input_length(), options_.limits, RandomSeed(), &r->params);
+    if (!valid.ok()) return valid;
+    requests.push_back(std::move(r));
+  }
+  return requests;
+}
+
+grpc::ServerUnaryReactor* GenerationService::Generate(
+    grpc::CallbackServerContext* context, const fmaas::BatchedGenerationRequest* request,
+    fmaas::BatchedGenerationResponse* response) {
+  const Clock::time_point received = Clock::now();
+  const size_t n = static_cast<size_t>(request->requests_size());
+  auto on_cancel = [this] { batcher_.Notify(); };
+  if (n == 0) {
+    auto* reactor = new GenerateReactor(response, on_cancel, std::nullopt);
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  const std::string name = CallName(context, next_call_.fetch_add(1));
+  std::optional<ConcurrencyLimiter::Permit> permit = limiter_.TryAcquire(static_cast<uint32_t>(n));
+  const bool admitted = permit.has_value();
+  auto* reactor = new GenerateReactor(response, on_cancel, std::move(permit));
+  if (!admitted) {
+    LOG(ERROR) << name << ": " << kOverloaded;
+    reactor->Fail(absl::ResourceExhaustedError(kOverloaded));
+    return reactor;
+  }
+  std::vector<const std::string*> texts;
+  for (const fmaas::GenerationRequest& r : request->requests()) texts.push_back(&r.text());
+  std::optional<std::string> prefix_id;
+  if (request->has_prefix_id()) prefix_id = request->prefix_id();
+  auto requests = Prepare(prefix_id, request->has_params() ? &request->params() : nullptr, texts,
+                          /*streaming=*/false, name, received);
+  if (!requests.ok()) {
+    LOG(WARNING) << name << ": " << requests.status().message();
+    reactor->Fail(requests.status());
+    return reactor;
+  }
+  std::vector<std::shared_ptr<ResponseSink>> sinks = reactor->MakeSinks(n);
+  for (size_t i = 0; i < n; ++i) (*requests)[i]->sink = std::move(sinks[i]);
+  batcher_.Enqueue(std::move(*requests));
+  return reactor;
+}
+
+grpc::ServerWriteReactor<fmaas::GenerationResponse>* GenerationService::GenerateStream(
+    grpc::CallbackServerContext* context, const fmaas::SingleGenerationRequest* request) {
+  const Clock::time_point received = Clock::now();
+  const std::string name = CallName(context, next_call_.fetch_add(1));
+  std::optional<ConcurrencyLimiter::Permit> permit = limiter_.TryAcquire(1);
+  const bool admitted = permit.has_value();
+  auto* reactor = new StreamReactor([this] { batcher_.Notify(); }, std::move(permit));
+  if (!admitted) {
+    LOG(ERROR) << name << ": " << kOverloaded;
+    reactor->Fail(absl::ResourceExhaustedError(kOverloaded));
+    return reactor;
+  }
+  if (!request->has_request()) {
+    reactor->Fail(absl::InvalidArgumentError("missing request"));
+    return reactor;
+  }
+  std::optional<std::string> prefix_id;
+  if (request->has_prefix_id()) prefix_id = request->prefix_id();
+  auto requests = Prepare(prefix_id, request->has_params() ? &request->params() : nullptr,
+                          {&request->request().text()}, /*streaming=*/true, name, received);
+  if (!requests.ok()) {
+    LOG(WARNING) << name << ": " << requests.status().message();
+    reactor->Fail(requests.status());
+    return reactor;
+  }
+  GenerationRequest& r = *requests->front();
+  r.sink = reactor->sink();
+  // The first message goes out at once: the input token count (and seed, input text).
+  reactor->Push(StreamHeader(r));
+  batcher_.Enqueue(std::move(*requests));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContext* context,
+                                                      const fmaas::BatchedTokenizeRequest* request,
+                                                      fmaas::BatchedTokenizeResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  for (const fmaas::TokenizeRequest& r : request->requests()) {
+    absl::StatusOr<Encoding> e =
+        EncodeInput(tokenizer_, r.text(), request->truncate_input_tokens());
+    if (!e.ok()) {
+      reactor->Finish(ToGrpcStatus(TokenizerError(e.status())));
+      return reactor;
+    }
+    fmaas::TokenizeResponse* out = response->add_responses();
+    out->set_token_count(static_cast<uint32_t>(e->ids.size()));
+    if (request->return_tokens()) out->mutable_tokens()->Add(e->tokens.begin(), e->tokens.end());
+    if (request->return_offsets()) {
+      for (const TokenOffset& o : e->offsets) {
+        fmaas::TokenizeResponse::Offset* offset = out->add_offsets();
+        offset->set_start(o.start);
+        offset->set_end(o.end);
+      }
+    }
+  }
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GenerationService::ModelInfo(grpc::CallbackServerContext* context,
+                                                       const fmaas::ModelInfoRequest*,
+                                                       fmaas::ModelInfoResponse* response) {
+  response->set_model_kind(options_.model_kind);
+  response->set_max_sequence_length(options_.limits.max_sequence_length);
+  response->set_max_new_tokens(options_.limits.max_new_tokens);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace tgis::router

@@ -1,0 +1,61 @@
+// fmaas.GenerationService: validates and tokenizes requests, hands them to the batcher, and
+// answers Tokenize and ModelInfo itself.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "proto/generation.grpc.pb.h"
+#include "router/batcher.h"
+#include "router/concurrency_limiter.h"
+#include "router/validation.h"
+#include "tokenizer/tokenizer.h"
+
+namespace tgis::router {
+
+struct ServiceOptions {
+  ValidationLimits limits;
+  uint32_t max_concurrent_requests = 96;
+  fmaas::ModelInfoResponse::ModelKind model_kind = fmaas::ModelInfoResponse::DECODER_ONLY;
+};
+
+class GenerationService final : public fmaas::GenerationService::CallbackService {
+ public:
+  // `tokenizer` and `batcher` must outlive the service.
+  GenerationService(const Tokenizer& tokenizer, Batcher& batcher, ServiceOptions options);
+
+  grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* context,
+                                     const fmaas::BatchedGenerationRequest* request,
+                                     fmaas::BatchedGenerationResponse* response) override;
+  grpc::ServerWriteReactor<fmaas::GenerationResponse>* GenerateStream(
+      grpc::CallbackServerContext* context, const fmaas::SingleGenerationRequest* request) override;
+  grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* context,
+                                     const fmaas::BatchedTokenizeRequest* request,
+                                     fmaas::BatchedTokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* ModelInfo(grpc::CallbackServerContext* context,
+                                      const fmaas::ModelInfoRequest* request,
+                                      fmaas::ModelInfoResponse* response) override;
+
+ private:
+  // Validates the parameters and every input, all or nothing, into requests ready to queue.
+  absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> Prepare(
+      const std::optional<std::string>& prefix_id, const fmaas::Parameters* params,
+      const std::vector<const std::string*>& texts, bool streaming, const std::string& log_name,
+      Clock::time_point received);
+
+  const Tokenizer& tokenizer_;
+  Batcher& batcher_;
+  const ServiceOptions options_;
+  ConcurrencyLimiter limiter_;
+  std::atomic<uint64_t> next_id_{1};    // requests (each input of a call)
+  std::atomic<uint64_t> next_call_{1};  // calls, to name them in logs
+};
+
+}  // namespace tgis::router

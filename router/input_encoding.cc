@@ -1,0 +1,54 @@
+#include "router/input_encoding.h"
+
+#include <algorithm>
+
+namespace tgis::router {
+namespace {
+
+// Appends tokens [begin, end) of `from` to `to`.
+void AppendRange(const Encoding& from, size_t begin, size_t end, Encoding* to) {
+  to->ids.insert(to->ids.end(), from.ids.begin() + begin, from.ids.begin() + end);
+  to->tokens.insert(to->tokens.end(), from.tokens.begin() + begin, from.tokens.begin() + end);
+  to->offsets.insert(to->offsets.end(), from.offsets.begin() + begin, from.offsets.begin() + end);
+}
+
+Encoding LastTokens(const Encoding& e, size_t n) {
+  Encoding out;
+  AppendRange(e, e.ids.size() - n, e.ids.size(), &out);
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<Encoding> EncodeInput(const Tokenizer& tokenizer, std::string_view text,
+                                     uint32_t truncate_to) {
+  absl::StatusOr<Encoding> full = tokenizer.Encode(text, /*add_special_tokens=*/true);
+  if (!full.ok() || truncate_to == 0 || full->ids.size() <= truncate_to) return full;
+
+  // Find where the text's own tokens sit between the added special tokens.
+  absl::StatusOr<Encoding> bare = tokenizer.Encode(text, /*add_special_tokens=*/false);
+  if (!bare.ok()) return bare.status();
+  const size_t n = bare->ids.size();
+  const size_t total = full->ids.size();
+  size_t prefix = total;  // not found
+  for (size_t p = 0; n > 0 && p + n <= total; ++p) {
+    if (std::equal(bare->ids.begin(), bare->ids.end(), full->ids.begin() + p)) {
+      prefix = p;
+      break;
+    }
+  }
+  if (prefix == total) {
+    // A post-processor that rewrites the text's tokens: keep the last tokens of the whole.
+    return LastTokens(*full, truncate_to);
+  }
+  // As HF truncation, the text's tokens go first; the special tokens stay even when they alone
+  // reach the limit.
+  const size_t specials = total - n;
+  const size_t keep = truncate_to > specials ? truncate_to - specials : 0;
+  Encoding out;
+  AppendRange(*full, 0, prefix, &out);
+  AppendRange(*full, prefix + n - keep, total, &out);
+  return out;
+}
+
+}  // namespace tgis::router

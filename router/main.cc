@@ -1,0 +1,273 @@
+// text-generation-router: the public gRPC API (fmaas.GenerationService, health, reflection) in
+// front of the model shards.
+//
+//   text-generation-router --tokenizer-path MODEL_DIR [--shard-uds-path
+//   /tmp/text-generation-server]
+//       [--num-shard 1] [--grpc-port 8033] [--max-sequence-length N] [--max-new-tokens 1024] ...
+//
+// Every flag also reads the environment variable TGIS gives it (below) when not given.
+#include <gflags/gflags.h>
+#include <glog/logging.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/env_flags.h"
+#include "router/batcher.h"
+#include "router/generation_service.h"
+#include "router/request_progress.h"
+#include "router/shard_client.h"
+#include "tokenizer/tokenizer.h"
+
+DEFINE_string(tokenizer_path, "",
+              "Model directory holding the tokenizer files, or its tokenizer.json "
+              "(env TOKENIZER_PATH)");
+DEFINE_string(shard_uds_path, "/tmp/text-generation-server",
+              "Unix socket prefix of the shards: shard N listens on <path>-N (env SHARD_UDS_PATH)");
+DEFINE_int32(num_shard, 1, "Number of shards; every one gets every call (env NUM_SHARD)");
+DEFINE_int32(grpc_port, 8033, "Port of the gRPC API (env GRPC_PORT)");
+DEFINE_int32(max_sequence_length, 0,
+             "Most tokens of input plus output per request; 0: the model's maximum position "
+             "(env MAX_SEQUENCE_LENGTH)");
+DEFINE_int32(max_new_tokens, 1024,
+             "Largest max_new_tokens a request may ask for (env MAX_NEW_TOKENS)");
+DEFINE_int32(max_batch_size, 12, "Most requests in the running batch (env MAX_BATCH_SIZE)");
+DEFINE_int32(max_concurrent_requests, 96,
+             "Most requests queued or running; more are refused with RESOURCE_EXHAUSTED "
+             "(env MAX_CONCURRENT_REQUESTS)");
+DEFINE_int32(max_waiting_tokens, 24,
+             "Decode steps after which a waiting request may always interrupt decoding with its "
+             "prefill (env MAX_WAITING_TOKENS)");
+DEFINE_int64(max_batch_weight, 0,
+             "Most tokens the running batch may hold in the KV cache; 0: what the shards report "
+             "at warmup, which also caps it (env MAX_BATCH_WEIGHT)");
+DEFINE_bool(output_special_tokens, false,
+            "Keep special tokens (e.g. EOS) in the output text (env OUTPUT_SPECIAL_TOKENS)");
+DEFINE_bool(default_include_stop_seqs, true,
+            "Whether a matched stop sequence stays in the output when a request does not say "
+            "(env DEFAULT_INCLUDE_STOP_SEQS)");
+DEFINE_int32(shard_connect_timeout, 600,
+             "Seconds to wait for the shards to come up (env SHARD_CONNECT_TIMEOUT)");
+DEFINE_int32(
+    shutdown_grace_period, 30,
+    "Seconds that running requests get to finish after SIGTERM (env SHUTDOWN_GRACE_PERIOD)");
+// ---- Reserved for the HTTP/metrics and TLS issue: PORT (3000: GET /metrics, GET /health),
+// ---- TLS_CERT_PATH, TLS_KEY_PATH, TLS_CLIENT_CA_CERT_PATH. Define them here, add them to the
+// ---- env fallbacks below, and return TLS credentials from GrpcCredentials().
+
+namespace {
+
+using tgis::router::Clock;
+
+int Fail(const std::string& message) {
+  LOG(ERROR) << message;
+  std::fprintf(stderr, "text-generation-router: %s\n", message.c_str());
+  return 1;
+}
+
+std::shared_ptr<grpc::ServerCredentials> GrpcCredentials() {
+  return grpc::InsecureServerCredentials();
+}
+
+// TGIS passes the tokenizer.json file; a model directory works too.
+std::string TokenizerDir(const std::string& path) {
+  if (std::filesystem::is_regular_file(path)) {
+    return std::filesystem::path(path).parent_path().string();
+  }
+  return path;
+}
+
+// The router reads tokenizer.json only, as TGIS's router does (its launcher writes one for
+// models that lack it): SentencePiece .model support is not linked in (see
+// tokenizer/sentencepiece.h), so say clearly what is missing.
+absl::Status CheckTokenizerJson(const std::string& dir) {
+  const std::filesystem::path file = std::filesystem::path(dir) / "tokenizer.json";
+  if (std::filesystem::is_regular_file(file)) return absl::OkStatus();
+  return absl::NotFoundError(
+      absl::StrCat(file.string(),
+                   ": not found; the router needs the model's tokenizer.json (a SentencePiece "
+                   ".model alone is not supported by the router)"));
+}
+
+// SIGTERM/SIGINT: blocked in every thread (gRPC's included) and taken by one thread. Before the
+// server is up (e.g. while waiting for the shards) they end the process at once; after, they
+// are handed to main(), which drains.
+class ShutdownSignals {
+ public:
+  ShutdownSignals() {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &set, nullptr);
+    std::thread([this, set] {
+      int signal = 0;
+      sigwait(&set, &signal);
+      if (!serving_.load()) {
+        LOG(INFO) << "signal " << signal << " before serving: exiting";
+        std::_Exit(0);
+      }
+      received_.set_value(signal);
+    }).detach();
+  }
+
+  // From now on a signal drains instead of exiting.
+  void Serving() { serving_ = true; }
+  int Wait() { return received_.get_future().get(); }
+
+ private:
+  std::atomic<bool> serving_{false};
+  std::promise<int> received_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage("--tokenizer-path MODEL_DIR [--shard-uds-path PATH] [--grpc-port N]");
+  tgis::NormalizeDashedFlags(argc, argv);
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  FLAGS_logtostderr = true;
+  google::InitGoogleLogging(argv[0]);
+  if (std::string err = tgis::ApplyEnvFallbacks({
+          {"tokenizer_path", "TOKENIZER_PATH"},
+          {"shard_uds_path", "SHARD_UDS_PATH"},
+          {"num_shard", "NUM_SHARD"},
+          {"grpc_port", "GRPC_PORT"},
+          {"max_sequence_length", "MAX_SEQUENCE_LENGTH"},
+          {"max_new_tokens", "MAX_NEW_TOKENS"},
+          {"max_batch_size", "MAX_BATCH_SIZE"},
+          {"max_concurrent_requests", "MAX_CONCURRENT_REQUESTS"},
+          {"max_waiting_tokens", "MAX_WAITING_TOKENS"},
+          {"max_batch_weight", "MAX_BATCH_WEIGHT"},
+          {"output_special_tokens", "OUTPUT_SPECIAL_TOKENS"},
+          {"default_include_stop_seqs", "DEFAULT_INCLUDE_STOP_SEQS"},
+          {"shard_connect_timeout", "SHARD_CONNECT_TIMEOUT"},
+          {"shutdown_grace_period", "SHUTDOWN_GRACE_PERIOD"},
+      });
+      !err.empty()) {
+    return Fail(err);
+  }
+  if (argc != 1) return Fail(absl::StrCat("unexpected argument '", argv[1], "'"));
+  if (FLAGS_tokenizer_path.empty()) return Fail("--tokenizer-path (TOKENIZER_PATH) is required");
+  if (FLAGS_max_new_tokens < 1 || FLAGS_max_batch_size < 1 || FLAGS_max_concurrent_requests < 1 ||
+      FLAGS_max_waiting_tokens < 1 || FLAGS_max_sequence_length < 0 || FLAGS_max_batch_weight < 0) {
+    return Fail("the size limits must be positive");
+  }
+  ShutdownSignals signals;
+
+  // The tokenizer first: a wrong model directory fails before anything waits on the shards.
+  const std::string tokenizer_dir = TokenizerDir(FLAGS_tokenizer_path);
+  if (absl::Status s = CheckTokenizerJson(tokenizer_dir); !s.ok()) {
+    return Fail(absl::StrCat("cannot load the tokenizer: ", s.message()));
+  }
+  auto tokenizer = tgis::Tokenizer::FromDirectory(tokenizer_dir);
+  if (!tokenizer.ok()) {
+    return Fail(absl::StrCat("cannot load the tokenizer: ", tokenizer.status().message()));
+  }
+
+  auto shards = tgis::router::ConnectShards(FLAGS_shard_uds_path, FLAGS_num_shard,
+                                            std::chrono::seconds(FLAGS_shard_connect_timeout));
+  if (!shards.ok()) return Fail(std::string(shards.status().message()));
+  // A restarted router must not inherit batches from its previous life.
+  if (absl::Status s = (*shards)->ClearCache(std::nullopt); !s.ok()) {
+    return Fail(absl::StrCat("ClearCache failed: ", s.message()));
+  }
+  auto info = (*shards)->Info();
+  if (!info.ok()) return Fail(absl::StrCat("Info failed: ", info.status().message()));
+
+  uint32_t max_sequence_length = info->max_position_embeddings();
+  if (FLAGS_max_sequence_length > 0) {
+    if (static_cast<uint32_t>(FLAGS_max_sequence_length) > max_sequence_length) {
+      LOG(WARNING) << "--max-sequence-length " << FLAGS_max_sequence_length
+                   << " exceeds the model's " << max_sequence_length << " positions; using "
+                   << max_sequence_length;
+    } else {
+      max_sequence_length = static_cast<uint32_t>(FLAGS_max_sequence_length);
+    }
+  }
+  generate::v1::WarmupRequest warmup_request;
+  warmup_request.set_max_input_length(max_sequence_length);
+  warmup_request.set_max_batch_size(static_cast<uint32_t>(FLAGS_max_batch_size));
+  warmup_request.set_max_batch_total_tokens(static_cast<uint32_t>(FLAGS_max_batch_weight));
+  auto warmup = (*shards)->Warmup(warmup_request);
+  if (!warmup.ok()) return Fail(absl::StrCat("Warmup failed: ", warmup.status().message()));
+  uint64_t batch_tokens = warmup->max_supported_total_tokens();
+  if (FLAGS_max_batch_weight > 0) {
+    batch_tokens = std::min<uint64_t>(batch_tokens, static_cast<uint64_t>(FLAGS_max_batch_weight));
+  }
+  if (batch_tokens < max_sequence_length) {
+    // One request of the maximum length must always fit in the KV cache.
+    LOG(WARNING) << "the KV cache holds " << batch_tokens << " tokens: max sequence length "
+                 << max_sequence_length << " lowered to it";
+    max_sequence_length = static_cast<uint32_t>(batch_tokens);
+  }
+  if (max_sequence_length < 2) return Fail("the KV cache is too small for any request");
+
+  tgis::router::BatcherConfig batcher_config;
+  batcher_config.admission.max_batch_size = static_cast<uint32_t>(FLAGS_max_batch_size);
+  batcher_config.admission.max_batch_tokens = batch_tokens;
+  batcher_config.admission.block_size = std::max<uint32_t>(warmup->block_size(), 1);
+  batcher_config.max_waiting_tokens = static_cast<uint32_t>(FLAGS_max_waiting_tokens);
+  batcher_config.detokenization.skip_special_tokens = !FLAGS_output_special_tokens;
+  for (uint32_t id : info->eos_token_ids()) {
+    batcher_config.detokenization.eos_token_ids.push_back(static_cast<int32_t>(id));
+  }
+  if (batcher_config.detokenization.eos_token_ids.empty() &&
+      (*tokenizer)->special_ids().eos.has_value()) {
+    batcher_config.detokenization.eos_token_ids.push_back(*(*tokenizer)->special_ids().eos);
+  }
+  batcher_config.detokenization.placeholder_id = tgis::router::ContinuationPlaceholder(**tokenizer);
+  // grpc.health.v1 reports NOT_SERVING while the shards fail (the server is built below).
+  std::atomic<grpc::HealthCheckServiceInterface*> health{nullptr};
+  batcher_config.on_shard_health = [&health](bool serving) {
+    if (auto* h = health.load()) h->SetServingStatus(serving);
+  };
+  tgis::router::Batcher batcher(**shards, **tokenizer, batcher_config);
+  batcher.Start();
+
+  tgis::router::ServiceOptions service_options;
+  service_options.limits.max_sequence_length = max_sequence_length;
+  service_options.limits.max_new_tokens = static_cast<uint32_t>(FLAGS_max_new_tokens);
+  service_options.limits.default_include_stop_seqs = FLAGS_default_include_stop_seqs;
+  service_options.max_concurrent_requests = static_cast<uint32_t>(FLAGS_max_concurrent_requests);
+  service_options.model_kind = info->model_kind() == generate::v1::ENCODER_DECODER
+                                   ? fmaas::ModelInfoResponse::ENCODER_DECODER
+                                   : fmaas::ModelInfoResponse::DECODER_ONLY;
+  tgis::router::GenerationService service(**tokenizer, batcher, service_options);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  const std::string address = absl::StrCat("0.0.0.0:", FLAGS_grpc_port);
+  builder.AddListeningPort(address, GrpcCredentials());
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) return Fail(absl::StrCat("cannot listen on ", address));
+  health = server->GetHealthCheckService();
+  LOG(INFO) << "gRPC server listening on " << address << " (" << info->model_type()
+            << ", max sequence length " << max_sequence_length << ", KV cache " << batch_tokens
+            << " tokens, " << FLAGS_num_shard << " shard(s))";
+
+  signals.Serving();
+  const int signal = signals.Wait();
+  LOG(INFO) << "signal " << signal << ": draining for up to " << FLAGS_shutdown_grace_period << "s";
+  health = nullptr;
+  server->GetHealthCheckService()->SetServingStatus(false);
+  server->Shutdown(std::chrono::system_clock::now() +
+                   std::chrono::seconds(FLAGS_shutdown_grace_period));
+  batcher.Stop();
+  LOG(INFO) << "stopped";
+  return 0;
+}

@@ -1,0 +1,105 @@
+#include "router/queue.h"
+
+#include <algorithm>
+
+namespace tgis::router {
+
+Footprint FootprintOf(const GenerationRequest& request, uint32_t generated) {
+  // The step that produces token g + 1 writes the prompt and the g tokens before it to the
+  // cache; the shard may count one more slot for the token being produced.
+  const uint32_t max_new = request.params.max_new_tokens;
+  return Footprint{.tokens = request.input_length() + generated + 1,
+                   .steps = max_new > generated ? max_new - generated : 0};
+}
+
+uint64_t PeakTokens(std::span<const Footprint> requests, uint32_t block_size) {
+  const uint64_t bs = std::max<uint32_t>(block_size, 1);
+  auto blocks = [bs](uint64_t tokens) { return (tokens + bs - 1) / bs * bs; };
+  // Each request's share only grows while it runs, so the total peaks just before some request
+  // finishes: at step s = steps - 1 of one of them. O(n^2) for a batch of n, which is small.
+  uint64_t peak = 0;
+  for (const Footprint& at : requests) {
+    if (at.steps == 0) continue;
+    const uint64_t s = at.steps - 1;
+    uint64_t total = 0;
+    for (const Footprint& r : requests) {
+      if (r.steps > s) total += blocks(r.tokens + s);
+    }
+    peak = std::max(peak, total);
+  }
+  return peak;
+}
+
+void RequestQueue::Push(std::unique_ptr<GenerationRequest> request) {
+  queue_.push_back(std::move(request));
+}
+
+std::unique_ptr<GenerationRequest> RequestQueue::PopFront() {
+  if (queue_.empty()) return nullptr;
+  std::unique_ptr<GenerationRequest> r = std::move(queue_.front());
+  queue_.pop_front();
+  return r;
+}
+
+std::vector<std::unique_ptr<GenerationRequest>> RequestQueue::TakeAll() {
+  std::vector<std::unique_ptr<GenerationRequest>> all;
+  for (auto& r : queue_) all.push_back(std::move(r));
+  queue_.clear();
+  return all;
+}
+
+RequestQueue::Removed RequestQueue::RemoveCancelledAndExpired(Clock::time_point now) {
+  Removed removed;
+  std::deque<std::unique_ptr<GenerationRequest>> kept;
+  for (auto& r : queue_) {
+    if (r->sink->Cancelled()) {
+      removed.cancelled.push_back(std::move(r));
+    } else if (r->params.deadline.has_value() && now > *r->params.deadline) {
+      removed.expired.push_back(std::move(r));
+    } else {
+      kept.push_back(std::move(r));
+    }
+  }
+  queue_ = std::move(kept);
+  return removed;
+}
+
+std::optional<Clock::time_point> RequestQueue::EarliestDeadline() const {
+  std::optional<Clock::time_point> earliest;
+  for (const auto& r : queue_) {
+    if (r->params.deadline.has_value() && (!earliest || *r->params.deadline < *earliest)) {
+      earliest = r->params.deadline;
+    }
+  }
+  return earliest;
+}
+
+std::vector<std::unique_ptr<GenerationRequest>> RequestQueue::NextBatch(
+    std::span<const Footprint> running, size_t min_size, const AdmissionLimits& limits) {
+  std::vector<std::unique_ptr<GenerationRequest>> batch;
+  min_size = std::max<size_t>(min_size, 1);
+  if (queue_.size() < min_size || running.size() + min_size > limits.max_batch_size) {
+    return batch;
+  }
+  std::vector<Footprint> footprints(running.begin(), running.end());
+  std::vector<size_t> chosen;
+  std::optional<Clock::time_point> cutoff;
+  for (size_t i = 0; i < queue_.size(); ++i) {
+    const GenerationRequest& r = *queue_[i];
+    if (cutoff.has_value() && r.queued > *cutoff) break;
+    footprints.push_back(FootprintOf(r, 0));
+    if (PeakTokens(footprints, limits.block_size) > limits.max_batch_tokens) {
+      footprints.pop_back();
+      if (!cutoff.has_value()) cutoff = r.queued + kOvertakeWindow;
+      continue;
+    }
+    chosen.push_back(i);
+    if (running.size() + chosen.size() >= limits.max_batch_size) break;
+  }
+  if (chosen.size() < min_size) return batch;
+  for (size_t i : chosen) batch.push_back(std::move(queue_[i]));
+  std::erase_if(queue_, [](const auto& r) { return r == nullptr; });
+  return batch;
+}
+
+}  // namespace tgis::router

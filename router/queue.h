@@ -1,0 +1,72 @@
+// The waiting queue and its admission policy: which queued requests may join the running batch
+// without the shards running out of KV cache, and without exceeding MAX_BATCH_SIZE.
+// Not thread-safe: the batcher guards it.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "router/request.h"
+
+namespace tgis::router {
+
+// A request's claim on the KV cache, looking forward: at the next step it holds `tokens`
+// tokens, and it runs for at most `steps` more steps, holding one more token at each.
+struct Footprint {
+  uint32_t tokens = 0;
+  uint32_t steps = 0;
+};
+
+// The footprint of a request that has generated `generated` of its tokens (0: not started).
+Footprint FootprintOf(const GenerationRequest& request, uint32_t generated);
+
+// The most KV-cache tokens the requests hold together at any future step, counting whole
+// blocks of `block_size` tokens (as the shards allocate them). A request frees its blocks when
+// it finishes, so the peak is usually well below the sum of the requests' final lengths.
+uint64_t PeakTokens(std::span<const Footprint> requests, uint32_t block_size);
+
+struct AdmissionLimits {
+  uint32_t max_batch_size = 12;
+  uint64_t max_batch_tokens = 0;  // the KV cache, in tokens
+  uint32_t block_size = 1;
+};
+
+class RequestQueue {
+ public:
+  void Push(std::unique_ptr<GenerationRequest> request);
+  size_t size() const { return queue_.size(); }
+  bool empty() const { return queue_.empty(); }
+
+  // Removes the requests whose client has gone and those past their time limit (the caller
+  // answers those with TIME_LIMIT).
+  struct Removed {
+    std::vector<std::unique_ptr<GenerationRequest>> cancelled;
+    std::vector<std::unique_ptr<GenerationRequest>> expired;
+  };
+  Removed RemoveCancelledAndExpired(Clock::time_point now);
+
+  // The earliest time limit of a queued request.
+  std::optional<Clock::time_point> EarliestDeadline() const;
+
+  // Takes the requests for the next prefill, given the footprints of the running ones, or none
+  // if fewer than `min_size` fit. Requests are taken in arrival order; one that does not fit
+  // is skipped, and later ones may overtake it, but only those that arrived within
+  // kOvertakeWindow after it, so that a large request is not starved by a stream of small ones.
+  std::vector<std::unique_ptr<GenerationRequest>> NextBatch(std::span<const Footprint> running,
+                                                            size_t min_size,
+                                                            const AdmissionLimits& limits);
+
+  static constexpr std::chrono::milliseconds kOvertakeWindow{1000};
+
+  std::unique_ptr<GenerationRequest> PopFront();
+  std::vector<std::unique_ptr<GenerationRequest>> TakeAll();
+
+ private:
+  std::deque<std::unique_ptr<GenerationRequest>> queue_;
+};
+
+}  // namespace tgis::router

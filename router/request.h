@@ -1,0 +1,44 @@
+// A validated generation request as it travels from the gRPC service through the queue and
+// the batcher, and the sink its results go to.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "proto/generation.pb.h"
+#include "router/generation_params.h"
+
+namespace tgis::router {
+
+// Where a request's results go; implemented by the gRPC layer. Send and Finish are called from
+// the batcher's thread, Cancelled from anywhere.
+class ResponseSink {
+ public:
+  virtual ~ResponseSink() = default;
+  // A partial response of a stream (never called for unary requests).
+  virtual void Send(fmaas::GenerationResponse message) = 0;
+  // The last message of a stream, the whole unary response, or the request's error. Called
+  // exactly once per request, after which the sink is dropped.
+  virtual void Finish(absl::StatusOr<fmaas::GenerationResponse> last) = 0;
+  // True once the client is gone (cancelled, past its gRPC deadline, disconnected).
+  virtual bool Cancelled() const = 0;
+};
+
+struct GenerationRequest {
+  uint64_t id = 0;       // unique; also the request's id on the shards
+  std::string log_name;  // names the request in logs (x-correlation-id when given)
+  std::string input_text;
+  std::vector<int32_t> input_ids;  // after truncation
+  GenerationParams params;
+  bool streaming = false;
+  std::shared_ptr<ResponseSink> sink;
+  Clock::time_point received{};
+  Clock::time_point queued{};
+
+  uint32_t input_length() const { return static_cast<uint32_t>(input_ids.size()); }
+};
+
+}  // namespace tgis::router

@@ -1,0 +1,155 @@
+#include "router/validation.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace tgis::router {
+namespace {
+
+absl::Status Invalid(std::string message) { return absl::InvalidArgumentError(std::move(message)); }
+
+absl::Status StopSequencesError() {
+  return Invalid(absl::StrCat("can specify at most ", kMaxStopSequences,
+                              " non-empty stop sequences, each not more than ",
+                              kMaxStopSequenceBytes, " UTF8 bytes"));
+}
+
+// Applies TGIS's conversion of the public parameters (its grpc_server.rs convert_params),
+// quirks included, so that a request means the same thing here as there.
+GenerationParams Convert(const fmaas::Parameters& p, bool default_include_stop_seqs,
+                         Clock::time_point now) {
+  GenerationParams gp;
+  gp.include_stop_sequence = default_include_stop_seqs;
+  gp.truncate_input_tokens = p.truncate_input_tokens();
+
+  if (p.has_response()) {
+    const fmaas::ResponseOptions& r = p.response();
+    gp.response.input_text = r.input_text();
+    gp.response.generated_tokens = r.generated_tokens();
+    gp.response.input_tokens = r.input_tokens();
+    gp.response.token_logprobs = r.token_logprobs();
+    gp.response.token_ranks = r.token_ranks();
+    gp.response.top_n_tokens = r.top_n_tokens();
+  }
+
+  // TGIS only reads length_penalty when repetition_penalty is set (non-zero); a length
+  // penalty alone is ignored, unvalidated. Kept for drop-in compatibility.
+  if (p.has_decoding() && p.decoding().repetition_penalty() != 0.0f) {
+    gp.repetition_penalty = p.decoding().repetition_penalty();
+    if (p.decoding().has_length_penalty()) {
+      gp.length_penalty = LengthPenalty{p.decoding().length_penalty().start_index(),
+                                        p.decoding().length_penalty().decay_factor()};
+    }
+  }
+
+  if (p.has_stopping()) {
+    const fmaas::StoppingCriteria& s = p.stopping();
+    if (s.max_new_tokens() != 0) gp.max_new_tokens = s.max_new_tokens();
+    gp.min_new_tokens = s.min_new_tokens();
+    gp.stop_sequences.assign(s.stop_sequences().begin(), s.stop_sequences().end());
+    if (s.has_include_stop_sequence()) gp.include_stop_sequence = s.include_stop_sequence();
+    if (s.time_limit_millis() > 0) {
+      gp.deadline = now + std::chrono::milliseconds(s.time_limit_millis());
+    }
+  }
+
+  // Sampling parameters count only for SAMPLE; a greedy request's are ignored, as TGIS does
+  // (its strict mode that rejects them is off).
+  if (p.method() == fmaas::SAMPLE) {
+    gp.sample = true;
+    gp.temperature = 0.0f;
+    if (p.has_sampling()) {
+      const fmaas::SamplingParameters& s = p.sampling();
+      gp.temperature = s.temperature();
+      gp.top_k = s.top_k();
+      if (s.top_p() != 0.0f) gp.top_p = s.top_p();
+      if (s.typical_p() != 0.0f) gp.typical_p = s.typical_p();
+      if (s.has_seed()) gp.seed = s.seed();
+    }
+    if (gp.temperature == 0.0f) gp.temperature = 1.0f;  // sampling at temperature 0: none
+  }
+  return gp;
+}
+
+}  // namespace
+
+absl::StatusOr<GenerationParams> ConvertParameters(const fmaas::Parameters* params,
+                                                   const ValidationLimits& limits,
+                                                   Clock::time_point now) {
+  GenerationParams gp;
+  if (params != nullptr) {
+    gp = Convert(*params, limits.default_include_stop_seqs, now);
+  } else {
+    gp.include_stop_sequence = limits.default_include_stop_seqs;
+  }
+
+  // TGIS's checks, in its order. The comparisons are written so that NaN fails them too.
+  if (gp.sample && !(gp.temperature >= 0.05f)) {
+    return Invalid("temperature must be >= 0.05");
+  }
+  if (!(gp.top_p > 0.0f && gp.top_p <= 1.0f)) {
+    return Invalid("top_p must be > 0.0 and <= 1.0");
+  }
+  if (!(gp.typical_p <= 1.0f)) {
+    return Invalid("typical_p must be <= 1.0");
+  }
+  if (gp.max_new_tokens > limits.max_new_tokens) {
+    return Invalid(absl::StrCat("max_new_tokens must be <= ", limits.max_new_tokens));
+  }
+  if (gp.min_new_tokens > gp.max_new_tokens) {
+    return Invalid("min_new_tokens must be <= max_new_tokens");
+  }
+  if (!(gp.repetition_penalty > 0.0f)) {
+    return Invalid("repetition_penalty must be > 0.0");
+  }
+  if (gp.length_penalty.has_value() &&
+      !(gp.length_penalty->decay_factor >= 1.0f && gp.length_penalty->decay_factor <= 10.0f)) {
+    return Invalid("length_penalty must be >= 1.0 and <= 10.0");
+  }
+  if (gp.stop_sequences.size() > kMaxStopSequences) return StopSequencesError();
+  const ResponseOptions& r = gp.response;
+  if ((r.token_logprobs || r.token_ranks || r.top_n_tokens != 0) &&
+      !(r.input_tokens || r.generated_tokens)) {
+    return Invalid("must request input and/or generated tokens to request extra token detail");
+  }
+  for (const std::string& s : gp.stop_sequences) {
+    if (s.empty() || s.size() > kMaxStopSequenceBytes) return StopSequencesError();
+  }
+  // Larger values are served as the maximum rather than refused, as TGIS's shards do.
+  gp.response.top_n_tokens = std::min(gp.response.top_n_tokens, kMaxTopNTokens);
+  return gp;
+}
+
+absl::Status ValidateInput(uint32_t input_tokens, const ValidationLimits& limits,
+                           uint32_t random_seed, GenerationParams* params) {
+  // There are no prompt prefixes, so the prefix length in the messages is always 0.
+  constexpr uint32_t kPrefixLength = 0;
+  const uint64_t effective = static_cast<uint64_t>(input_tokens) + kPrefixLength;
+  if (effective >= limits.max_sequence_length) {
+    return Invalid(absl::StrCat("input tokens (", input_tokens, ") plus prefix length (",
+                                kPrefixLength, ") must be < ", limits.max_sequence_length));
+  }
+  if (effective + params->min_new_tokens > limits.max_sequence_length) {
+    return Invalid(absl::StrCat("input tokens (", input_tokens, ") plus prefix length (",
+                                kPrefixLength, ") plus min_new_tokens (", params->min_new_tokens,
+                                ") must be <= ", limits.max_sequence_length));
+  }
+  if (params->sample && !params->seed.has_value()) {
+    // 32 bits, as TGIS, so that the seed returned to the client stays short.
+    params->seed = random_seed;
+  }
+  if (effective + params->max_new_tokens > limits.max_sequence_length) {
+    params->max_new_tokens = static_cast<uint32_t>(limits.max_sequence_length - effective);
+    params->max_is_token_limit = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PromptPrefixNotFound(std::string_view prefix_id) {
+  const std::string id(prefix_id);
+  return Invalid(absl::StrCat("can't retrieve prompt prefix with id '", id, "': prefix id \"", id,
+                              "\" not found"));
+}
+
+}  // namespace tgis::router

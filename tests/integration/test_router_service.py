@@ -1,0 +1,244 @@
+"""The router as a service: Tokenize against HF tokenizers, ModelInfo, the gRPC health and
+reflection services, overload, client cancellation, the correlation id, startup failures."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs import binary  # noqa: E402
+from router_harness import (ROUTER_BINARY, Oracle, RouterServer, binaries_missing,  # noqa: E402
+                            fixture_model_dir, wait_until)
+
+grpc = pytest.importorskip("grpc")
+
+TEXTS = ["Hello world!", "", "The quick brown fox jumps over the lazy dog.",
+         "Grüße aus Köln — ça va? 日本語のテキスト 🤖🚗", "  leading and trailing spaces  ",
+         "line one\nline two\ttabbed"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    missing = binaries_missing()
+    if missing:
+        pytest.skip(missing)
+    # A KV cache of 224 tokens: one request of the maximum length (200) fills most of it.
+    s = RouterServer("llama", kv_blocks=56, block_size=4,
+                     router_args=["--max-sequence-length", "200", "--max-new-tokens", "190",
+                                  "--max-concurrent-requests", "8", "--max-batch-size", "4"])
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return Oracle("llama")
+
+
+def byte_offsets(text: str, char_offsets):
+    """HF's Python offsets count characters; TGIS's (Rust) count bytes."""
+    starts = [0]
+    for ch in text:
+        starts.append(starts[-1] + len(ch.encode()))
+    return [(starts[a], starts[b]) for a, b in char_offsets]
+
+
+def test_tokenize_matches_hf(server, oracle):
+    pb = server.pb
+    response = server.stub.Tokenize(pb.BatchedTokenizeRequest(
+        requests=[pb.TokenizeRequest(text=t) for t in TEXTS], return_tokens=True,
+        return_offsets=True))
+    assert len(response.responses) == len(TEXTS)
+    for text, r in zip(TEXTS, response.responses):
+        e = oracle.tokenizer.encode(text)
+        assert r.token_count == len(e.ids)
+        assert list(r.tokens) == e.tokens
+        assert [(o.start, o.end) for o in r.offsets] == byte_offsets(text, e.offsets)
+    # Tokens and offsets only when asked.
+    bare = server.stub.Tokenize(pb.BatchedTokenizeRequest(requests=[pb.TokenizeRequest(text=TEXTS[0])]))
+    assert bare.responses[0].token_count == len(oracle.tokenizer.encode(TEXTS[0]).ids)
+    assert not bare.responses[0].tokens and not bare.responses[0].offsets
+
+
+def test_tokenize_truncation_and_generate_agree(server, oracle):
+    pb = server.pb
+    text = TEXTS[3]
+    full = oracle.tokenizer.encode(text)
+    for n in (1, 5, len(full.ids), len(full.ids) + 3):
+        r = server.stub.Tokenize(pb.BatchedTokenizeRequest(
+            requests=[pb.TokenizeRequest(text=text)], return_tokens=True, return_offsets=True,
+            truncate_input_tokens=n)).responses[0]
+        expected = min(n, len(full.ids))
+        assert r.token_count == expected
+        # The BOS stays; the text's last tokens are kept.
+        assert r.tokens[0] == "<s>"
+        assert list(r.tokens[1:]) == full.tokens[len(full.tokens) - (expected - 1):]
+        assert len(r.offsets) == expected
+        g = server.stub.Generate(pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text=text)],
+            params=pb.Parameters(truncate_input_tokens=n,
+                                 stopping=pb.StoppingCriteria(max_new_tokens=1)))).responses[0]
+        assert g.input_token_count == r.token_count
+
+
+def test_model_info(server):
+    pb = server.pb
+    info = server.stub.ModelInfo(pb.ModelInfoRequest(model_id="ignored"))
+    assert info.model_kind == pb.ModelInfoResponse.DECODER_ONLY
+    assert info.max_sequence_length == 200
+    assert info.max_new_tokens == 190
+
+
+def test_health_service(server):
+    check = server.channel.unary_unary("/grpc.health.v1.Health/Check",
+                                       request_serializer=lambda b: b,
+                                       response_deserializer=lambda b: b)
+    # HealthCheckRequest{service: ""} is empty; HealthCheckResponse{status: SERVING (1)}.
+    assert check(b"", timeout=10) == b"\x08\x01"
+
+
+def test_reflection_lists_the_services(server):
+    info = server.channel.stream_stream(
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    # ServerReflectionRequest{list_services: ""} (field 7).
+    replies = list(info(iter([b"\x3a\x00"]), timeout=10))
+    assert len(replies) == 1
+    assert b"fmaas.GenerationService" in replies[0]
+    assert b"grpc.health.v1.Health" in replies[0]
+
+
+def test_stream_without_request(server):
+    pb = server.pb
+    with pytest.raises(grpc.RpcError) as e:
+        list(server.stub.GenerateStream(pb.SingleGenerationRequest(), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "missing request"
+
+
+def test_overload_is_refused_at_once(server, oracle):
+    pb = server.pb
+    text = oracle.prompts[1]["text"]
+    many = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=text)] * 9,
+                                       params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=1)))
+    start = time.time()
+    with pytest.raises(grpc.RpcError) as e:
+        server.stub.Generate(many, timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.details() == "Model is overloaded"
+    assert time.time() - start < 2
+    # Eight is within the limit.
+    eight = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text=text)] * 8,
+                                        params=many.params)
+    assert len(server.stub.Generate(eight, timeout=30).responses) == 8
+
+    # Streams count too: with eight long streams running, a ninth is refused.
+    params = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=150))
+    channel, stub = server.new_stub()
+    calls = [stub.GenerateStream(pb.SingleGenerationRequest(request=pb.GenerationRequest(text="a"),
+                                                            params=params)) for _ in range(8)]
+    try:
+        for c in calls:
+            next(c)  # the first message: the request is admitted
+        with pytest.raises(grpc.RpcError) as e:
+            next(server.stub.GenerateStream(pb.SingleGenerationRequest(
+                request=pb.GenerationRequest(text="a"), params=params), timeout=10))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert e.value.details() == "Model is overloaded"
+    finally:
+        for c in calls:
+            c.cancel()
+        channel.close()
+    # The cancelled streams give their slots back.
+    assert wait_until(lambda: _generate_ok(server, text), timeout=10)
+
+
+def _generate_ok(server, text) -> bool:
+    pb = server.pb
+    try:
+        server.stub.Generate(pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text=text)] * 8,
+            params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=1))), timeout=10)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def test_cancelled_stream_frees_its_kv_blocks(server, oracle):
+    pb = server.pb
+    # Each request may grow to 200 tokens in a 224-token KV cache, so the router runs them one
+    # at a time; the first is cancelled when it holds ~56 tokens, and the second only gets the
+    # 200 it needs from the shard if the first's blocks were freed there.
+    prompt = oracle.prompts[3]["text"]  # 36 tokens
+    params = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=164))
+    call = server.stub.GenerateStream(pb.SingleGenerationRequest(
+        request=pb.GenerationRequest(text=prompt), params=params))
+    second = server.stub.Generate.future(pb.BatchedGenerationRequest(
+        requests=[pb.GenerationRequest(text=prompt)], params=params), timeout=60)
+    for m in call:
+        if m.generated_token_count >= 20:
+            break
+    call.cancel()
+    assert wait_until(lambda: "cancelled by the client after" in server.log(), timeout=10)
+    r = second.result().responses[0]
+    assert r.stop_reason == pb.MAX_TOKENS and r.generated_token_count == 164
+
+
+def test_cancelled_unary_request_leaves(server, oracle):
+    pb = server.pb
+    params = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=190))
+    before = server.log().count("cancelled by the client")
+    prefills = server.log().count("prefill of batch")
+    future = server.stub.Generate.future(pb.BatchedGenerationRequest(
+        requests=[pb.GenerationRequest(text="a")] * 2, params=params))
+    # Cancelled once running (the two inputs run one after the other: each may reach 192 of
+    # the 224 KV-cache tokens).
+    assert wait_until(lambda: server.log().count("prefill of batch") > prefills, timeout=10)
+    future.cancel()
+    assert wait_until(lambda: server.log().count("cancelled by the client") >= before + 2,
+                      timeout=10)
+    # The router serves on.
+    assert _generate_ok(server, "b")
+
+
+def test_correlation_id_names_the_request_in_logs(server):
+    pb = server.pb
+    server.stub.Generate(pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="x")],
+                                                     params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=2))),
+                         metadata=[("x-correlation-id", "corr-4242")], timeout=10)
+    assert wait_until(lambda: "correlation id corr-4242: generated 2 token(s)" in server.log())
+
+
+def run_router(*args):
+    return subprocess.run([str(binary(ROUTER_BINARY)), *args], capture_output=True, text=True,
+                          timeout=30)
+
+
+def test_bad_tokenizer_path_fails_at_start(tmp_path):
+    if not binary(ROUTER_BINARY).exists():
+        pytest.skip("router not built")
+    missing = tmp_path / "nowhere"
+    r = run_router("--tokenizer-path", str(missing))
+    assert r.returncode != 0
+    assert str(missing) in r.stderr
+    # A model directory without tokenizer.json: the message names the file.
+    (tmp_path / "model").mkdir()
+    r = run_router("--tokenizer-path", str(tmp_path / "model"))
+    assert r.returncode != 0
+    assert str(tmp_path / "model" / "tokenizer.json") in r.stderr
+    # A broken tokenizer.json names it too.
+    (tmp_path / "model" / "tokenizer.json").write_text("{not json")
+    r = run_router("--tokenizer-path", str(tmp_path / "model"))
+    assert r.returncode != 0
+    assert "tokenizer.json" in r.stderr
+    # Unknown environment values are refused with the variable named.
+    r = subprocess.run([str(binary(ROUTER_BINARY))], capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "MAX_BATCH_SIZE": "many",
+                            "TOKENIZER_PATH": str(fixture_model_dir("llama"))})
+    assert r.returncode != 0 and "MAX_BATCH_SIZE" in r.stderr

@@ -1,0 +1,140 @@
+// The waiting queue and KV-cache admission (router/queue.h).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <vector>
+
+#include "router/queue.h"
+
+namespace tgis::router {
+namespace {
+
+class FlagSink : public ResponseSink {
+ public:
+  void Send(fmaas::GenerationResponse) override {}
+  void Finish(absl::StatusOr<fmaas::GenerationResponse>) override {}
+  bool Cancelled() const override { return cancelled; }
+  std::atomic<bool> cancelled{false};
+};
+
+std::unique_ptr<GenerationRequest> Request(uint64_t id, uint32_t input, uint32_t max_new,
+                                           Clock::time_point queued = Clock::now()) {
+  auto r = std::make_unique<GenerationRequest>();
+  r->id = id;
+  r->input_ids.assign(input, 5);
+  r->params.max_new_tokens = max_new;
+  r->sink = std::make_shared<FlagSink>();
+  r->queued = queued;
+  return r;
+}
+
+std::vector<uint64_t> Ids(const std::vector<std::unique_ptr<GenerationRequest>>& batch) {
+  std::vector<uint64_t> ids;
+  for (const auto& r : batch) ids.push_back(r->id);
+  return ids;
+}
+
+TEST(RouterQueue, FootprintCountsTheNextStep) {
+  auto r = Request(1, 10, 5);
+  Footprint f = FootprintOf(*r, 0);
+  EXPECT_EQ(f.tokens, 11u);
+  EXPECT_EQ(f.steps, 5u);
+  f = FootprintOf(*r, 3);
+  EXPECT_EQ(f.tokens, 14u);
+  EXPECT_EQ(f.steps, 2u);
+}
+
+TEST(RouterQueue, PeakTokens) {
+  // One request: its last step holds input + max_new tokens.
+  std::vector<Footprint> one{FootprintOf(*Request(1, 10, 5), 0)};
+  EXPECT_EQ(PeakTokens(one, 1), 15u);
+  EXPECT_EQ(PeakTokens(one, 4), 16u);  // whole blocks
+  // A short request finishes before a long one peaks: the peak is below the sum of finals.
+  std::vector<Footprint> two{{.tokens = 101, .steps = 2}, {.tokens = 11, .steps = 100}};
+  // At s = 1 both run: 102 + 12; at s = 99 only the second: 110.
+  EXPECT_EQ(PeakTokens(two, 1), 114u);
+  two[0].steps = 50;
+  EXPECT_EQ(PeakTokens(two, 1), 101 + 49 + 11 + 49u);
+  EXPECT_EQ(PeakTokens({}, 16), 0u);
+}
+
+TEST(RouterQueue, TakesInOrderWithinBatchSize) {
+  RequestQueue q;
+  for (uint64_t i = 1; i <= 5; ++i) q.Push(Request(i, 4, 4));
+  AdmissionLimits limits{.max_batch_size = 3, .max_batch_tokens = 1000, .block_size = 1};
+  EXPECT_EQ(Ids(q.NextBatch({}, 1, limits)), (std::vector<uint64_t>{1, 2, 3}));
+  // Two running leave room for one.
+  std::vector<Footprint> running{{5, 3}, {5, 3}};
+  EXPECT_EQ(Ids(q.NextBatch(running, 1, limits)), (std::vector<uint64_t>{4}));
+  EXPECT_EQ(q.size(), 1u);
+  // Not enough room for min_size.
+  running.push_back({5, 3});
+  EXPECT_TRUE(q.NextBatch(running, 1, limits).empty());
+}
+
+TEST(RouterQueue, RespectsTheKvBudget) {
+  RequestQueue q;
+  q.Push(Request(1, 40, 10));  // 50 tokens at its end
+  q.Push(Request(2, 40, 10));
+  q.Push(Request(3, 10, 10));  // 20
+  AdmissionLimits limits{.max_batch_size = 10, .max_batch_tokens = 120, .block_size = 1};
+  EXPECT_EQ(Ids(q.NextBatch({}, 1, limits)), (std::vector<uint64_t>{1, 2, 3}));
+
+  q.Push(Request(4, 40, 10));
+  std::vector<Footprint> running{{.tokens = 71, .steps = 20}};  // 90 at its end
+  EXPECT_TRUE(q.NextBatch(running, 1, limits).empty());
+  running[0].steps = 2;  // finishes soon: 4 fits after it
+  EXPECT_EQ(Ids(q.NextBatch(running, 1, limits)), (std::vector<uint64_t>{4}));
+}
+
+TEST(RouterQueue, SmallRequestsOvertakeOnlyWithinTheWindow) {
+  const Clock::time_point t0 = Clock::now();
+  RequestQueue q;
+  q.Push(Request(1, 90, 10, t0));  // does not fit next to the running request
+  q.Push(Request(2, 5, 5, t0 + std::chrono::milliseconds(10)));
+  q.Push(Request(3, 5, 5, t0 + RequestQueue::kOvertakeWindow + std::chrono::milliseconds(1)));
+  AdmissionLimits limits{.max_batch_size = 10, .max_batch_tokens = 100, .block_size = 1};
+  std::vector<Footprint> running{{.tokens = 20, .steps = 50}};
+  EXPECT_EQ(Ids(q.NextBatch(running, 1, limits)), (std::vector<uint64_t>{2}));
+  // Request 3 arrived too long after request 1 to pass it.
+  EXPECT_TRUE(q.NextBatch(running, 1, limits).empty());
+  EXPECT_EQ(Ids(q.NextBatch({}, 1, limits)), (std::vector<uint64_t>{1}));
+  EXPECT_EQ(Ids(q.NextBatch({}, 1, limits)), (std::vector<uint64_t>{3}));
+}
+
+TEST(RouterQueue, MinSize) {
+  RequestQueue q;
+  q.Push(Request(1, 4, 4));
+  q.Push(Request(2, 4, 4));
+  AdmissionLimits limits{.max_batch_size = 10, .max_batch_tokens = 1000, .block_size = 1};
+  EXPECT_TRUE(q.NextBatch({}, 3, limits).empty());
+  EXPECT_EQ(q.size(), 2u);
+  EXPECT_EQ(Ids(q.NextBatch({}, 2, limits)), (std::vector<uint64_t>{1, 2}));
+}
+
+TEST(RouterQueue, RemovesCancelledAndExpired) {
+  const Clock::time_point now = Clock::now();
+  RequestQueue q;
+  q.Push(Request(1, 4, 4));
+  auto cancelled = Request(2, 4, 4);
+  static_cast<FlagSink*>(cancelled->sink.get())->cancelled = true;
+  q.Push(std::move(cancelled));
+  auto expired = Request(3, 4, 4);
+  expired->params.deadline = now - std::chrono::milliseconds(1);
+  q.Push(std::move(expired));
+  auto later = Request(4, 4, 4);
+  later->params.deadline = now + std::chrono::seconds(5);
+  q.Push(std::move(later));
+
+  EXPECT_EQ(q.EarliestDeadline(), now - std::chrono::milliseconds(1));
+  RequestQueue::Removed removed = q.RemoveCancelledAndExpired(now);
+  EXPECT_EQ(Ids(removed.cancelled), (std::vector<uint64_t>{2}));
+  EXPECT_EQ(Ids(removed.expired), (std::vector<uint64_t>{3}));
+  EXPECT_EQ(q.size(), 2u);
+  EXPECT_EQ(q.EarliestDeadline(), now + std::chrono::seconds(5));
+  EXPECT_EQ(Ids(q.TakeAll()), (std::vector<uint64_t>{1, 4}));
+  EXPECT_TRUE(q.empty());
+}
+
+}  // namespace
+}  // namespace tgis::router
