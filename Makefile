@@ -35,13 +35,14 @@ bench: build
 	$(PYTHON) benchmarks/engine_bench.py --build-dir $(BUILD_DIR)
 
 run: build
-	@echo "The server is not built yet: the tokenizer CLI is $(BUILD_DIR)/tokenizer/tgis-tokenizer"
+	BUILD_DIR=$(BUILD_DIR) bash scripts/run_demo.sh
 
 fixtures:
 	$(PYTHON) tests/fixtures/make_tokenizer_fixtures.py
 
 format:
-	find tokenizer tests benchmarks -name '*.cc' -o -name '*.h' | xargs clang-format -i
+	find common kernels launcher metrics router server tokenizer tests benchmarks \
+	  \( -name '*.cc' -o -name '*.h' \) | xargs clang-format -i
 
 clean:
 	rm -rf $(BUILD_DIR)

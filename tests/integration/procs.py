@@ -3,7 +3,6 @@ stubs for the repository's .proto files, and a process that is always cleaned up
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -12,6 +11,8 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+import tgis_proto  # noqa: E402
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
 
 
@@ -23,23 +24,9 @@ def binary(relative: str) -> Path:
     return build_dir() / relative
 
 
-_STUB_DIR = None
-
-
 def proto_module(name: str):
     """Imports <name>_pb2 and <name>_pb2_grpc generated from proto/<name>.proto."""
-    global _STUB_DIR
-    if _STUB_DIR is None:
-        from grpc_tools import protoc
-
-        _STUB_DIR = tempfile.mkdtemp(prefix="tgis-stubs-")
-        for proto in sorted((REPO_ROOT / "proto").glob("*.proto")):
-            rc = protoc.main(["protoc", f"-I{REPO_ROOT / 'proto'}", f"--python_out={_STUB_DIR}",
-                              f"--grpc_python_out={_STUB_DIR}", str(proto)])
-            if rc != 0:
-                raise RuntimeError(f"protoc failed on {proto}")
-        sys.path.insert(0, _STUB_DIR)
-    return importlib.import_module(f"{name}_pb2"), importlib.import_module(f"{name}_pb2_grpc")
+    return tgis_proto.load(name)
 
 
 class Process:
