@@ -8,7 +8,7 @@ APT_PACKAGES=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libgflags-dev libgoogle-glog-dev libgtest-dev libgmock-dev libbenchmark-dev
   libsentencepiece-dev nlohmann-json3-dev libonig-dev libicu-dev libssl-dev libopenblas-dev
-  libcpp-httplib-dev prometheus
+  libcpp-httplib-dev prometheus libgloo-dev
   python3-venv
 )
 PY_PACKAGES=(

@@ -1,7 +1,10 @@
 #include "server/decoder_model.h"
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 
@@ -52,11 +55,58 @@ absl::Status CheckShape(const Tensor& t, const kernels::Shape& want, const std::
 
 }  // namespace
 
-absl::Status ValidateWeights(const DecoderSpec& s, const DecoderWeights& w) {
-  const int64_t qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim;
-  const int64_t up = s.mlp == MlpKind::kGatedSilu ? 2 * s.intermediate : s.intermediate;
-  if (auto st = CheckShape(w.embed, {s.vocab, s.hidden}, "embedding"); !st.ok()) return st;
-  if (auto st = CheckShape(w.lm_head, {s.vocab, s.hidden}, "lm_head"); !st.ok()) return st;
+absl::StatusOr<ShardLayout> ShardLayout::Make(const DecoderSpec& s, int rank, int world) {
+  if (world < 1 || rank < 0 || rank >= world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is not in [0, world size ", world, ")"));
+  }
+  auto indivisible = [&](const char* what, int64_t n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor parallel: ", what, " (", n, ") is not divisible by the world size (", world, ")"));
+  };
+  if (s.num_heads % world != 0) return indivisible("the number of attention heads", s.num_heads);
+  if (s.intermediate % world != 0) return indivisible("the MLP size", s.intermediate);
+  if (s.num_kv_heads <= 0 || s.num_heads % s.num_kv_heads != 0) {
+    return absl::InvalidArgumentError("attention heads are not a multiple of the KV heads");
+  }
+  if (s.vocab < world) return indivisible("the vocabulary", s.vocab);
+  ShardLayout l;
+  l.rank = rank;
+  l.world_size = world;
+  const int64_t hq = s.num_heads / world;
+  l.q_heads = {rank * hq, (rank + 1) * hq};
+  if (s.num_kv_heads >= world) {
+    if (s.num_kv_heads % world != 0) return indivisible("the number of KV heads", s.num_kv_heads);
+    const int64_t hk = s.num_kv_heads / world;
+    l.kv_heads = {rank * hk, (rank + 1) * hk};
+  } else {
+    // Fewer KV heads than ranks: each rank keeps the one its q heads share (a rank's q heads
+    // must not straddle two KV heads' groups).
+    if (world % s.num_kv_heads != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor parallel: the world size (", world,
+                                                     ") is not a multiple of the KV heads (",
+                                                     s.num_kv_heads, ")"));
+    }
+    const int64_t kv = rank * s.num_kv_heads / world;
+    l.kv_heads = {kv, kv + 1};
+    l.kv_replicated = world > 1;
+  }
+  const int64_t inter = s.intermediate / world;
+  l.intermediate = {rank * inter, (rank + 1) * inter};
+  l.vocab_chunk = (s.vocab + world - 1) / world;
+  l.vocab = {std::min(s.vocab, rank * l.vocab_chunk),
+             std::min(s.vocab, (rank + 1) * l.vocab_chunk)};
+  return l;
+}
+
+absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
+                             const DecoderWeights& w) {
+  const int64_t hq = layout.q_heads.size(), hk = layout.kv_heads.size();
+  const int64_t inter = layout.intermediate.size(), vocab = layout.vocab.size();
+  const int64_t qkv = (hq + 2 * hk) * s.head_dim;
+  const int64_t up = s.mlp == MlpKind::kGatedSilu ? 2 * inter : inter;
+  if (auto st = CheckShape(w.embed, {vocab, s.hidden}, "embedding"); !st.ok()) return st;
+  if (auto st = CheckShape(w.lm_head, {vocab, s.hidden}, "lm_head"); !st.ok()) return st;
   if (static_cast<int64_t>(w.layers.size()) != s.num_layers) {
     return absl::InvalidArgumentError("layer count does not match the config");
   }
@@ -65,28 +115,103 @@ absl::Status ValidateWeights(const DecoderSpec& s, const DecoderWeights& w) {
     const std::string p = absl::StrCat("layer ", i, " ");
     for (auto [t, shape, name] :
          {std::tuple{&l.qkv_w, kernels::Shape{qkv, s.hidden}, "qkv"},
-          std::tuple{&l.o_w, kernels::Shape{s.hidden, s.num_heads * s.head_dim}, "o_proj"},
+          std::tuple{&l.o_w, kernels::Shape{s.hidden, hq * s.head_dim}, "o_proj"},
           std::tuple{&l.up_w, kernels::Shape{up, s.hidden}, "mlp up"},
-          std::tuple{&l.down_w, kernels::Shape{s.hidden, s.intermediate}, "mlp down"},
+          std::tuple{&l.down_w, kernels::Shape{s.hidden, inter}, "mlp down"},
           std::tuple{&l.ln1_w, kernels::Shape{s.hidden}, "input norm"},
           std::tuple{&l.ln2_w, kernels::Shape{s.hidden}, "post-attention norm"}}) {
+      if (auto st = CheckShape(*t, shape, p + name); !st.ok()) return st;
+    }
+    for (auto [t, shape, name] :
+         {std::tuple{&l.qkv_b, kernels::Shape{qkv}, "qkv bias"},
+          std::tuple{&l.o_b, kernels::Shape{s.hidden}, "o_proj bias"},
+          std::tuple{&l.up_b, kernels::Shape{up}, "mlp up bias"},
+          std::tuple{&l.down_b, kernels::Shape{s.hidden}, "mlp down bias"}}) {
+      if (!t->defined()) continue;
       if (auto st = CheckShape(*t, shape, p + name); !st.ok()) return st;
     }
   }
   return absl::OkStatus();
 }
 
-CausalLM::CausalLM(DecoderSpec spec, DecoderWeights weights)
-    : spec_(std::move(spec)), w_(std::move(weights)) {
-  if (spec_.attn_scale == 0) spec_.attn_scale = 1.0f / std::sqrt(static_cast<float>(spec_.head_dim));
+CausalLM::CausalLM(DecoderSpec spec, DecoderWeights weights, std::shared_ptr<Communicator> comm)
+    : spec_(std::move(spec)),
+      w_(std::move(weights)),
+      comm_(comm ? std::move(comm) : MakeSingleProcessCommunicator()) {
+  auto layout = ShardLayout::Make(spec_, comm_->rank(), comm_->world_size());
+  if (!layout.ok()) {  // builders check this (and report it) before they slice the weights
+    std::fprintf(stderr, "FATAL CausalLM: %s\n", std::string(layout.status().message()).c_str());
+    std::abort();
+  }
+  layout_ = *layout;
+  if (spec_.attn_scale == 0) {
+    spec_.attn_scale = 1.0f / std::sqrt(static_cast<float>(spec_.head_dim));
+  }
   if (spec_.position == PositionKind::kAlibi) {
-    alibi_ = kernels::AlibiSlopes(static_cast<int>(spec_.num_heads));
+    const std::vector<float> all = kernels::AlibiSlopes(static_cast<int>(spec_.num_heads));
+    alibi_.assign(all.begin() + layout_.q_heads.begin, all.begin() + layout_.q_heads.end);
   }
 }
 
 size_t CausalLM::KvBytesPerToken() const {
-  return static_cast<size_t>(2 * spec_.num_layers * spec_.num_kv_heads * spec_.head_dim) *
+  return static_cast<size_t>(2 * spec_.num_layers * layout_.kv_heads.size() * spec_.head_dim) *
          sizeof(float);
+}
+
+void CausalLM::Embed(const Tensor& ids, Tensor* x) const {
+  if (layout_.world_size == 1) {
+    kernels::Embedding(ids, w_.embed, x);
+    return;
+  }
+  // Vocab-parallel: this rank looks up the ids in its slice; the others' rows are zero, so the
+  // sum over ranks is the embedding.
+  const int64_t t = ids.numel(), h = spec_.hidden;
+  std::vector<int32_t> local(t, 0);
+  std::vector<bool> mine(t, false);
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t id = ids.dtype() == DType::kI64 ? ids.data<int64_t>()[i] : ids.data<int32_t>()[i];
+    mine[i] = layout_.vocab.begin <= id && id < layout_.vocab.end;
+    if (mine[i]) local[i] = static_cast<int32_t>(id - layout_.vocab.begin);
+  }
+  if (layout_.vocab.size() > 0) {
+    kernels::Embedding(Tensor::FromVector(local, {t}), w_.embed, x);
+  } else {
+    std::memset(x->raw(), 0, x->nbytes());
+  }
+  for (int64_t i = 0; i < t; ++i) {
+    if (!mine[i]) std::memset(x->data<float>() + i * h, 0, h * sizeof(float));
+  }
+  comm_->AllReduceSum(x);
+}
+
+Tensor CausalLM::LmHead(const Tensor& normed) const {
+  const int64_t rows = normed.dim(0);
+  Tensor local = Tensor::Empty({rows, layout_.vocab.size()}, DType::kF32);
+  kernels::Linear(normed, w_.lm_head, nullptr, &local);
+  if (layout_.world_size == 1) return local;
+  // Vocab-parallel: every rank computes its slice of the logits; the all-gather (equal chunks:
+  // the last rank's is padded) gives every rank all of them, so they all sample alike.
+  const int64_t chunk = layout_.vocab_chunk, world = layout_.world_size;
+  Tensor padded = local;
+  if (layout_.vocab.size() != chunk) {
+    padded = Tensor::Zeros({rows, chunk}, DType::kF32);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(padded.data<float>() + r * chunk, local.data<float>() + r * local.dim(1),
+                  local.dim(1) * sizeof(float));
+    }
+  }
+  Tensor gathered;  // [world, rows, chunk]
+  comm_->AllGather(padded, &gathered);
+  Tensor logits = Tensor::Empty({rows, spec_.vocab}, DType::kF32);
+  for (int64_t k = 0; k < world; ++k) {
+    const int64_t begin = std::min(spec_.vocab, k * chunk);
+    const int64_t n = std::min(spec_.vocab, (k + 1) * chunk) - begin;
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(logits.data<float>() + r * spec_.vocab + begin,
+                  gathered.data<float>() + (k * rows + r) * chunk, n * sizeof(float));
+    }
+  }
+  return logits;
 }
 
 void CausalLM::Norm(const Tensor& x, const Tensor& w, const Tensor& b, Tensor* out) const {
@@ -97,19 +222,21 @@ void CausalLM::Norm(const Tensor& x, const Tensor& w, const Tensor& b, Tensor* o
   }
 }
 
+// This rank's part of the MLP output (before the all-reduce).
 void CausalLM::Mlp(const LayerWeights& w, const Tensor& x, Tensor* out) const {
   const int64_t t = x.dim(0);
+  const int64_t inter = layout_.intermediate.size();
   if (spec_.mlp == MlpKind::kGatedSilu) {
-    Tensor gate_up = Tensor::Empty({t, 2 * spec_.intermediate}, DType::kF32);
+    Tensor gate_up = Tensor::Empty({t, 2 * inter}, DType::kF32);
     kernels::Linear(x, w.up_w, w.up_b.defined() ? &w.up_b : nullptr, &gate_up);
-    Tensor act = Tensor::Empty({t, spec_.intermediate}, DType::kF32);
+    Tensor act = Tensor::Empty({t, inter}, DType::kF32);
     kernels::SiluMul(gate_up, &act);
-    kernels::Linear(act, w.down_w, w.down_b.defined() ? &w.down_b : nullptr, out);
+    kernels::Linear(act, w.down_w, RowParallelBias(w.down_b), out);
   } else {
-    Tensor h = Tensor::Empty({t, spec_.intermediate}, DType::kF32);
+    Tensor h = Tensor::Empty({t, inter}, DType::kF32);
     kernels::Linear(x, w.up_w, w.up_b.defined() ? &w.up_b : nullptr, &h);
     kernels::Gelu(spec_.gelu, &h);
-    kernels::Linear(h, w.down_w, w.down_b.defined() ? &w.down_b : nullptr, out);
+    kernels::Linear(h, w.down_w, RowParallelBias(w.down_b), out);
   }
 }
 
@@ -117,16 +244,18 @@ Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLay
                          const std::vector<int32_t>& logit_rows) const {
   const DecoderSpec& s = spec_;
   const int64_t t = in.input_ids.dim(0);
+  const int64_t hq = layout_.q_heads.size(), hk = layout_.kv_heads.size();
+  const bool parallel = layout_.world_size > 1;
   Tensor x = Tensor::Empty({t, s.hidden}, DType::kF32);
-  kernels::Embedding(in.input_ids, w_.embed, &x);
+  Embed(in.input_ids, &x);
   if (s.position == PositionKind::kLearned) {
     Tensor pos = Tensor::Empty({t, s.hidden}, DType::kF32);
     kernels::Embedding(in.positions, w_.pos_embed, &pos);
     kernels::AddInPlace(&x, pos);
   }
   Tensor h = Tensor::Empty({t, s.hidden}, DType::kF32);
-  Tensor qkv = Tensor::Empty({t, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim}, DType::kF32);
-  Tensor attn = Tensor::Empty({t, s.num_heads, s.head_dim}, DType::kF32);
+  Tensor qkv = Tensor::Empty({t, (hq + 2 * hk) * s.head_dim}, DType::kF32);
+  Tensor attn = Tensor::Empty({t, hq, s.head_dim}, DType::kF32);
   Tensor o = Tensor::Empty({t, s.hidden}, DType::kF32);
   Tensor m = Tensor::Empty({t, s.hidden}, DType::kF32);
   for (int64_t l = 0; l < s.num_layers; ++l) {
@@ -134,31 +263,37 @@ Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLay
     Norm(x, w.ln1_w, w.ln1_b, &h);
     kernels::Linear(h, w.qkv_w, w.qkv_b.defined() ? &w.qkv_b : nullptr, &qkv);
     Tensor q, k, v;
-    SplitQkv(qkv, s.num_heads, s.num_kv_heads, s.head_dim, &q, &k, &v);
+    SplitQkv(qkv, hq, hk, s.head_dim, &q, &k, &v);
     if (s.position == PositionKind::kRotary) kernels::Rotary(s.rotary, in.positions, &q, &k);
     kernels::ReshapeAndCache(k, v, in.slot_mapping, &(*cache)[l]);
     kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.sliding_window,
                             alibi_.empty() ? nullptr : &alibi_, &attn);
-    kernels::Linear(attn.Reshape({t, s.num_heads * s.head_dim}), w.o_w,
-                    w.o_b.defined() ? &w.o_b : nullptr, &o);
+    kernels::Linear(attn.Reshape({t, hq * s.head_dim}), w.o_w, RowParallelBias(w.o_b), &o);
     if (s.parallel_residual) {
       Norm(x, w.ln2_w, w.ln2_b, &h);
       Mlp(w, h, &m);
-      kernels::AddInPlace(&x, o);
-      kernels::AddInPlace(&x, m);
+      if (parallel) {
+        // x + attn + mlp: one all-reduce of this rank's attn + mlp parts.
+        kernels::AddInPlace(&o, m);
+        comm_->AllReduceSum(&o);
+        kernels::AddInPlace(&x, o);
+      } else {
+        kernels::AddInPlace(&x, o);
+        kernels::AddInPlace(&x, m);
+      }
     } else {
+      comm_->AllReduceSum(&o);
       kernels::AddInPlace(&x, o);
       Norm(x, w.ln2_w, w.ln2_b, &h);
       Mlp(w, h, &m);
+      comm_->AllReduceSum(&m);
       kernels::AddInPlace(&x, m);
     }
   }
   Tensor last = GatherRows(x, logit_rows);
   Tensor normed = Tensor::Empty(last.shape(), DType::kF32);
   Norm(last, w_.final_norm_w, w_.final_norm_b, &normed);
-  Tensor logits = Tensor::Empty({static_cast<int64_t>(logit_rows.size()), s.vocab}, DType::kF32);
-  kernels::Linear(normed, w_.lm_head, nullptr, &logits);
-  return logits;
+  return LmHead(normed);
 }
 
 }  // namespace tgis::server

@@ -1,6 +1,12 @@
 // A decoder-only transformer assembled from shared layers. Architectures differ only in a
 // DecoderSpec (norms, MLP kind, positions, residual layout) and in how their checkpoint names
 // map onto DecoderWeights; each architecture's file under models/ does that mapping.
+//
+// Tensor parallel: a CausalLM is one rank's part of the model (ShardLayout) and runs its forward
+// pass together with the other ranks through a Communicator: column-parallel q/k/v and MLP up
+// projections, row-parallel o_proj and MLP down projections (one all-reduce after attention and
+// one after the MLP, or one per layer with a parallel residual), vocab-parallel embedding (an
+// all-reduce) and lm_head (an all-gather, so every rank holds the full logits).
 #pragma once
 
 #include <cstdint>
@@ -8,8 +14,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/ops.h"
 #include "kernels/tensor.h"
+#include "server/communicator.h"
 
 namespace tgis::server {
 
@@ -39,17 +47,50 @@ struct DecoderSpec {
   float attn_scale = 0;  // 0: 1/sqrt(head_dim)
 };
 
+// A half-open range of indices [begin, end).
+struct Range {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t size() const { return end - begin; }
+  Range Scaled(int64_t k) const { return {begin * k, end * k}; }
+  Range Shifted(int64_t by) const { return {begin + by, end + by}; }
+};
+
+// The part of a DecoderSpec's model that one tensor-parallel rank holds (world size 1: all).
+struct ShardLayout {
+  int rank = 0;
+  int world_size = 1;
+  Range q_heads;   // attention heads: q rows of the fused qkv, input columns of o_proj
+  Range kv_heads;  // key/value heads (a slice, or the one this rank's q heads share)
+  bool kv_replicated = false;
+  Range intermediate;       // MLP columns: up (and gate) rows, down input columns
+  Range vocab;              // embedding and lm_head rows
+  int64_t vocab_chunk = 0;  // vocab rows per rank, ceil(V / world_size); the last may hold fewer
+
+  // Splits `spec` over `world_size` ranks: attention heads and the MLP evenly (both must be
+  // divisible by the world size); KV heads evenly when there are at least as many as ranks,
+  // else each rank keeps the one KV head its q heads use (MQA, few KV heads); the vocabulary
+  // in chunks of ceil(V / world_size).
+  static absl::StatusOr<ShardLayout> Make(const DecoderSpec& spec, int rank, int world_size);
+
+  // Rows of this rank's q, k and v in projections laid out head by head (head_dim `d`).
+  Range q_rows(int64_t d) const { return q_heads.Scaled(d); }
+  Range kv_rows(int64_t d) const { return kv_heads.Scaled(d); }
+};
+
+// One rank's weights: shapes use the rank's local sizes (ShardLayout): Hq, Hk, I and V below
+// are this rank's heads, KV heads, MLP columns and vocabulary rows.
 struct LayerWeights {
   kernels::Tensor ln1_w, ln1_b, ln2_w, ln2_b;  // biases undefined for RMSNorm
   kernels::Tensor qkv_w, qkv_b;                // [(Hq + 2 Hk) * D, H]: q rows, then k, then v
-  kernels::Tensor o_w, o_b;
-  kernels::Tensor up_w, up_b;
-  kernels::Tensor down_w, down_b;
+  kernels::Tensor o_w, o_b;                    // [H, Hq * D]; the bias whole (added once)
+  kernels::Tensor up_w, up_b;                  // [2I, H] ([gate | up]) or [I, H]
+  kernels::Tensor down_w, down_b;              // [H, I]; the bias whole (added once)
 };
 
 struct DecoderWeights {
   kernels::Tensor embed;      // [V, H]
-  kernels::Tensor pos_embed;  // [P, H] learned positions, or undefined
+  kernels::Tensor pos_embed;  // [P, H] learned positions (whole), or undefined
   std::vector<LayerWeights> layers;
   kernels::Tensor final_norm_w, final_norm_b;
   kernels::Tensor lm_head;  // [V, H]; may share storage with embed
@@ -65,26 +106,40 @@ struct ForwardInput {
 
 class CausalLM {
  public:
-  CausalLM(DecoderSpec spec, DecoderWeights weights);
+  // `weights` hold the part of the model that `comm`'s rank owns (ShardLayout::Make of `spec`);
+  // a null `comm` means world size 1.
+  CausalLM(DecoderSpec spec, DecoderWeights weights, std::shared_ptr<Communicator> comm = nullptr);
   // Runs the batch, writing its keys/values into `cache` (one entry per layer), and returns
-  // the logits [rows, V] of the token rows listed in `logit_rows`.
+  // the logits [rows, V] (the whole vocabulary, on every rank) of the token rows listed in
+  // `logit_rows`. Every rank of the group must run the same batch at the same time.
   kernels::Tensor Forward(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
                           const std::vector<int32_t>& logit_rows) const;
-  const DecoderSpec& spec() const { return spec_; }
-  // Bytes of KV cache per token (all layers, keys and values, f32).
+  const DecoderSpec& spec() const { return spec_; }  // the whole model's sizes
+  const ShardLayout& shard() const { return layout_; }
+  Communicator& communicator() const { return *comm_; }
+  // Bytes of this rank's KV cache per token (all layers, its KV heads, keys and values, f32).
   size_t KvBytesPerToken() const;
 
  private:
+  void Embed(const kernels::Tensor& ids, kernels::Tensor* x) const;
+  kernels::Tensor LmHead(const kernels::Tensor& normed) const;
+  // The bias of a row-parallel linear: added by rank 0 only, so the all-reduce adds it once.
+  const kernels::Tensor* RowParallelBias(const kernels::Tensor& b) const {
+    return b.defined() && layout_.rank == 0 ? &b : nullptr;
+  }
   void Mlp(const LayerWeights& w, const kernels::Tensor& x, kernels::Tensor* out) const;
   void Norm(const kernels::Tensor& x, const kernels::Tensor& w, const kernels::Tensor& b,
             kernels::Tensor* out) const;
 
   DecoderSpec spec_;
   DecoderWeights w_;
-  std::vector<float> alibi_;
+  std::shared_ptr<Communicator> comm_;
+  ShardLayout layout_;
+  std::vector<float> alibi_;  // this rank's heads' slopes
 };
 
-// Checks shapes of `w` against `spec`; an error names the layer and the tensor.
-absl::Status ValidateWeights(const DecoderSpec& spec, const DecoderWeights& w);
+// Checks shapes of `w` against `spec` split by `layout`; an error names the layer and the tensor.
+absl::Status ValidateWeights(const DecoderSpec& spec, const ShardLayout& layout,
+                             const DecoderWeights& w);
 
 }  // namespace tgis::server

@@ -15,8 +15,9 @@ Engine::Engine(std::unique_ptr<CausalLM> model, std::vector<int32_t> eos_ids,
                int64_t max_positions, int num_blocks, int block_size)
     : model_(std::move(model)), eos_(std::move(eos_ids)), max_positions_(max_positions) {
   const DecoderSpec& s = model_->spec();
+  // A tensor-parallel rank caches only its own KV heads.
   cache_ = std::make_unique<KvCache>(static_cast<int>(s.num_layers), num_blocks, block_size,
-                                     static_cast<int>(s.num_kv_heads),
+                                     static_cast<int>(model_->shard().kv_heads.size()),
                                      static_cast<int>(s.head_dim));
 }
 

@@ -2,16 +2,22 @@
 //
 //   text-generation-server serve MODEL_DIR --uds-path /tmp/text-generation-server
 //       [--dtype float32|bfloat16] [--rank 0 --world-size 1] [--kv-cache-blocks N]
+//
+// With --world-size N > 1 the N shards (ranks 0..N-1) each load their slice of the model and run
+// every step together over a Communicator (Gloo on the CPU), meeting first through the
+// rendezvous directory of MASTER_ADDR:MASTER_PORT.
 #include <gflags/gflags.h>
 #include <glog/logging.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/prctl.h>
 
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <thread>
 
 #include "common/env_flags.h"
+#include "server/gloo_communicator.h"
 #include "server/model_registry.h"
 #include "server/shard_service.h"
 
@@ -20,6 +26,15 @@ DEFINE_string(uds_path, "/tmp/text-generation-server",
 DEFINE_string(dtype, "float32", "Weight dtype: float32 or bfloat16 (env DTYPE_STR)");
 DEFINE_int32(rank, 0, "This shard's rank (env RANK)");
 DEFINE_int32(world_size, 1, "Number of shards (env WORLD_SIZE)");
+DEFINE_string(master_addr, "localhost",
+              "Shard group address; rank 0's TCP device listens there (env MASTER_ADDR)");
+DEFINE_int32(master_port, 29500, "Shard group port: names the rendezvous (env MASTER_PORT)");
+DEFINE_string(rendezvous_dir, "",
+              "Directory where the shards of a group meet; default <tmp>/tgis-rendezvous-"
+              "<master addr>-<master port> (env TGIS_RENDEZVOUS_DIR)");
+DEFINE_int32(collective_timeout, 300,
+             "Seconds to wait for the other shards at the rendezvous and in each collective "
+             "(env TGIS_COLLECTIVE_TIMEOUT)");
 DEFINE_int32(kv_cache_blocks, 0,
              "KV cache blocks; 0 sizes the cache from free memory at Warmup (env KV_CACHE_BLOCKS)");
 DEFINE_int32(block_size, 16, "Tokens per KV cache block (env KV_CACHE_BLOCK_SIZE)");
@@ -56,6 +71,10 @@ int main(int argc, char** argv) {
                                                  {"dtype", "DTYPE_STR"},
                                                  {"rank", "RANK"},
                                                  {"world_size", "WORLD_SIZE"},
+                                                 {"master_addr", "MASTER_ADDR"},
+                                                 {"master_port", "MASTER_PORT"},
+                                                 {"rendezvous_dir", "TGIS_RENDEZVOUS_DIR"},
+                                                 {"collective_timeout", "TGIS_COLLECTIVE_TIMEOUT"},
                                                  {"kv_cache_blocks", "KV_CACHE_BLOCKS"},
                                                  {"block_size", "KV_CACHE_BLOCK_SIZE"},
                                                  {"memory_fraction", "KV_CACHE_MEMORY_FRACTION"}});
@@ -68,8 +87,11 @@ int main(int argc, char** argv) {
   // Exit with the parent (the launcher): no orphaned shard.
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   const std::string model_dir = argv[2];
-  if (FLAGS_world_size != 1) {
-    return Fail("tensor parallelism (world size > 1) is not available yet");
+  // At world size 1 the rank only names the socket (independent shards side by side).
+  if (FLAGS_world_size < 1 || FLAGS_rank < 0 ||
+      (FLAGS_world_size > 1 && FLAGS_rank >= FLAGS_world_size)) {
+    return Fail("--rank " + std::to_string(FLAGS_rank) + " is not in [0, --world-size " +
+                std::to_string(FLAGS_world_size) + ")");
   }
   tgis::kernels::DType dtype;
   if (FLAGS_dtype == "float32" || FLAGS_dtype == "float") {
@@ -85,9 +107,34 @@ int main(int argc, char** argv) {
   if (!config.ok()) return Fail(std::string(config.status().message()));
   auto weights = tgis::server::WeightStore::Open(model_dir);
   if (!weights.ok()) return Fail(std::string(weights.status().message()));
-  auto model = tgis::server::ModelRegistry::Get().Build(*config, **weights, dtype);
+  std::shared_ptr<tgis::server::Communicator> comm;
+  if (FLAGS_world_size > 1) {
+    tgis::server::GlooOptions gloo;
+    gloo.rank = FLAGS_rank;
+    gloo.world_size = FLAGS_world_size;
+    gloo.rendezvous_dir = FLAGS_rendezvous_dir.empty() ? tgis::server::DefaultRendezvousDir(
+                                                             FLAGS_master_addr, FLAGS_master_port)
+                                                       : FLAGS_rendezvous_dir;
+    // The rendezvous is a directory on this machine, so the shards are local: their TCP devices
+    // listen on MASTER_ADDR (loopback by default), or on GLOO_SOCKET_IFNAME when set.
+    gloo.hostname = FLAGS_master_addr == "localhost" ? "127.0.0.1" : FLAGS_master_addr;
+    if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME"); iface && *iface) {
+      gloo.iface = iface;
+    }
+    gloo.timeout = std::chrono::seconds(FLAGS_collective_timeout);
+    LOG(INFO) << "shard " << FLAGS_rank << "/" << FLAGS_world_size << ": joining the group in "
+              << gloo.rendezvous_dir;
+    auto connected = tgis::server::ConnectGloo(gloo);
+    if (!connected.ok()) return Fail(std::string(connected.status().message()));
+    comm = *connected;
+    LOG(INFO) << "shard " << FLAGS_rank << "/" << FLAGS_world_size << ": connected";
+  }
+  auto model = tgis::server::ModelRegistry::Get().Build(*config, **weights, dtype, comm);
   if (!model.ok()) return Fail(std::string(model.status().message()));
   LOG(INFO) << "loaded " << config->model_type << " from " << model_dir << " (" << FLAGS_dtype
+            << (FLAGS_world_size > 1 ? ", rank " + std::to_string(FLAGS_rank) + " of " +
+                                           std::to_string(FLAGS_world_size)
+                                     : std::string())
             << ")";
 
   tgis::server::ShardOptions opts;

@@ -22,15 +22,16 @@ void ModelRegistry::Register(const std::string& model_type, ModelBuilder builder
   builders_.emplace_back(model_type, std::move(builder));
 }
 
-absl::StatusOr<std::unique_ptr<CausalLM>> ModelRegistry::Build(const ModelConfig& config,
-                                                               const WeightStore& weights,
-                                                               kernels::DType dtype) const {
+absl::StatusOr<std::unique_ptr<CausalLM>> ModelRegistry::Build(
+    const ModelConfig& config, const WeightStore& weights, kernels::DType dtype,
+    std::shared_ptr<Communicator> comm) const {
+  if (!comm) comm = MakeSingleProcessCommunicator();
   for (const auto& [type, builder] : builders_) {
-    if (type == config.model_type) return builder(config, weights, dtype);
+    if (type == config.model_type) return builder(config, weights, dtype, comm);
   }
-  return absl::UnimplementedError(absl::StrCat("config.json: model_type '", config.model_type,
-                                               "' is not supported; supported: ",
-                                               absl::StrJoin(SupportedTypes(), ", ")));
+  return absl::UnimplementedError(
+      absl::StrCat("config.json: model_type '", config.model_type,
+                   "' is not supported; supported: ", absl::StrJoin(SupportedTypes(), ", ")));
 }
 
 std::vector<std::string> ModelRegistry::SupportedTypes() const {

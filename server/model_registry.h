@@ -8,23 +8,28 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/tensor.h"
+#include "server/communicator.h"
 #include "server/decoder_model.h"
 #include "server/model_config.h"
 #include "server/weights.h"
 
 namespace tgis::server {
 
-// `dtype`: the dtype linear weights are kept in (activations are f32 on the CPU).
+// `dtype`: the dtype linear weights are kept in (activations are f32 on the CPU). `comm`: the
+// tensor-parallel group (never null; world size 1 for a single shard): a builder loads only this
+// rank's slice of the weights (ShardLayout, ShardedLoader) and hands `comm` to the CausalLM.
 using ModelBuilder = std::function<absl::StatusOr<std::unique_ptr<CausalLM>>(
-    const ModelConfig&, const WeightStore&, kernels::DType dtype)>;
+    const ModelConfig&, const WeightStore&, kernels::DType dtype,
+    std::shared_ptr<Communicator> comm)>;
 
 class ModelRegistry {
  public:
   static ModelRegistry& Get();  // with every built-in architecture registered
   void Register(const std::string& model_type, ModelBuilder builder);
-  absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& config,
-                                                  const WeightStore& weights,
-                                                  kernels::DType dtype) const;
+  // A null `comm` builds the whole model (world size 1).
+  absl::StatusOr<std::unique_ptr<CausalLM>> Build(
+      const ModelConfig& config, const WeightStore& weights, kernels::DType dtype,
+      std::shared_ptr<Communicator> comm = nullptr) const;
   std::vector<std::string> SupportedTypes() const;
 
  private:

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fstream>
 #include <set>
+#include <span>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -112,19 +113,23 @@ grpc::Status ShardService::Health(grpc::ServerContext*, const pb::HealthRequest*
 grpc::Status ShardService::EnsureEngine() {
   if (engine_) return grpc::Status::OK;
   if (!pending_model_) return grpc::Status(grpc::StatusCode::INTERNAL, "no model loaded");
-  int blocks = options_.num_blocks;
+  int64_t blocks = options_.num_blocks;
   if (blocks <= 0) {
     const size_t per_block = pending_model_->KvBytesPerToken() * options_.block_size;
     const uint64_t budget =
         static_cast<uint64_t>(static_cast<double>(AvailableMemory()) * options_.memory_fraction);
-    blocks = static_cast<int>(std::min<uint64_t>(budget / per_block, 1u << 20));
-    if (blocks <= 0) {
-      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                          "not enough memory for a single KV cache block");
-    }
+    blocks = static_cast<int64_t>(std::min<uint64_t>(budget / per_block, 1u << 20));
+  }
+  // Tensor-parallel shards run every step together, so they must have the same blocks: the
+  // fewest any of them can hold. Every shard gets this call (the first Warmup, Prefill or
+  // Decode), so every one takes part.
+  pending_model_->communicator().AllReduceMin(std::span<int64_t>(&blocks, 1));
+  if (blocks <= 0) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        "not enough memory for a single KV cache block");
   }
   engine_ = std::make_unique<Engine>(std::move(pending_model_), config_.eos_token_ids,
-                                     config_.max_position_embeddings, blocks,
+                                     config_.max_position_embeddings, static_cast<int>(blocks),
                                      options_.block_size);
   return grpc::Status::OK;
 }

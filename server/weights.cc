@@ -154,6 +154,14 @@ absl::StatusOr<Tensor> WeightStore::Get(const std::string& name, DType dtype) co
   return it->second.view.To(dtype);
 }
 
+absl::StatusOr<Tensor> WeightStore::View(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(absl::StrCat("weight ", name, " is not in the checkpoint"));
+  }
+  return it->second.view;
+}
+
 std::vector<std::string> WeightStore::Names() const {
   std::vector<std::string> out;
   for (const auto& [n, e] : tensors_) out.push_back(n);

@@ -20,6 +20,8 @@ class WeightStore {
   bool Has(const std::string& name) const { return tensors_.count(name) > 0; }
   // The tensor converted to `dtype` (a view without copy when the dtype matches).
   absl::StatusOr<kernels::Tensor> Get(const std::string& name, kernels::DType dtype) const;
+  // The tensor as stored: a view of the mapped file (for reading slices of it).
+  absl::StatusOr<kernels::Tensor> View(const std::string& name) const;
   std::vector<std::string> Names() const;
 
  private:

@@ -4,14 +4,19 @@
 
 namespace tgis::server {
 
-void RegisterGpt2Model(ModelRegistry* r) {
-  r->Register("gpt2", [](const ModelConfig& c, const WeightStore& w, kernels::DType dtype)
-                          -> absl::StatusOr<std::unique_ptr<CausalLM>> {
-    GptStyleOptions opt;
-    opt.prefix = w.Has("transformer.wte.weight") ? "transformer." : "";
-    opt.conv1d = true;
-    return BuildGptStyle(c, w, dtype, opt);
-  });
+namespace {
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
+                                                kernels::DType dtype,
+                                                std::shared_ptr<Communicator> comm) {
+  GptStyleOptions opt;
+  opt.prefix = w.Has("transformer.wte.weight") ? "transformer." : "";
+  opt.conv1d = true;
+  return BuildGptStyle(c, w, dtype, std::move(comm), opt);
 }
+
+}  // namespace
+
+void RegisterGpt2Model(ModelRegistry* r) { r->Register("gpt2", Build); }
 
 }  // namespace tgis::server

@@ -2,27 +2,29 @@
 // attention (one key/value head) when multi_query, else per-head [q k v] fused rows.
 #include "server/model_registry.h"
 #include "server/models/gpt_common.h"
-#include "server/models/weight_utils.h"
 
 namespace tgis::server {
 
-void RegisterGptBigCodeModel(ModelRegistry* r) {
-  r->Register("gpt_bigcode", [](const ModelConfig& c, const WeightStore& w,
-                                kernels::DType dtype) -> absl::StatusOr<std::unique_ptr<CausalLM>> {
-    GptStyleOptions opt;
-    opt.prefix = "transformer.";
-    auto mq = c.Get<bool>("multi_query", true);
-    if (!mq.ok()) return mq.status();
-    if (*mq) {
-      opt.num_kv_heads = 1;  // rows already q (H), k (D), v (D)
-    } else {
-      const int64_t heads = c.num_heads, d = c.hidden_size / c.num_heads;
-      opt.reorder_qkv = [heads, d](const kernels::Tensor& t) {
-        return DeinterleaveQkv(t, heads, d);
-      };
-    }
-    return BuildGptStyle(c, w, dtype, opt);
-  });
+namespace {
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
+                                                kernels::DType dtype,
+                                                std::shared_ptr<Communicator> comm) {
+  GptStyleOptions opt;
+  opt.prefix = "transformer.";
+  auto mq = c.Get<bool>("multi_query", true);
+  if (!mq.ok()) return mq.status();
+  if (*mq) {
+    opt.num_kv_heads = 1;  // rows q (H D), k (D), v (D); the one KV head is on every rank
+    opt.qkv_layout = QkvLayout::kConcat;
+  } else {
+    opt.qkv_layout = QkvLayout::kPerHead;
+  }
+  return BuildGptStyle(c, w, dtype, std::move(comm), opt);
 }
+
+}  // namespace
+
+void RegisterGptBigCodeModel(ModelRegistry* r) { r->Register("gpt_bigcode", Build); }
 
 }  // namespace tgis::server

@@ -8,8 +8,9 @@ namespace tgis::server {
 using kernels::DType;
 using kernels::Tensor;
 
-absl::StatusOr<std::unique_ptr<CausalLM>> BuildGptStyle(const ModelConfig& c,
-                                                        const WeightStore& w, DType dtype,
+absl::StatusOr<std::unique_ptr<CausalLM>> BuildGptStyle(const ModelConfig& c, const WeightStore& w,
+                                                        DType dtype,
+                                                        std::shared_ptr<Communicator> comm,
                                                         const GptStyleOptions& opt) {
   DecoderSpec s;
   s.hidden = c.hidden_size;
@@ -33,19 +34,19 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildGptStyle(const ModelConfig& c,
   s.gelu = *gelu;
   s.position = PositionKind::kLearned;
   if (c.raw.value("scale_attn_by_inverse_layer_idx", false)) {
-    return absl::UnimplementedError("config.json: scale_attn_by_inverse_layer_idx is not supported");
+    return absl::UnimplementedError(
+        "config.json: scale_attn_by_inverse_layer_idx is not supported");
   }
   if (!c.raw.value("scale_attn_weights", true)) s.attn_scale = 1.0f;
 
+  auto layout = ShardLayout::Make(s, comm->rank(), comm->world_size());
+  if (!layout.ok()) return layout.status();
+  const ShardedLoader ld(w, s, *layout, dtype);
+  const bool conv1d = opt.conv1d;
   const std::string& p = opt.prefix;
-  auto linear = [&](const std::string& name) -> absl::StatusOr<Tensor> {
-    auto t = LoadF32(w, name, opt.conv1d);
-    if (!t.ok()) return t.status();
-    return ToRunDType(*t, dtype);
-  };
   DecoderWeights dw;
-  auto wte = w.Get(p + "wte.weight", dtype);
-  auto wpe = w.Get(p + "wpe.weight", DType::kF32);
+  auto wte = ld.VocabRows(p + "wte.weight");
+  auto wpe = ld.Whole(p + "wpe.weight");
   if (!wte.ok()) return wte.status();
   if (!wpe.ok()) return wpe.status();
   dw.embed = *wte;
@@ -53,45 +54,40 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildGptStyle(const ModelConfig& c,
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const std::string l = absl::StrCat(p, "h.", i, ".");
     LayerWeights lw;
-    auto qkv = LoadF32(w, l + "attn.c_attn.weight", opt.conv1d);
-    auto qkv_b = LoadF32(w, l + "attn.c_attn.bias");
-    if (!qkv.ok()) return qkv.status();
-    if (!qkv_b.ok()) return qkv_b.status();
-    lw.qkv_w = ToRunDType(opt.reorder_qkv ? opt.reorder_qkv(*qkv) : *qkv, dtype);
-    lw.qkv_b = opt.reorder_qkv ? opt.reorder_qkv(*qkv_b) : *qkv_b;
-    for (auto [dst, name] : {std::pair{&lw.o_w, "attn.c_proj.weight"},
-                             std::pair{&lw.up_w, "mlp.c_fc.weight"},
-                             std::pair{&lw.down_w, "mlp.c_proj.weight"}}) {
-      auto t = linear(l + name);
-      if (!t.ok()) return t.status();
-      *dst = *t;
-    }
+    std::vector<std::pair<Tensor*, absl::StatusOr<Tensor>>> loads;
+    loads.emplace_back(&lw.qkv_w, ld.FusedQkv(l + "attn.c_attn.weight", opt.qkv_layout, conv1d));
+    loads.emplace_back(&lw.qkv_b, ld.FusedQkv(l + "attn.c_attn.bias", opt.qkv_layout));
+    loads.emplace_back(&lw.o_w, ld.InputColumns(l + "attn.c_proj.weight", ld.q_rows(), conv1d));
+    loads.emplace_back(&lw.up_w, ld.OutputRows(l + "mlp.c_fc.weight", {ld.mlp_rows()}, conv1d));
+    loads.emplace_back(&lw.up_b, ld.OutputRows(l + "mlp.c_fc.bias", {ld.mlp_rows()}));
+    loads.emplace_back(&lw.down_w, ld.InputColumns(l + "mlp.c_proj.weight", ld.mlp_rows(), conv1d));
     for (auto [dst, name] :
-         {std::pair{&lw.o_b, "attn.c_proj.bias"}, std::pair{&lw.up_b, "mlp.c_fc.bias"},
-          std::pair{&lw.down_b, "mlp.c_proj.bias"}, std::pair{&lw.ln1_w, "ln_1.weight"},
-          std::pair{&lw.ln1_b, "ln_1.bias"}, std::pair{&lw.ln2_w, "ln_2.weight"},
-          std::pair{&lw.ln2_b, "ln_2.bias"}}) {
-      auto t = LoadF32(w, l + name);
+         {std::pair{&lw.o_b, "attn.c_proj.bias"}, std::pair{&lw.down_b, "mlp.c_proj.bias"},
+          std::pair{&lw.ln1_w, "ln_1.weight"}, std::pair{&lw.ln1_b, "ln_1.bias"},
+          std::pair{&lw.ln2_w, "ln_2.weight"}, std::pair{&lw.ln2_b, "ln_2.bias"}}) {
+      loads.emplace_back(dst, ld.Whole(l + name));
+    }
+    for (auto& [dst, t] : loads) {
       if (!t.ok()) return t.status();
       *dst = *t;
     }
     dw.layers.push_back(std::move(lw));
   }
-  auto lnf_w = LoadF32(w, p + "ln_f.weight");
-  auto lnf_b = LoadF32(w, p + "ln_f.bias");
+  auto lnf_w = ld.Whole(p + "ln_f.weight");
+  auto lnf_b = ld.Whole(p + "ln_f.bias");
   if (!lnf_w.ok()) return lnf_w.status();
   if (!lnf_b.ok()) return lnf_b.status();
   dw.final_norm_w = *lnf_w;
   dw.final_norm_b = *lnf_b;
   if (w.Has("lm_head.weight") && !c.raw.value("tie_word_embeddings", true)) {
-    auto head = w.Get("lm_head.weight", dtype);
+    auto head = ld.VocabRows("lm_head.weight");
     if (!head.ok()) return head.status();
     dw.lm_head = *head;
   } else {
     dw.lm_head = dw.embed;
   }
-  if (auto st = ValidateWeights(s, dw); !st.ok()) return st;
-  return std::make_unique<CausalLM>(std::move(s), std::move(dw));
+  if (auto st = ValidateWeights(s, *layout, dw); !st.ok()) return st;
+  return std::make_unique<CausalLM>(std::move(s), std::move(dw), std::move(comm));
 }
 
 }  // namespace tgis::server

@@ -12,7 +12,7 @@ using kernels::Tensor;
 namespace {
 
 absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                DType dtype) {
+                                                DType dtype, std::shared_ptr<Communicator> comm) {
   DecoderSpec s;
   s.hidden = c.hidden_size;
   s.num_layers = c.num_layers;
@@ -47,41 +47,42 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
     return absl::UnimplementedError("config.json: rope_scaling is not supported for gpt_neox");
   }
 
+  auto layout = ShardLayout::Make(s, comm->rank(), comm->world_size());
+  if (!layout.ok()) return layout.status();
+  const ShardedLoader ld(w, s, *layout, dtype);
   DecoderWeights dw;
-  auto embed = w.Get("gpt_neox.embed_in.weight", dtype);
+  auto embed = ld.VocabRows("gpt_neox.embed_in.weight");
   if (!embed.ok()) return embed.status();
   dw.embed = *embed;
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const std::string p = absl::StrCat("gpt_neox.layers.", i, ".");
     LayerWeights l;
-    auto qkv = LoadF32(w, p + "attention.query_key_value.weight");
-    auto qkv_b = LoadF32(w, p + "attention.query_key_value.bias");
-    if (!qkv.ok()) return qkv.status();
-    if (!qkv_b.ok()) return qkv_b.status();
-    l.qkv_w = ToRunDType(DeinterleaveQkv(*qkv, s.num_heads, s.head_dim), dtype);
-    l.qkv_b = DeinterleaveQkv(*qkv_b, s.num_heads, s.head_dim);
-    for (auto [dst, name] : {std::pair{&l.o_w, "attention.dense.weight"},
-                             std::pair{&l.up_w, "mlp.dense_h_to_4h.weight"},
-                             std::pair{&l.down_w, "mlp.dense_4h_to_h.weight"}}) {
-      auto t = w.Get(p + name, dtype);
-      if (!t.ok()) return t.status();
-      *dst = *t;
-    }
+    std::vector<std::pair<Tensor*, absl::StatusOr<Tensor>>> loads;
+    // query_key_value rows are [q k v] per head.
+    loads.emplace_back(&l.qkv_w,
+                       ld.FusedQkv(p + "attention.query_key_value.weight", QkvLayout::kPerHead));
+    loads.emplace_back(&l.qkv_b,
+                       ld.FusedQkv(p + "attention.query_key_value.bias", QkvLayout::kPerHead));
+    loads.emplace_back(&l.o_w, ld.InputColumns(p + "attention.dense.weight", ld.q_rows()));
+    loads.emplace_back(&l.up_w, ld.OutputRows(p + "mlp.dense_h_to_4h.weight", {ld.mlp_rows()}));
+    loads.emplace_back(&l.up_b, ld.OutputRows(p + "mlp.dense_h_to_4h.bias", {ld.mlp_rows()}));
+    loads.emplace_back(&l.down_w, ld.InputColumns(p + "mlp.dense_4h_to_h.weight", ld.mlp_rows()));
     for (auto [dst, name] :
-         {std::pair{&l.o_b, "attention.dense.bias"}, std::pair{&l.up_b, "mlp.dense_h_to_4h.bias"},
-          std::pair{&l.down_b, "mlp.dense_4h_to_h.bias"},
+         {std::pair{&l.o_b, "attention.dense.bias"}, std::pair{&l.down_b, "mlp.dense_4h_to_h.bias"},
           std::pair{&l.ln1_w, "input_layernorm.weight"},
           std::pair{&l.ln1_b, "input_layernorm.bias"},
           std::pair{&l.ln2_w, "post_attention_layernorm.weight"},
           std::pair{&l.ln2_b, "post_attention_layernorm.bias"}}) {
-      auto t = LoadF32(w, p + name);
+      loads.emplace_back(dst, ld.Whole(p + name));
+    }
+    for (auto& [dst, t] : loads) {
       if (!t.ok()) return t.status();
       *dst = *t;
     }
     dw.layers.push_back(std::move(l));
   }
-  auto fw = LoadF32(w, "gpt_neox.final_layer_norm.weight");
-  auto fb = LoadF32(w, "gpt_neox.final_layer_norm.bias");
+  auto fw = ld.Whole("gpt_neox.final_layer_norm.weight");
+  auto fb = ld.Whole("gpt_neox.final_layer_norm.bias");
   if (!fw.ok()) return fw.status();
   if (!fb.ok()) return fb.status();
   dw.final_norm_w = *fw;
@@ -89,12 +90,12 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   if (c.tie_word_embeddings || !w.Has("embed_out.weight")) {
     dw.lm_head = dw.embed;
   } else {
-    auto head = w.Get("embed_out.weight", dtype);
+    auto head = ld.VocabRows("embed_out.weight");
     if (!head.ok()) return head.status();
     dw.lm_head = *head;
   }
-  if (auto st = ValidateWeights(s, dw); !st.ok()) return st;
-  return std::make_unique<CausalLM>(std::move(s), std::move(dw));
+  if (auto st = ValidateWeights(s, *layout, dw); !st.ok()) return st;
+  return std::make_unique<CausalLM>(std::move(s), std::move(dw), std::move(comm));
 }
 
 }  // namespace

@@ -10,6 +10,7 @@ using kernels::Tensor;
 
 absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
                                                           const WeightStore& w, DType dtype,
+                                                          std::shared_ptr<Communicator> comm,
                                                           const LlamaStyleOptions& opt) {
   DecoderSpec s;
   s.hidden = c.hidden_size;
@@ -29,7 +30,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   auto act = c.Get<std::string>("hidden_act", std::string("silu"));
   if (!act.ok()) return act.status();
   if (*act != "silu") {
-    return absl::UnimplementedError(absl::StrCat("config.json: hidden_act '", *act, "' is not supported for ", c.model_type));
+    return absl::UnimplementedError(
+        absl::StrCat("config.json: hidden_act '", *act, "' is not supported for ", c.model_type));
   }
   s.position = PositionKind::kRotary;
   auto theta = c.Get<double>("rope_theta", 10000.0);
@@ -50,61 +52,62 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   }
   s.rotary.rotary_dim = static_cast<int>(s.head_dim);
   s.rotary.style = kernels::RotaryStyle::kNeox;
-  s.rotary.inv_freq = kernels::RotaryInvFreq(s.rotary.rotary_dim, *theta, factor, low, high, original);
+  s.rotary.inv_freq =
+      kernels::RotaryInvFreq(s.rotary.rotary_dim, *theta, factor, low, high, original);
   s.sliding_window = opt.sliding_window;
 
+  auto layout = ShardLayout::Make(s, comm->rank(), comm->world_size());
+  if (!layout.ok()) return layout.status();
+  const ShardedLoader ld(w, s, *layout, dtype);
+  const Range q = ld.q_rows(), kv = ld.kv_rows(), mlp = ld.mlp_rows();
   DecoderWeights dw;
-  auto embed = w.Get("model.embed_tokens.weight", dtype);
+  auto embed = ld.VocabRows("model.embed_tokens.weight");
   if (!embed.ok()) return embed.status();
   dw.embed = *embed;
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
+    const std::string a = p + "self_attn.";
     LayerWeights l;
-    std::vector<Tensor> qkv, qkv_b, gate_up;
-    for (const char* n : {"q_proj", "k_proj", "v_proj"}) {
-      auto t = LoadF32(w, p + "self_attn." + n + ".weight");
-      if (!t.ok()) return t.status();
-      qkv.push_back(*t);
-      if (opt.qkv_bias) {
-        auto b = LoadF32(w, p + "self_attn." + n + ".bias");
-        if (!b.ok()) return b.status();
-        qkv_b.push_back(*b);
-      }
+    auto qkv = ld.StackOutputRows(
+        {{a + "q_proj.weight", q}, {a + "k_proj.weight", kv}, {a + "v_proj.weight", kv}});
+    if (!qkv.ok()) return qkv.status();
+    l.qkv_w = *qkv;
+    if (opt.qkv_bias) {
+      auto b = ld.StackOutputRows(
+          {{a + "q_proj.bias", q}, {a + "k_proj.bias", kv}, {a + "v_proj.bias", kv}});
+      if (!b.ok()) return b.status();
+      l.qkv_b = *b;
     }
-    l.qkv_w = ToRunDType(ConcatRows(qkv), dtype);
-    if (opt.qkv_bias) l.qkv_b = ConcatRows(qkv_b);
-    auto o = w.Get(p + "self_attn.o_proj.weight", dtype);
+    auto o = ld.InputColumns(a + "o_proj.weight", q);
     if (!o.ok()) return o.status();
     l.o_w = *o;
-    for (const char* n : {"gate_proj", "up_proj"}) {
-      auto t = LoadF32(w, p + "mlp." + n + ".weight");
-      if (!t.ok()) return t.status();
-      gate_up.push_back(*t);
-    }
-    l.up_w = ToRunDType(ConcatRows(gate_up), dtype);
-    auto down = w.Get(p + "mlp.down_proj.weight", dtype);
+    auto gate_up =
+        ld.StackOutputRows({{p + "mlp.gate_proj.weight", mlp}, {p + "mlp.up_proj.weight", mlp}});
+    if (!gate_up.ok()) return gate_up.status();
+    l.up_w = *gate_up;
+    auto down = ld.InputColumns(p + "mlp.down_proj.weight", mlp);
     if (!down.ok()) return down.status();
     l.down_w = *down;
-    auto ln1 = LoadF32(w, p + "input_layernorm.weight");
-    auto ln2 = LoadF32(w, p + "post_attention_layernorm.weight");
+    auto ln1 = ld.Whole(p + "input_layernorm.weight");
+    auto ln2 = ld.Whole(p + "post_attention_layernorm.weight");
     if (!ln1.ok()) return ln1.status();
     if (!ln2.ok()) return ln2.status();
     l.ln1_w = *ln1;
     l.ln2_w = *ln2;
     dw.layers.push_back(std::move(l));
   }
-  auto norm = LoadF32(w, "model.norm.weight");
+  auto norm = ld.Whole("model.norm.weight");
   if (!norm.ok()) return norm.status();
   dw.final_norm_w = *norm;
   if (!c.tie_word_embeddings && w.Has("lm_head.weight")) {
-    auto head = w.Get("lm_head.weight", dtype);
+    auto head = ld.VocabRows("lm_head.weight");
     if (!head.ok()) return head.status();
     dw.lm_head = *head;
   } else {
     dw.lm_head = dw.embed;
   }
-  if (auto st = ValidateWeights(s, dw); !st.ok()) return st;
-  return std::make_unique<CausalLM>(std::move(s), std::move(dw));
+  if (auto st = ValidateWeights(s, *layout, dw); !st.ok()) return st;
+  return std::make_unique<CausalLM>(std::move(s), std::move(dw), std::move(comm));
 }
 
 }  // namespace tgis::server

@@ -19,6 +19,7 @@ struct LlamaStyleOptions {
 absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& config,
                                                           const WeightStore& weights,
                                                           kernels::DType dtype,
+                                                          std::shared_ptr<Communicator> comm,
                                                           const LlamaStyleOptions& options);
 
 }  // namespace tgis::server

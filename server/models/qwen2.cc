@@ -4,29 +4,34 @@
 
 namespace tgis::server {
 
-void RegisterQwen2Model(ModelRegistry* r) {
-  r->Register("qwen2", [](const ModelConfig& c, const WeightStore& w, kernels::DType dtype)
-                           -> absl::StatusOr<std::unique_ptr<CausalLM>> {
-    LlamaStyleOptions opt;
-    opt.qkv_bias = true;
-    auto use_window = c.Get<bool>("use_sliding_window", false);
-    if (!use_window.ok()) return use_window.status();
-    if (*use_window) {
-      auto window = c.Get<int64_t>("sliding_window", int64_t{0});
-      if (!window.ok()) return window.status();
-      // Layers from max_window_layers on use the window (transformers' rule).
-      auto first = c.Get<int64_t>("max_window_layers", c.num_layers);
-      if (!first.ok()) return first.status();
-      if (*first <= 0) {
-        opt.sliding_window = static_cast<int>(*window);
-      } else if (*first < c.num_layers) {
-        return absl::UnimplementedError(
-            "config.json: a sliding window on only some layers (max_window_layers) is not "
-            "supported");
-      }
+namespace {
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
+                                                kernels::DType dtype,
+                                                std::shared_ptr<Communicator> comm) {
+  LlamaStyleOptions opt;
+  opt.qkv_bias = true;
+  auto use_window = c.Get<bool>("use_sliding_window", false);
+  if (!use_window.ok()) return use_window.status();
+  if (*use_window) {
+    auto window = c.Get<int64_t>("sliding_window", int64_t{0});
+    if (!window.ok()) return window.status();
+    // Layers from max_window_layers on use the window (transformers' rule).
+    auto first = c.Get<int64_t>("max_window_layers", c.num_layers);
+    if (!first.ok()) return first.status();
+    if (*first <= 0) {
+      opt.sliding_window = static_cast<int>(*window);
+    } else if (*first < c.num_layers) {
+      return absl::UnimplementedError(
+          "config.json: a sliding window on only some layers (max_window_layers) is not "
+          "supported");
     }
-    return BuildLlamaStyle(c, w, dtype, opt);
-  });
+  }
+  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
 }
+
+}  // namespace
+
+void RegisterQwen2Model(ModelRegistry* r) { r->Register("qwen2", Build); }
 
 }  // namespace tgis::server

@@ -9,27 +9,12 @@ namespace tgis::server {
 using kernels::DType;
 using kernels::Tensor;
 
-absl::StatusOr<Tensor> LoadF32(const WeightStore& w, const std::string& name, bool transpose) {
-  auto t = w.Get(name, DType::kF32);
-  if (!t.ok()) return t.status();
-  if (!transpose) return *t;
-  if (t->rank() != 2) return absl::InvalidArgumentError(absl::StrCat(name, ": expected 2-D"));
-  const int64_t r = t->dim(0), c = t->dim(1);
-  Tensor out = Tensor::Empty({c, r}, DType::kF32);
-  const float* src = t->data<float>();
-  float* dst = out.data<float>();
-  for (int64_t i = 0; i < r; ++i) {
-    for (int64_t j = 0; j < c; ++j) dst[j * r + i] = src[i * c + j];
-  }
-  return out;
-}
-
 Tensor ConcatRows(const std::vector<Tensor>& parts) {
   int64_t rows = 0;
   for (const Tensor& p : parts) rows += p.dim(0);
   kernels::Shape shape = parts[0].shape();
   shape[0] = rows;
-  Tensor out = Tensor::Empty(shape, DType::kF32);
+  Tensor out = Tensor::Empty(shape, parts[0].dtype());
   size_t off = 0;
   for (const Tensor& p : parts) {
     std::memcpy(static_cast<char*>(out.raw()) + off, p.raw(), p.nbytes());
@@ -38,31 +23,174 @@ Tensor ConcatRows(const std::vector<Tensor>& parts) {
   return out;
 }
 
-Tensor DeinterleaveQkv(const Tensor& t, int64_t heads, int64_t d) {
-  const int64_t cols = t.rank() == 2 ? t.dim(1) : 1;
-  Tensor out = Tensor::Empty(t.shape(), DType::kF32);
-  const float* src = t.data<float>();
-  float* dst = out.data<float>();
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t part = 0; part < 3; ++part) {
-      const float* from = src + (h * 3 + part) * d * cols;
-      float* to = dst + (part * heads + h) * d * cols;
-      std::memcpy(to, from, d * cols * sizeof(float));
-    }
-  }
-  return out;
-}
-
-Tensor ToRunDType(const Tensor& t, DType dtype) {
-  return t.dtype() == dtype ? t : t.To(dtype);
-}
-
 absl::StatusOr<kernels::GeluKind> GeluFromName(const std::string& act) {
   if (act == "gelu") return kernels::GeluKind::kErf;
   if (act == "gelu_new" || act == "gelu_pytorch_tanh" || act == "gelu_fast") {
     return kernels::GeluKind::kTanh;
   }
-  return absl::UnimplementedError(absl::StrCat("config.json: activation '", act, "' is not supported"));
+  return absl::UnimplementedError(
+      absl::StrCat("config.json: activation '", act, "' is not supported"));
+}
+
+namespace {
+
+// out[j, i] = in[i, j], elements moved as T (same size as the dtype's).
+template <typename T>
+void Transpose(const Tensor& in, Tensor* out) {
+  const int64_t r = in.dim(0), c = in.dim(1);
+  const T* s = static_cast<const T*>(in.raw());
+  T* d = static_cast<T*>(out->raw());
+  for (int64_t i = 0; i < r; ++i) {
+    for (int64_t j = 0; j < c; ++j) d[j * r + i] = s[i * c + j];
+  }
+}
+
+// Ranges [begin, end) of `src` along `dim` (0 or 1 of a 2-D tensor, 0 of a 1-D one), copied
+// in the stored dtype; transposed when `transpose` (2-D); then converted to `dtype`. Reads only
+// the selected elements.
+Tensor Select(const Tensor& src, int dim, const std::vector<Range>& ranges, bool transpose,
+              DType dtype) {
+  const size_t es = kernels::DTypeSize(src.dtype());
+  int64_t n = 0;
+  for (const Range& r : ranges) n += r.size();
+  const bool matrix = src.rank() == 2;
+  if (dim == 0 && !transpose && ranges.size() == 1 && src.dtype() == dtype) {
+    return src.Rows(ranges[0].begin, ranges[0].end);  // a view
+  }
+  Tensor picked;
+  if (dim == 0) {
+    kernels::Shape shape = src.shape();
+    shape[0] = n;
+    picked = Tensor::Empty(shape, src.dtype());
+    const size_t row = static_cast<size_t>(matrix ? src.dim(1) : 1) * es;
+    char* dst = static_cast<char*>(picked.raw());
+    for (const Range& r : ranges) {
+      std::memcpy(dst, static_cast<const char*>(src.raw()) + r.begin * row, r.size() * row);
+      dst += r.size() * row;
+    }
+  } else {
+    const int64_t rows = src.dim(0), cols = src.dim(1);
+    picked = Tensor::Empty({rows, n}, src.dtype());
+    char* dst = static_cast<char*>(picked.raw());
+    for (int64_t i = 0; i < rows; ++i) {
+      const char* row = static_cast<const char*>(src.raw()) + i * cols * es;
+      for (const Range& r : ranges) {
+        std::memcpy(dst, row + r.begin * es, r.size() * es);
+        dst += r.size() * es;
+      }
+    }
+  }
+  if (transpose && matrix) {
+    Tensor t = Tensor::Empty({picked.dim(1), picked.dim(0)}, picked.dtype());
+    switch (es) {
+      case 1:
+        Transpose<uint8_t>(picked, &t);
+        break;
+      case 2:
+        Transpose<uint16_t>(picked, &t);
+        break;
+      case 4:
+        Transpose<uint32_t>(picked, &t);
+        break;
+      default:
+        Transpose<uint64_t>(picked, &t);
+        break;
+    }
+    picked = t;
+  }
+  return picked.dtype() == dtype ? picked : picked.To(dtype);
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> ShardedLoader::Raw(const std::string& name) const {
+  auto t = w_.View(name);
+  if (!t.ok()) return t.status();
+  if (t->rank() != 1 && t->rank() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": expected a 1-D or 2-D tensor"));
+  }
+  return t;
+}
+
+absl::StatusOr<Tensor> ShardedLoader::Whole(const std::string& name, bool conv1d) const {
+  auto t = Raw(name);
+  if (!t.ok()) return t.status();
+  return Select(*t, 0, {{0, t->dim(0)}}, conv1d, DType::kF32);
+}
+
+absl::StatusOr<Tensor> ShardedLoader::OutputRows(const std::string& name,
+                                                 const std::vector<Range>& ranges,
+                                                 bool conv1d) const {
+  auto t = Raw(name);
+  if (!t.ok()) return t.status();
+  const bool matrix = t->rank() == 2;
+  const int dim = matrix && conv1d ? 1 : 0;
+  for (const Range& r : ranges) {
+    if (r.begin < 0 || r.begin > r.end || r.end > t->dim(dim)) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": rows [", r.begin, ", ", r.end,
+                                                     ") of ", t->dim(dim), " do not exist"));
+    }
+  }
+  return Select(*t, dim, ranges, matrix && conv1d, matrix ? dtype_ : DType::kF32);
+}
+
+absl::StatusOr<Tensor> ShardedLoader::StackOutputRows(
+    const std::vector<std::pair<std::string, Range>>& parts, bool conv1d) const {
+  std::vector<Tensor> got;
+  for (const auto& [name, range] : parts) {
+    auto t = OutputRows(name, {range}, conv1d);
+    if (!t.ok()) return t.status();
+    got.push_back(*t);
+  }
+  return got.size() == 1 ? got[0] : ConcatRows(got);
+}
+
+absl::StatusOr<Tensor> ShardedLoader::InputColumns(const std::string& name, Range range,
+                                                   bool conv1d) const {
+  auto t = Raw(name);
+  if (!t.ok()) return t.status();
+  if (t->rank() != 2) return absl::InvalidArgumentError(absl::StrCat(name, ": expected 2-D"));
+  const int dim = conv1d ? 0 : 1;
+  if (range.begin < 0 || range.begin > range.end || range.end > t->dim(dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": columns [", range.begin, ", ", range.end, ") of ", t->dim(dim), " do not exist"));
+  }
+  if (!conv1d && range.begin == 0 && range.end == t->dim(1)) {
+    return Select(*t, 0, {{0, t->dim(0)}}, false, dtype_);  // whole: a view when the dtype matches
+  }
+  return Select(*t, dim, {range}, conv1d, dtype_);
+}
+
+absl::StatusOr<Tensor> ShardedLoader::VocabRows(const std::string& name) const {
+  auto t = Raw(name);
+  if (!t.ok()) return t.status();
+  if (t->rank() != 2 || t->dim(0) < layout_.vocab.end) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": expected [", spec_.vocab, ", hidden], got ", t->DebugString()));
+  }
+  return Select(*t, 0, {layout_.vocab}, false, dtype_);
+}
+
+absl::StatusOr<Tensor> ShardedLoader::FusedQkv(const std::string& name, QkvLayout layout,
+                                               bool conv1d) const {
+  const int64_t d = spec_.head_dim;
+  std::vector<Range> ranges;
+  if (layout == QkvLayout::kConcat) {
+    const int64_t q = spec_.num_heads * d, kv = spec_.num_kv_heads * d;
+    ranges = {q_rows(), kv_rows().Shifted(q), kv_rows().Shifted(q + kv)};
+  } else {
+    if (spec_.num_kv_heads != spec_.num_heads) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": a per-head fused qkv needs as many KV heads as heads"));
+    }
+    // Head h's q, k and v are rows [3hD, 3hD + D), [3hD + D, ...), [3hD + 2D, 3hD + 3D).
+    for (int part = 0; part < 3; ++part) {
+      for (int64_t h = layout_.q_heads.begin; h < layout_.q_heads.end; ++h) {
+        ranges.push_back(Range{(3 * h + part) * d, (3 * h + part + 1) * d});
+      }
+    }
+  }
+  return OutputRows(name, ranges, conv1d);
 }
 
 }  // namespace tgis::server

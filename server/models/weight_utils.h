@@ -1,28 +1,74 @@
-// Load-time reshaping of checkpoint tensors into the layouts DecoderWeights expects.
+// Load-time reshaping of checkpoint tensors into the layouts DecoderWeights expects, and the
+// tensor-parallel slicing every architecture shares (ShardedLoader).
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/ops.h"
 #include "kernels/tensor.h"
+#include "server/decoder_model.h"
 #include "server/model_config.h"
 #include "server/weights.h"
 
 namespace tgis::server {
 
-// Loads `name` as f32 ([in, out] Conv1D weights become [out, in] when `transpose`).
-absl::StatusOr<kernels::Tensor> LoadF32(const WeightStore& w, const std::string& name,
-                                        bool transpose = false);
-// Stacks 2-D tensors (same column count) or 1-D tensors along dim 0.
+// Stacks 2-D tensors (same column count and dtype) or 1-D tensors along dim 0.
 kernels::Tensor ConcatRows(const std::vector<kernels::Tensor>& parts);
-// Rows laid out per head as [q(D) k(D) v(D)] x H (GPT-NeoX, BigCode MHA) -> q rows, k rows,
-// v rows. Works on [3HD, C] weights and [3HD] biases.
-kernels::Tensor DeinterleaveQkv(const kernels::Tensor& t, int64_t heads, int64_t head_dim);
-// Converts linear weights to the run dtype (norms and biases stay f32).
-kernels::Tensor ToRunDType(const kernels::Tensor& t, kernels::DType dtype);
 // "gelu" -> erf; "gelu_new", "gelu_pytorch_tanh", "gelu_fast" -> tanh.
 absl::StatusOr<kernels::GeluKind> GeluFromName(const std::string& act);
+
+// How a checkpoint fuses q, k and v into one projection.
+enum class QkvLayout {
+  kConcat,   // all q rows, then all k rows, then all v rows (GPT-2, BigCode multi-query)
+  kPerHead,  // [q(D) k(D) v(D)] for head 0, then head 1, ... (GPT-NeoX, BigCode MHA)
+};
+
+// Loads checkpoint tensors, or this rank's slice of them (ShardLayout), reading only that slice
+// from the mapped safetensors. Linear weights come out [out, in] (`conv1d`: the checkpoint
+// stores them [in, out], as GPT-2's Conv1D does) in the run dtype; 1-D tensors (biases, norms)
+// and Whole() tensors in f32. At world size 1 an unsliced weight in the run dtype is a view of
+// the mapped file (no copy).
+class ShardedLoader {
+ public:
+  ShardedLoader(const WeightStore& weights, const DecoderSpec& spec, const ShardLayout& layout,
+                kernels::DType dtype)
+      : w_(weights), spec_(spec), layout_(layout), dtype_(dtype) {}
+
+  const ShardLayout& layout() const { return layout_; }
+  // This rank's rows of q/k/v projections laid out head by head, and of the MLP.
+  Range q_rows() const { return layout_.q_rows(spec_.head_dim); }
+  Range kv_rows() const { return layout_.kv_rows(spec_.head_dim); }
+  Range mlp_rows() const { return layout_.intermediate; }
+
+  // Replicated tensors, whole, f32: norms, biases of row-parallel linears, learned positions.
+  absl::StatusOr<kernels::Tensor> Whole(const std::string& name, bool conv1d = false) const;
+  // Column-parallel: rows `ranges` of the output dimension, concatenated in order.
+  absl::StatusOr<kernels::Tensor> OutputRows(const std::string& name,
+                                             const std::vector<Range>& ranges,
+                                             bool conv1d = false) const;
+  // Column-parallel parts of several tensors stacked: q|k|v from q/k/v_proj, gate|up.
+  absl::StatusOr<kernels::Tensor> StackOutputRows(
+      const std::vector<std::pair<std::string, Range>>& parts, bool conv1d = false) const;
+  // Row-parallel: columns `range` of the input dimension.
+  absl::StatusOr<kernels::Tensor> InputColumns(const std::string& name, Range range,
+                                               bool conv1d = false) const;
+  // Vocab-parallel: this rank's rows of an embedding or lm_head [V, H].
+  absl::StatusOr<kernels::Tensor> VocabRows(const std::string& name) const;
+  // This rank's q|k|v rows (weight or bias) of a fused projection: its q heads and its KV heads
+  // (a KV head shared by several ranks is loaded by each of them).
+  absl::StatusOr<kernels::Tensor> FusedQkv(const std::string& name, QkvLayout layout,
+                                           bool conv1d = false) const;
+
+ private:
+  absl::StatusOr<kernels::Tensor> Raw(const std::string& name) const;
+
+  const WeightStore& w_;
+  const DecoderSpec& spec_;
+  ShardLayout layout_;
+  kernels::DType dtype_;
+};
 
 }  // namespace tgis::server

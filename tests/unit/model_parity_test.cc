@@ -1,15 +1,25 @@
 // Parity with HF transformers: tiny seeded checkpoints saved by transformers itself
 // (tests/fixtures/make_model_fixtures.py) with golden greedy continuations, per-step logprobs
 // and prompt logprobs computed by transformers in float32.
+//
+// Every case runs at world size 1 and tensor parallel at world size 2 (llama at 4 too: fewer KV
+// heads than ranks, so KV heads are replicated): the ranks run in threads of this process,
+// each with its own slice of the weights and its own Gloo communicator (TCP on loopback,
+// meeting in a fresh rendezvous directory), and every rank must match the goldens.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-
-#include <gtest/gtest.h>
+#include <functional>
+#include <mutex>
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
 
 #include "server/engine.h"
+#include "server/gloo_communicator.h"
 #include "server/model_config.h"
 #include "server/model_registry.h"
 #include "server/weights.h"
@@ -20,8 +30,8 @@ namespace fs = std::filesystem;
 using Json = nlohmann::json;
 using tgis::server::Engine;
 using tgis::server::NewSequence;
-using tgis::server::StepOutput;
 using tgis::server::SequenceError;
+using tgis::server::StepOutput;
 
 constexpr double kLogprobTolerance = 1e-4;
 
@@ -42,10 +52,11 @@ struct Golden {
   std::vector<double> prompt_logprobs;  // NaN for the first token
 };
 
-class ParityTest : public ::testing::TestWithParam<std::string> {
+class ParityTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {
  protected:
   void SetUp() override {
-    dir_ = (fs::path(TGIS_FIXTURES_DIR) / "models" / GetParam()).string();
+    dir_ = (fs::path(TGIS_FIXTURES_DIR) / "models" / std::get<0>(GetParam())).string();
+    world_ = std::get<1>(GetParam());
     std::ifstream in(fs::path(dir_) / "golden.json");
     std::stringstream buf;
     buf << in.rdbuf();
@@ -63,17 +74,41 @@ class ParityTest : public ::testing::TestWithParam<std::string> {
     ASSERT_FALSE(goldens_.empty());
   }
 
-  std::unique_ptr<Engine> MakeEngine(int blocks = 256) {
+  // Runs `body` on an engine of every rank of the group at once (world size 1: here).
+  void OnEveryRank(const std::function<void(Engine&)>& body, int blocks = 256) {
     auto config = tgis::server::ModelConfig::Load(dir_);
-    EXPECT_TRUE(config.ok()) << config.status();
+    ASSERT_TRUE(config.ok()) << config.status();
     auto weights = tgis::server::WeightStore::Open(dir_);
-    EXPECT_TRUE(weights.ok()) << weights.status();
-    auto model = tgis::server::ModelRegistry::Get().Build(*config, **weights,
-                                                          tgis::kernels::DType::kF32);
-    EXPECT_TRUE(model.ok()) << model.status();
-    weights_ = std::move(*weights);  // views into the mapped files must outlive the model
-    return std::make_unique<Engine>(std::move(*model), config->eos_token_ids,
-                                    config->max_position_embeddings, blocks, 4);
+    ASSERT_TRUE(weights.ok()) << weights.status();
+    auto run = [&](std::shared_ptr<tgis::server::Communicator> comm) {
+      auto model = tgis::server::ModelRegistry::Get().Build(*config, **weights,
+                                                            tgis::kernels::DType::kF32, comm);
+      ASSERT_TRUE(model.ok()) << model.status();
+      Engine engine(std::move(*model), config->eos_token_ids, config->max_position_embeddings,
+                    blocks, 4);
+      body(engine);
+    };
+    if (world_ == 1) {
+      run(nullptr);
+      return;
+    }
+    char tmpl[] = "/tmp/tgis-parity-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < world_; ++r) {
+      ranks.emplace_back([&, r] {
+        tgis::server::GlooOptions o;
+        o.rank = r;
+        o.world_size = world_;
+        o.rendezvous_dir = tmpl;
+        o.timeout = std::chrono::seconds(60);
+        auto comm = tgis::server::ConnectGloo(o);
+        ASSERT_TRUE(comm.ok()) << comm.status();
+        run(*comm);
+      });
+    }
+    for (auto& t : ranks) t.join();
+    fs::remove_all(tmpl);
   }
 
   static NewSequence Seq(uint64_t id, const Golden& g, bool input_logprobs = false) {
@@ -86,137 +121,199 @@ class ParityTest : public ::testing::TestWithParam<std::string> {
   }
 
   std::string dir_;
+  int world_ = 1;
   std::vector<Golden> goldens_;
-  std::unique_ptr<tgis::server::WeightStore> weights_;
 };
 
 TEST_P(ParityTest, EachPromptAloneMatchesTransformers) {
-  auto engine = MakeEngine();
-  for (size_t i = 0; i < goldens_.size(); ++i) {
-    const Golden& g = goldens_[i];
-    std::vector<StepOutput> out;
-    std::vector<SequenceError> errors;
-    engine->Prefill({Seq(i, g, /*input_logprobs=*/true)}, &out, &errors);
-    ASSERT_TRUE(errors.empty()) << errors[0].status;
-    ASSERT_EQ(out.size(), 1u);
-    // Prompt logprobs.
-    ASSERT_EQ(out[0].input_tokens.size(), g.input.size());
-    for (size_t p = 1; p < g.input.size(); ++p) {
-      EXPECT_NEAR(out[0].input_tokens[p].logprob, g.prompt_logprobs[p], kLogprobTolerance)
-          << "prompt " << i << " token " << p;
-    }
-    std::vector<int32_t> ids = {out[0].token.id};
-    std::vector<double> lps = {out[0].token.logprob};
-    while (ids.size() < g.generated.size()) {
-      out.clear();
-      engine->Decode({i}, &out, &errors);
+  OnEveryRank([&](Engine& engine) {
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      const Golden& g = goldens_[i];
+      std::vector<StepOutput> out;
+      std::vector<SequenceError> errors;
+      engine.Prefill({Seq(i, g, /*input_logprobs=*/true)}, &out, &errors);
       ASSERT_TRUE(errors.empty()) << errors[0].status;
-      ids.push_back(out[0].token.id);
-      lps.push_back(out[0].token.logprob);
+      ASSERT_EQ(out.size(), 1u);
+      // Prompt logprobs.
+      ASSERT_EQ(out[0].input_tokens.size(), g.input.size());
+      for (size_t p = 1; p < g.input.size(); ++p) {
+        EXPECT_NEAR(out[0].input_tokens[p].logprob, g.prompt_logprobs[p], kLogprobTolerance)
+            << "prompt " << i << " token " << p;
+      }
+      std::vector<int32_t> ids = {out[0].token.id};
+      std::vector<double> lps = {out[0].token.logprob};
+      while (ids.size() < g.generated.size()) {
+        out.clear();
+        engine.Decode({i}, &out, &errors);
+        ASSERT_TRUE(errors.empty()) << errors[0].status;
+        ids.push_back(out[0].token.id);
+        lps.push_back(out[0].token.logprob);
+      }
+      EXPECT_EQ(ids, g.generated) << "prompt " << i;
+      for (size_t k = 0; k < lps.size(); ++k) {
+        EXPECT_NEAR(lps[k], g.logprobs[k], kLogprobTolerance) << "prompt " << i << " step " << k;
+      }
+      engine.Release(i);
     }
-    EXPECT_EQ(ids, g.generated) << "prompt " << i;
-    for (size_t k = 0; k < lps.size(); ++k) {
-      EXPECT_NEAR(lps[k], g.logprobs[k], kLogprobTolerance) << "prompt " << i << " step " << k;
-    }
-    engine->Release(i);
-  }
-  EXPECT_EQ(engine->free_blocks(), engine->num_blocks());
+    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+  });
 }
 
 TEST_P(ParityTest, AllPromptsInOneRaggedBatch) {
-  auto engine = MakeEngine();
-  std::vector<NewSequence> seqs;
-  std::vector<uint64_t> ids;
-  for (size_t i = 0; i < goldens_.size(); ++i) {
-    seqs.push_back(Seq(i, goldens_[i]));
-    ids.push_back(i);
-  }
-  std::vector<StepOutput> out;
-  std::vector<SequenceError> errors;
-  engine->Prefill(std::move(seqs), &out, &errors);
-  ASSERT_TRUE(errors.empty());
-  std::vector<std::vector<int32_t>> got(goldens_.size());
-  std::vector<std::vector<double>> lps(goldens_.size());
-  size_t steps = 0;
-  for (const Golden& g : goldens_) steps = std::max(steps, g.generated.size());
-  for (size_t step = 0; step < steps; ++step) {
-    for (const StepOutput& o : out) {
-      got[o.id].push_back(o.token.id);
-      lps[o.id].push_back(o.token.logprob);
+  OnEveryRank([&](Engine& engine) {
+    std::vector<NewSequence> seqs;
+    std::vector<uint64_t> ids;
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      seqs.push_back(Seq(i, goldens_[i]));
+      ids.push_back(i);
     }
-    // Sequences leave the batch when they have all their tokens.
-    std::vector<uint64_t> live;
-    for (uint64_t id : ids) {
-      if (got[id].size() < goldens_[id].generated.size()) {
-        live.push_back(id);
-      } else {
-        engine->Release(id);
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    engine.Prefill(std::move(seqs), &out, &errors);
+    ASSERT_TRUE(errors.empty());
+    std::vector<std::vector<int32_t>> got(goldens_.size());
+    std::vector<std::vector<double>> lps(goldens_.size());
+    size_t steps = 0;
+    for (const Golden& g : goldens_) steps = std::max(steps, g.generated.size());
+    for (size_t step = 0; step < steps; ++step) {
+      for (const StepOutput& o : out) {
+        got[o.id].push_back(o.token.id);
+        lps[o.id].push_back(o.token.logprob);
+      }
+      // Sequences leave the batch when they have all their tokens.
+      std::vector<uint64_t> live;
+      for (uint64_t id : ids) {
+        if (got[id].size() < goldens_[id].generated.size()) {
+          live.push_back(id);
+        } else {
+          engine.Release(id);
+        }
+      }
+      ids = live;
+      if (ids.empty()) break;
+      out.clear();
+      engine.Decode(ids, &out, &errors);
+      ASSERT_TRUE(errors.empty());
+    }
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      EXPECT_EQ(got[i], goldens_[i].generated) << "prompt " << i;
+      for (size_t k = 0; k < lps[i].size(); ++k) {
+        EXPECT_NEAR(lps[i][k], goldens_[i].logprobs[k], kLogprobTolerance);
       }
     }
-    ids = live;
-    if (ids.empty()) break;
-    out.clear();
-    engine->Decode(ids, &out, &errors);
-    ASSERT_TRUE(errors.empty());
-  }
-  for (size_t i = 0; i < goldens_.size(); ++i) {
-    EXPECT_EQ(got[i], goldens_[i].generated) << "prompt " << i;
-    for (size_t k = 0; k < lps[i].size(); ++k) {
-      EXPECT_NEAR(lps[i][k], goldens_[i].logprobs[k], kLogprobTolerance);
-    }
-  }
+  });
 }
 
 TEST_P(ParityTest, IdsDoNotChangeWhenOthersJoinOrLeave) {
   if (goldens_.size() < 2) GTEST_SKIP() << "needs two prompts";
-  auto engine = MakeEngine();
-  const Golden& a = goldens_.back();
-  std::vector<StepOutput> out;
-  std::vector<SequenceError> errors;
-  engine->Prefill({Seq(100, a)}, &out, &errors);
-  std::vector<int32_t> ids = {out[0].token.id};
-  size_t step = 0;
-  bool others = false;
-  while (ids.size() < a.generated.size()) {
-    ++step;
-    if (step == 2) {  // others join
+  OnEveryRank([&](Engine& engine) {
+    const Golden& a = goldens_.back();
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    engine.Prefill({Seq(100, a)}, &out, &errors);
+    std::vector<int32_t> ids = {out[0].token.id};
+    size_t step = 0;
+    bool others = false;
+    while (ids.size() < a.generated.size()) {
+      ++step;
+      if (step == 2) {  // others join
+        out.clear();
+        engine.Prefill({Seq(200, goldens_[0]), Seq(201, goldens_[1])}, &out, &errors);
+        others = true;
+      }
+      if (step == 5) {  // one leaves
+        engine.Release(200);
+      }
+      std::vector<uint64_t> batch = {100};
+      if (others && engine.Has(201)) batch.push_back(201);
+      if (others && engine.Has(200)) batch.push_back(200);
       out.clear();
-      engine->Prefill({Seq(200, goldens_[0]), Seq(201, goldens_[1])}, &out, &errors);
-      others = true;
+      engine.Decode(batch, &out, &errors);
+      ASSERT_TRUE(errors.empty());
+      for (const StepOutput& o : out) {
+        if (o.id == 100) ids.push_back(o.token.id);
+      }
     }
-    if (step == 5) {  // one leaves
-      engine->Release(200);
+    EXPECT_EQ(ids, a.generated);
+  });
+}
+
+// Seeded sampling: every rank draws the same tokens (same logits after the all-gather, same
+// seeded RNG), and they are the ones a single shard draws.
+TEST_P(ParityTest, SeededSamplingIsTheSameOnEveryRankAsOnOneShard) {
+  auto sample = [&](Engine& engine) {
+    std::vector<std::vector<int32_t>> ids(goldens_.size());
+    std::vector<NewSequence> seqs;
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      NewSequence n = Seq(i, goldens_[i]);
+      n.params.do_sample = true;
+      n.params.seed = 1234 + i;
+      n.params.temperature = 1.5f;
+      n.params.top_k = 50;
+      n.params.top_p = 0.95f;
+      seqs.push_back(std::move(n));
     }
-    std::vector<uint64_t> batch = {100};
-    if (others && engine->Has(201)) batch.push_back(201);
-    if (others && engine->Has(200)) batch.push_back(200);
-    out.clear();
-    engine->Decode(batch, &out, &errors);
-    ASSERT_TRUE(errors.empty());
-    for (const StepOutput& o : out) {
-      if (o.id == 100) ids.push_back(o.token.id);
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    engine.Prefill(std::move(seqs), &out, &errors);
+    std::vector<uint64_t> live;
+    for (size_t i = 0; i < goldens_.size(); ++i) live.push_back(i);
+    for (int step = 0; step < 12; ++step) {
+      for (const StepOutput& o : out) ids[o.id].push_back(o.token.id);
+      out.clear();
+      engine.Decode(live, &out, &errors);
+      EXPECT_TRUE(errors.empty());
     }
-  }
-  EXPECT_EQ(ids, a.generated);
+    return ids;
+  };
+  std::vector<std::vector<int32_t>> one;
+  const int world = world_;
+  world_ = 1;
+  OnEveryRank([&](Engine& engine) { one = sample(engine); });
+  world_ = world;
+  std::mutex mu;
+  std::vector<std::vector<std::vector<int32_t>>> ranks;
+  OnEveryRank([&](Engine& engine) {
+    auto ids = sample(engine);
+    std::lock_guard<std::mutex> lock(mu);
+    ranks.push_back(std::move(ids));
+  });
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(world));
+  for (const auto& r : ranks) EXPECT_EQ(r, one);
 }
 
 TEST_P(ParityTest, OutOfBlocksIsReportedNotFatal) {
-  auto engine = MakeEngine(/*blocks=*/2);  // 8 token slots
   const Golden& longest = *std::max_element(
       goldens_.begin(), goldens_.end(),
       [](const Golden& x, const Golden& y) { return x.input.size() < y.input.size(); });
   if (longest.input.size() <= 8) GTEST_SKIP() << "no prompt longer than the cache";
-  std::vector<StepOutput> out;
-  std::vector<SequenceError> errors;
-  engine->Prefill({Seq(1, longest)}, &out, &errors);
-  ASSERT_EQ(errors.size(), 1u);
-  EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_TRUE(out.empty());
-  EXPECT_EQ(engine->free_blocks(), 2);
+  OnEveryRank(
+      [&](Engine& engine) {
+        std::vector<StepOutput> out;
+        std::vector<SequenceError> errors;
+        engine.Prefill({Seq(1, longest)}, &out, &errors);
+        ASSERT_EQ(errors.size(), 1u);
+        EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kResourceExhausted);
+        EXPECT_TRUE(out.empty());
+        EXPECT_EQ(engine.free_blocks(), 2);
+      },
+      /*blocks=*/2);  // 8 token slots
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, ParityTest, ::testing::ValuesIn(ModelFixtures()),
-                         [](const auto& info) { return info.param; });
+std::string CaseName(const ::testing::TestParamInfo<std::tuple<std::string, int>>& info) {
+  return std::get<0>(info.param) + "_tp" + std::to_string(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, ParityTest,
+                         ::testing::Combine(::testing::ValuesIn(ModelFixtures()),
+                                            ::testing::Values(1, 2)),
+                         CaseName);
+// 4 ranks for GQA with 2 KV heads: each KV head is replicated on the two ranks whose q heads
+// share it (MQA, one KV head on every rank, is covered by gpt_bigcode at 2 ranks).
+INSTANTIATE_TEST_SUITE_P(FourRanks, ParityTest,
+                         ::testing::Combine(::testing::Values(std::string("llama")),
+                                            ::testing::Values(4)),
+                         CaseName);
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(ParityTest);
 
 }  // namespace

@@ -1,0 +1,175 @@
+"""Tensor parallelism on the CPU: two shards (each with its slice of the weights, running every
+step together over Gloo) through the real launcher (NUM_SHARD=2) and router generate what
+transformers does with the whole model (golden.json) for every fixture architecture: greedy ids
+(from the router's token details), their logprobs and the prompt's logprobs within 1e-4. Also:
+the shards agree on the KV cache size at Warmup, and a model that does not split over the world
+size fails at start-up with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs import FIXTURES, Process, binary, proto_module  # noqa: E402
+
+grpc = pytest.importorskip("grpc")
+
+TOLERANCE = 1e-4
+MODELS = sorted(d.name for d in (FIXTURES / "models").iterdir() if (d / "golden.json").exists())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def need_binaries():
+    for b in ("launcher/text-generation-launcher", "server/text-generation-server",
+              "router/text-generation-router"):
+        if not binary(b).exists():
+            pytest.skip(f"{binary(b)} not built")
+
+
+def rendezvous_dir(port: int) -> Path:
+    """The server's default rendezvous directory for MASTER_ADDR=localhost:port."""
+    return Path(tempfile.gettempdir()) / f"tgis-rendezvous-localhost-{port}"
+
+
+class Launcher:
+    def __init__(self, tmp: Path, model: str, num_shard: int):
+        self.grpc_port = free_port()
+        self.master_port = free_port()
+        self.termination_log = tmp / "termination-log"
+        env = {"MODEL_NAME": str(FIXTURES / "models" / model), "NUM_SHARD": str(num_shard),
+               "GRPC_PORT": str(self.grpc_port), "PORT": str(free_port()),
+               "MASTER_PORT": str(self.master_port), "SHARD_UDS_PATH": str(tmp / "shard"),
+               "TERMINATION_LOG": str(self.termination_log), "KV_CACHE_BLOCKS": "64",
+               "KV_CACHE_BLOCK_SIZE": "4", "SHUTDOWN_GRACE_PERIOD": "5"}
+        self.proc = Process([binary("launcher/text-generation-launcher")], env=env)
+
+    def wait_serving(self, timeout=60):
+        pb, pb_grpc = proto_module("generation")
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
+        stub = pb_grpc.GenerationServiceStub(self.channel)
+
+        def ready():
+            try:
+                stub.ModelInfo(pb.ModelInfoRequest(), timeout=1)
+                return True
+            except grpc.RpcError:
+                return False
+
+        self.proc.wait_for(ready, timeout=timeout, what="serving gRPC")
+        return pb, stub
+
+    def close(self):
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+        self.proc.close()
+        shutil.rmtree(rendezvous_dir(self.master_port), ignore_errors=True)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_two_shards_match_the_goldens(model, tmp_path):
+    need_binaries()
+    from tokenizers import Tokenizer
+
+    model_dir = FIXTURES / "models" / model
+    prompts = json.loads((model_dir / "golden.json").read_text())["prompts"]
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    launcher = Launcher(tmp_path, model, num_shard=2)
+    try:
+        pb, stub = launcher.wait_serving()
+        steps = len(prompts[0]["generated_ids"])
+        params = pb.Parameters(
+            stopping=pb.StoppingCriteria(max_new_tokens=steps),
+            response=pb.ResponseOptions(generated_tokens=True, input_tokens=True,
+                                        token_logprobs=True, token_ranks=True))
+        responses = stub.Generate(pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text=p["text"]) for p in prompts], params=params),
+            timeout=60).responses
+        assert len(responses) == len(prompts)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            assert r.input_token_count == len(p["input_ids"]), i
+            assert r.generated_token_count == len(p["generated_ids"]) == steps, i
+            ids = [tokenizer.token_to_id(t.text) for t in r.tokens]
+            assert ids == p["generated_ids"], f"prompt {i}"
+            assert [t.rank for t in r.tokens] == [1] * steps
+            for k, (t, want) in enumerate(zip(r.tokens, p["logprobs"])):
+                assert abs(t.logprob - want) <= TOLERANCE, f"prompt {i} step {k}"
+            assert [tokenizer.token_to_id(t.text) for t in r.input_tokens] == p["input_ids"]
+            for k in range(1, len(p["input_ids"])):
+                got, want = r.input_tokens[k].logprob, p["prompt_logprobs"][k]
+                assert abs(got - want) <= TOLERANCE, f"prompt {i} input token {k}"
+        out = launcher.proc.output()
+        # Both shards ran, each with its slice (not two whole models side by side).
+        assert "rank 0 of 2" in out and "rank 1 of 2" in out, out
+    finally:
+        launcher.close()
+
+
+def test_shards_agree_on_kv_cache_blocks(tmp_path):
+    """Shards that could hold different numbers of KV blocks all take the smallest at Warmup."""
+    server = binary("server/text-generation-server")
+    if not server.exists():
+        pytest.skip(f"{server} not built")
+    pb, pb_grpc = proto_module("generate")
+    model = FIXTURES / "models" / "llama"
+    uds = str(tmp_path / "shard")
+    rendezvous = tmp_path / "rendezvous"
+    shards = [Process([server, "serve", model, "--uds-path", uds, "--rank", str(rank),
+                       "--world-size", "2", "--rendezvous-dir", rendezvous,
+                       "--kv-cache-blocks", str(blocks), "--block-size", "4"])
+              for rank, blocks in ((0, 64), (1, 40))]
+    channels = []
+    try:
+        stubs = []
+        for rank, shard in enumerate(shards):
+            shard.wait_for(lambda: os.path.exists(f"{uds}-{rank}"), what="listening")
+            channels.append(grpc.insecure_channel(f"unix://{uds}-{rank}"))
+            grpc.channel_ready_future(channels[-1]).result(timeout=30)
+            stubs.append(pb_grpc.TextGenerationServiceStub(channels[-1]))
+        infos = [s.Info(pb.InfoRequest()) for s in stubs]
+        assert [(i.rank, i.world_size) for i in infos] == [(0, 2), (1, 2)]
+        # Collectives need every shard in the call: send Warmup to both at once, as the router.
+        results = [None, None]
+
+        def warm(k):
+            results[k] = stubs[k].Warmup(pb.WarmupRequest(max_input_length=16), timeout=60)
+
+        threads = [threading.Thread(target=warm, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [r.num_blocks for r in results] == [40, 40]
+        assert [r.max_supported_total_tokens for r in results] == [160, 160]
+    finally:
+        for c in channels:
+            c.close()
+        for s in shards:
+            s.close()
+
+
+def test_a_model_that_does_not_split_fails_with_the_reason(tmp_path):
+    """4 attention heads over 3 shards: the launcher exits non-zero naming the problem."""
+    need_binaries()
+    launcher = Launcher(tmp_path, "llama", num_shard=3)
+    try:
+        rc = launcher.proc.proc.wait(timeout=60)
+        assert rc != 0
+        out = launcher.proc.output()
+        assert "not divisible by the world size (3)" in out, out
+        assert "failed to start" in launcher.termination_log.read_text()
+    finally:
+        launcher.close()
