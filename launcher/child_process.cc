@@ -70,6 +70,10 @@ ChildProcess::~ChildProcess() {
   if (reader_.joinable()) reader_.join();
 }
 
+void ChildProcess::DrainOutput() {
+  if (reader_.joinable()) reader_.join();
+}
+
 bool ChildProcess::Exited(int* status) {
   if (reaped_) {
     *status = status_;

@@ -30,6 +30,8 @@ class ChildProcess {
   void Signal(int sig) const;
   // Waits up to `seconds` for the child to exit; true when it did.
   bool WaitFor(double seconds, int* status);
+  // After the child exited: waits until all its output went to the sink.
+  void DrainOutput();
 
  private:
   std::string name_;

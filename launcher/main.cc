@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include "common/env_flags.h"
@@ -128,7 +129,26 @@ int main(int argc, char** argv) {
   const std::string bin = BinDir(argv[0]);
   const std::string server_bin = FindBinary(bin, "text-generation-server", "server");
   const std::string router_bin = FindBinary(bin, "text-generation-router", "router");
-  auto sink = [&log](const std::string& name, const std::string& line) { log.Child(name, line); };
+  // A child that fails says why in its last "text-generation-<name>: <reason>" line (e.g. the
+  // router naming a bad TLS file): the termination log gets that reason too.
+  std::mutex fatal_lines_mu;
+  std::map<std::string, std::string> fatal_lines;
+  auto sink = [&log, &fatal_lines_mu, &fatal_lines](const std::string& name,
+                                                    const std::string& line) {
+    log.Child(name, line);
+    for (const char* prefix : {"text-generation-router: ", "text-generation-server: "}) {
+      if (line.rfind(prefix, 0) == 0) {
+        std::lock_guard<std::mutex> lock(fatal_lines_mu);
+        fatal_lines[name] = line.substr(std::strlen(prefix));
+      }
+    }
+  };
+  auto why = [&fatal_lines_mu, &fatal_lines](ChildProcess& child) {
+    child.DrainOutput();
+    std::lock_guard<std::mutex> lock(fatal_lines_mu);
+    auto it = fatal_lines.find(child.name());
+    return it == fatal_lines.end() ? std::string() : ": " + it->second;
+  };
 
   std::vector<std::unique_ptr<ChildProcess>> shards;
   for (int rank = 0; rank < FLAGS_num_shard; ++rank) {
@@ -170,7 +190,7 @@ int main(int argc, char** argv) {
       if (shards[rank]->Exited(&status)) {
         stop_all(shards, 5);
         return fatal("shard " + std::to_string(rank) + " failed to start: " +
-                     tgis::launcher::DescribeStatus(status));
+                     tgis::launcher::DescribeStatus(status) + why(*shards[rank]));
       }
       if (g_stop_signal != 0) {
         stop_all(shards, 5);
@@ -235,7 +255,8 @@ int main(int argc, char** argv) {
     for (auto* group : {&routers, &shards}) {
       for (auto& p : *group) {
         if (p->Exited(&status)) {
-          const std::string reason = p->name() + " " + tgis::launcher::DescribeStatus(status);
+          const std::string reason =
+              p->name() + " " + tgis::launcher::DescribeStatus(status) + why(*p);
           stop_all(routers, 5);
           stop_all(shards, 5);
           return fatal(reason + "; shutting down");

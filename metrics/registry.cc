@@ -1,6 +1,7 @@
 #include "metrics/registry.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 
@@ -10,13 +11,10 @@ namespace {
 std::string FormatValue(double v) {
   if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
   if (std::isnan(v)) return "NaN";
+  // The shortest text that reads back as the same double: 0.004, not 0.0040000000000000001.
   char buf[64];
-  if (v == std::floor(v) && std::fabs(v) < 1e15) {
-    std::snprintf(buf, sizeof(buf), "%.0f", v);
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.17g", v);
-  }
-  return buf;
+  const auto result = std::to_chars(buf, buf + sizeof(buf), v);
+  return std::string(buf, result.ptr);
 }
 
 std::string Escape(const std::string& s) {
@@ -50,8 +48,8 @@ std::string Labels(const std::vector<std::string>& names, const LabelValues& val
 
 }  // namespace
 
-Family::Family(std::string name, std::string help, Kind kind,
-               std::vector<std::string> label_names, std::vector<double> buckets)
+Family::Family(std::string name, std::string help, Kind kind, std::vector<std::string> label_names,
+               std::vector<double> buckets)
     : name_(std::move(name)),
       help_(std::move(help)),
       kind_(kind),
@@ -123,7 +121,8 @@ void Family::Render(const std::string& exposed, std::string* out) const {
     *out += exposed + "_bucket" + Labels(label_names_, values, "le", "+Inf") + " " +
             std::to_string(c.count) + "\n";
     *out += exposed + "_sum" + Labels(label_names_, values) + " " + FormatValue(c.value) + "\n";
-    *out += exposed + "_count" + Labels(label_names_, values) + " " + std::to_string(c.count) + "\n";
+    *out +=
+        exposed + "_count" + Labels(label_names_, values) + " " + std::to_string(c.count) + "\n";
   }
 }
 
@@ -136,8 +135,8 @@ Family* Registry::Counter(const std::string& name, const std::string& help,
 
 Family* Registry::Gauge(const std::string& name, const std::string& help,
                         std::vector<std::string> labels) {
-  families_.push_back(std::make_unique<Family>(name, help, Kind::kGauge, std::move(labels),
-                                               std::vector<double>{}));
+  families_.push_back(
+      std::make_unique<Family>(name, help, Kind::kGauge, std::move(labels), std::vector<double>{}));
   return families_.back().get();
 }
 

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "router/request_metrics.h"
 
 namespace tgis::router {
 namespace {
@@ -49,6 +50,24 @@ std::string Preview(std::string_view text) {
   return std::string(text.substr(0, cut)) + "...";
 }
 
+// The sink of a health-check generation: no client, only whether it worked.
+class HealthCheckSink final : public ResponseSink {
+ public:
+  explicit HealthCheckSink(std::function<void(bool)> done) : done_(std::move(done)) {}
+  void Send(fmaas::GenerationResponse) override {}
+  void Finish(absl::StatusOr<fmaas::GenerationResponse> last) override {
+    done_(last.ok() && last->stop_reason() != fmaas::CANCELLED &&
+          last->generated_token_count() > 0);
+  }
+  bool Cancelled() const override { return false; }
+
+ private:
+  std::function<void(bool)> done_;
+};
+
+// The prompt of health checks, as TGIS's.
+constexpr char kHealthCheckInput[] = "liveness";
+
 }  // namespace
 
 Batcher::Batcher(ShardClient& shards, const Tokenizer& tokenizer, BatcherConfig config)
@@ -76,16 +95,55 @@ void Batcher::Enqueue(std::vector<std::unique_ptr<GenerationRequest>> requests) 
     for (auto& r : requests) {
       r->queued = now;
       if (stop_) {
-        r->sink->Finish(absl::UnavailableError("the server is shutting down"));
+        EndRequest(*r, absl::UnavailableError("the server is shutting down"), 0);
         continue;
       }
       queue_.Push(std::move(r));
     }
+    UpdateQueueGaugeLocked();
   }
   cv_.notify_all();
 }
 
 void Batcher::Notify() { cv_.notify_all(); }
+
+void Batcher::EnqueueHealthCheck(std::function<void(bool)> done) {
+  auto r = std::make_unique<GenerationRequest>();
+  r->id = next_health_check_id_.fetch_add(1);
+  r->log_name = absl::StrCat("health check ", r->id - (uint64_t{1} << 63) + 1);
+  r->kind = RequestKind::kHealthCheck;
+  r->input_text = kHealthCheckInput;
+  absl::StatusOr<Encoding> encoding = tokenizer_.Encode(kHealthCheckInput, true);
+  if (encoding.ok() && !encoding->ids.empty()) {
+    r->input_ids = std::move(encoding->ids);
+  } else {
+    r->input_ids = {config_.detokenization.placeholder_id.value_or(0)};
+  }
+  r->params.max_new_tokens = 1;
+  r->sink = std::make_shared<HealthCheckSink>(std::move(done));
+  r->received = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    r->queued = r->received;
+    if (stop_) {
+      r->sink->Finish(absl::UnavailableError("the server is shutting down"));
+      return;
+    }
+    queue_.PushFront(std::move(r));
+    UpdateQueueGaugeLocked();
+  }
+  cv_.notify_all();
+}
+
+void Batcher::UpdateQueueGaugeLocked() {
+  if (config_.metrics != nullptr) config_.metrics->queue_size->Set(queue_.size());
+}
+
+void Batcher::EndRequest(GenerationRequest& request, absl::StatusOr<fmaas::GenerationResponse> last,
+                         uint32_t generated, bool expired_in_queue) {
+  RecordRequestEnd(config_.metrics, request, last, generated, expired_in_queue, Clock::now());
+  request.sink->Finish(std::move(last));
+}
 
 void Batcher::Loop() {
   for (;;) {
@@ -113,13 +171,15 @@ void Batcher::Loop() {
       } else {
         batch = TakeBatchLocked(Clock::now());
       }
+      UpdateQueueGaugeLocked();
     }
     if (stopping) {
       for (auto& r : removed.cancelled) {
-        r->sink->Finish(absl::UnavailableError("the server is shutting down"));
+        EndRequest(*r, absl::UnavailableError("the server is shutting down"), 0);
       }
-      for (auto& r : removed.expired) r->sink->Finish(EarlyTimeoutResponse(*r));
+      for (auto& r : removed.expired) EndRequest(*r, EarlyTimeoutResponse(*r), 0, true);
       FailAllRunning(absl::UnavailableError("the server is shutting down"));
+      UpdateBatchGauges();
       (void)shards_.ClearCache(std::nullopt);
       return;
     }
@@ -131,6 +191,7 @@ void Batcher::Loop() {
     } else {
       ReleaseIdleBatches();
     }
+    UpdateBatchGauges();
   }
 }
 
@@ -153,14 +214,22 @@ std::vector<std::unique_ptr<GenerationRequest>> Batcher::TakeBatchLocked(Clock::
       min_size = std::max<size_t>(1, running_.size() * (wait - steps_since_prefill_) / wait);
     }
   }
-  auto batch = queue_.NextBatch(footprints, min_size, config_.admission);
+  AdmissionStats stats;
+  auto batch = queue_.NextBatch(footprints, min_size, config_.admission, &stats);
+  if (config_.metrics != nullptr) {
+    if (stats.queue_jumps > 0) config_.metrics->queue_jump->Add(stats.queue_jumps);
+    if (stats.granular_additions > 0) {
+      config_.metrics->granular_batch_addition->Add(stats.granular_additions);
+    }
+  }
   if (batch.empty() && running_.empty()) {
     // Nothing fits even in an empty batch: the request at the head can never run. Startup
     // keeps max_sequence_length within the KV cache, so this is only a safety net.
     std::unique_ptr<GenerationRequest> head = queue_.PopFront();
     LOG(ERROR) << head->log_name << ": does not fit in the KV cache even alone";
-    head->sink->Finish(
-        absl::ResourceExhaustedError("the request does not fit in the KV cache even alone"));
+    EndRequest(*head,
+               absl::ResourceExhaustedError("the request does not fit in the KV cache even alone"),
+               0);
   }
   return batch;
 }
@@ -168,11 +237,11 @@ std::vector<std::unique_ptr<GenerationRequest>> Batcher::TakeBatchLocked(Clock::
 void Batcher::AnswerRemoved(RequestQueue::Removed removed) {
   for (auto& r : removed.cancelled) {
     LOG(WARNING) << r->log_name << ": cancelled by the client while queued";
-    r->sink->Finish(absl::CancelledError("cancelled by the client"));
+    EndRequest(*r, absl::CancelledError("cancelled by the client"), 0);
   }
   for (auto& r : removed.expired) {
     LOG(WARNING) << r->log_name << ": time limit reached while queued";
-    r->sink->Finish(EarlyTimeoutResponse(*r));
+    EndRequest(*r, EarlyTimeoutResponse(*r), 0, /*expired_in_queue=*/true);
   }
 }
 
@@ -195,15 +264,27 @@ void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
   pb::Batch* b = request.mutable_batch();
   b->set_id(next_batch_id_++);
   size_t tokens = 0;
+  const size_t running_before = running_.size();
+  const Clock::time_point admitted = Clock::now();
+  metrics::TgiMetrics* m = config_.metrics;
   for (auto& r : batch) {
     *b->add_requests() = ToShardRequest(*r);
     tokens += r->input_ids.size();
+    r->batched = admitted;
+    if (m != nullptr && r->kind != RequestKind::kHealthCheck) {
+      m->request_queue_duration->Observe(Seconds(admitted - r->queued));
+    }
     auto progress = std::make_unique<RequestProgress>(tokenizer_, config_.detokenization, *r);
     const uint64_t id = r->id;
     running_.emplace(id, Running{std::move(r), std::move(progress)});
   }
   LOG(INFO) << "prefill of batch #" << b->id() << ": " << b->requests_size() << " new request(s), "
             << tokens << " prompt tokens; " << running_.size() << " request(s) in the batch now";
+  if (m != nullptr) {
+    // Ragged batches: no padding, the prompt tokens are all the tokens.
+    m->batch_next_tokens->Observe(static_cast<double>(tokens));
+    m->batch_inference_batch_size->Observe(b->requests_size(), {"prefill"});
+  }
   const Clock::time_point start = Clock::now();
   absl::StatusOr<pb::PrefillResponse> response = shards_.Prefill(request);
   const Clock::time_point end = Clock::now();
@@ -211,6 +292,7 @@ void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
   steps_since_prefill_ = 0;
   SetShardHealth(response.ok());
   if (!response.ok()) {
+    OnInferenceDone("prefill", response.status(), end - start, 0, {});
     LOG(ERROR) << "prefill of batch #" << b->id() << " failed: " << response.status();
     for (const pb::Request& r : b->requests()) FailRequest(r.id(), response.status());
     (void)shards_.ClearCache(b->id());
@@ -221,6 +303,52 @@ void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
   }
   for (const pb::Generation& g : response->generations()) OnGeneration(g, /*prefill=*/true);
   if (response->has_batch()) batches_.push_back(response->batch());
+  OnInferenceDone("prefill", absl::OkStatus(), end - start, response->forward_ns(),
+                  Clock::now() - end);
+  if (m != nullptr && running_before > 0) {
+    // The new requests joined a running batch (those that did not finish at their first token).
+    const bool joined =
+        std::any_of(b->requests().begin(), b->requests().end(),
+                    [this](const pb::Request& r) { return running_.count(r.id()); });
+    if (joined) m->batch_concatenation_count->Add(1);
+  }
+}
+
+void Batcher::OnInferenceDone(const char* method, const absl::Status& status,
+                              Clock::duration duration, uint64_t forward_ns,
+                              Clock::duration tokproc) {
+  if (config_.on_generation_result) config_.on_generation_result(status.ok());
+  metrics::TgiMetrics* m = config_.metrics;
+  if (m == nullptr) return;
+  m->batch_inference_count->Add(1, {method});
+  if (!status.ok()) {
+    m->batch_inference_failure->Add(1, {method, InferenceFailureReason(status)});
+    return;
+  }
+  m->batch_inference_success->Add(1, {method});
+  m->batch_inference_duration->Observe(Seconds(duration), {method, kBatchMakeup});
+  m->batch_inference_forward_duration->Observe(static_cast<double>(forward_ns) / 1e9,
+                                               {method, kBatchMakeup});
+  m->batch_inference_tokproc_duration->Observe(Seconds(tokproc), {method, kBatchMakeup});
+}
+
+void Batcher::UpdateBatchGauges() {
+  metrics::TgiMetrics* m = config_.metrics;
+  if (m == nullptr) return;
+  // As TGIS's README describes them: input tokens counts the prompts and the tokens generated
+  // so far (the KV cache in use; there is no padding), max remaining tokens the largest number
+  // of tokens a running request may still generate.
+  uint64_t tokens = 0;
+  uint32_t most_remaining = 0;
+  for (const auto& [id, r] : running_) {
+    const uint32_t generated = r.progress->generated();
+    tokens += r.request->input_length() + generated;
+    const uint32_t max_new = r.request->params.max_new_tokens;
+    most_remaining = std::max(most_remaining, max_new > generated ? max_new - generated : 0);
+  }
+  m->batch_current_size->Set(static_cast<double>(running_.size()));
+  m->batch_input_tokens->Set(static_cast<double>(tokens));
+  m->batch_max_remaining_tokens->Set(most_remaining);
 }
 
 void Batcher::Decode() {
@@ -234,12 +362,19 @@ void Batcher::Decode() {
   for (const pb::CachedBatch& b : batches_) *request.add_batches() = b;
   request.mutable_finished_request_ids()->Add(finished_.begin(), finished_.end());
   const size_t size_before = running_.size();
+  if (config_.metrics != nullptr) {
+    config_.metrics->batch_inference_batch_size->Observe(static_cast<double>(size_before),
+                                                         {"next_token"});
+  }
+  const Clock::time_point start = Clock::now();
   absl::StatusOr<pb::DecodeResponse> response = shards_.Decode(request);
+  const Clock::time_point end = Clock::now();
   batches_.clear();
   finished_.clear();
   ++steps_since_prefill_;
   SetShardHealth(response.ok());
   if (!response.ok()) {
+    OnInferenceDone("next_token", response.status(), end - start, 0, {});
     LOG(ERROR) << "decode failed: " << response.status();
     FailAllRunning(response.status());
     (void)shards_.ClearCache(std::nullopt);
@@ -250,6 +385,8 @@ void Batcher::Decode() {
   }
   for (const pb::Generation& g : response->generations()) OnGeneration(g, /*prefill=*/false);
   if (response->has_batch()) batches_.push_back(response->batch());
+  OnInferenceDone("next_token", absl::OkStatus(), end - start, response->forward_ns(),
+                  Clock::now() - end);
   if (running_.size() != size_before) {
     VLOG(1) << "batch: " << running_.size() << " request(s) running";
   }
@@ -329,7 +466,7 @@ void Batcher::OnGeneration(const pb::Generation& generation, bool prefill) {
 
 void Batcher::Finish(std::map<uint64_t, Running>::iterator it,
                      absl::StatusOr<fmaas::GenerationResponse> last) {
-  const GenerationRequest& request = *it->second.request;
+  GenerationRequest& request = *it->second.request;
   if (last.ok() && last->stop_reason() != fmaas::CANCELLED) {
     const auto elapsed =
         std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - request.received);
@@ -339,7 +476,7 @@ void Batcher::Finish(std::map<uint64_t, Running>::iterator it,
               << (request.streaming ? ""
                                     : absl::StrCat(", output \"", Preview(last->text()), "\""));
   }
-  request.sink->Finish(std::move(last));
+  EndRequest(request, std::move(last), it->second.progress->generated());
   running_.erase(it);
 }
 

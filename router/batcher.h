@@ -5,6 +5,7 @@
 // next step (their ids ride on the next Decode, or a FilterBatch before a Prefill).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -14,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "metrics/tgi_metrics.h"
 #include "proto/generate.pb.h"
 #include "router/queue.h"
 #include "router/request.h"
@@ -32,6 +34,10 @@ struct BatcherConfig {
   // Told whether the shards answer (false after a failed Prefill or Decode, true again after
   // one that worked); called from the batcher's thread when that changes.
   std::function<void(bool)> on_shard_health;
+  // Told after every Prefill and Decode whether it worked (GET /health); batcher thread.
+  std::function<void(bool)> on_generation_result;
+  // The tgi_ metrics to keep up to date; none when null.
+  metrics::TgiMetrics* metrics = nullptr;
 };
 
 class Batcher {
@@ -50,6 +56,9 @@ class Batcher {
   void Enqueue(std::vector<std::unique_ptr<GenerationRequest>> requests);
   // Wakes the loop to look at the requests again (a client went away).
   void Notify();
+  // Queues a one-token greedy generation ahead of the waiting requests (GET /health after a
+  // failure); `done(ok)` is called once when it ends, from any thread.
+  void EnqueueHealthCheck(std::function<void(bool)> done);
 
  private:
   struct Running {
@@ -75,6 +84,16 @@ class Batcher {
   void FailRequest(uint64_t id, const absl::Status& status);
   void FailAllRunning(const absl::Status& status);
   void SetShardHealth(bool healthy);
+  // Answers a request (and records its metrics); every request ends here exactly once.
+  void EndRequest(GenerationRequest& request, absl::StatusOr<fmaas::GenerationResponse> last,
+                  uint32_t generated, bool expired_in_queue = false);
+  // A forward pass ("prefill" or "next_token") returned: its metrics, and health.
+  void OnInferenceDone(const char* method, const absl::Status& status, Clock::duration duration,
+                       uint64_t forward_ns, Clock::duration tokproc);
+  // tgi_batch_current_size, tgi_batch_input_tokens, tgi_batch_max_remaining_tokens.
+  void UpdateBatchGauges();
+  // Under mu_: tgi_queue_size.
+  void UpdateQueueGaugeLocked();
 
   ShardClient& shards_;
   const Tokenizer& tokenizer_;
@@ -94,6 +113,7 @@ class Batcher {
   uint32_t steps_since_prefill_ = 0;
   Clock::time_point next_prefill_after_{};
   bool shards_healthy_ = true;
+  std::atomic<uint64_t> next_health_check_id_{uint64_t{1} << 63};  // apart from the service's
 };
 
 }  // namespace tgis::router

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "router/call_reactors.h"
 #include "router/input_encoding.h"
+#include "router/request_metrics.h"
 #include "router/request_progress.h"
 
 namespace tgis::router {
@@ -44,11 +45,17 @@ GenerationService::GenerationService(const Tokenizer& tokenizer, Batcher& batche
 
 absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> GenerationService::Prepare(
     const std::optional<std::string>& prefix_id, const fmaas::Parameters* params,
-    const std::vector<const std::string*>& texts, bool streaming, const std::string& log_name,
+    const std::vector<const std::string*>& texts, RequestKind kind, const std::string& log_name,
     Clock::time_point received) {
+  metrics::TgiMetrics* m = options_.metrics;
   absl::StatusOr<GenerationParams> converted = ConvertParameters(params, options_.limits, received);
   if (!converted.ok()) return converted.status();
-  if (prefix_id.has_value()) return PromptPrefixNotFound(*prefix_id);
+  if (prefix_id.has_value()) {
+    // Prompt tuning is not supported: a prefix can never be loaded, which TGIS counts as a
+    // failed load (tgi_prompt_load_duration, of successful loads, stays empty).
+    if (m != nullptr) m->prompt_load_failure->Add(1);
+    return PromptPrefixNotFound(*prefix_id);
+  }
 
   std::vector<std::unique_ptr<GenerationRequest>> requests;
   for (size_t i = 0; i < texts.size(); ++i) {
@@ -58,18 +65,35 @@ absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> GenerationServic
         texts.size() == 1 ? log_name : absl::StrCat(log_name, " [", i + 1, "/", texts.size(), "]");
     r->input_text = *texts[i];
     r->params = *converted;
-    r->streaming = streaming;
+    r->streaming = kind == RequestKind::kStream;
+    r->kind = kind;
     r->received = received;
+    size_t raw_length = 0;
     absl::StatusOr<Encoding> encoding =
-        EncodeInput(tokenizer_, r->input_text, r->params.truncate_input_tokens);
+        EncodeInput(tokenizer_, r->input_text, r->params.truncate_input_tokens, &raw_length);
     if (!encoding.ok()) return TokenizerError(encoding.status());
+    // Before truncation, and also for inputs that then fail validation as too long.
+    if (m != nullptr) m->request_raw_input_length->Observe(static_cast<double>(raw_length));
     r->input_ids = std::move(encoding->ids);
     absl::Status valid =
         ValidateInput(r->input_length(), options_.limits, RandomSeed(), &r->params);
     if (!valid.ok()) return valid;
     requests.push_back(std::move(r));
   }
+  if (m != nullptr) {
+    // Only for calls that passed validation; max_new_tokens as asked (before any lowering to
+    // fit max_sequence_length).
+    for (const auto& r : requests) {
+      m->request_input_length->Observe(r->input_length());
+      m->request_max_new_tokens->Observe(converted->max_new_tokens);
+    }
+    m->request_validation_duration->Observe(Seconds(Clock::now() - received));
+  }
   return requests;
+}
+
+void GenerationService::CountFailure(const char* err) {
+  if (options_.metrics != nullptr) options_.metrics->request_failure->Add(1, {err});
 }
 
 grpc::ServerUnaryReactor* GenerationService::Generate(
@@ -78,16 +102,20 @@ grpc::ServerUnaryReactor* GenerationService::Generate(
   const Clock::time_point received = Clock::now();
   const size_t n = static_cast<size_t>(request->requests_size());
   auto on_cancel = [this] { batcher_.Notify(); };
+  metrics::TgiMetrics* m = options_.metrics;
+  if (m != nullptr) m->request_count->Add(1, {n == 1 ? "single" : "batch"});
   if (n == 0) {
     auto* reactor = new GenerateReactor(response, on_cancel, std::nullopt);
     reactor->Finish(grpc::Status::OK);
     return reactor;
   }
+  if (m != nullptr) m->request_input_count->Add(static_cast<double>(n));
   const std::string name = CallName(context, next_call_.fetch_add(1));
   std::optional<ConcurrencyLimiter::Permit> permit = limiter_.TryAcquire(static_cast<uint32_t>(n));
   const bool admitted = permit.has_value();
   auto* reactor = new GenerateReactor(response, on_cancel, std::move(permit));
   if (!admitted) {
+    CountFailure("conc_limit");
     LOG(ERROR) << name << ": " << kOverloaded;
     reactor->Fail(absl::ResourceExhaustedError(kOverloaded));
     return reactor;
@@ -97,8 +125,9 @@ grpc::ServerUnaryReactor* GenerationService::Generate(
   std::optional<std::string> prefix_id;
   if (request->has_prefix_id()) prefix_id = request->prefix_id();
   auto requests = Prepare(prefix_id, request->has_params() ? &request->params() : nullptr, texts,
-                          /*streaming=*/false, name, received);
+                          n == 1 ? RequestKind::kSingle : RequestKind::kBatch, name, received);
   if (!requests.ok()) {
+    CountFailure("validation");
     LOG(WARNING) << name << ": " << requests.status().message();
     reactor->Fail(requests.status());
     return reactor;
@@ -113,10 +142,15 @@ grpc::ServerWriteReactor<fmaas::GenerationResponse>* GenerationService::Generate
     grpc::CallbackServerContext* context, const fmaas::SingleGenerationRequest* request) {
   const Clock::time_point received = Clock::now();
   const std::string name = CallName(context, next_call_.fetch_add(1));
+  if (options_.metrics != nullptr) {
+    options_.metrics->request_count->Add(1, {"stream"});
+    options_.metrics->request_input_count->Add(1);
+  }
   std::optional<ConcurrencyLimiter::Permit> permit = limiter_.TryAcquire(1);
   const bool admitted = permit.has_value();
   auto* reactor = new StreamReactor([this] { batcher_.Notify(); }, std::move(permit));
   if (!admitted) {
+    CountFailure("conc_limit");
     LOG(ERROR) << name << ": " << kOverloaded;
     reactor->Fail(absl::ResourceExhaustedError(kOverloaded));
     return reactor;
@@ -128,8 +162,9 @@ grpc::ServerWriteReactor<fmaas::GenerationResponse>* GenerationService::Generate
   std::optional<std::string> prefix_id;
   if (request->has_prefix_id()) prefix_id = request->prefix_id();
   auto requests = Prepare(prefix_id, request->has_params() ? &request->params() : nullptr,
-                          {&request->request().text()}, /*streaming=*/true, name, received);
+                          {&request->request().text()}, RequestKind::kStream, name, received);
   if (!requests.ok()) {
+    CountFailure("validation");
     LOG(WARNING) << name << ": " << requests.status().message();
     reactor->Fail(requests.status());
     return reactor;
@@ -146,6 +181,13 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
                                                       const fmaas::BatchedTokenizeRequest* request,
                                                       fmaas::BatchedTokenizeResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const Clock::time_point start = Clock::now();
+  metrics::TgiMetrics* m = options_.metrics;
+  if (m != nullptr) {
+    m->tokenize_request_count->Add(1);
+    m->tokenize_request_input_count->Add(request->requests_size());
+  }
+  uint64_t total_tokens = 0;
   for (const fmaas::TokenizeRequest& r : request->requests()) {
     absl::StatusOr<Encoding> e =
         EncodeInput(tokenizer_, r.text(), request->truncate_input_tokens());
@@ -155,6 +197,7 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
     }
     fmaas::TokenizeResponse* out = response->add_responses();
     out->set_token_count(static_cast<uint32_t>(e->ids.size()));
+    total_tokens += e->ids.size();
     if (request->return_tokens()) out->mutable_tokens()->Add(e->tokens.begin(), e->tokens.end());
     if (request->return_offsets()) {
       for (const TokenOffset& o : e->offsets) {
@@ -163,6 +206,10 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
         offset->set_end(o.end);
       }
     }
+  }
+  if (m != nullptr) {
+    m->tokenize_request_tokens->Observe(static_cast<double>(total_tokens));
+    m->tokenize_request_duration->Observe(Seconds(Clock::now() - start));
   }
   reactor->Finish(grpc::Status::OK);
   return reactor;

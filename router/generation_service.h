@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "metrics/tgi_metrics.h"
 #include "proto/generation.grpc.pb.h"
 #include "router/batcher.h"
 #include "router/concurrency_limiter.h"
@@ -24,6 +25,8 @@ struct ServiceOptions {
   ValidationLimits limits;
   uint32_t max_concurrent_requests = 96;
   fmaas::ModelInfoResponse::ModelKind model_kind = fmaas::ModelInfoResponse::DECODER_ONLY;
+  // The tgi_ metrics to keep up to date; none when null. Must outlive the service.
+  metrics::TgiMetrics* metrics = nullptr;
 };
 
 class GenerationService final : public fmaas::GenerationService::CallbackService {
@@ -47,8 +50,10 @@ class GenerationService final : public fmaas::GenerationService::CallbackService
   // Validates the parameters and every input, all or nothing, into requests ready to queue.
   absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> Prepare(
       const std::optional<std::string>& prefix_id, const fmaas::Parameters* params,
-      const std::vector<const std::string*>& texts, bool streaming, const std::string& log_name,
+      const std::vector<const std::string*>& texts, RequestKind kind, const std::string& log_name,
       Clock::time_point received);
+  // A call refused before validation (overload) or by validation.
+  void CountFailure(const char* err);
 
   const Tokenizer& tokenizer_;
   Batcher& batcher_;

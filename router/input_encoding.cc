@@ -21,8 +21,9 @@ Encoding LastTokens(const Encoding& e, size_t n) {
 }  // namespace
 
 absl::StatusOr<Encoding> EncodeInput(const Tokenizer& tokenizer, std::string_view text,
-                                     uint32_t truncate_to) {
+                                     uint32_t truncate_to, size_t* untruncated_length) {
   absl::StatusOr<Encoding> full = tokenizer.Encode(text, /*add_special_tokens=*/true);
+  if (full.ok() && untruncated_length != nullptr) *untruncated_length = full->ids.size();
   if (!full.ok() || truncate_to == 0 || full->ids.size() <= truncate_to) return full;
 
   // Find where the text's own tokens sit between the added special tokens.

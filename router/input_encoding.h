@@ -14,8 +14,9 @@ namespace tgis::router {
 // non-zero and smaller than the token count, only the last tokens of the text are kept, and the
 // special tokens the tokenizer adds around it (e.g. a leading BOS) stay in place: the result is
 // what HF tokenizers give when truncating from the left to `truncate_to` tokens, which is what
-// TGIS's shards feed the model.
+// TGIS's shards feed the model. `untruncated_length`, when given, gets the token count before
+// truncation.
 absl::StatusOr<Encoding> EncodeInput(const Tokenizer& tokenizer, std::string_view text,
-                                     uint32_t truncate_to);
+                                     uint32_t truncate_to, size_t* untruncated_length = nullptr);
 
 }  // namespace tgis::router

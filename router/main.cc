@@ -4,7 +4,9 @@
 //   text-generation-router --tokenizer-path MODEL_DIR [--shard-uds-path
 //   /tmp/text-generation-server]
 //       [--num-shard 1] [--grpc-port 8033] [--max-sequence-length N] [--max-new-tokens 1024] ...
+//       [--port 3000] [--tls-cert-path CERT --tls-key-path KEY [--tls-client-ca-cert-path CA]]
 //
+// GET /health and GET /metrics are served on --port; TLS (or mTLS) applies to the gRPC port.
 // Every flag also reads the environment variable TGIS gives it (below) when not given.
 #include <gflags/gflags.h>
 #include <glog/logging.h>
@@ -24,10 +26,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/env_flags.h"
+#include "metrics/http_server.h"
+#include "metrics/registry.h"
+#include "metrics/tgi_metrics.h"
 #include "router/batcher.h"
 #include "router/generation_service.h"
+#include "router/health.h"
 #include "router/request_progress.h"
 #include "router/shard_client.h"
+#include "router/tls_config.h"
 #include "tokenizer/tokenizer.h"
 
 DEFINE_string(tokenizer_path, "",
@@ -62,9 +69,17 @@ DEFINE_int32(shard_connect_timeout, 600,
 DEFINE_int32(
     shutdown_grace_period, 30,
     "Seconds that running requests get to finish after SIGTERM (env SHUTDOWN_GRACE_PERIOD)");
-// ---- Reserved for the HTTP/metrics and TLS issue: PORT (3000: GET /metrics, GET /health),
-// ---- TLS_CERT_PATH, TLS_KEY_PATH, TLS_CLIENT_CA_CERT_PATH. Define them here, add them to the
-// ---- env fallbacks below, and return TLS credentials from GrpcCredentials().
+DEFINE_int32(port, 3000,
+             "HTTP port of GET /health and GET /metrics (Prometheus); 0: any free port "
+             "(env PORT)");
+DEFINE_string(tls_cert_path, "",
+              "Server certificate (PEM, may hold the chain): with --tls-key-path, enables TLS on "
+              "the gRPC port (env TLS_CERT_PATH)");
+DEFINE_string(tls_key_path, "",
+              "Private key (PEM, unencrypted) of --tls-cert-path (env TLS_KEY_PATH)");
+DEFINE_string(tls_client_ca_cert_path, "",
+              "CA certificate(s) (PEM) that client certificates must chain to: clients without "
+              "such a certificate are refused (mTLS) (env TLS_CLIENT_CA_CERT_PATH)");
 
 namespace {
 
@@ -76,8 +91,15 @@ int Fail(const std::string& message) {
   return 1;
 }
 
-std::shared_ptr<grpc::ServerCredentials> GrpcCredentials() {
-  return grpc::InsecureServerCredentials();
+std::shared_ptr<grpc::ServerCredentials> GrpcCredentials(
+    const std::optional<tgis::router::TlsConfig>& tls) {
+  if (!tls.has_value()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions options(
+      tls->mutual() ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                    : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  options.pem_root_certs = tls->client_ca_pem;
+  options.pem_key_cert_pairs.push_back({tls->private_key_pem, tls->cert_chain_pem});
+  return grpc::SslServerCredentials(options);
 }
 
 // TGIS passes the tokenizer.json file; a model directory works too.
@@ -154,6 +176,10 @@ int main(int argc, char** argv) {
           {"default_include_stop_seqs", "DEFAULT_INCLUDE_STOP_SEQS"},
           {"shard_connect_timeout", "SHARD_CONNECT_TIMEOUT"},
           {"shutdown_grace_period", "SHUTDOWN_GRACE_PERIOD"},
+          {"port", "PORT"},
+          {"tls_cert_path", "TLS_CERT_PATH"},
+          {"tls_key_path", "TLS_KEY_PATH"},
+          {"tls_client_ca_cert_path", "TLS_CLIENT_CA_CERT_PATH"},
       });
       !err.empty()) {
     return Fail(err);
@@ -164,6 +190,11 @@ int main(int argc, char** argv) {
       FLAGS_max_waiting_tokens < 1 || FLAGS_max_sequence_length < 0 || FLAGS_max_batch_weight < 0) {
     return Fail("the size limits must be positive");
   }
+  if (FLAGS_port < 0 || FLAGS_port > 65535) return Fail("--port (PORT) must be a TCP port");
+  // TLS files are checked before anything waits: a bad one fails the start, naming the file.
+  auto tls = tgis::router::LoadTlsConfig(
+      {FLAGS_tls_cert_path, FLAGS_tls_key_path, FLAGS_tls_client_ca_cert_path});
+  if (!tls.ok()) return Fail(absl::StrCat("invalid TLS configuration: ", tls.status().message()));
   ShutdownSignals signals;
 
   // The tokenizer first: a wrong model directory fails before anything waits on the shards.
@@ -175,6 +206,19 @@ int main(int argc, char** argv) {
   if (!tokenizer.ok()) {
     return Fail(absl::StrCat("cannot load the tokenizer: ", tokenizer.status().message()));
   }
+
+  // /health and /metrics answer while the router waits for the shards (503 until they are
+  // ready and a generation has succeeded).
+  tgis::metrics::Registry registry;
+  tgis::metrics::TgiMetrics tgi_metrics(&registry);
+  tgis::router::HealthMonitor health_monitor;
+  tgis::metrics::HttpServer http([&health_monitor] { return health_monitor.Check(); },
+                                 [&registry] { return registry.Render(); });
+  if (!http.Start(FLAGS_port)) {
+    return Fail(absl::StrCat("cannot listen on HTTP port ", FLAGS_port,
+                             " (--port / PORT, for /health and /metrics): ", http.error()));
+  }
+  LOG(INFO) << "HTTP server listening on port " << http.port() << " (/health, /metrics)";
 
   auto shards = tgis::router::ConnectShards(FLAGS_shard_uds_path, FLAGS_num_shard,
                                             std::chrono::seconds(FLAGS_shard_connect_timeout));
@@ -233,14 +277,28 @@ int main(int argc, char** argv) {
   batcher_config.on_shard_health = [&health](bool serving) {
     if (auto* h = health.load()) h->SetServingStatus(serving);
   };
+  batcher_config.on_generation_result = [&health_monitor](bool ok) {
+    health_monitor.OnGenerationResult(ok);
+  };
+  batcher_config.metrics = &tgi_metrics;
   tgis::router::Batcher batcher(**shards, **tokenizer, batcher_config);
   batcher.Start();
+  tgis::router::ShardClient& shard_client = **shards;
+  health_monitor.Attach(
+      [&shard_client] { return shard_client.Health().ok(); },
+      [&batcher](std::function<void(bool)> done) { batcher.EnqueueHealthCheck(std::move(done)); });
+  // Probes stop using the shards and the batcher before those go, whatever way main() ends.
+  struct DetachHealth {
+    tgis::router::HealthMonitor& monitor;
+    ~DetachHealth() { monitor.Detach(); }
+  } detach_health{health_monitor};
 
   tgis::router::ServiceOptions service_options;
   service_options.limits.max_sequence_length = max_sequence_length;
   service_options.limits.max_new_tokens = static_cast<uint32_t>(FLAGS_max_new_tokens);
   service_options.limits.default_include_stop_seqs = FLAGS_default_include_stop_seqs;
   service_options.max_concurrent_requests = static_cast<uint32_t>(FLAGS_max_concurrent_requests);
+  service_options.metrics = &tgi_metrics;
   service_options.model_kind = info->model_kind() == generate::v1::ENCODER_DECODER
                                    ? fmaas::ModelInfoResponse::ENCODER_DECODER
                                    : fmaas::ModelInfoResponse::DECODER_ONLY;
@@ -250,24 +308,29 @@ int main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   const std::string address = absl::StrCat("0.0.0.0:", FLAGS_grpc_port);
-  builder.AddListeningPort(address, GrpcCredentials());
+  builder.AddListeningPort(address, GrpcCredentials(*tls));
+  // Without this a second server could bind the same port (SO_REUSEPORT) and share its calls.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) return Fail(absl::StrCat("cannot listen on ", address));
   health = server->GetHealthCheckService();
-  LOG(INFO) << "gRPC server listening on " << address << " (" << info->model_type()
-            << ", max sequence length " << max_sequence_length << ", KV cache " << batch_tokens
-            << " tokens, " << FLAGS_num_shard << " shard(s))";
+  LOG(INFO) << "gRPC server listening on " << address
+            << (tls->has_value() ? ((*tls)->mutual() ? " with mTLS" : " with TLS") : "") << " ("
+            << info->model_type() << ", max sequence length " << max_sequence_length
+            << ", KV cache " << batch_tokens << " tokens, " << FLAGS_num_shard << " shard(s))";
 
   signals.Serving();
   const int signal = signals.Wait();
   LOG(INFO) << "signal " << signal << ": draining for up to " << FLAGS_shutdown_grace_period << "s";
   health = nullptr;
+  health_monitor.Detach();
   server->GetHealthCheckService()->SetServingStatus(false);
   server->Shutdown(std::chrono::system_clock::now() +
                    std::chrono::seconds(FLAGS_shutdown_grace_period));
   batcher.Stop();
+  http.Stop();
   LOG(INFO) << "stopped";
   return 0;
 }

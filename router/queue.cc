@@ -12,6 +12,15 @@ Footprint FootprintOf(const GenerationRequest& request, uint32_t generated) {
                    .steps = max_new > generated ? max_new - generated : 0};
 }
 
+uint64_t FinalTokens(std::span<const Footprint> requests, uint32_t block_size) {
+  const uint64_t bs = std::max<uint32_t>(block_size, 1);
+  uint64_t total = 0;
+  for (const Footprint& r : requests) {
+    if (r.steps > 0) total += (r.tokens + r.steps - 1 + bs - 1) / bs * bs;
+  }
+  return total;
+}
+
 uint64_t PeakTokens(std::span<const Footprint> requests, uint32_t block_size) {
   const uint64_t bs = std::max<uint32_t>(block_size, 1);
   auto blocks = [bs](uint64_t tokens) { return (tokens + bs - 1) / bs * bs; };
@@ -32,6 +41,10 @@ uint64_t PeakTokens(std::span<const Footprint> requests, uint32_t block_size) {
 
 void RequestQueue::Push(std::unique_ptr<GenerationRequest> request) {
   queue_.push_back(std::move(request));
+}
+
+void RequestQueue::PushFront(std::unique_ptr<GenerationRequest> request) {
+  queue_.push_front(std::move(request));
 }
 
 std::unique_ptr<GenerationRequest> RequestQueue::PopFront() {
@@ -75,7 +88,9 @@ std::optional<Clock::time_point> RequestQueue::EarliestDeadline() const {
 }
 
 std::vector<std::unique_ptr<GenerationRequest>> RequestQueue::NextBatch(
-    std::span<const Footprint> running, size_t min_size, const AdmissionLimits& limits) {
+    std::span<const Footprint> running, size_t min_size, const AdmissionLimits& limits,
+    AdmissionStats* stats) {
+  AdmissionStats local;
   std::vector<std::unique_ptr<GenerationRequest>> batch;
   min_size = std::max<size_t>(min_size, 1);
   if (queue_.size() < min_size || running.size() + min_size > limits.max_batch_size) {
@@ -93,10 +108,15 @@ std::vector<std::unique_ptr<GenerationRequest>> RequestQueue::NextBatch(
       if (!cutoff.has_value()) cutoff = r.queued + kOvertakeWindow;
       continue;
     }
+    if (cutoff.has_value()) ++local.queue_jumps;
+    if (FinalTokens(footprints, limits.block_size) > limits.max_batch_tokens) {
+      ++local.granular_additions;
+    }
     chosen.push_back(i);
     if (running.size() + chosen.size() >= limits.max_batch_size) break;
   }
   if (chosen.size() < min_size) return batch;
+  if (stats != nullptr) *stats = local;
   for (size_t i : chosen) batch.push_back(std::move(queue_[i]));
   std::erase_if(queue_, [](const auto& r) { return r == nullptr; });
   return batch;

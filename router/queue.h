@@ -24,6 +24,10 @@ struct Footprint {
 // The footprint of a request that has generated `generated` of its tokens (0: not started).
 Footprint FootprintOf(const GenerationRequest& request, uint32_t generated);
 
+// The KV-cache tokens the requests would hold if none of them finished before the others: the
+// sum of their final lengths in whole blocks, an upper bound of PeakTokens.
+uint64_t FinalTokens(std::span<const Footprint> requests, uint32_t block_size);
+
 // The most KV-cache tokens the requests hold together at any future step, counting whole
 // blocks of `block_size` tokens (as the shards allocate them). A request frees its blocks when
 // it finishes, so the peak is usually well below the sum of the requests' final lengths.
@@ -35,9 +39,20 @@ struct AdmissionLimits {
   uint32_t block_size = 1;
 };
 
+// What happened while a batch was chosen, for TGIS's queue metrics.
+struct AdmissionStats {
+  // Requests taken although an earlier one was skipped for not fitting (tgi_queue_jump).
+  uint32_t queue_jumps = 0;
+  // Requests taken that fit only because the batch's peak is counted step by step: the sum of
+  // every request's final length would exceed the KV cache (tgi_granular_batch_addition).
+  uint32_t granular_additions = 0;
+};
+
 class RequestQueue {
  public:
   void Push(std::unique_ptr<GenerationRequest> request);
+  // Ahead of every waiting request (health checks).
+  void PushFront(std::unique_ptr<GenerationRequest> request);
   size_t size() const { return queue_.size(); }
   bool empty() const { return queue_.empty(); }
 
@@ -56,9 +71,11 @@ class RequestQueue {
   // if fewer than `min_size` fit. Requests are taken in arrival order; one that does not fit
   // is skipped, and later ones may overtake it, but only those that arrived within
   // kOvertakeWindow after it, so that a large request is not starved by a stream of small ones.
+  // `stats`, when given, gets what happened on the way.
   std::vector<std::unique_ptr<GenerationRequest>> NextBatch(std::span<const Footprint> running,
                                                             size_t min_size,
-                                                            const AdmissionLimits& limits);
+                                                            const AdmissionLimits& limits,
+                                                            AdmissionStats* stats = nullptr);
 
   static constexpr std::chrono::milliseconds kOvertakeWindow{1000};
 

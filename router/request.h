@@ -27,6 +27,11 @@ class ResponseSink {
   virtual bool Cancelled() const = 0;
 };
 
+// Which call a request came from; its metrics carry it as the label kind (TGIS's "single",
+// "batch" or "stream"). Health-check generations (GET /health) count in no request metric.
+enum class RequestKind { kSingle, kBatch, kStream, kHealthCheck };
+const char* KindLabel(RequestKind kind);
+
 struct GenerationRequest {
   uint64_t id = 0;       // unique; also the request's id on the shards
   std::string log_name;  // names the request in logs (x-correlation-id when given)
@@ -34,9 +39,11 @@ struct GenerationRequest {
   std::vector<int32_t> input_ids;  // after truncation
   GenerationParams params;
   bool streaming = false;
+  RequestKind kind = RequestKind::kSingle;
   std::shared_ptr<ResponseSink> sink;
   Clock::time_point received{};
   Clock::time_point queued{};
+  Clock::time_point batched{};  // admitted into the running batch (its prefill started)
 
   uint32_t input_length() const { return static_cast<uint32_t>(input_ids.size()); }
 };

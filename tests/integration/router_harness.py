@@ -35,11 +35,13 @@ def free_port() -> int:
 
 class RouterServer:
     """A shard and a router in front of it. `router_args` are extra router flags (dashed TGIS
-    names); `env` extra environment for the router."""
+    names); `env` extra environment for the router. /health and /metrics are on `http_port`.
+    With `credentials` (grpc.ChannelCredentials) the client channel uses TLS, with
+    `tls_target` as the name the server certificate must carry."""
 
     def __init__(self, model: str = "llama", router_args: list[str] | None = None,
                  env: dict | None = None, kv_blocks: int = 128, block_size: int = 4,
-                 num_shard: int = 1):
+                 num_shard: int = 1, credentials=None, tls_target: str = "localhost"):
         import grpc
 
         self.model_dir = FIXTURES / "models" / model
@@ -47,6 +49,7 @@ class RouterServer:
         self.tmp = tempfile.mkdtemp(prefix="tgis-router-")
         self.uds = os.path.join(self.tmp, "shard")
         self.port = free_port()
+        self.http_port = free_port()
         # With num_shard > 1, independent single-shard servers at <uds>-0, -1, ...: the router
         # calls every one of them and uses shard 0's answers.
         self.shards = [Process([binary(SHARD_BINARY), "serve", self.model_dir, "--uds-path", self.uds,
@@ -58,22 +61,33 @@ class RouterServer:
             self.router = Process([binary(ROUTER_BINARY), "--tokenizer-path", self.model_dir,
                                    "--shard-uds-path", self.uds, "--grpc-port", str(self.port),
                                    "--num-shard", str(num_shard), "--shard-connect-timeout", "60",
-                                   *(router_args or [])],
+                                   "--port", str(self.http_port), *(router_args or [])],
                                   env=env)
             self.router.wait_for(lambda: "gRPC server listening" in self.router.output(),
                                  timeout=60, what="listening")
-            self.channel = grpc.insecure_channel(f"localhost:{self.port}")
+            self.credentials, self.tls_target = credentials, tls_target
+            self.channel = self._new_channel()
             grpc.channel_ready_future(self.channel).result(timeout=30)
         except Exception:
             self.close()
             raise
         self.stub = self.pb_grpc.GenerationServiceStub(self.channel)
 
-    def new_stub(self):
+    def _new_channel(self):
         import grpc
 
-        channel = grpc.insecure_channel(f"localhost:{self.port}")
+        if self.credentials is None:
+            return grpc.insecure_channel(f"localhost:{self.port}")
+        return grpc.secure_channel(f"localhost:{self.port}", self.credentials,
+                                   options=[("grpc.ssl_target_name_override", self.tls_target)])
+
+    def new_stub(self):
+        channel = self._new_channel()
         return channel, self.pb_grpc.GenerationServiceStub(channel)
+
+    def http_get(self, path: str, timeout: float = 30.0) -> tuple[int, str]:
+        """GET http://localhost:<http_port><path>: (status, body)."""
+        return http_get(self.http_port, path, timeout)
 
     def log(self) -> str:
         return self.router.output() if self.router else ""
@@ -117,6 +131,20 @@ class Oracle:
         config = json.loads((self.model_dir / "config.json").read_text())
         eos = config.get("eos_token_id")
         return eos if isinstance(eos, list) else [eos]
+
+
+def http_get(port: int, path: str, timeout: float = 30.0) -> tuple[int, str]:
+    """GET http://127.0.0.1:<port><path>: (status, body); status 0 when nothing answers."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except (urllib.error.URLError, ConnectionError) as e:  # nobody listens (yet)
+        return 0, str(e)
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:

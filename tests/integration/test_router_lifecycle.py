@@ -95,7 +95,8 @@ def test_sigterm_while_waiting_for_the_shards(tmp_path):
     if missing:
         pytest.skip(missing)
     router = Process([binary(ROUTER_BINARY), "--tokenizer-path", fixture_model_dir("gpt2"),
-                      "--shard-uds-path", str(tmp_path / "nobody"), "--grpc-port", "0"])
+                      "--shard-uds-path", str(tmp_path / "nobody"), "--grpc-port", "0",
+                      "--port", "0"])
     try:
         router.wait_for(lambda: "waiting for 1 shard(s)" in router.output(), timeout=10,
                         what="waiting")

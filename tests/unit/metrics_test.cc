@@ -4,11 +4,13 @@
 #include <regex>
 #include <set>
 
+#include "metrics/http_server.h"
 #include "metrics/registry.h"
 #include "metrics/tgi_metrics.h"
 
 namespace {
 
+using tgis::metrics::HttpServer;
 using tgis::metrics::Registry;
 using tgis::metrics::TgiMetrics;
 
@@ -87,6 +89,27 @@ TEST(Metrics, LabelValuesAreEscaped) {
   auto* f = r.Counter("tgi_request_failure", "failures", {"err"});
   f->Add(1, {"say \"hi\"\\n"});
   EXPECT_NE(r.Render().find("tgi_request_failure{err=\"say \\\"hi\\\"\\\\n\"} 1"), std::string::npos);
+}
+
+TEST(Metrics, ValuesAreShortest) {
+  Registry r;
+  auto* h = r.Histogram("tgi_x", "x", {0.004, 0.1, 1e20});
+  h->Observe(0.3);
+  const std::string text = r.Render();
+  EXPECT_NE(text.find("tgi_x_bucket{le=\"0.004\"} 0\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("tgi_x_bucket{le=\"0.1\"} 0\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("tgi_x_bucket{le=\"1e+20\"} 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("tgi_x_sum 0.3\n"), std::string::npos) << text;
+}
+
+TEST(HttpServer, PortInUseFails) {
+  HttpServer first([] { return true; }, [] { return std::string(); });
+  ASSERT_TRUE(first.Start(0));
+  ASSERT_GT(first.port(), 0);
+  // Another server may not share the port (no SO_REUSEPORT).
+  HttpServer second([] { return true; }, [] { return std::string(); });
+  EXPECT_FALSE(second.Start(first.port()));
+  EXPECT_NE(second.error().find("in use"), std::string::npos) << second.error();
 }
 
 }  // namespace

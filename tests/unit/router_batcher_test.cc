@@ -3,11 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
 #include <thread>
 
+#include "metrics/registry.h"
+#include "metrics/tgi_metrics.h"
 #include "router/batcher.h"
 
 namespace tgis::router {
@@ -23,6 +26,7 @@ class FakeShard final : public ShardClient {
   int32_t filler = 0;                                // after a script runs out
   std::set<uint64_t> refuse;                         // fail these at prefill
   std::chrono::milliseconds step_delay{0};
+  std::atomic<bool> unavailable{false};  // every Prefill and Decode fails as a dead shard would
 
   absl::StatusOr<pb::InfoResponse> Info() override { return pb::InfoResponse(); }
   absl::Status Health() override { return absl::OkStatus(); }
@@ -32,6 +36,7 @@ class FakeShard final : public ShardClient {
 
   absl::StatusOr<pb::PrefillResponse> Prefill(const pb::PrefillRequest& request) override {
     std::this_thread::sleep_for(step_delay);
+    if (unavailable) return absl::UnavailableError("connection refused");
     std::lock_guard<std::mutex> lock(mu);
     pb::PrefillResponse response;
     std::vector<uint64_t> ids, live;
@@ -58,6 +63,7 @@ class FakeShard final : public ShardClient {
 
   absl::StatusOr<pb::DecodeResponse> Decode(const pb::DecodeRequest& request) override {
     std::this_thread::sleep_for(step_delay);
+    if (unavailable) return absl::UnavailableError("connection refused");
     std::lock_guard<std::mutex> lock(mu);
     const std::set<uint64_t> done(request.finished_request_ids().begin(),
                                   request.finished_request_ids().end());
@@ -71,6 +77,7 @@ class FakeShard final : public ShardClient {
       batches.erase(b.id());
     }
     pb::DecodeResponse response;
+    response.set_forward_ns(2000000);
     size_t held = 0;
     for (uint64_t id : live) {
       Generate(id, &response);
@@ -512,6 +519,144 @@ TEST_F(BatcherTest, StopAnswersEveryone) {
   EXPECT_EQ(a_sink->Result().status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(b_sink->Result().status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(shard_.Live(), 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Metrics and health
+
+class BatcherMetricsTest : public BatcherTest {
+ protected:
+  void StartWithMetrics() {
+    config_.metrics = &m_;
+    config_.on_generation_result = [this](bool ok) { (ok ? successes_ : failures_)++; };
+    StartBatcher();
+  }
+  double Count(metrics::Family* f, const metrics::LabelValues& labels = {}) {
+    return f->Value(labels);
+  }
+
+  metrics::Registry registry_;
+  metrics::TgiMetrics m_{&registry_};
+  std::atomic<int> successes_{0}, failures_{0};
+};
+
+TEST_F(BatcherMetricsTest, RequestAndForwardPasses) {
+  StartWithMetrics();
+  std::shared_ptr<RecordingSink> sink;
+  auto r = Request("Hello", Ids(" a b c"), Params(3), false, &sink);
+  r->kind = RequestKind::kSingle;
+  const uint32_t input = r->input_length();
+  ASSERT_TRUE(RunOne(std::move(r), sink).ok());
+  batcher_->Stop();  // the loop's last gauge update is done
+  EXPECT_EQ(Count(m_.request_success, {"MAX_TOKENS", "single"}), 1);
+  EXPECT_EQ(Count(m_.request_generated_tokens), 1);  // one observation
+  EXPECT_EQ(Count(m_.request_total_tokens), 1);
+  EXPECT_EQ(Count(m_.request_duration), 1);
+  EXPECT_EQ(Count(m_.request_inference_duration), 1);
+  EXPECT_EQ(Count(m_.request_mean_time_per_token_duration), 1);
+  EXPECT_EQ(Count(m_.request_queue_duration), 1);
+  // One prefill (first token), two decodes.
+  EXPECT_EQ(Count(m_.batch_inference_count, {"prefill"}), 1);
+  EXPECT_EQ(Count(m_.batch_inference_success, {"prefill"}), 1);
+  EXPECT_EQ(Count(m_.batch_inference_count, {"next_token"}), 2);
+  EXPECT_EQ(Count(m_.batch_inference_success, {"next_token"}), 2);
+  EXPECT_EQ(Count(m_.batch_inference_batch_size, {"next_token"}), 2);
+  EXPECT_EQ(Count(m_.batch_inference_duration, {"prefill", "single_only"}), 1);
+  EXPECT_EQ(Count(m_.batch_inference_forward_duration, {"next_token", "single_only"}), 2);
+  EXPECT_EQ(Count(m_.batch_inference_tokproc_duration, {"next_token", "single_only"}), 2);
+  EXPECT_EQ(Count(m_.batch_next_tokens), 1);
+  EXPECT_EQ(Count(m_.batch_concatenation_count), 0);
+  EXPECT_EQ(successes_, 3);
+  EXPECT_EQ(failures_, 0);
+  // Nothing runs or waits any more.
+  EXPECT_EQ(Count(m_.batch_current_size), 0);
+  EXPECT_EQ(Count(m_.batch_input_tokens), 0);
+  EXPECT_EQ(Count(m_.batch_max_remaining_tokens), 0);
+  EXPECT_EQ(Count(m_.queue_size), 0);
+  const std::string text = registry_.Render();
+  EXPECT_NE(text.find("tgi_request_total_tokens_sum " + std::to_string(input + 3) + "\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("tgi_batch_inference_forward_duration_sum{method=\"next_token\","
+                      "makeup=\"single_only\"} 0.004\n"),
+            std::string::npos);
+}
+
+TEST_F(BatcherMetricsTest, JoiningTheRunningBatchIsAConcatenation) {
+  shard_.step_delay = 1ms;
+  StartWithMetrics();
+  std::shared_ptr<RecordingSink> a_sink, b_sink;
+  std::vector<std::unique_ptr<GenerationRequest>> first, second;
+  first.push_back(Request("a", {}, Params(100), true, &a_sink));
+  batcher_->Enqueue(std::move(first));
+  ASSERT_TRUE(a_sink->WaitMessages(5));
+  EXPECT_EQ(Count(m_.batch_current_size), 1);
+  EXPECT_GT(Count(m_.batch_max_remaining_tokens), 80);
+  second.push_back(Request("b", {}, Params(5), false, &b_sink));
+  batcher_->Enqueue(std::move(second));
+  ASSERT_TRUE(b_sink->Result().ok());
+  ASSERT_TRUE(a_sink->Result().ok());
+  EXPECT_EQ(Count(m_.batch_concatenation_count), 1);
+  EXPECT_EQ(Count(m_.batch_inference_count, {"prefill"}), 2);
+}
+
+TEST_F(BatcherMetricsTest, FailuresCancellationsAndTimeouts) {
+  StartWithMetrics();
+  // Time limit passed while queued: TGIS counts a timeout failure and a TIME_LIMIT success.
+  GenerationParams p = Params(10);
+  p.deadline = Clock::now() - std::chrono::milliseconds(1);
+  std::shared_ptr<RecordingSink> sink;
+  auto expired = Request("abc", {}, p, true, &sink);
+  expired->kind = RequestKind::kStream;
+  ASSERT_TRUE(RunOne(std::move(expired), sink).ok());
+  EXPECT_EQ(Count(m_.request_failure, {"timeout"}), 1);
+  EXPECT_EQ(Count(m_.request_success, {"TIME_LIMIT", "stream"}), 1);
+  // A client gone while it runs.
+  shard_.step_delay = 1ms;
+  auto cancelled = Request("abc", {}, Params(1000), true, &sink);
+  std::vector<std::unique_ptr<GenerationRequest>> batch;
+  batch.push_back(std::move(cancelled));
+  batcher_->Enqueue(std::move(batch));
+  ASSERT_TRUE(sink->WaitMessages(2));
+  sink->cancelled = true;
+  batcher_->Notify();
+  EXPECT_EQ(sink->Result().status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(Count(m_.request_failure, {"cancelled"}), 1);
+  // The shard is gone: the forward pass and the request fail.
+  shard_.unavailable = true;
+  auto failing = Request("abc", {}, Params(5), false, &sink);
+  EXPECT_FALSE(RunOne(std::move(failing), sink).ok());
+  EXPECT_EQ(Count(m_.batch_inference_failure, {"prefill", "connection"}), 1);
+  EXPECT_EQ(Count(m_.request_failure, {"generate"}), 1);
+  EXPECT_GE(failures_, 1);
+}
+
+TEST_F(BatcherMetricsTest, HealthCheckGeneration) {
+  StartWithMetrics();
+  std::promise<bool> done;
+  batcher_->EnqueueHealthCheck([&done](bool ok) { done.set_value(ok); });
+  auto ok = done.get_future();
+  ASSERT_EQ(ok.wait_for(10s), std::future_status::ready);
+  EXPECT_TRUE(ok.get());
+  {
+    std::lock_guard<std::mutex> lock(shard_.mu);
+    ASSERT_EQ(shard_.prefills.size(), 1u);
+    const pb::Request& r = shard_.requests[shard_.prefills[0][0]];
+    EXPECT_EQ(r.max_new_tokens(), 1u);
+    EXPECT_FALSE(r.parameters().do_sample());
+  }
+  // A real forward pass, but no request of any client.
+  EXPECT_EQ(Count(m_.batch_inference_success, {"prefill"}), 1);
+  EXPECT_EQ(registry_.Render().find("tgi_request_success{"), std::string::npos);
+  EXPECT_EQ(Count(m_.request_queue_duration), 0);
+
+  shard_.unavailable = true;
+  std::promise<bool> failed;
+  batcher_->EnqueueHealthCheck([&failed](bool ok) { failed.set_value(ok); });
+  auto not_ok = failed.get_future();
+  ASSERT_EQ(not_ok.wait_for(10s), std::future_status::ready);
+  EXPECT_FALSE(not_ok.get());
+  EXPECT_EQ(registry_.Render().find("tgi_request_failure{"), std::string::npos);
 }
 
 }  // namespace

@@ -136,5 +136,31 @@ TEST(RouterQueue, RemovesCancelledAndExpired) {
   EXPECT_TRUE(q.empty());
 }
 
+TEST(RouterQueue, AdmissionStats) {
+  // Request 1 does not fit next to the running one; 2 jumps the queue past it.
+  const Clock::time_point t0 = Clock::now();
+  RequestQueue q;
+  q.Push(Request(1, 90, 10, t0));
+  q.Push(Request(2, 5, 5, t0 + std::chrono::milliseconds(10)));
+  AdmissionLimits limits{.max_batch_size = 10, .max_batch_tokens = 100, .block_size = 1};
+  std::vector<Footprint> running{{.tokens = 20, .steps = 50}};
+  AdmissionStats stats;
+  EXPECT_EQ(Ids(q.NextBatch(running, 1, limits, &stats)), (std::vector<uint64_t>{2}));
+  EXPECT_EQ(stats.queue_jumps, 1u);
+  EXPECT_EQ(stats.granular_additions, 0u);  // 69 + 10 tokens fit even at their ends
+
+  // A short long-prompt request and a long short-prompt one: their final lengths add up to
+  // more than the cache, but the first is done before the second grows: granular admission.
+  RequestQueue q2;
+  q2.Push(Request(3, 10, 100));  // peaks at 110
+  AdmissionLimits tight{.max_batch_size = 10, .max_batch_tokens = 150, .block_size = 1};
+  std::vector<Footprint> finishing{{.tokens = 100, .steps = 2}};  // 101 at its end
+  stats = {};
+  EXPECT_EQ(Ids(q2.NextBatch(finishing, 1, tight, &stats)), (std::vector<uint64_t>{3}));
+  EXPECT_EQ(stats.queue_jumps, 0u);
+  EXPECT_EQ(stats.granular_additions, 1u);
+  EXPECT_EQ(FinalTokens(finishing, 1), 101u);
+}
+
 }  // namespace
 }  // namespace tgis::router
