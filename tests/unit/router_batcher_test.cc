@@ -645,7 +645,11 @@ TEST_F(BatcherMetricsTest, HealthCheckGeneration) {
     EXPECT_EQ(r.max_new_tokens(), 1u);
     EXPECT_FALSE(r.parameters().do_sample());
   }
-  // A real forward pass, but no request of any client.
+  // A real forward pass, but no request of any client. The batcher records the pass's metrics
+  // after it has handed the token to the health check, so wait for them.
+  for (int i = 0; i < 500 && Count(m_.batch_inference_success, {"prefill"}) < 1; ++i) {
+    std::this_thread::sleep_for(10ms);
+  }
   EXPECT_EQ(Count(m_.batch_inference_success, {"prefill"}), 1);
   EXPECT_EQ(registry_.Render().find("tgi_request_success{"), std::string::npos);
   EXPECT_EQ(Count(m_.request_queue_duration), 0);
