@@ -4,6 +4,7 @@ stubs for the repository's .proto files, and a process that is always cleaned up
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,23 @@ def build_dir() -> Path:
 
 def binary(relative: str) -> Path:
     return build_dir() / relative
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def need_binaries():
+    """Skips the calling test unless the launcher, shard and router are built."""
+    import pytest
+
+    for b in ("launcher/text-generation-launcher", "server/text-generation-server",
+              "router/text-generation-router"):
+        if not binary(b).exists():
+            pytest.skip(f"{binary(b)} not built")
 
 
 def proto_module(name: str):

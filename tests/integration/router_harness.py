@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -14,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import FIXTURES, Process, binary, proto_module  # noqa: E402
+from procs import FIXTURES, Process, binary, free_port, proto_module  # noqa: E402
 
 SHARD_BINARY = "server/text-generation-server"
 ROUTER_BINARY = "router/text-generation-router"
@@ -25,12 +24,6 @@ def binaries_missing() -> str | None:
         if not binary(b).exists():
             return f"{binary(b)} not built"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RouterServer:

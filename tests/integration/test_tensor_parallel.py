@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -19,25 +18,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import FIXTURES, Process, binary, proto_module  # noqa: E402
+from procs import FIXTURES, Process, binary, free_port, need_binaries, proto_module  # noqa: E402
 
 grpc = pytest.importorskip("grpc")
 
 TOLERANCE = 1e-4
 MODELS = sorted(d.name for d in (FIXTURES / "models").iterdir() if (d / "golden.json").exists())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def need_binaries():
-    for b in ("launcher/text-generation-launcher", "server/text-generation-server",
-              "router/text-generation-router"):
-        if not binary(b).exists():
-            pytest.skip(f"{binary(b)} not built")
 
 
 def rendezvous_dir(port: int) -> Path:
