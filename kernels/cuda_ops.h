@@ -1,6 +1,7 @@
 // The CUDA implementations of the ops in ops.h, and the device memory hooks Tensor uses.
-// Declared always; defined only in builds with CUDA (TGIS_WITH_CUDA, by kernels/cuda/*.cu,
-// not written yet). The dispatcher in ops.cc calls these for Device::kCuda tensors.
+// Declared always; defined only in builds with CUDA (TGIS_WITH_CUDA, by kernels/cuda/*.cu).
+// All work goes on one stream in order; copies to or from the host return when done. The dispatcher
+// in ops.cc calls these for Device::kCuda tensors.
 #pragma once
 
 #include <cstddef>
@@ -18,13 +19,20 @@ void Free(void* p);
 void Memset(void* p, int value, size_t nbytes);
 // A synchronous copy between any two devices (host <-> device, device <-> device).
 void Copy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes);
+// Waits for everything queued on the process's stream.
+void Synchronize();
+// Free device memory in bytes (what the KV cache may take at Warmup).
+size_t FreeMemory();
 
 // Ops: same contracts as in ops.h.
 void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out);
+void EmbeddingSlice(const Tensor& ids, const Tensor& weight, int64_t first_id, Tensor* out);
+void CopyColumns(const Tensor& src, int64_t src_col, int64_t ncols, Tensor* dst, int64_t dst_col);
 void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out);
 void RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor* out);
 void LayerNorm(const Tensor& x, const Tensor& w, const Tensor* bias, float eps, Tensor* out);
 void AddInPlace(Tensor* x, const Tensor& y);
+void AddRmsNorm(Tensor* x, const Tensor& y, const Tensor& w, float eps, Tensor* out);
 void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor* k);
 void SiluMul(const Tensor& gate_up, Tensor* out);
 void Gelu(GeluKind kind, Tensor* x);

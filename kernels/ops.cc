@@ -45,6 +45,14 @@ void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out) {
   TGIS_DISPATCH(Embedding, TGIS_TENSORS(&ids, &weight, out), ids, weight, out);
 }
 
+void EmbeddingSlice(const Tensor& ids, const Tensor& weight, int64_t first_id, Tensor* out) {
+  TGIS_DISPATCH(EmbeddingSlice, TGIS_TENSORS(&ids, &weight, out), ids, weight, first_id, out);
+}
+
+void CopyColumns(const Tensor& src, int64_t src_col, int64_t ncols, Tensor* dst, int64_t dst_col) {
+  TGIS_DISPATCH(CopyColumns, TGIS_TENSORS(&src, dst), src, src_col, ncols, dst, dst_col);
+}
+
 void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
   TGIS_DISPATCH(Linear, TGIS_TENSORS(&x, &w, bias, out), x, w, bias, out);
 }
@@ -59,6 +67,10 @@ void LayerNorm(const Tensor& x, const Tensor& w, const Tensor* bias, float eps, 
 
 void AddInPlace(Tensor* x, const Tensor& y) {
   TGIS_DISPATCH(AddInPlace, TGIS_TENSORS(x, &y), x, y);
+}
+
+void AddRmsNorm(Tensor* x, const Tensor& y, const Tensor& w, float eps, Tensor* out) {
+  TGIS_DISPATCH(AddRmsNorm, TGIS_TENSORS(x, &y, &w, out), x, y, w, eps, out);
 }
 
 void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor* k) {

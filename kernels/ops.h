@@ -6,11 +6,11 @@
 // f16. Batches are ragged and never padded: T is the total number of tokens of all sequences
 // in a step; per-sequence metadata describes how they split.
 //
-// Outputs (`Tensor* out`): an undefined tensor is allocated (f32 on the CPU, on the inputs'
-// device); a defined one (e.g. a view into a workspace) must already have the right shape,
-// dtype and device and is written in place. Only RmsNorm and LayerNorm allow `out` to be the
-// same tensor as `x` (in place); other outputs must not overlap their inputs. Integer index
-// tensors (ids, positions, slot_mapping) may be i32 or i64.
+// Outputs (`Tensor* out`): an undefined tensor is allocated (f32 on the CPU, the activations'
+// dtype on CUDA, on the inputs' device); a defined one (e.g. a view into a workspace) must already
+// have the right shape, dtype and device and is written in place. Only RmsNorm and LayerNorm allow
+// `out` to be the same tensor as `x` (in place); other outputs must not overlap their inputs.
+// Integer index tensors (ids, positions, slot_mapping) may be i32 or i64.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +24,14 @@ namespace tgis::kernels {
 // out[t, :] = weight[ids[t], :]. ids: [T] i32; weight: [V, H]; out: [T, H].
 void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out);
 
+// A vocab-parallel rank's part of an embedding: out[t, :] = weight[ids[t] - first_id, :] when
+// ids[t] is in [first_id, first_id + V), else zeros (the rank that holds the row adds it).
+void EmbeddingSlice(const Tensor& ids, const Tensor& weight, int64_t first_id, Tensor* out);
+
+// dst[r, dst_col + j] = src[r, src_col + j] for every row r and j < ncols. src and dst are
+// 2-d with the same number of rows and the same dtype (any), on one device.
+void CopyColumns(const Tensor& src, int64_t src_col, int64_t ncols, Tensor* dst, int64_t dst_col);
+
 // out = x @ w^T (+ bias). x: [T, in]; w: [out, in]; bias: [out] or undefined; out: [T, out].
 void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out);
 
@@ -34,6 +42,8 @@ void LayerNorm(const Tensor& x, const Tensor& w, const Tensor* bias, float eps, 
 
 // x += y (same shape).
 void AddInPlace(Tensor* x, const Tensor& y);
+// x += y, then out = RmsNorm(x, w): a residual add fused with the norm that follows it.
+void AddRmsNorm(Tensor* x, const Tensor& y, const Tensor& w, float eps, Tensor* out);
 
 enum class RotaryStyle {
   kNeox,  // rotate halves: (x[i], x[i + d/2]) pairs (Llama, NeoX, Qwen2, Mistral)
@@ -87,6 +97,9 @@ struct AttentionBatch {
   Tensor context_lens;  // [S] i32
   Tensor block_tables;  // [S, max_blocks] i32
   int block_size = 16;
+  // max(context_lens) when the caller knows it (host side): CUDA sizes its launch by it
+  // without reading context_lens back. 0: unknown.
+  int64_t max_context_len = 0;
 };
 void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
                     float scale, int sliding_window, const std::vector<float>* alibi_slopes,

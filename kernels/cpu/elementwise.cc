@@ -1,6 +1,7 @@
 // Embedding, norms, activations and softmax on the CPU (f32 activations).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "kernels/cpu/common.h"
@@ -35,6 +36,44 @@ void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out) {
   ParallelFor(t_count, RowGrain(h), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) LoadF32(weight, IndexAt(ids, t) * h, h, o + t * h);
   });
+}
+
+void EmbeddingSlice(const Tensor& ids, const Tensor& weight, int64_t first_id, Tensor* out) {
+  CheckIndexTensor(ids, "EmbeddingSlice", "ids");
+  TGIS_CHECK(weight.rank() == 2 && IsFloatDType(weight.dtype()),
+             "EmbeddingSlice: weight must be [V, H] f32/bf16/f16");
+  const int64_t t_count = ids.numel(), vocab = weight.dim(0), h = weight.dim(1);
+  PrepareOut(out, {t_count, h}, "EmbeddingSlice");
+  float* o = out->data<float>();
+  for (int64_t t = 0; t < t_count; ++t) {
+    const int64_t row = IndexAt(ids, t) - first_id;
+    if (0 <= row && row < vocab) {
+      LoadF32(weight, row * h, h, o + t * h);
+    } else {
+      std::fill(o + t * h, o + (t + 1) * h, 0.0f);
+    }
+  }
+}
+
+void CopyColumns(const Tensor& src, int64_t src_col, int64_t ncols, Tensor* dst, int64_t dst_col) {
+  TGIS_CHECK(src.rank() == 2 && dst->rank() == 2 && src.dim(0) == dst->dim(0) &&
+                 src.dtype() == dst->dtype(),
+             "CopyColumns: src and dst must be 2-d with the same rows and dtype");
+  TGIS_CHECK(0 <= src_col && src_col + ncols <= src.dim(1) && 0 <= dst_col &&
+                 dst_col + ncols <= dst->dim(1),
+             "CopyColumns: columns out of range");
+  const size_t es = DTypeSize(src.dtype());
+  const char* s = static_cast<const char*>(src.raw());
+  char* d = static_cast<char*>(dst->raw());
+  for (int64_t r = 0; r < src.dim(0); ++r) {
+    std::memcpy(d + (r * dst->dim(1) + dst_col) * es, s + (r * src.dim(1) + src_col) * es,
+                ncols * es);
+  }
+}
+
+void AddRmsNorm(Tensor* x, const Tensor& y, const Tensor& w, float eps, Tensor* out) {
+  cpu::AddInPlace(x, y);
+  cpu::RmsNorm(*x, w, eps, out);
 }
 
 void RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor* out) {

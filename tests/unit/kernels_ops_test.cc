@@ -355,6 +355,83 @@ TEST_P(OpsTest, AddInPlace) {
   ExpectClose(Host(x), ref, scale, tol(), "add");
 }
 
+TEST_P(OpsTest, AddRmsNormIsAddThenNorm) {
+  const int64_t t_count = 3, h = 40;
+  const float eps = 1e-5f;
+  Tensor w = Weight(Random(h, 50, 0.5f, 1.5f), {h});
+  Tensor x = Act(Random(t_count * h, 51, -2, 2), {t_count, h});
+  Tensor y = Act(Random(t_count * h, 52, -2, 2), {t_count, h});
+  // The unfused ops on the same device and dtype are the reference: same roundings.
+  Tensor x_ref = Act(Host(x), {t_count, h});
+  AddInPlace(&x_ref, y);
+  Tensor ref_out;
+  RmsNorm(x_ref, w, eps, &ref_out);
+  Tensor out;
+  AddRmsNorm(&x, y, w, eps, &out);
+  const std::vector<float> got_x = Host(x), want_x = Host(x_ref);
+  const std::vector<float> got = Host(out), want = Host(ref_out);
+  ExpectClose(got_x, std::vector<double>(want_x.begin(), want_x.end()), {}, 0, "residual sum");
+  ExpectClose(got, std::vector<double>(want.begin(), want.end()), {}, tol(), "fused norm");
+}
+
+TEST_P(OpsTest, EmbeddingSliceZeroesOtherRanksRows) {
+  const int64_t rows = 10, h = 9, first = 20;  // this rank holds ids [20, 30)
+  std::vector<float> w_stored;
+  Tensor w = Weight(Random(rows * h, 53), {rows, h}, &w_stored);
+  const std::vector<int32_t> ids = {25, 3, 20, 29, 30, 99};
+  Tensor out;
+  EmbeddingSlice(Index(ids), w, first, &out);
+  ASSERT_EQ(out.shape(), (Shape{6, h}));
+  std::vector<double> ref;
+  for (int32_t id : ids) {
+    for (int64_t j = 0; j < h; ++j) {
+      const bool mine = first <= id && id < first + rows;
+      ref.push_back(mine ? w_stored[(id - first) * h + j] : 0.0);
+    }
+  }
+  ExpectClose(Host(out), ref, {}, 0, "embedding slice");
+}
+
+TEST_P(OpsTest, CopyColumnsMovesABlockOfColumns) {
+  const int64_t rows = 4, src_cols = 11, dst_cols = 7;
+  Tensor src = Act(Random(rows * src_cols, 54), {rows, src_cols});
+  Tensor dst = Act(std::vector<float>(rows * dst_cols, 0.0f), {rows, dst_cols});
+  CopyColumns(src, 3, 5, &dst, 1);
+  const std::vector<float> s = Host(src), d = Host(dst);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < dst_cols; ++c) {
+      const float want = (c >= 1 && c < 6) ? s[r * src_cols + 3 + (c - 1)] : 0.0f;
+      ASSERT_EQ(d[r * dst_cols + c], want) << r << " " << c;
+    }
+  }
+}
+
+TEST_P(OpsTest, LinearIntoF32Logits) {
+  // The lm_head writes f32 logits from activations of any dtype.
+  const int64_t t_count = 3, in = 24, out_f = 19;
+  std::vector<float> ws;
+  Tensor w = Weight(Random(out_f * in, 55), {out_f, in}, &ws);
+  Tensor x = Act(Random(t_count * in, 56), {t_count, in});
+  const std::vector<float> xs = Host(x);
+  Tensor out = Tensor::Empty({t_count, out_f}, DType::kF32, device());
+  Linear(x, w, nullptr, &out);
+  ASSERT_EQ(out.dtype(), DType::kF32);
+  std::vector<double> ref, scale;
+  for (int64_t t = 0; t < t_count; ++t) {
+    for (int64_t n = 0; n < out_f; ++n) {
+      double s = 0, a = 0;
+      for (int64_t k = 0; k < in; ++k) {
+        s += double{xs[t * in + k]} * ws[n * in + k];
+        a += std::fabs(double{xs[t * in + k]} * ws[n * in + k]);
+      }
+      ref.push_back(s);
+      scale.push_back(a);
+    }
+  }
+  // f32 accumulation and no rounding of the result: f32 tolerance whatever the inputs.
+  ExpectClose(Host(out), ref, scale, RelTol(DType::kF32) * 10, "f32 logits");
+}
+
 TEST_P(OpsTest, SiluMul) {
   const int64_t t_count = 3, inter = 37;
   std::vector<float> v = Random(t_count * 2 * inter, 14, -8, 8);

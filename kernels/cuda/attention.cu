@@ -1,0 +1,273 @@
+// The paged KV cache on CUDA: writing new keys/values into their slots, and attention of a
+// ragged batch (prefill and decode rows alike) over the cache.
+//
+// Attention runs one thread block per (query row, head, key partition). Long contexts are
+// split into partitions of kPartition keys that run in parallel, each leaving its softmax
+// max, sum and unnormalized output, and a second kernel combines them (flash-decoding), so a
+// single long sequence still fills the GPU. Within a block, each warp scores one key at a time
+// (lanes split the head dimension), then the threads split the head dimension to sum values.
+// Scores and softmax are f32.
+#include <algorithm>
+#include <vector>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda_ops.h"
+
+namespace tgis::kernels::cuda {
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kPartition = 512;  // keys per block
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxHeads = 256;
+
+struct Slopes {
+  float v[kMaxHeads];
+};
+
+template <typename T>
+__global__ void ReshapeAndCacheKernel(const T* k, const T* v, const void* slots, bool wide,
+                                      int64_t width, T* kc, T* vc) {
+  const int64_t t = blockIdx.x;
+  const int64_t slot = LoadIndex(slots, wide, t);
+  if (slot < 0) return;  // a padding row
+  for (int64_t i = threadIdx.x; i < width; i += blockDim.x) {
+    kc[slot * width + i] = k[t * width + i];
+    vc[slot * width + i] = v[t * width + i];
+  }
+}
+
+struct AttnParams {
+  const int* query_start;
+  const int* context_lens;
+  const int* tables;
+  int max_blocks, num_seqs, block_size;
+  int hq, hk, d;
+  float scale;
+  int window;
+  bool alibi;
+  int partitions;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    AttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc, const T* vc,
+                    T* out, float* part_m, float* part_l, float* part_acc) {
+  __shared__ float q_s[kMaxHeadDim];
+  __shared__ float scores[kPartition];
+  __shared__ int64_t rows[kPartition];  // cache row (slot * Hk + kv head) of each key
+  __shared__ float scratch[32];
+  const int t = blockIdx.x, h = blockIdx.y, part = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
+
+  // The sequence that owns query row t: query_start[s] <= t < query_start[s + 1].
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.query_start[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int s = lo;
+  const int q_len = p.query_start[s + 1] - p.query_start[s];
+  const int qpos = p.context_lens[s] - q_len + (t - p.query_start[s]);
+  const int first = p.window > 0 ? max(0, qpos - p.window + 1) : 0;
+  const int k_begin = first + part * kPartition;
+  const int k_end = min(qpos + 1, k_begin + kPartition);
+  const int64_t part_index = (static_cast<int64_t>(t) * p.hq + h) * p.partitions + part;
+  if (k_begin >= k_end) {  // this row needs fewer partitions than the longest one
+    if (p.partitions > 1 && tid == 0) {
+      part_m[part_index] = -INFINITY;
+      part_l[part_index] = 0.0f;
+    }
+    return;
+  }
+  const int n = k_end - k_begin;
+  const int kvh = h / (p.hq / p.hk);
+  const T* qr = q + (static_cast<int64_t>(t) * p.hq + h) * p.d;
+  for (int i = tid; i < p.d; i += blockDim.x) q_s[i] = ToF32(qr[i]);
+  for (int j = tid; j < n; j += blockDim.x) {
+    const int pos = k_begin + j;
+    const int block = p.tables[static_cast<int64_t>(s) * p.max_blocks + pos / p.block_size];
+    const int64_t slot = static_cast<int64_t>(block) * p.block_size + pos % p.block_size;
+    rows[j] = slot * p.hk + kvh;
+  }
+  __syncthreads();
+
+  const float slope = p.alibi ? slopes.v[h] : 0.0f;
+  for (int j = warp; j < n; j += warps) {
+    const T* kr = kc + rows[j] * p.d;
+    float dot = 0;
+    for (int i = lane; i < p.d; i += 32) dot += q_s[i] * ToF32(kr[i]);
+    dot = WarpSum(dot);
+    if (lane == 0) scores[j] = dot * p.scale + slope * static_cast<float>(k_begin + j - qpos);
+  }
+  __syncthreads();
+  float mx = -INFINITY;
+  for (int j = tid; j < n; j += blockDim.x) mx = fmaxf(mx, scores[j]);
+  mx = BlockMax(mx, scratch);
+  float sum = 0;
+  for (int j = tid; j < n; j += blockDim.x) {
+    const float e = expf(scores[j] - mx);
+    scores[j] = e;
+    sum += e;
+  }
+  sum = BlockSum(sum, scratch);  // its barriers also publish the scores written above
+
+  for (int i = tid; i < p.d; i += blockDim.x) {
+    float acc = 0;
+    for (int j = 0; j < n; ++j) acc += scores[j] * ToF32(vc[rows[j] * p.d + i]);
+    if (p.partitions == 1) {
+      out[(static_cast<int64_t>(t) * p.hq + h) * p.d + i] = FromF32<T>(acc / sum);
+    } else {
+      part_acc[part_index * p.d + i] = acc;
+    }
+  }
+  if (p.partitions > 1 && tid == 0) {
+    part_m[part_index] = mx;
+    part_l[part_index] = sum;
+  }
+}
+
+// Combines the partitions of one (row, head): rescale each by exp(m_p - max) and normalize.
+template <typename T>
+__global__ void CombinePartitionsKernel(int hq, int d, int partitions, const float* part_m,
+                                        const float* part_l, const float* part_acc, T* out) {
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * hq + blockIdx.y;
+  const float* m = part_m + base * partitions;
+  const float* l = part_l + base * partitions;
+  float mx = -INFINITY;
+  for (int p = 0; p < partitions; ++p) mx = fmaxf(mx, m[p]);
+  float total = 0;
+  for (int p = 0; p < partitions; ++p) {
+    if (m[p] != -INFINITY) total += l[p] * expf(m[p] - mx);
+  }
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    float acc = 0;
+    for (int p = 0; p < partitions; ++p) {
+      if (m[p] != -INFINITY) acc += part_acc[(base * partitions + p) * d + i] * expf(m[p] - mx);
+    }
+    out[base * d + i] = FromF32<T>(acc / total);
+  }
+}
+
+void CheckCudaI32(const Tensor& t, const char* op, const char* what) {
+  TGIS_CHECK(t.defined() && t.device() == Device::kCuda && t.dtype() == DType::kI32,
+             "%s: %s must be a CUDA i32 tensor", op, what);
+}
+
+void CheckCache(const KvCacheLayer& cache, DType act, const char* op) {
+  CheckCudaFloat(cache.k, op, "cache k");
+  CheckCudaFloat(cache.v, op, "cache v");
+  TGIS_CHECK(cache.k.rank() == 4 && cache.k.shape() == cache.v.shape(),
+             "%s: cache k and v must both be [num_blocks, block_size, Hk, D]", op);
+  TGIS_CHECK(cache.k.dtype() == act && cache.v.dtype() == act,
+             "%s: the cache dtype must be the activations' (%s)", op, DTypeName(act));
+}
+
+}  // namespace
+
+void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
+                     KvCacheLayer* cache) {
+  const char* op = "ReshapeAndCache";
+  CheckCudaFloat(k, op, "k");
+  CheckCudaIndex(slot_mapping, op, "slot_mapping");
+  TGIS_CHECK(k.rank() == 3 && k.shape() == v.shape() && k.dtype() == v.dtype(),
+             "%s: k and v must be [T, Hk, D] of one dtype", op);
+  CheckCache(*cache, k.dtype(), op);
+  TGIS_CHECK(cache->k.dim(2) == k.dim(1) && cache->k.dim(3) == k.dim(2),
+             "%s: cache heads/head_dim differ from k's", op);
+  const int64_t t = k.dim(0), width = k.dim(1) * k.dim(2);
+  TGIS_CHECK(slot_mapping.numel() == t, "%s: slot_mapping has %lld entries, want %lld", op,
+             static_cast<long long>(slot_mapping.numel()), static_cast<long long>(t));
+  if (t == 0) return;
+  TGIS_DISPATCH_FLOAT(
+      k.dtype(), op,
+      ReshapeAndCacheKernel<T><<<static_cast<unsigned>(t), RowThreads(width), 0, Stream()>>>(
+          k.data<T>(), v.data<T>(), slot_mapping.raw(), slot_mapping.dtype() == DType::kI64, width,
+          cache->k.data<T>(), cache->v.data<T>()));
+  TGIS_CUDA_LAUNCHED();
+}
+
+void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
+                    float scale, int sliding_window, const std::vector<float>* alibi_slopes,
+                    Tensor* out) {
+  const char* op = "PagedAttention";
+  CheckCudaFloat(q, op, "q");
+  CheckCache(cache, q.dtype(), op);
+  CheckCudaI32(batch.query_start, op, "query_start");
+  CheckCudaI32(batch.context_lens, op, "context_lens");
+  CheckCudaI32(batch.block_tables, op, "block_tables");
+  TGIS_CHECK(q.rank() == 3, "%s: q must be [T, Hq, D]", op);
+  const int64_t t = q.dim(0), hq = q.dim(1), d = q.dim(2), hk = cache.k.dim(2);
+  TGIS_CHECK(cache.k.dim(3) == d && hq % hk == 0, "%s: head_dim or head counts disagree", op);
+  TGIS_CHECK(d <= kMaxHeadDim && hq <= kMaxHeads, "%s: head_dim %lld / %lld heads unsupported", op,
+             static_cast<long long>(d), static_cast<long long>(hq));
+  const int64_t num_seqs = batch.context_lens.numel();
+  TGIS_CHECK(batch.query_start.numel() == num_seqs + 1 && batch.block_tables.rank() == 2 &&
+                 batch.block_tables.dim(0) == num_seqs,
+             "%s: batch metadata sizes disagree", op);
+  TGIS_CHECK(cache.k.dim(1) == batch.block_size, "%s: cache block size is not the batch's", op);
+  const bool alibi = alibi_slopes != nullptr && !alibi_slopes->empty();
+  TGIS_CHECK(!alibi || static_cast<int64_t>(alibi_slopes->size()) == hq,
+             "%s: %zu ALiBi slopes for %lld heads", op, alibi ? alibi_slopes->size() : 0,
+             static_cast<long long>(hq));
+  PrepareOut(out, q.shape(), q.dtype(), op);
+  if (t == 0 || num_seqs == 0) return;
+
+  // Launch sizes come from the longest context; read it back only when the caller did not
+  // say (tests do not; the engine does, so steps do not synchronize here).
+  int64_t max_context = batch.max_context_len;
+  if (max_context <= 0) {
+    std::vector<int32_t> lens(num_seqs);
+    Copy(lens.data(), Device::kCpu, batch.context_lens.raw(), Device::kCuda,
+         num_seqs * sizeof(int32_t));
+    max_context = *std::max_element(lens.begin(), lens.end());
+  }
+  const int64_t keys =
+      sliding_window > 0 ? std::min<int64_t>(max_context, sliding_window) : max_context;
+  const int partitions =
+      static_cast<int>(std::max<int64_t>(1, (keys + kPartition - 1) / kPartition));
+
+  AttnParams p{batch.query_start.data<int>(),
+               batch.context_lens.data<int>(),
+               batch.block_tables.data<int>(),
+               static_cast<int>(batch.block_tables.dim(1)),
+               static_cast<int>(num_seqs),
+               batch.block_size,
+               static_cast<int>(hq),
+               static_cast<int>(hk),
+               static_cast<int>(d),
+               scale,
+               sliding_window,
+               alibi,
+               partitions};
+  Slopes slopes{};
+  if (alibi) std::copy(alibi_slopes->begin(), alibi_slopes->end(), slopes.v);
+  Tensor m, l, acc;
+  if (partitions > 1) {
+    m = Tensor::Empty({t, hq, partitions}, DType::kF32, Device::kCuda);
+    l = Tensor::Empty({t, hq, partitions}, DType::kF32, Device::kCuda);
+    acc = Tensor::Empty({t, hq, partitions, d}, DType::kF32, Device::kCuda);
+  }
+  const dim3 grid(static_cast<unsigned>(t), static_cast<unsigned>(hq),
+                  static_cast<unsigned>(partitions));
+  TGIS_DISPATCH_FLOAT(q.dtype(), op,
+                      AttentionKernel<T><<<grid, kThreads, 0, Stream()>>>(
+                          p, slopes, q.data<T>(), cache.k.data<T>(), cache.v.data<T>(),
+                          out->data<T>(), m.data<float>(), l.data<float>(), acc.data<float>()));
+  TGIS_CUDA_LAUNCHED();
+  if (partitions > 1) {
+    const dim3 cgrid(static_cast<unsigned>(t), static_cast<unsigned>(hq));
+    TGIS_DISPATCH_FLOAT(q.dtype(), op,
+                        CombinePartitionsKernel<T><<<cgrid, RowThreads(d), 0, Stream()>>>(
+                            static_cast<int>(hq), static_cast<int>(d), partitions, m.data<float>(),
+                            l.data<float>(), acc.data<float>(), out->data<T>()));
+    TGIS_CUDA_LAUNCHED();
+  }
+}
+
+}  // namespace tgis::kernels::cuda

@@ -1,0 +1,301 @@
+// Row-wise and element-wise ops on CUDA: embedding, norms, activations, residual add,
+// softmax and column copies. Arithmetic in f32; results rounded to the activation dtype where
+// PyTorch rounds them too (so bf16 models track HF transformers step by step).
+#include <cmath>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda_ops.h"
+
+namespace tgis::kernels::cuda {
+
+namespace {
+
+int64_t Rows(const Tensor& t) { return t.numel() / std::max<int64_t>(1, t.dim(-1)); }
+
+// Rows whose id is outside [first, first + vocab) become zeros.
+template <typename T>
+__global__ void EmbeddingKernel(const void* ids, bool wide, const T* weight, int64_t first,
+                                int64_t vocab, int64_t h, T* out) {
+  const int64_t t = blockIdx.x;
+  const int64_t id = LoadIndex(ids, wide, t) - first;
+  T* o = out + t * h;
+  if (id < 0 || id >= vocab) {
+    for (int64_t i = threadIdx.x; i < h; i += blockDim.x) o[i] = FromF32<T>(0.0f);
+    return;
+  }
+  const T* w = weight + id * h;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) o[i] = w[i];
+}
+
+template <typename T>
+__global__ void RmsNormKernel(const T* x, const T* w, float eps, int64_t h, T* out) {
+  __shared__ float scratch[32];
+  const T* xr = x + blockIdx.x * h;
+  T* orow = out + blockIdx.x * h;
+  float ss = 0;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    const float v = ToF32(xr[i]);
+    ss += v * v;
+  }
+  const float inv = rsqrtf(BlockSum(ss, scratch) / static_cast<float>(h) + eps);
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    // HF: weight * (x * rsqrt(...)).to(dtype): the normalized value is rounded first.
+    const float normed = ToF32(FromF32<T>(ToF32(xr[i]) * inv));
+    orow[i] = FromF32<T>(ToF32(w[i]) * normed);
+  }
+}
+
+// x += y, then out = RMSNorm(x): the residual add of one half-layer fused with the next norm.
+template <typename T>
+__global__ void AddRmsNormKernel(T* x, const T* y, const T* w, float eps, int64_t h, T* out) {
+  __shared__ float scratch[32];
+  T* xr = x + blockIdx.x * h;
+  const T* yr = y + blockIdx.x * h;
+  T* orow = out + blockIdx.x * h;
+  float ss = 0;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    const T sum = FromF32<T>(ToF32(xr[i]) + ToF32(yr[i]));
+    xr[i] = sum;
+    const float v = ToF32(sum);
+    ss += v * v;
+  }
+  const float inv = rsqrtf(BlockSum(ss, scratch) / static_cast<float>(h) + eps);
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    const float normed = ToF32(FromF32<T>(ToF32(xr[i]) * inv));
+    orow[i] = FromF32<T>(ToF32(w[i]) * normed);
+  }
+}
+
+template <typename T>
+__global__ void LayerNormKernel(const T* x, const T* w, const T* b, float eps, int64_t h, T* out) {
+  __shared__ float scratch[32];
+  const T* xr = x + blockIdx.x * h;
+  T* orow = out + blockIdx.x * h;
+  float sum = 0;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) sum += ToF32(xr[i]);
+  const float mean = BlockSum(sum, scratch) / static_cast<float>(h);
+  float var = 0;
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    const float d = ToF32(xr[i]) - mean;
+    var += d * d;
+  }
+  const float inv = rsqrtf(BlockSum(var, scratch) / static_cast<float>(h) + eps);
+  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
+    const float bias = b != nullptr ? ToF32(b[i]) : 0.0f;
+    orow[i] = FromF32<T>((ToF32(xr[i]) - mean) * inv * ToF32(w[i]) + bias);
+  }
+}
+
+template <typename T>
+__global__ void AddKernel(T* x, const T* y, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = FromF32<T>(ToF32(x[i]) + ToF32(y[i]));
+  }
+}
+
+template <typename T>
+__global__ void SiluMulKernel(const T* gate_up, int64_t inter, int64_t rows, T* out) {
+  const int64_t n = rows * inter;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / inter, c = i % inter;
+    const float g = ToF32(gate_up[r * 2 * inter + c]);
+    const float u = ToF32(gate_up[r * 2 * inter + inter + c]);
+    // HF: act(gate) * up, each a dtype tensor: silu's result is rounded before the product.
+    const float silu = ToF32(FromF32<T>(g / (1.0f + expf(-g))));
+    out[i] = FromF32<T>(silu * u);
+  }
+}
+
+template <typename T>
+__global__ void GeluKernel(bool tanh_form, T* x, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = ToF32(x[i]);
+    float y;
+    if (tanh_form) {
+      const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+      y = 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v)));
+    } else {
+      y = 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
+    }
+    x[i] = FromF32<T>(y);
+  }
+}
+
+template <typename T>
+__global__ void SoftmaxKernel(T* x, int64_t n, bool log) {
+  __shared__ float scratch[32];
+  T* row = x + blockIdx.x * n;
+  float mx = -INFINITY;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) mx = fmaxf(mx, ToF32(row[i]));
+  mx = BlockMax(mx, scratch);
+  float sum = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) sum += expf(ToF32(row[i]) - mx);
+  sum = BlockSum(sum, scratch);
+  const float log_sum = logf(sum);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float z = ToF32(row[i]) - mx;
+    row[i] = FromF32<T>(log ? z - log_sum : expf(z) / sum);
+  }
+}
+
+// A grid-stride launch of about one thread per element, capped so huge tensors loop.
+unsigned StrideBlocks(int64_t n) {
+  return static_cast<unsigned>(std::min<int64_t>(Blocks(n, 256), 65535));
+}
+
+void CheckSame(const Tensor& a, const Tensor& b, const char* op, const char* what) {
+  TGIS_CHECK(a.dtype() == b.dtype(), "%s: %s is %s, the activations %s", op, what,
+             DTypeName(b.dtype()), DTypeName(a.dtype()));
+}
+
+void EmbeddingRows(const Tensor& ids, const Tensor& weight, int64_t first_id, Tensor* out,
+                   const char* op) {
+  CheckCudaIndex(ids, op, "ids");
+  CheckCudaFloat(weight, op, "weight");
+  TGIS_CHECK(weight.rank() == 2, "%s: weight must be [V, H]", op);
+  const int64_t t = ids.numel(), h = weight.dim(1);
+  PrepareOut(out, {t, h}, weight.dtype(), op);
+  if (t == 0) return;
+  TGIS_DISPATCH_FLOAT(weight.dtype(), op,
+                      EmbeddingKernel<T><<<static_cast<unsigned>(t), RowThreads(h), 0, Stream()>>>(
+                          ids.raw(), ids.dtype() == DType::kI64, weight.data<T>(), first_id,
+                          weight.dim(0), h, out->data<T>()));
+  TGIS_CUDA_LAUNCHED();
+}
+
+}  // namespace
+
+void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out) {
+  // Ids are on the device and not checked against the vocabulary here (that would need a
+  // synchronization); an out-of-range id gives a zero row. The engine validates ids.
+  EmbeddingRows(ids, weight, 0, out, "Embedding");
+}
+
+void EmbeddingSlice(const Tensor& ids, const Tensor& weight, int64_t first_id, Tensor* out) {
+  EmbeddingRows(ids, weight, first_id, out, "EmbeddingSlice");
+}
+
+void RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor* out) {
+  const char* op = "RmsNorm";
+  CheckCudaFloat(x, op, "x");
+  CheckSame(x, w, op, "weight");
+  const int64_t h = x.dim(-1);
+  TGIS_CHECK(w.numel() == h, "%s: weight has %lld elements, want %lld", op,
+             static_cast<long long>(w.numel()), static_cast<long long>(h));
+  if (out != &x) PrepareOut(out, x.shape(), x.dtype(), op);
+  const int64_t rows = Rows(x);
+  if (rows == 0) return;
+  TGIS_DISPATCH_FLOAT(x.dtype(), op,
+                      RmsNormKernel<T><<<static_cast<unsigned>(rows), RowThreads(h), 0, Stream()>>>(
+                          x.data<T>(), w.data<T>(), eps, h, out->data<T>()));
+  TGIS_CUDA_LAUNCHED();
+}
+
+void AddRmsNorm(Tensor* x, const Tensor& y, const Tensor& w, float eps, Tensor* out) {
+  const char* op = "AddRmsNorm";
+  CheckCudaFloat(*x, op, "x");
+  CheckSame(*x, y, op, "y");
+  CheckSame(*x, w, op, "weight");
+  TGIS_CHECK(x->shape() == y.shape(), "%s: x and y differ in shape", op);
+  const int64_t h = x->dim(-1);
+  TGIS_CHECK(w.numel() == h, "%s: weight size mismatch", op);
+  PrepareOut(out, x->shape(), x->dtype(), op);
+  const int64_t rows = Rows(*x);
+  if (rows == 0) return;
+  TGIS_DISPATCH_FLOAT(x->dtype(), op,
+                      AddRmsNormKernel<T>
+                      <<<static_cast<unsigned>(rows), RowThreads(h), 0, Stream()>>>(
+                          x->data<T>(), y.data<T>(), w.data<T>(), eps, h, out->data<T>()));
+  TGIS_CUDA_LAUNCHED();
+}
+
+void LayerNorm(const Tensor& x, const Tensor& w, const Tensor* bias, float eps, Tensor* out) {
+  const char* op = "LayerNorm";
+  CheckCudaFloat(x, op, "x");
+  CheckSame(x, w, op, "weight");
+  const bool has_bias = bias != nullptr && bias->defined();
+  if (has_bias) CheckSame(x, *bias, op, "bias");
+  const int64_t h = x.dim(-1);
+  TGIS_CHECK(w.numel() == h && (!has_bias || bias->numel() == h), "%s: weight/bias size", op);
+  if (out != &x) PrepareOut(out, x.shape(), x.dtype(), op);
+  const int64_t rows = Rows(x);
+  if (rows == 0) return;
+  TGIS_DISPATCH_FLOAT(
+      x.dtype(), op,
+      LayerNormKernel<T><<<static_cast<unsigned>(rows), RowThreads(h), 0, Stream()>>>(
+          x.data<T>(), w.data<T>(), has_bias ? bias->data<T>() : nullptr, eps, h, out->data<T>()));
+  TGIS_CUDA_LAUNCHED();
+}
+
+void AddInPlace(Tensor* x, const Tensor& y) {
+  const char* op = "AddInPlace";
+  CheckCudaFloat(*x, op, "x");
+  CheckSame(*x, y, op, "y");
+  TGIS_CHECK(x->numel() == y.numel(), "%s: sizes differ", op);
+  const int64_t n = x->numel();
+  if (n == 0) return;
+  TGIS_DISPATCH_FLOAT(x->dtype(), op,
+                      AddKernel<T>
+                      <<<StrideBlocks(n), 256, 0, Stream()>>>(x->data<T>(), y.data<T>(), n));
+  TGIS_CUDA_LAUNCHED();
+}
+
+void SiluMul(const Tensor& gate_up, Tensor* out) {
+  const char* op = "SiluMul";
+  CheckCudaFloat(gate_up, op, "gate_up");
+  TGIS_CHECK(gate_up.rank() == 2 && gate_up.dim(1) % 2 == 0, "%s: gate_up must be [T, 2I]", op);
+  const int64_t rows = gate_up.dim(0), inter = gate_up.dim(1) / 2;
+  PrepareOut(out, {rows, inter}, gate_up.dtype(), op);
+  if (rows * inter == 0) return;
+  TGIS_DISPATCH_FLOAT(gate_up.dtype(), op,
+                      SiluMulKernel<T><<<StrideBlocks(rows * inter), 256, 0, Stream()>>>(
+                          gate_up.data<T>(), inter, rows, out->data<T>()));
+  TGIS_CUDA_LAUNCHED();
+}
+
+void Gelu(GeluKind kind, Tensor* x) {
+  const char* op = "Gelu";
+  CheckCudaFloat(*x, op, "x");
+  const int64_t n = x->numel();
+  if (n == 0) return;
+  TGIS_DISPATCH_FLOAT(x->dtype(), op,
+                      GeluKernel<T><<<StrideBlocks(n), 256, 0, Stream()>>>(kind == GeluKind::kTanh,
+                                                                           x->data<T>(), n));
+  TGIS_CUDA_LAUNCHED();
+}
+
+namespace {
+void SoftmaxRows(Tensor* x, bool log, const char* op) {
+  CheckCudaFloat(*x, op, "x");
+  const int64_t n = x->dim(-1), rows = Rows(*x);
+  if (rows == 0 || n == 0) return;
+  TGIS_DISPATCH_FLOAT(x->dtype(), op,
+                      SoftmaxKernel<T><<<static_cast<unsigned>(rows), RowThreads(n), 0, Stream()>>>(
+                          x->data<T>(), n, log));
+  TGIS_CUDA_LAUNCHED();
+}
+}  // namespace
+
+void Softmax(Tensor* x) { SoftmaxRows(x, false, "Softmax"); }
+void LogSoftmax(Tensor* x) { SoftmaxRows(x, true, "LogSoftmax"); }
+
+void CopyColumns(const Tensor& src, int64_t src_col, int64_t ncols, Tensor* dst, int64_t dst_col) {
+  const char* op = "CopyColumns";
+  TGIS_CHECK(src.rank() == 2 && dst->rank() == 2 && src.dim(0) == dst->dim(0) &&
+                 src.dtype() == dst->dtype(),
+             "%s: src and dst must be 2-d with the same rows and dtype", op);
+  TGIS_CHECK(0 <= src_col && src_col + ncols <= src.dim(1) && 0 <= dst_col &&
+                 dst_col + ncols <= dst->dim(1),
+             "%s: columns out of range", op);
+  const size_t es = DTypeSize(src.dtype());
+  if (ncols == 0 || src.dim(0) == 0) return;
+  TGIS_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char*>(dst->raw()) + dst_col * es, dst->dim(1) * es,
+                                    static_cast<const char*>(src.raw()) + src_col * es,
+                                    src.dim(1) * es, ncols * es, static_cast<size_t>(src.dim(0)),
+                                    cudaMemcpyDeviceToDevice, Stream()));
+}
+
+}  // namespace tgis::kernels::cuda

@@ -1,0 +1,160 @@
+// Linear on CUDA through cuBLASLt: out = x @ w^T (+ bias in the GEMM's epilogue, as PyTorch's
+// addmm does), f32 accumulation. Inputs share one dtype; the output is that dtype or f32 (the
+// logits, which sampling wants unrounded). Plans (layouts and the heuristic's algorithm) are
+// cached per shape, so a step's GEMMs cost no planning after the first time.
+#include <cublasLt.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda_ops.h"
+
+#define TGIS_CUBLAS_CHECK(expr)                                                  \
+  do {                                                                           \
+    const cublasStatus_t tgis_st_ = (expr);                                      \
+    TGIS_CHECK(tgis_st_ == CUBLAS_STATUS_SUCCESS, "%s: cuBLAS status %d", #expr, \
+               static_cast<int>(tgis_st_));                                      \
+  } while (0)
+
+namespace tgis::kernels::cuda {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;
+
+cudaDataType_t CudaType(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return CUDA_R_32F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    case DType::kF16:
+      return CUDA_R_16F;
+    default:
+      TGIS_FATAL("Linear: unsupported dtype %s", DTypeName(t));
+  }
+}
+
+struct PlanKey {
+  DType in, out;
+  int64_t m, n, k;
+  bool bias;
+  auto operator<=>(const PlanKey&) const = default;
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+};
+
+class Gemms {
+ public:
+  static Gemms& Get() {
+    static Gemms* g = new Gemms();  // lives as long as the process (no teardown ordering)
+    return *g;
+  }
+
+  // C[m, n] (column-major) = op(A) B with A = w ([k, m] column-major, transposed) and
+  // B = x ([k, n] column-major): the row-major out[n, m] = x[n, k] @ w[m, k]^T.
+  void Run(const PlanKey& key, const void* w, const void* x, const void* bias, void* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Plan& p = PlanFor(key);
+    if (key.bias) {
+      TGIS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                       &bias, sizeof(bias)));
+    }
+    const float one = 1.0f, zero = 0.0f;
+    TGIS_CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, &one, w, p.a, x, p.b, &zero, out, p.c, out,
+                                     p.c, &p.algo, workspace_, kWorkspaceBytes, Stream()));
+  }
+
+ private:
+  Gemms() {
+    TGIS_CUBLAS_CHECK(cublasLtCreate(&handle_));
+    TGIS_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
+  }
+
+  Plan& PlanFor(const PlanKey& key) {
+    auto it = plans_.find(key);
+    if (it != plans_.end()) return it->second;
+    Plan p;
+    // f32 inputs: full f32 (no TF32), as PyTorch's default for matmuls.
+    TGIS_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const cublasOperation_t trans = CUBLAS_OP_T, no_trans = CUBLAS_OP_N;
+    TGIS_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)));
+    TGIS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &no_trans,
+                                                     sizeof(no_trans)));
+    if (key.bias) {
+      const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+      TGIS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
+                                                       &epilogue, sizeof(epilogue)));
+      const cudaDataType_t bias_type = CudaType(key.in);
+      TGIS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                       &bias_type, sizeof(bias_type)));
+    }
+    const cudaDataType_t in = CudaType(key.in), out = CudaType(key.out);
+    TGIS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, in, key.k, key.m, key.k));
+    TGIS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, in, key.k, key.n, key.k));
+    TGIS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, out, key.m, key.n, key.m));
+    cublasLtMatmulPreference_t pref = nullptr;
+    TGIS_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const size_t ws = kWorkspaceBytes;
+    TGIS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    TGIS_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1,
+                                                     &result, &found));
+    cublasLtMatmulPreferenceDestroy(pref);
+    TGIS_CHECK(
+        found > 0, "Linear: cuBLASLt has no algorithm for %s x %s -> %s, m=%lld n=%lld k=%lld",
+        DTypeName(key.in), DTypeName(key.in), DTypeName(key.out), static_cast<long long>(key.m),
+        static_cast<long long>(key.n), static_cast<long long>(key.k));
+    p.algo = result.algo;
+    return plans_.emplace(key, p).first->second;
+  }
+
+  std::mutex mu_;
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+  std::map<PlanKey, Plan> plans_;
+};
+
+}  // namespace
+
+void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
+  const char* op = "Linear";
+  CheckCudaFloat(x, op, "x");
+  CheckCudaFloat(w, op, "w");
+  TGIS_CHECK(w.rank() == 2 && w.dtype() == x.dtype(), "%s: w must be [out, in] of x's dtype (%s)",
+             op, DTypeName(x.dtype()));
+  const int64_t in = w.dim(1), out_f = w.dim(0);
+  TGIS_CHECK(x.dim(-1) == in, "%s: x has %lld features, w wants %lld", op,
+             static_cast<long long>(x.dim(-1)), static_cast<long long>(in));
+  const int64_t rows = x.numel() / in;
+  const bool has_bias = bias != nullptr && bias->defined();
+  if (has_bias) {
+    CheckCudaFloat(*bias, op, "bias");
+    TGIS_CHECK(bias->numel() == out_f && bias->dtype() == x.dtype(), "%s: bias must be [%lld] %s",
+               op, static_cast<long long>(out_f), DTypeName(x.dtype()));
+  }
+  Shape shape = x.shape();
+  shape.back() = out_f;
+  // A defined f32 `out` asks for f32 results from lower-precision inputs.
+  const DType out_dtype = out->defined() && out->dtype() == DType::kF32 ? DType::kF32 : x.dtype();
+  PrepareOut(out, shape, out_dtype, op);
+  if (rows == 0 || out_f == 0) return;
+  if (in == 0) {
+    Memset(out->raw(), 0, out->nbytes());
+    TGIS_CHECK(!has_bias, "%s: a bias with no input features", op);
+    return;
+  }
+  Gemms::Get().Run({x.dtype(), out_dtype, out_f, rows, in, has_bias}, w.raw(), x.raw(),
+                   has_bias ? bias->raw() : nullptr, out->raw());
+}
+
+}  // namespace tgis::kernels::cuda

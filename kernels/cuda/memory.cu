@@ -1,0 +1,98 @@
+// Device memory, copies and the process's stream. Allocations come from the stream-ordered
+// pool (cudaMallocAsync), which keeps freed memory for reuse: a forward pass allocates and
+// frees its activations every step, and cudaMalloc/cudaFree would synchronize the device
+// each time.
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda_ops.h"
+
+namespace tgis::kernels::cuda {
+
+cudaStream_t Stream() {
+  static cudaStream_t stream = [] {
+    cudaStream_t s = nullptr;
+    TGIS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    // Keep what the pool holds instead of returning it to the driver at each synchronization.
+    int device = 0;
+    TGIS_CUDA_CHECK(cudaGetDevice(&device));
+    cudaMemPool_t pool = nullptr;
+    TGIS_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, device));
+    uint64_t keep = UINT64_MAX;
+    TGIS_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+    return s;
+  }();
+  return stream;
+}
+
+int DeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no device: not an error for the caller
+    return 0;
+  }
+  return n;
+}
+
+void* Malloc(size_t nbytes) {
+  void* p = nullptr;
+  if (nbytes == 0) nbytes = 1;  // a distinct pointer, as malloc gives
+  const cudaError_t err = cudaMallocAsync(&p, nbytes, Stream());
+  TGIS_CHECK(err == cudaSuccess, "cudaMallocAsync(%zu bytes): %s", nbytes, cudaGetErrorString(err));
+  return p;
+}
+
+void Free(void* p) {
+  if (p != nullptr) TGIS_CUDA_CHECK(cudaFreeAsync(p, Stream()));
+}
+
+void Memset(void* p, int value, size_t nbytes) {
+  TGIS_CUDA_CHECK(cudaMemsetAsync(p, value, nbytes, Stream()));
+}
+
+void Copy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes) {
+  if (nbytes == 0) return;
+  cudaMemcpyKind kind = cudaMemcpyDeviceToDevice;
+  if (src_device == Device::kCpu) {
+    kind = dst_device == Device::kCpu ? cudaMemcpyHostToHost : cudaMemcpyHostToDevice;
+  } else if (dst_device == Device::kCpu) {
+    kind = cudaMemcpyDeviceToHost;
+  }
+  TGIS_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, kind, Stream()));
+  // Synchronous to the caller: host memory may be reused as soon as this returns, and a copy
+  // to the host is read next.
+  if (kind != cudaMemcpyDeviceToDevice) TGIS_CUDA_CHECK(cudaStreamSynchronize(Stream()));
+}
+
+void Synchronize() { TGIS_CUDA_CHECK(cudaStreamSynchronize(Stream())); }
+
+size_t FreeMemory() {
+  size_t free_bytes = 0, total = 0;
+  TGIS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+  return free_bytes;
+}
+
+bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+void CheckCudaFloat(const Tensor& t, const char* op, const char* what) {
+  TGIS_CHECK(t.defined() && t.device() == Device::kCuda && IsFloat(t.dtype()),
+             "%s: %s must be a CUDA f32/bf16/f16 tensor", op, what);
+}
+
+void CheckCudaIndex(const Tensor& t, const char* op, const char* what) {
+  TGIS_CHECK(t.defined() && t.device() == Device::kCuda &&
+                 (t.dtype() == DType::kI32 || t.dtype() == DType::kI64),
+             "%s: %s must be a CUDA i32/i64 tensor", op, what);
+}
+
+void PrepareOut(Tensor* out, const Shape& shape, DType dtype, const char* op) {
+  if (!out->defined()) {
+    *out = Tensor::Empty(shape, dtype, Device::kCuda);
+    return;
+  }
+  TGIS_CHECK(out->shape() == shape && out->dtype() == dtype && out->device() == Device::kCuda,
+             "%s: out is %s, want shape/dtype/device of the result", op,
+             out->DebugString().c_str());
+}
+
+}  // namespace tgis::kernels::cuda
