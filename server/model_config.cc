@@ -90,7 +90,8 @@ absl::StatusOr<ModelConfig> ModelConfig::Load(const std::string& model_dir) {
   ModelConfig c;
   c.raw = std::move(*raw);
   auto type = c.Get<std::string>("model_type");
-  if (!type.ok()) return absl::InvalidArgumentError(absl::StrCat(config_file, ": model_type: missing"));
+  if (!type.ok())
+    return absl::InvalidArgumentError(absl::StrCat(config_file, ": model_type: missing"));
   c.model_type = *type;
   // The names differ between architectures; builders fill in what they know better.
   auto first_int = [&c](std::initializer_list<const char*> keys) -> int64_t {

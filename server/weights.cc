@@ -8,10 +8,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 
@@ -83,7 +82,8 @@ absl::Status MapFile(const fs::path& path, std::map<std::string, Tensor>* out) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": missing dtype/shape/data_offsets"));
     }
     auto dtype = ParseDType(t["dtype"].get<std::string>());
-    if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat(where, ": ", dtype.status().message()));
+    if (!dtype.ok())
+      return absl::InvalidArgumentError(absl::StrCat(where, ": ", dtype.status().message()));
     kernels::Shape shape;
     int64_t numel = 1;
     for (const Json& d : t["shape"]) {
@@ -94,7 +94,8 @@ absl::Status MapFile(const fs::path& path, std::map<std::string, Tensor>* out) {
     const auto end = t["data_offsets"][1].get<uint64_t>();
     if (end < begin || end > data_size ||
         end - begin != static_cast<uint64_t>(numel) * kernels::DTypeSize(*dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": data_offsets do not match its shape"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": data_offsets do not match its shape"));
     }
     if (shape.empty()) shape.push_back(1);  // scalars as [1]
     void* data = const_cast<uint8_t*>(base + data_start + begin);
@@ -116,7 +117,8 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string
     buf << in.rdbuf();
     Json j = Json::parse(buf.str(), nullptr, false);
     if (j.is_discarded() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-      return absl::InvalidArgumentError(absl::StrCat(index.string(), ": weight_map: missing or invalid"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(index.string(), ": weight_map: missing or invalid"));
     }
     std::set<std::string> names;
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
@@ -132,9 +134,10 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string
     std::sort(files.begin(), files.end());
   }
   if (files.empty()) {
-    return absl::NotFoundError(absl::StrCat(
-        model_dir, ": no model.safetensors, model.safetensors.index.json or *.safetensors (a "
-                   "PyTorch .bin checkpoint must be converted with convert-to-safetensors)"));
+    return absl::NotFoundError(
+        absl::StrCat(model_dir,
+                     ": no model.safetensors, model.safetensors.index.json or *.safetensors (a "
+                     "PyTorch .bin checkpoint must be converted with convert-to-safetensors)"));
   }
   auto store = std::make_unique<WeightStore>();
   for (const fs::path& f : files) {

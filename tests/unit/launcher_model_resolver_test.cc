@@ -1,12 +1,11 @@
 // MODEL_NAME resolution: directories as given, hub ids through the local HF cache layout.
-#include "launcher/model_resolver.h"
-
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 
-#include <gtest/gtest.h>
+#include "launcher/model_resolver.h"
 
 namespace {
 

@@ -29,27 +29,40 @@ TEST(Metrics, EveryTgisMetricIsExposedWithItsKind) {
   TgiMetrics m(&r);
   const auto types = Types(r.Render());
   const std::vector<std::pair<std::string, std::string>> want = {
-      {"tgi_request_count", "counter"}, {"tgi_request_input_count", "counter"},
-      {"tgi_request_failure", "counter"}, {"tgi_request_success", "counter"},
-      {"tgi_request_max_new_tokens", "histogram"}, {"tgi_request_input_length", "histogram"},
+      {"tgi_request_count", "counter"},
+      {"tgi_request_input_count", "counter"},
+      {"tgi_request_failure", "counter"},
+      {"tgi_request_success", "counter"},
+      {"tgi_request_max_new_tokens", "histogram"},
+      {"tgi_request_input_length", "histogram"},
       {"tgi_request_raw_input_length", "histogram"},
       {"tgi_request_mean_time_per_token_duration", "histogram"},
       {"tgi_request_validation_duration", "histogram"},
-      {"tgi_request_queue_duration", "histogram"}, {"tgi_request_generated_tokens", "histogram"},
-      {"tgi_request_total_tokens", "histogram"}, {"tgi_request_duration", "histogram"},
+      {"tgi_request_queue_duration", "histogram"},
+      {"tgi_request_generated_tokens", "histogram"},
+      {"tgi_request_total_tokens", "histogram"},
+      {"tgi_request_duration", "histogram"},
       {"tgi_request_inference_duration", "histogram"},
-      {"tgi_batch_concatenation_count", "counter"}, {"tgi_batch_inference_count", "counter"},
-      {"tgi_batch_inference_success", "counter"}, {"tgi_batch_inference_failure", "counter"},
+      {"tgi_batch_concatenation_count", "counter"},
+      {"tgi_batch_inference_count", "counter"},
+      {"tgi_batch_inference_success", "counter"},
+      {"tgi_batch_inference_failure", "counter"},
       {"tgi_batch_inference_batch_size", "histogram"},
       {"tgi_batch_inference_duration", "histogram"},
       {"tgi_batch_inference_forward_duration", "histogram"},
       {"tgi_batch_inference_tokproc_duration", "histogram"},
-      {"tgi_batch_next_tokens", "histogram"}, {"tgi_batch_current_size", "gauge"},
-      {"tgi_batch_input_tokens", "gauge"}, {"tgi_batch_max_remaining_tokens", "gauge"},
-      {"tgi_queue_size", "gauge"}, {"tgi_queue_jump", "counter"},
-      {"tgi_granular_batch_addition", "counter"}, {"tgi_prefill_weight_limit_exceeded", "counter"},
-      {"tgi_prefill_padding_limit_exceeded", "counter"}, {"tgi_prompt_load_failure", "counter"},
-      {"tgi_prompt_load_duration", "histogram"}, {"tgi_tokenize_request_count", "counter"},
+      {"tgi_batch_next_tokens", "histogram"},
+      {"tgi_batch_current_size", "gauge"},
+      {"tgi_batch_input_tokens", "gauge"},
+      {"tgi_batch_max_remaining_tokens", "gauge"},
+      {"tgi_queue_size", "gauge"},
+      {"tgi_queue_jump", "counter"},
+      {"tgi_granular_batch_addition", "counter"},
+      {"tgi_prefill_weight_limit_exceeded", "counter"},
+      {"tgi_prefill_padding_limit_exceeded", "counter"},
+      {"tgi_prompt_load_failure", "counter"},
+      {"tgi_prompt_load_duration", "histogram"},
+      {"tgi_tokenize_request_count", "counter"},
       {"tgi_tokenize_request_input_count", "counter"},
       {"tgi_tokenize_request_tokens", "histogram"},
       {"tgi_tokenize_request_duration", "histogram"}};
@@ -72,12 +85,18 @@ TEST(Metrics, LabelledCounterAndHistogramRender) {
             std::string::npos);
   EXPECT_NE(text.find("tgi_request_success_total{stop_reason=\"EOS_TOKEN\",kind=\"single\"} 3\n"),
             std::string::npos);
-  EXPECT_NE(text.find("tgi_batch_inference_duration_bucket{method=\"prefill\",makeup=\"1\",le=\"0.001\"} 0\n"),
-            std::string::npos);
-  EXPECT_NE(text.find("tgi_batch_inference_duration_bucket{method=\"prefill\",makeup=\"1\",le=\"0.002\"} 1\n"),
-            std::string::npos);
-  EXPECT_NE(text.find("tgi_batch_inference_duration_bucket{method=\"prefill\",makeup=\"1\",le=\"+Inf\"} 2\n"),
-            std::string::npos);
+  EXPECT_NE(
+      text.find(
+          "tgi_batch_inference_duration_bucket{method=\"prefill\",makeup=\"1\",le=\"0.001\"} 0\n"),
+      std::string::npos);
+  EXPECT_NE(
+      text.find(
+          "tgi_batch_inference_duration_bucket{method=\"prefill\",makeup=\"1\",le=\"0.002\"} 1\n"),
+      std::string::npos);
+  EXPECT_NE(
+      text.find(
+          "tgi_batch_inference_duration_bucket{method=\"prefill\",makeup=\"1\",le=\"+Inf\"} 2\n"),
+      std::string::npos);
   EXPECT_NE(text.find("tgi_batch_inference_duration_count{method=\"prefill\",makeup=\"1\"} 2\n"),
             std::string::npos);
   EXPECT_NE(text.find("tgi_queue_size 4\n"), std::string::npos);
@@ -88,7 +107,8 @@ TEST(Metrics, LabelValuesAreEscaped) {
   Registry r;
   auto* f = r.Counter("tgi_request_failure", "failures", {"err"});
   f->Add(1, {"say \"hi\"\\n"});
-  EXPECT_NE(r.Render().find("tgi_request_failure{err=\"say \\\"hi\\\"\\\\n\"} 1"), std::string::npos);
+  EXPECT_NE(r.Render().find("tgi_request_failure{err=\"say \\\"hi\\\"\\\\n\"} 1"),
+            std::string::npos);
 }
 
 TEST(Metrics, ValuesAreShortest) {

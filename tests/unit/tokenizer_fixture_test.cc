@@ -1,14 +1,14 @@
 // Golden comparisons against HF tokenizers / sentencepiece: the fixtures under
 // tests/fixtures/tokenizers/<family>/golden.json were written by
 // tests/fixtures/make_tokenizer_fixtures.py with the Python reference libraries.
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include "tokenizer/sentencepiece.h"
 #include "tokenizer/tokenizer.h"

@@ -1,14 +1,14 @@
 // Behaviour that needs no reference library: errors, bad input, the streaming decoder's
 // handling of split UTF-8, and the UTF-8 helpers.
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <fstream>
 #include <string>
 
-#include <gtest/gtest.h>
-
+#include "tokenizer/sentencepiece.h"
 #include "tokenizer/src/hf_tokenizer.h"
 #include "tokenizer/src/unicode.h"
-#include "tokenizer/sentencepiece.h"
 #include "tokenizer/tokenizer.h"
 
 namespace {
