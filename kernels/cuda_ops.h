@@ -19,6 +19,10 @@ void Free(void* p);
 void Memset(void* p, int value, size_t nbytes);
 // A synchronous copy between any two devices (host <-> device, device <-> device).
 void Copy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes);
+// Selects this process's GPU; call before any other CUDA work.
+void SetDevice(int index);
+// The process's stream (a cudaStream_t), for libraries that queue work on it (NCCL).
+void* NativeStream();
 // Waits for everything queued on the process's stream.
 void Synchronize();
 // Free device memory in bytes (what the KV cache may take at Warmup).
@@ -38,6 +42,7 @@ void SiluMul(const Tensor& gate_up, Tensor* out);
 void Gelu(GeluKind kind, Tensor* x);
 void Softmax(Tensor* x);
 void LogSoftmax(Tensor* x);
+void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logprobs);
 void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
                      KvCacheLayer* cache);
 void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,

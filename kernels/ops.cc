@@ -87,6 +87,11 @@ void Softmax(Tensor* x) { TGIS_DISPATCH(Softmax, TGIS_TENSORS(x), x); }
 
 void LogSoftmax(Tensor* x) { TGIS_DISPATCH(LogSoftmax, TGIS_TENSORS(x), x); }
 
+void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logprobs) {
+  TGIS_DISPATCH(GreedyPick, TGIS_TENSORS(logits, &banned, ids, logprobs), logits, banned, ids,
+                logprobs);
+}
+
 void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
                      KvCacheLayer* cache) {
   TGIS_DISPATCH(ReshapeAndCache, TGIS_TENSORS(&k, &v, &slot_mapping, &cache->k, &cache->v), k, v,

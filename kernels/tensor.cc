@@ -343,4 +343,20 @@ std::string Tensor::DebugString() const {
   return os.str();
 }
 
+int GpuCount() {
+#ifdef TGIS_WITH_CUDA
+  return cuda::DeviceCount();
+#else
+  return 0;
+#endif
+}
+
+void SelectGpu(int index) {
+#ifdef TGIS_WITH_CUDA
+  cuda::SetDevice(index);
+#else
+  TGIS_FATAL("SelectGpu(%d): this build has no CUDA", index);
+#endif
+}
+
 }  // namespace tgis::kernels

@@ -67,6 +67,11 @@ class Tensor {
   Device device_ = Device::kCpu;
 };
 
+// GPUs this process can use: 0 in a build without CUDA or on a machine without a GPU.
+int GpuCount();
+// Makes GPU `index` this process's device (call before any CUDA tensor exists).
+void SelectGpu(int index);
+
 // bf16 / f16 <-> f32 conversions on the host.
 float Bf16ToF32(uint16_t v);
 uint16_t F32ToBf16(float v);  // round to nearest even

@@ -21,7 +21,8 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
 
-  // x = sum of every rank's x, in place. f32, contiguous, same shape everywhere.
+  // x = sum of every rank's x, in place. Contiguous, same shape everywhere; f32 on the CPU, the
+  // activations' dtype (f32, bf16, f16) on CUDA.
   virtual void AllReduceSum(kernels::Tensor* x) = 0;
   // values[i] = min over ranks of values[i], in place (host integers: agreeing on sizes).
   virtual void AllReduceMin(std::span<int64_t> values) = 0;

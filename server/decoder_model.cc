@@ -15,32 +15,6 @@ using kernels::Tensor;
 
 namespace {
 
-// Copies rows of a [T, C] f32 tensor into a new [rows, C] tensor.
-Tensor GatherRows(const Tensor& x, const std::vector<int32_t>& rows) {
-  const int64_t c = x.dim(1);
-  Tensor out = Tensor::Empty({static_cast<int64_t>(rows.size()), c}, DType::kF32);
-  for (size_t i = 0; i < rows.size(); ++i) {
-    std::memcpy(out.data<float>() + i * c, x.data<float>() + rows[i] * c, c * sizeof(float));
-  }
-  return out;
-}
-
-// Splits fused qkv [T, (Hq + 2Hk) D] into q [T, Hq, D], k [T, Hk, D], v [T, Hk, D].
-void SplitQkv(const Tensor& qkv, int64_t hq, int64_t hk, int64_t d, Tensor* q, Tensor* k,
-              Tensor* v) {
-  const int64_t t = qkv.dim(0);
-  const int64_t width = (hq + 2 * hk) * d;
-  *q = Tensor::Empty({t, hq, d}, DType::kF32);
-  *k = Tensor::Empty({t, hk, d}, DType::kF32);
-  *v = Tensor::Empty({t, hk, d}, DType::kF32);
-  for (int64_t i = 0; i < t; ++i) {
-    const float* row = qkv.data<float>() + i * width;
-    std::memcpy(q->data<float>() + i * hq * d, row, hq * d * sizeof(float));
-    std::memcpy(k->data<float>() + i * hk * d, row + hq * d, hk * d * sizeof(float));
-    std::memcpy(v->data<float>() + i * hk * d, row + (hq + hk) * d, hk * d * sizeof(float));
-  }
-}
-
 absl::Status CheckShape(const Tensor& t, const kernels::Shape& want, const std::string& what) {
   if (!t.defined()) return absl::InvalidArgumentError(absl::StrCat(what, ": missing"));
   if (t.shape() != want) {
@@ -155,7 +129,46 @@ CausalLM::CausalLM(DecoderSpec spec, DecoderWeights weights, std::shared_ptr<Com
 
 size_t CausalLM::KvBytesPerToken() const {
   return static_cast<size_t>(2 * spec_.num_layers * layout_.kv_heads.size() * spec_.head_dim) *
-         sizeof(float);
+         kernels::DTypeSize(act_dtype_);
+}
+
+void CausalLM::MoveTo(kernels::Device device) {
+  if (device == device_) return;
+  // The activations take the linear weights' dtype; small tensors (norms, biases, loaded f32)
+  // follow, since the CUDA kernels want one dtype per op.
+  const DType dtype = w_.layers.empty() ? w_.embed.dtype() : w_.layers[0].qkv_w.dtype();
+  auto move = [&](Tensor* t) {
+    if (!t->defined()) return;
+    Tensor host = t->dtype() == dtype ? *t : t->To(dtype);
+    *t = host.ToDevice(device);
+  };
+  const bool tied = w_.lm_head.raw() == w_.embed.raw();
+  move(&w_.embed);
+  if (tied) {
+    w_.lm_head = w_.embed;
+  } else {
+    move(&w_.lm_head);
+  }
+  move(&w_.pos_embed);
+  move(&w_.final_norm_w);
+  move(&w_.final_norm_b);
+  for (LayerWeights& l : w_.layers) {
+    for (Tensor* t : {&l.ln1_w, &l.ln1_b, &l.ln2_w, &l.ln2_b, &l.qkv_w, &l.qkv_b, &l.o_w, &l.o_b,
+                      &l.up_w, &l.up_b, &l.down_w, &l.down_b}) {
+      move(t);
+    }
+  }
+  device_ = device;
+  act_dtype_ = dtype;
+}
+
+Tensor CausalLM::Buf(const kernels::Shape& shape) const {
+  return Tensor::Empty(shape, act_dtype_, device_);
+}
+
+Tensor CausalLM::Indices(const std::vector<int32_t>& v) const {
+  Tensor t = Tensor::FromVector(v, {static_cast<int64_t>(v.size())});
+  return device_ == kernels::Device::kCpu ? t : t.ToDevice(device_);
 }
 
 void CausalLM::Embed(const Tensor& ids, Tensor* x) const {
@@ -163,30 +176,16 @@ void CausalLM::Embed(const Tensor& ids, Tensor* x) const {
     kernels::Embedding(ids, w_.embed, x);
     return;
   }
-  // Vocab-parallel: this rank looks up the ids in its slice; the others' rows are zero, so the
-  // sum over ranks is the embedding.
-  const int64_t t = ids.numel(), h = spec_.hidden;
-  std::vector<int32_t> local(t, 0);
-  std::vector<bool> mine(t, false);
-  for (int64_t i = 0; i < t; ++i) {
-    const int64_t id = ids.dtype() == DType::kI64 ? ids.data<int64_t>()[i] : ids.data<int32_t>()[i];
-    mine[i] = layout_.vocab.begin <= id && id < layout_.vocab.end;
-    if (mine[i]) local[i] = static_cast<int32_t>(id - layout_.vocab.begin);
-  }
-  if (layout_.vocab.size() > 0) {
-    kernels::Embedding(Tensor::FromVector(local, {t}), w_.embed, x);
-  } else {
-    std::memset(x->raw(), 0, x->nbytes());
-  }
-  for (int64_t i = 0; i < t; ++i) {
-    if (!mine[i]) std::memset(x->data<float>() + i * h, 0, h * sizeof(float));
-  }
+  // Vocab-parallel: this rank looks up the ids in its slice and leaves zeros for the others';
+  // the sum over ranks is the embedding.
+  kernels::EmbeddingSlice(ids, w_.embed, layout_.vocab.begin, x);
   comm_->AllReduceSum(x);
 }
 
 Tensor CausalLM::LmHead(const Tensor& normed) const {
   const int64_t rows = normed.dim(0);
-  Tensor local = Tensor::Empty({rows, layout_.vocab.size()}, DType::kF32);
+  // f32 logits whatever the activations: sampling and logprobs want them unrounded.
+  Tensor local = Tensor::Empty({rows, layout_.vocab.size()}, DType::kF32, device_);
   kernels::Linear(normed, w_.lm_head, nullptr, &local);
   if (layout_.world_size == 1) return local;
   // Vocab-parallel: every rank computes its slice of the logits; the all-gather (equal chunks:
@@ -194,22 +193,16 @@ Tensor CausalLM::LmHead(const Tensor& normed) const {
   const int64_t chunk = layout_.vocab_chunk, world = layout_.world_size;
   Tensor padded = local;
   if (layout_.vocab.size() != chunk) {
-    padded = Tensor::Zeros({rows, chunk}, DType::kF32);
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(padded.data<float>() + r * chunk, local.data<float>() + r * local.dim(1),
-                  local.dim(1) * sizeof(float));
-    }
+    padded = Tensor::Zeros({rows, chunk}, DType::kF32, device_);
+    kernels::CopyColumns(local, 0, local.dim(1), &padded, 0);
   }
   Tensor gathered;  // [world, rows, chunk]
   comm_->AllGather(padded, &gathered);
-  Tensor logits = Tensor::Empty({rows, spec_.vocab}, DType::kF32);
+  Tensor logits = Tensor::Empty({rows, spec_.vocab}, DType::kF32, device_);
   for (int64_t k = 0; k < world; ++k) {
     const int64_t begin = std::min(spec_.vocab, k * chunk);
     const int64_t n = std::min(spec_.vocab, (k + 1) * chunk) - begin;
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(logits.data<float>() + r * spec_.vocab + begin,
-                  gathered.data<float>() + (k * rows + r) * chunk, n * sizeof(float));
-    }
+    kernels::CopyColumns(gathered.Rows(k, k + 1).Reshape({rows, chunk}), 0, n, &logits, begin);
   }
   return logits;
 }
@@ -222,18 +215,28 @@ void CausalLM::Norm(const Tensor& x, const Tensor& w, const Tensor& b, Tensor* o
   }
 }
 
+void CausalLM::AddNorm(Tensor* x, const Tensor& y, const Tensor& w, const Tensor& b,
+                       Tensor* out) const {
+  if (spec_.norm == NormKind::kRms) {
+    kernels::AddRmsNorm(x, y, w, spec_.norm_eps, out);
+  } else {
+    kernels::AddInPlace(x, y);
+    Norm(*x, w, b, out);
+  }
+}
+
 // This rank's part of the MLP output (before the all-reduce).
 void CausalLM::Mlp(const LayerWeights& w, const Tensor& x, Tensor* out) const {
   const int64_t t = x.dim(0);
   const int64_t inter = layout_.intermediate.size();
   if (spec_.mlp == MlpKind::kGatedSilu) {
-    Tensor gate_up = Tensor::Empty({t, 2 * inter}, DType::kF32);
+    Tensor gate_up = Buf({t, 2 * inter});
     kernels::Linear(x, w.up_w, w.up_b.defined() ? &w.up_b : nullptr, &gate_up);
-    Tensor act = Tensor::Empty({t, inter}, DType::kF32);
+    Tensor act = Buf({t, inter});
     kernels::SiluMul(gate_up, &act);
     kernels::Linear(act, w.down_w, RowParallelBias(w.down_b), out);
   } else {
-    Tensor h = Tensor::Empty({t, inter}, DType::kF32);
+    Tensor h = Buf({t, inter});
     kernels::Linear(x, w.up_w, w.up_b.defined() ? &w.up_b : nullptr, &h);
     kernels::Gelu(spec_.gelu, &h);
     kernels::Linear(h, w.down_w, RowParallelBias(w.down_b), out);
@@ -244,31 +247,36 @@ Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLay
                          const std::vector<int32_t>& logit_rows) const {
   const DecoderSpec& s = spec_;
   const int64_t t = in.input_ids.dim(0);
-  const int64_t hq = layout_.q_heads.size(), hk = layout_.kv_heads.size();
+  const int64_t hq = layout_.q_heads.size(), hk = layout_.kv_heads.size(), d = s.head_dim;
   const bool parallel = layout_.world_size > 1;
-  Tensor x = Tensor::Empty({t, s.hidden}, DType::kF32);
+  Tensor x = Buf({t, s.hidden});
   Embed(in.input_ids, &x);
   if (s.position == PositionKind::kLearned) {
-    Tensor pos = Tensor::Empty({t, s.hidden}, DType::kF32);
+    Tensor pos = Buf({t, s.hidden});
     kernels::Embedding(in.positions, w_.pos_embed, &pos);
     kernels::AddInPlace(&x, pos);
   }
-  Tensor h = Tensor::Empty({t, s.hidden}, DType::kF32);
-  Tensor qkv = Tensor::Empty({t, (hq + 2 * hk) * s.head_dim}, DType::kF32);
-  Tensor attn = Tensor::Empty({t, hq, s.head_dim}, DType::kF32);
-  Tensor o = Tensor::Empty({t, s.hidden}, DType::kF32);
-  Tensor m = Tensor::Empty({t, s.hidden}, DType::kF32);
+  Tensor h = Buf({t, s.hidden});
+  Tensor qkv = Buf({t, (hq + 2 * hk) * d});
+  Tensor q = Buf({t, hq, d}), k = Buf({t, hk, d}), v = Buf({t, hk, d});
+  Tensor attn = Buf({t, hq, d});
+  Tensor o = Buf({t, s.hidden});
+  Tensor m = Buf({t, s.hidden});
+  Norm(x, w_.layers[0].ln1_w, w_.layers[0].ln1_b, &h);
   for (int64_t l = 0; l < s.num_layers; ++l) {
     const LayerWeights& w = w_.layers[l];
-    Norm(x, w.ln1_w, w.ln1_b, &h);
+    const LayerWeights* next = l + 1 < s.num_layers ? &w_.layers[l + 1] : nullptr;
+    // h holds this layer's input norm.
     kernels::Linear(h, w.qkv_w, w.qkv_b.defined() ? &w.qkv_b : nullptr, &qkv);
-    Tensor q, k, v;
-    SplitQkv(qkv, hq, hk, s.head_dim, &q, &k, &v);
+    Tensor q2 = q.Reshape({t, hq * d}), k2 = k.Reshape({t, hk * d}), v2 = v.Reshape({t, hk * d});
+    kernels::CopyColumns(qkv, 0, hq * d, &q2, 0);
+    kernels::CopyColumns(qkv, hq * d, hk * d, &k2, 0);
+    kernels::CopyColumns(qkv, (hq + hk) * d, hk * d, &v2, 0);
     if (s.position == PositionKind::kRotary) kernels::Rotary(s.rotary, in.positions, &q, &k);
     kernels::ReshapeAndCache(k, v, in.slot_mapping, &(*cache)[l]);
     kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.sliding_window,
                             alibi_.empty() ? nullptr : &alibi_, &attn);
-    kernels::Linear(attn.Reshape({t, hq * s.head_dim}), w.o_w, RowParallelBias(w.o_b), &o);
+    kernels::Linear(attn.Reshape({t, hq * d}), w.o_w, RowParallelBias(w.o_b), &o);
     if (s.parallel_residual) {
       Norm(x, w.ln2_w, w.ln2_b, &h);
       Mlp(w, h, &m);
@@ -281,17 +289,31 @@ Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLay
         kernels::AddInPlace(&x, o);
         kernels::AddInPlace(&x, m);
       }
+      if (next != nullptr) Norm(x, next->ln1_w, next->ln1_b, &h);
     } else {
       comm_->AllReduceSum(&o);
-      kernels::AddInPlace(&x, o);
-      Norm(x, w.ln2_w, w.ln2_b, &h);
+      AddNorm(&x, o, w.ln2_w, w.ln2_b, &h);
       Mlp(w, h, &m);
       comm_->AllReduceSum(&m);
-      kernels::AddInPlace(&x, m);
+      if (next != nullptr) {
+        AddNorm(&x, m, next->ln1_w, next->ln1_b, &h);
+      } else {
+        kernels::AddInPlace(&x, m);
+      }
     }
   }
-  Tensor last = GatherRows(x, logit_rows);
-  Tensor normed = Tensor::Empty(last.shape(), DType::kF32);
+  // Only the rows whose logits are wanted go through the final norm and the lm_head (in a
+  // decode step, every row, in order: no gather).
+  bool every_row = static_cast<int64_t>(logit_rows.size()) == t;
+  for (size_t i = 0; every_row && i < logit_rows.size(); ++i) {
+    every_row = logit_rows[i] == static_cast<int32_t>(i);
+  }
+  Tensor last = x;
+  if (!every_row) {
+    last = Tensor();
+    kernels::Embedding(Indices(logit_rows), x, &last);  // a row gather
+  }
+  Tensor normed = Buf(last.shape());
   Norm(last, w_.final_norm_w, w_.final_norm_b, &normed);
   return LmHead(normed);
 }

@@ -96,7 +96,7 @@ struct DecoderWeights {
   kernels::Tensor lm_head;  // [V, H]; may share storage with embed
 };
 
-// One step's ragged batch.
+// One step's ragged batch, on the model's device.
 struct ForwardInput {
   kernels::Tensor input_ids;     // [T] i32
   kernels::Tensor positions;     // [T] i32
@@ -114,10 +114,17 @@ class CausalLM {
   // `logit_rows`. Every rank of the group must run the same batch at the same time.
   kernels::Tensor Forward(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
                           const std::vector<int32_t>& logit_rows) const;
+  // Moves the weights to `device` (CPU: no-op). On CUDA the activations and the KV cache take
+  // the linear weights' dtype, and every other tensor (norms, biases) is converted to it too.
+  // Call once, before the first Forward.
+  void MoveTo(kernels::Device device);
+  kernels::Device device() const { return device_; }
+  // The dtype of activations and of the KV cache: f32 on the CPU.
+  kernels::DType act_dtype() const { return act_dtype_; }
   const DecoderSpec& spec() const { return spec_; }  // the whole model's sizes
   const ShardLayout& shard() const { return layout_; }
   Communicator& communicator() const { return *comm_; }
-  // Bytes of this rank's KV cache per token (all layers, its KV heads, keys and values, f32).
+  // Bytes of this rank's KV cache per token (all layers, its KV heads, keys and values).
   size_t KvBytesPerToken() const;
 
  private:
@@ -130,12 +137,21 @@ class CausalLM {
   void Mlp(const LayerWeights& w, const kernels::Tensor& x, kernels::Tensor* out) const;
   void Norm(const kernels::Tensor& x, const kernels::Tensor& w, const kernels::Tensor& b,
             kernels::Tensor* out) const;
+  // x += y; out = Norm(x) (fused for RMSNorm).
+  void AddNorm(kernels::Tensor* x, const kernels::Tensor& y, const kernels::Tensor& w,
+               const kernels::Tensor& b, kernels::Tensor* out) const;
+  // An activation buffer on the model's device.
+  kernels::Tensor Buf(const kernels::Shape& shape) const;
+  // A host index vector as a tensor on the model's device.
+  kernels::Tensor Indices(const std::vector<int32_t>& v) const;
 
   DecoderSpec spec_;
   DecoderWeights w_;
   std::shared_ptr<Communicator> comm_;
   ShardLayout layout_;
   std::vector<float> alibi_;  // this rank's heads' slopes
+  kernels::Device device_ = kernels::Device::kCpu;
+  kernels::DType act_dtype_ = kernels::DType::kF32;
 };
 
 // Checks shapes of `w` against `spec` split by `layout`; an error names the layer and the tensor.

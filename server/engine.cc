@@ -1,5 +1,6 @@
 #include "server/engine.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -11,14 +12,15 @@ namespace tgis::server {
 using kernels::DType;
 using kernels::Tensor;
 
-Engine::Engine(std::unique_ptr<CausalLM> model, std::vector<int32_t> eos_ids,
-               int64_t max_positions, int num_blocks, int block_size)
+Engine::Engine(std::unique_ptr<CausalLM> model, std::vector<int32_t> eos_ids, int64_t max_positions,
+               int num_blocks, int block_size)
     : model_(std::move(model)), eos_(std::move(eos_ids)), max_positions_(max_positions) {
   const DecoderSpec& s = model_->spec();
   // A tensor-parallel rank caches only its own KV heads.
   cache_ = std::make_unique<KvCache>(static_cast<int>(s.num_layers), num_blocks, block_size,
                                      static_cast<int>(model_->shard().kv_heads.size()),
-                                     static_cast<int>(s.head_dim));
+                                     static_cast<int>(s.head_dim), model_->act_dtype(),
+                                     model_->device());
 }
 
 size_t Engine::CachedTokens(uint64_t id) const {
@@ -76,13 +78,14 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
     bool bad_id = false;
     for (int32_t t : n.input_ids) bad_id = bad_id || t < 0 || t >= vocab;
     if (bad_id) {
-      fail(absl::InvalidArgumentError(absl::StrCat("input token id out of range [0, ", vocab, ")")));
+      fail(
+          absl::InvalidArgumentError(absl::StrCat("input token id out of range [0, ", vocab, ")")));
       continue;
     }
     if (static_cast<int64_t>(n.input_ids.size() + n.max_new_tokens) > max_positions_) {
       fail(absl::InvalidArgumentError(
-          absl::StrCat("input (", n.input_ids.size(), ") plus max_new_tokens (",
-                       n.max_new_tokens, ") exceeds the model's ", max_positions_, " positions")));
+          absl::StrCat("input (", n.input_ids.size(), ") plus max_new_tokens (", n.max_new_tokens,
+                       ") exceeds the model's ", max_positions_, " positions")));
       continue;
     }
     auto s = std::make_unique<Sequence>();
@@ -149,7 +152,8 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
     }
     query_start.push_back(static_cast<int32_t>(ids.size()));
     context_lens.push_back(static_cast<int32_t>(end));
-    std::copy(s->blocks.begin(), s->blocks.end(), tables.begin() + i * std::max<size_t>(max_blocks, 1));
+    std::copy(s->blocks.begin(), s->blocks.end(),
+              tables.begin() + i * std::max<size_t>(max_blocks, 1));
     const int32_t n = static_cast<int32_t>(end - begin);
     const bool all_rows = prefill && s->input_logprobs;
     seq_rows.emplace_back(static_cast<int32_t>(logit_rows.size()), all_rows ? n : 1);
@@ -162,19 +166,36 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
   }
   const int64_t t = static_cast<int64_t>(ids.size());
   const int64_t nseq = static_cast<int64_t>(seqs.size());
+  const kernels::Device device = model_->device();
+  auto upload = [device](const std::vector<int32_t>& v, const kernels::Shape& shape) {
+    Tensor host = Tensor::FromVector(v, shape);
+    return device == kernels::Device::kCpu ? host : host.ToDevice(device);
+  };
   ForwardInput in;
-  in.input_ids = Tensor::FromVector(ids, {t});
-  in.positions = Tensor::FromVector(positions, {t});
-  in.slot_mapping = Tensor::FromVector(slots, {t});
-  in.attn.query_start = Tensor::FromVector(query_start, {nseq + 1});
-  in.attn.context_lens = Tensor::FromVector(context_lens, {nseq});
+  in.input_ids = upload(ids, {t});
+  in.positions = upload(positions, {t});
+  in.slot_mapping = upload(slots, {t});
+  in.attn.query_start = upload(query_start, {nseq + 1});
+  in.attn.context_lens = upload(context_lens, {nseq});
   in.attn.block_tables =
-      Tensor::FromVector(tables, {nseq, static_cast<int64_t>(std::max<size_t>(max_blocks, 1))});
+      upload(tables, {nseq, static_cast<int64_t>(std::max<size_t>(max_blocks, 1))});
   in.attn.block_size = bs;
+  in.attn.max_context_len = *std::max_element(context_lens.begin(), context_lens.end());
   const auto t0 = std::chrono::steady_clock::now();
   Tensor logits = model_->Forward(in, cache_->layers(), logit_rows);
-  last_forward_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                         std::chrono::steady_clock::now() - t0).count();
+  // Plain greedy steps pick where the logits are (on CUDA only ids and logprobs come back);
+  // anything else reads the logits on the host.
+  std::vector<TokenInfo> picked;
+  if (!PickOnDevice(seqs, details, &logits, &picked) && logits.device() != kernels::Device::kCpu) {
+    logits = logits.ToDevice(kernels::Device::kCpu);
+  }
+  last_forward_ns_ =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count();
+  if (!picked.empty()) {
+    for (size_t i = 0; i < seqs.size(); ++i) Append(seqs[i], std::move(picked[i]), out);
+    return;
+  }
   const int64_t v = logits.dim(1);
   std::vector<float> lp;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -205,11 +226,54 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
     o.token.logprob = c.logprob;
     o.token.rank = c.rank;
     o.token.top = std::move(c.top);
-    s->cached = s->tokens.size();
-    s->tokens.push_back(c.id);
-    s->generated += 1;
+    Advance(s, o.token.id);
     out->push_back(std::move(o));
   }
+}
+
+void Engine::Advance(Sequence* s, int32_t token) {
+  s->cached = s->tokens.size();
+  s->tokens.push_back(token);
+  s->generated += 1;
+}
+
+void Engine::Append(Sequence* s, TokenInfo token, std::vector<StepOutput>* out) {
+  StepOutput o;
+  o.id = s->id;
+  o.token = std::move(token);
+  Advance(s, o.token.id);
+  out->push_back(std::move(o));
+}
+
+bool Engine::PickOnDevice(const std::vector<Sequence*>& seqs, const std::vector<bool>& details,
+                          Tensor* logits, std::vector<TokenInfo>* picked) {
+  // One logits row per sequence (no prompt details), every one a plain greedy choice without
+  // top-n (the rank of an argmax is 1).
+  if (logits->dim(0) != static_cast<int64_t>(seqs.size())) return false;
+  const size_t m = std::max<size_t>(1, eos_.size());
+  std::vector<int32_t> banned(seqs.size() * m, -1);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    bool mask_eos = false;
+    if (details[i] || seqs[i]->top_n > 0 ||
+        !seqs[i]->sampler->PlainGreedy(seqs[i]->generated, &mask_eos)) {
+      return false;
+    }
+    if (mask_eos) std::copy(eos_.begin(), eos_.end(), banned.begin() + i * m);
+  }
+  Tensor banned_t =
+      Tensor::FromVector(banned, {static_cast<int64_t>(seqs.size()), static_cast<int64_t>(m)});
+  if (logits->device() != kernels::Device::kCpu) banned_t = banned_t.ToDevice(logits->device());
+  Tensor ids, logprobs;
+  kernels::GreedyPick(logits, banned_t, &ids, &logprobs);
+  const Tensor ids_h = ids.ToDevice(kernels::Device::kCpu);  // a copy on the CPU: cheap
+  const Tensor lps_h = logprobs.ToDevice(kernels::Device::kCpu);
+  picked->resize(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    (*picked)[i].id = ids_h.data<int32_t>()[i];
+    (*picked)[i].logprob = lps_h.data<float>()[i];
+    (*picked)[i].rank = 1;
+  }
+  return true;
 }
 
 }  // namespace tgis::server

@@ -85,6 +85,13 @@ class Engine {
   bool Reserve(Sequence* s);
   void FreeBlocks(Sequence* s);
   void Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<StepOutput>* out);
+  // Greedy choices on the logits' device when every sequence of the step allows it; false
+  // (nothing done) otherwise.
+  bool PickOnDevice(const std::vector<Sequence*>& seqs, const std::vector<bool>& details,
+                    kernels::Tensor* logits, std::vector<TokenInfo>* picked);
+  // Records `token` as s's next one.
+  void Advance(Sequence* s, int32_t token);
+  void Append(Sequence* s, TokenInfo token, std::vector<StepOutput>* out);
 
   std::unique_ptr<CausalLM> model_;
   std::vector<int32_t> eos_;

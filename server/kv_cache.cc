@@ -17,13 +17,14 @@ std::optional<int32_t> BlockAllocator::Allocate() {
 
 void BlockAllocator::Free(int32_t block) { free_.push_back(block); }
 
-KvCache::KvCache(int num_layers, int num_blocks, int block_size, int kv_heads, int head_dim)
+KvCache::KvCache(int num_layers, int num_blocks, int block_size, int kv_heads, int head_dim,
+                 kernels::DType dtype, kernels::Device device)
     : allocator_(num_blocks), block_size_(block_size) {
   layers_.reserve(num_layers);
   for (int l = 0; l < num_layers; ++l) {
     kernels::Shape shape = {num_blocks, block_size, kv_heads, head_dim};
-    layers_.push_back(kernels::KvCacheLayer{kernels::Tensor::Zeros(shape, kernels::DType::kF32),
-                                            kernels::Tensor::Zeros(shape, kernels::DType::kF32)});
+    layers_.push_back(kernels::KvCacheLayer{kernels::Tensor::Zeros(shape, dtype, device),
+                                            kernels::Tensor::Zeros(shape, dtype, device)});
   }
 }
 

@@ -24,7 +24,10 @@ class BlockAllocator {
 
 class KvCache {
  public:
-  KvCache(int num_layers, int num_blocks, int block_size, int kv_heads, int head_dim);
+  // Keys and values in `dtype` on `device` (the model's activations').
+  KvCache(int num_layers, int num_blocks, int block_size, int kv_heads, int head_dim,
+          kernels::DType dtype = kernels::DType::kF32,
+          kernels::Device device = kernels::Device::kCpu);
   std::vector<kernels::KvCacheLayer>* layers() { return &layers_; }
   BlockAllocator& allocator() { return allocator_; }
   int block_size() const { return block_size_; }

@@ -4,8 +4,8 @@
 //       [--dtype float32|bfloat16] [--rank 0 --world-size 1] [--kv-cache-blocks N]
 //
 // With --world-size N > 1 the N shards (ranks 0..N-1) each load their slice of the model and run
-// every step together over a Communicator (Gloo on the CPU), meeting first through the
-// rendezvous directory of MASTER_ADDR:MASTER_PORT.
+// every step together over a Communicator (Gloo on the CPU, NCCL on CUDA), meeting first through
+// the rendezvous directory of MASTER_ADDR:MASTER_PORT.
 #include <gflags/gflags.h>
 #include <glog/logging.h>
 #include <grpcpp/grpcpp.h>
@@ -17,8 +17,10 @@
 #include <thread>
 
 #include "common/env_flags.h"
+#include "kernels/tensor.h"
 #include "server/gloo_communicator.h"
 #include "server/model_registry.h"
+#include "server/nccl_communicator.h"
 #include "server/shard_service.h"
 
 DEFINE_string(uds_path, "/tmp/text-generation-server",
@@ -39,7 +41,12 @@ DEFINE_int32(kv_cache_blocks, 0,
              "KV cache blocks; 0 sizes the cache from free memory at Warmup (env KV_CACHE_BLOCKS)");
 DEFINE_int32(block_size, 16, "Tokens per KV cache block (env KV_CACHE_BLOCK_SIZE)");
 DEFINE_double(memory_fraction, 0.3,
-              "Fraction of available memory for the KV cache (env KV_CACHE_MEMORY_FRACTION)");
+              "Fraction of available memory for the KV cache: host memory on the CPU, free GPU "
+              "memory after the weights on CUDA, where the default is 0.85 "
+              "(env KV_CACHE_MEMORY_FRACTION)");
+DEFINE_string(device, "auto",
+              "Where the model runs: cpu, cuda (GPU number = rank), or auto: cuda when this "
+              "build has CUDA and a GPU is present (env TGIS_DEVICE)");
 
 namespace {
 
@@ -47,8 +54,9 @@ std::unique_ptr<grpc::Server> g_server;
 
 void OnSignal(int) {
   if (g_server) {
-    std::thread([] { g_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5)); })
-        .detach();
+    std::thread([] {
+      g_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    }).detach();
   }
 }
 
@@ -77,7 +85,8 @@ int main(int argc, char** argv) {
                                                  {"collective_timeout", "TGIS_COLLECTIVE_TIMEOUT"},
                                                  {"kv_cache_blocks", "KV_CACHE_BLOCKS"},
                                                  {"block_size", "KV_CACHE_BLOCK_SIZE"},
-                                                 {"memory_fraction", "KV_CACHE_MEMORY_FRACTION"}});
+                                                 {"memory_fraction", "KV_CACHE_MEMORY_FRACTION"},
+                                                 {"device", "TGIS_DEVICE"}});
       !err.empty()) {
     return Fail(err);
   }
@@ -103,6 +112,28 @@ int main(int argc, char** argv) {
   } else {
     return Fail("--dtype must be float32, bfloat16 or float16, not '" + FLAGS_dtype + "'");
   }
+  const int gpus = tgis::kernels::GpuCount();
+  bool cuda = false;
+  if (FLAGS_device == "cuda") {
+    if (gpus == 0) return Fail("--device cuda: this build has no CUDA or no GPU is visible");
+    cuda = true;
+  } else if (FLAGS_device == "auto") {
+    cuda = gpus > 0;
+  } else if (FLAGS_device != "cpu") {
+    return Fail("--device must be cpu, cuda or auto, not '" + FLAGS_device + "'");
+  }
+  if (cuda) {
+    // One GPU per shard, by rank, before anything touches CUDA.
+    tgis::kernels::SelectGpu(FLAGS_rank % gpus);
+    if (gflags::GetCommandLineFlagInfoOrDie("memory_fraction").is_default) {
+      FLAGS_memory_fraction = 0.85;
+    }
+    if (dtype == tgis::kernels::DType::kF32 &&
+        gflags::GetCommandLineFlagInfoOrDie("dtype").is_default) {
+      dtype = tgis::kernels::DType::kBF16;  // as TGIS: half precision on GPUs unless asked
+      FLAGS_dtype = "bfloat16";
+    }
+  }
   auto config = tgis::server::ModelConfig::Load(model_dir);
   if (!config.ok()) return Fail(std::string(config.status().message()));
   auto weights = tgis::server::WeightStore::Open(model_dir);
@@ -127,10 +158,17 @@ int main(int argc, char** argv) {
     auto connected = tgis::server::ConnectGloo(gloo);
     if (!connected.ok()) return Fail(std::string(connected.status().message()));
     comm = *connected;
-    LOG(INFO) << "shard " << FLAGS_rank << "/" << FLAGS_world_size << ": connected";
+    if (cuda) {
+      auto nccl = tgis::server::ConnectNccl(comm);
+      if (!nccl.ok()) return Fail(std::string(nccl.status().message()));
+      comm = *nccl;
+    }
+    LOG(INFO) << "shard " << FLAGS_rank << "/" << FLAGS_world_size << ": connected"
+              << (cuda ? " (NCCL)" : " (Gloo)");
   }
   auto model = tgis::server::ModelRegistry::Get().Build(*config, **weights, dtype, comm);
   if (!model.ok()) return Fail(std::string(model.status().message()));
+  if (cuda) (*model)->MoveTo(tgis::kernels::Device::kCuda);
   LOG(INFO) << "loaded " << config->model_type << " from " << model_dir << " (" << FLAGS_dtype
             << (FLAGS_world_size > 1 ? ", rank " + std::to_string(FLAGS_rank) + " of " +
                                            std::to_string(FLAGS_world_size)
@@ -139,6 +177,7 @@ int main(int argc, char** argv) {
 
   tgis::server::ShardOptions opts;
   opts.dtype = FLAGS_dtype;
+  opts.device = cuda ? "cuda" : "cpu";
   opts.rank = FLAGS_rank;
   opts.world_size = FLAGS_world_size;
   opts.block_size = FLAGS_block_size;

@@ -40,8 +40,8 @@ void RankAndTop(std::span<const float> lp, int32_t id, uint32_t top_n, uint32_t*
   // Ties with the last one are included too (TGIS returns more than n on ties).
   std::vector<int32_t> ties;
   for (size_t i = 0; i < lp.size(); ++i) {
-    if (lp[i] == cutoff && std::find(idx.begin(), idx.begin() + n, static_cast<int32_t>(i)) ==
-                               idx.begin() + n) {
+    if (lp[i] == cutoff &&
+        std::find(idx.begin(), idx.begin() + n, static_cast<int32_t>(i)) == idx.begin() + n) {
       ties.push_back(static_cast<int32_t>(i));
     }
   }
@@ -50,6 +50,13 @@ void RankAndTop(std::span<const float> lp, int32_t id, uint32_t top_n, uint32_t*
 
 Sampler::Sampler(const SamplingParams& params, std::vector<int32_t> eos_ids)
     : p_(params), eos_(std::move(eos_ids)), rng_(params.seed) {}
+
+bool Sampler::PlainGreedy(uint32_t generated, bool* mask_eos) const {
+  *mask_eos = generated < p_.min_new_tokens;
+  const bool repetition = p_.repetition_penalty > 0 && p_.repetition_penalty != 1.0f;
+  const bool length = p_.length_penalty_decay > 0 && generated > p_.length_penalty_start;
+  return !p_.do_sample && !repetition && !length;
+}
 
 TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> context,
                           uint32_t generated, uint32_t top_n) {
@@ -66,7 +73,8 @@ TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> cont
   }
   if (p_.length_penalty_decay > 0 && generated > p_.length_penalty_start) {
     const double boost = std::pow(static_cast<double>(p_.length_penalty_decay),
-                                  static_cast<double>(generated - p_.length_penalty_start)) - 1.0;
+                                  static_cast<double>(generated - p_.length_penalty_start)) -
+                         1.0;
     for (int32_t e : eos_) {
       if (e >= 0 && e < v) logits[e] += std::abs(logits[e]) * static_cast<float>(boost);
     }
@@ -84,7 +92,8 @@ TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> cont
   LogSoftmaxInto(logits, &lp);
   TokenChoice choice;
   if (!p_.do_sample) {
-    choice.id = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    choice.id =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
   } else {
     // Warpers on a probability vector.
     std::vector<float> prob(v);

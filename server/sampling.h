@@ -42,6 +42,10 @@ class Sampler {
   // (prompt and generated) for the repetition penalty; `generated` counts generated tokens.
   TokenChoice Next(std::span<float> logits, std::span<const int32_t> context, uint32_t generated,
                    uint32_t top_n);
+  // True when the next choice is a plain argmax of the logits, with at most the EOS ids masked
+  // (`*mask_eos`): no penalties, no sampling. The engine then picks on the device.
+  bool PlainGreedy(uint32_t generated, bool* mask_eos) const;
+  const std::vector<int32_t>& eos_ids() const { return eos_; }
 
  private:
   SamplingParams p_;

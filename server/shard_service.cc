@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda_ops.h"
 
 namespace tgis::server {
 
@@ -15,8 +16,14 @@ namespace pb = generate::v1;
 
 namespace {
 
-// MemAvailable from /proc/meminfo, in bytes (0 when unknown).
-uint64_t AvailableMemory() {
+// Memory the KV cache may draw from: free GPU memory (after the weights) on CUDA, else the
+// host's available memory.
+uint64_t AvailableMemory(kernels::Device device) {
+#ifdef TGIS_WITH_CUDA
+  if (device == kernels::Device::kCuda) return kernels::cuda::FreeMemory();
+#else
+  (void)device;
+#endif
   std::ifstream in("/proc/meminfo");
   std::string key;
   uint64_t kb;
@@ -72,7 +79,8 @@ void AddResults(const std::vector<StepOutput>& outs, const std::vector<SequenceE
 
 uint64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch()).count();
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 }  // namespace
@@ -95,7 +103,7 @@ grpc::Status ShardService::Info(grpc::ServerContext*, const pb::InfoRequest*,
   for (int32_t e : config_.eos_token_ids) resp->add_eos_token_ids(static_cast<uint32_t>(e));
   resp->set_vocab_size(static_cast<uint32_t>(config_.vocab_size));
   resp->set_dtype(options_.dtype);
-  resp->set_device("cpu");
+  resp->set_device(options_.device);
   resp->set_block_size(static_cast<uint32_t>(options_.block_size));
   resp->set_max_position_embeddings(static_cast<uint32_t>(config_.max_position_embeddings));
   if (config_.bos_token_id) resp->set_bos_token_id(static_cast<uint32_t>(*config_.bos_token_id));
@@ -116,8 +124,8 @@ grpc::Status ShardService::EnsureEngine() {
   int64_t blocks = options_.num_blocks;
   if (blocks <= 0) {
     const size_t per_block = pending_model_->KvBytesPerToken() * options_.block_size;
-    const uint64_t budget =
-        static_cast<uint64_t>(static_cast<double>(AvailableMemory()) * options_.memory_fraction);
+    const uint64_t budget = static_cast<uint64_t>(
+        static_cast<double>(AvailableMemory(pending_model_->device())) * options_.memory_fraction);
     blocks = static_cast<int64_t>(std::min<uint64_t>(budget / per_block, 1u << 20));
   }
   // Tensor-parallel shards run every step together, so they must have the same blocks: the
@@ -143,9 +151,9 @@ grpc::Status ShardService::Warmup(grpc::ServerContext*, const pb::WarmupRequest*
   }
   if (auto st = EnsureEngine(); !st.ok()) return st;
   // One real forward pass proves the model runs before the router admits traffic.
-  const int tokens = static_cast<int>(std::min<int64_t>(
-      std::max<uint32_t>(1, std::min<uint32_t>(req->max_input_length(), 64)),
-      static_cast<int64_t>(engine_->free_blocks()) * engine_->block_size()));
+  const int tokens = static_cast<int>(
+      std::min<int64_t>(std::max<uint32_t>(1, std::min<uint32_t>(req->max_input_length(), 64)),
+                        static_cast<int64_t>(engine_->free_blocks()) * engine_->block_size()));
   if (tokens > 0) {
     NewSequence probe;
     probe.id = std::numeric_limits<uint64_t>::max();
@@ -224,7 +232,8 @@ grpc::Status ShardService::Decode(grpc::ServerContext*, const pb::DecodeRequest*
   }
   for (const pb::CachedBatch& b : req->batches()) {
     if (!batches_.count(b.id())) {
-      return grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("batch ", b.id(), " not found"));
+      return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                          absl::StrCat("batch ", b.id(), " not found"));
     }
   }
   const std::set<uint64_t> finished(req->finished_request_ids().begin(),

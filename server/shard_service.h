@@ -16,6 +16,7 @@ namespace tgis::server {
 
 struct ShardOptions {
   std::string dtype = "float32";
+  std::string device = "cpu";  // where the model runs: cpu or cuda
   int rank = 0;
   int world_size = 1;
   std::vector<std::string> urls;  // every shard's unix socket URL

@@ -22,6 +22,7 @@ void SiluMul(const Tensor& gate_up, Tensor* out);
 void Gelu(GeluKind kind, Tensor* x);
 void Softmax(Tensor* x);
 void LogSoftmax(Tensor* x);
+void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logprobs);
 void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
                      KvCacheLayer* cache);
 void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,

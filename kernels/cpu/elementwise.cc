@@ -215,4 +215,34 @@ void SoftmaxImpl(Tensor* x, const char* op) {
 void Softmax(Tensor* x) { SoftmaxImpl<false>(x, "Softmax"); }
 void LogSoftmax(Tensor* x) { SoftmaxImpl<true>(x, "LogSoftmax"); }
 
+void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logprobs) {
+  CheckF32(*logits, "GreedyPick", "logits");
+  TGIS_CHECK(logits->rank() == 2, "GreedyPick: logits must be [R, V]");
+  const int64_t rows = logits->dim(0), v = logits->dim(1);
+  const bool has_banned = banned.defined() && banned.numel() > 0;
+  if (has_banned) {
+    CheckIndexTensor(banned, "GreedyPick", "banned");
+    TGIS_CHECK(banned.rank() == 2 && banned.dim(0) == rows, "GreedyPick: banned must be [R, M]");
+  }
+  if (!ids->defined()) *ids = Tensor::Empty({rows}, DType::kI32);
+  if (!logprobs->defined()) *logprobs = Tensor::Empty({rows}, DType::kF32);
+  TGIS_CHECK(ids->dtype() == DType::kI32 && ids->numel() == rows && logprobs->numel() == rows &&
+                 logprobs->dtype() == DType::kF32,
+             "GreedyPick: ids [R] i32 and logprobs [R] f32");
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = logits->data<float>() + r * v;
+    if (has_banned) {
+      for (int64_t m = 0; m < banned.dim(1); ++m) {
+        const int64_t t = IndexAt(banned, r * banned.dim(1) + m);
+        if (0 <= t && t < v) x[t] = -std::numeric_limits<float>::infinity();
+      }
+    }
+    const int64_t best = std::max_element(x, x + v) - x;
+    double sum = 0;
+    for (int64_t i = 0; i < v; ++i) sum += std::exp(static_cast<double>(x[i]) - x[best]);
+    ids->data<int32_t>()[r] = static_cast<int32_t>(best);
+    logprobs->data<float>()[r] = static_cast<float>(-std::log(sum));
+  }
+}
+
 }  // namespace tgis::kernels::cpu

@@ -64,6 +64,10 @@ void Copy(void* dst, Device dst_device, const void* src, Device src_device, size
   if (kind != cudaMemcpyDeviceToDevice) TGIS_CUDA_CHECK(cudaStreamSynchronize(Stream()));
 }
 
+void SetDevice(int index) { TGIS_CUDA_CHECK(cudaSetDevice(index)); }
+
+void* NativeStream() { return Stream(); }
+
 void Synchronize() { TGIS_CUDA_CHECK(cudaStreamSynchronize(Stream())); }
 
 size_t FreeMemory() {

@@ -519,6 +519,47 @@ TEST_P(OpsTest, SoftmaxAndLogSoftmaxLargeMagnitudes) {
   }
 }
 
+// ---- Greedy choice ------------------------------------------------------------------------
+
+TEST_P(OpsTest, GreedyPickFirstMaximumAfterBans) {
+  if (dtype() != DType::kF32) GTEST_SKIP() << "logits are f32 on every device";
+  const int64_t rows = 4, v = 3001;
+  std::vector<float> x = Random(rows * v, 60, -10, 10);
+  x[0 * v + 17] = 30.0f;  // row 0: a clear winner
+  x[1 * v + 5] = 25.0f;   // row 1: a tie, the first index wins
+  x[1 * v + 2900] = 25.0f;
+  x[2 * v + 40] = 50.0f;  // row 2: the winner is banned (EOS before min_new_tokens)
+  x[2 * v + 41] = 20.0f;
+  const std::vector<int32_t> banned = {-1, -1, -1, -1, 40, -1, -1, -1};  // [R, 2]
+  std::vector<int32_t> want_ids;
+  std::vector<double> want_lp;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<double> row(x.begin() + r * v, x.begin() + (r + 1) * v);
+    for (int64_t m = 0; m < 2; ++m) {
+      if (banned[r * 2 + m] >= 0) row[banned[r * 2 + m]] = -INFINITY;
+    }
+    const int64_t best = std::max_element(row.begin(), row.end()) - row.begin();
+    double sum = 0;
+    for (double y : row) sum += std::exp(y - row[best]);
+    want_ids.push_back(static_cast<int32_t>(best));
+    want_lp.push_back(-std::log(sum));
+  }
+  Tensor logits = Tensor::FromVector(x, {rows, v});
+  Tensor banned_t = Tensor::FromVector(banned, {rows, 2});
+  if (device() != Device::kCpu) {
+    logits = logits.ToDevice(device());
+    banned_t = banned_t.ToDevice(device());
+  }
+  Tensor ids, lps;
+  GreedyPick(&logits, banned_t, &ids, &lps);
+  const Tensor ids_h = ids.device() == Device::kCpu ? ids : ids.ToDevice(Device::kCpu);
+  EXPECT_EQ(std::vector<int32_t>(ids_h.data<int32_t>(), ids_h.data<int32_t>() + rows), want_ids);
+  EXPECT_EQ(want_ids[1], 5);
+  EXPECT_EQ(want_ids[2], 41);
+  // log(sum of exp) over 3001 terms in f32: a few ulps of values up to ~log(3001).
+  ExpectClose(Host(lps), want_lp, std::vector<double>(rows, 10.0), 1e-6, "greedy logprob");
+}
+
 // ---- Rotary -------------------------------------------------------------------------------
 
 // HF: freqs = inv_freq (f32) * position (f32), rounded to f32; cos and sin of that.
