@@ -4,6 +4,7 @@
 // cached per shape, so a step's GEMMs cost no planning after the first time.
 #include <cublasLt.h>
 
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -41,6 +42,7 @@ struct PlanKey {
   DType in, out;
   int64_t m, n, k;
   bool bias;
+  uint32_t align;  // the least alignment of the operands' addresses, in bytes (<= 256)
   auto operator<=>(const PlanKey&) const = default;
 };
 
@@ -105,6 +107,14 @@ class Gemms {
     const size_t ws = kWorkspaceBytes;
     TGIS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+    // Views (a tensor's rows) may start off the allocator's 256-byte alignment: ask only for
+    // algorithms that accept the operands as they are.
+    for (auto attr :
+         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+      TGIS_CUBLAS_CHECK(
+          cublasLtMatmulPreferenceSetAttribute(pref, attr, &key.align, sizeof(key.align)));
+    }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     TGIS_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1,
@@ -123,6 +133,15 @@ class Gemms {
   void* workspace_ = nullptr;
   std::map<PlanKey, Plan> plans_;
 };
+
+// The largest power of two (up to 256) that divides every address.
+uint32_t Alignment(std::initializer_list<const void*> ptrs) {
+  uintptr_t bits = 256;
+  for (const void* p : ptrs) {
+    if (p != nullptr) bits |= reinterpret_cast<uintptr_t>(p);
+  }
+  return static_cast<uint32_t>(bits & (~bits + 1));
+}
 
 }  // namespace
 
@@ -153,8 +172,10 @@ void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
     TGIS_CHECK(!has_bias, "%s: a bias with no input features", op);
     return;
   }
-  Gemms::Get().Run({x.dtype(), out_dtype, out_f, rows, in, has_bias}, w.raw(), x.raw(),
-                   has_bias ? bias->raw() : nullptr, out->raw());
+  const void* b = has_bias ? bias->raw() : nullptr;
+  const uint32_t align = Alignment({w.raw(), x.raw(), b, out->raw()});
+  Gemms::Get().Run({x.dtype(), out_dtype, out_f, rows, in, has_bias, align}, w.raw(), x.raw(), b,
+                   out->raw());
 }
 
 }  // namespace tgis::kernels::cuda
