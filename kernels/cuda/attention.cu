@@ -2,11 +2,11 @@
 // ragged batch (prefill and decode rows alike) over the cache.
 //
 // Attention runs one thread block per (query row, head, key partition). Long contexts are
-// split into partitions of kPartition keys that run in parallel, each leaving its softmax
-// max, sum and unnormalized output, and a second kernel combines them (flash-decoding), so a
-// single long sequence still fills the GPU. Within a block, each warp scores one key at a time
-// (lanes split the head dimension), then the threads split the head dimension to sum values.
-// Scores and softmax are f32.
+// split into partitions that run in parallel, each leaving its softmax max, sum and
+// unnormalized output, and a second kernel combines them (flash-decoding), so a single long
+// sequence still fills the GPU. A block walks its keys in chunks with an online softmax; within
+// a chunk each warp scores one key at a time (lanes split the head dimension), then the
+// threads split the head dimension to sum values. Scores and softmax are f32.
 #include <algorithm>
 #include <vector>
 
@@ -18,8 +18,11 @@ namespace tgis::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kPartition = 512;  // keys per block
+constexpr int kChunk = 512;  // keys a block scores at a time
 constexpr int kMaxHeadDim = 256;
+// Partitions split a long context over blocks; their f32 partial outputs live in a workspace
+// of at most this many bytes (a large prefill gets fewer, longer partitions).
+constexpr int64_t kWorkspaceBytes = 256ll << 20;
 constexpr int kMaxHeads = 256;
 
 struct Slopes {
@@ -47,16 +50,19 @@ struct AttnParams {
   float scale;
   int window;
   bool alibi;
-  int partitions;
+  int partitions;     // blocks along the keys of one (row, head)
+  int keys_per_part;  // keys each of them covers (in chunks of kChunk)
 };
+
+constexpr int kDimsPerThread = kMaxHeadDim / kThreads;
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     AttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc, const T* vc,
                     T* out, float* part_m, float* part_l, float* part_acc) {
   __shared__ float q_s[kMaxHeadDim];
-  __shared__ float scores[kPartition];
-  __shared__ int64_t rows[kPartition];  // cache row (slot * Hk + kv head) of each key
+  __shared__ float scores[kChunk];
+  __shared__ int64_t rows[kChunk];  // cache row (slot * Hk + kv head) of each key of the chunk
   __shared__ float scratch[32];
   const int t = blockIdx.x, h = blockIdx.y, part = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
@@ -75,8 +81,8 @@ __global__ void __launch_bounds__(kThreads)
   const int q_len = p.query_start[s + 1] - p.query_start[s];
   const int qpos = p.context_lens[s] - q_len + (t - p.query_start[s]);
   const int first = p.window > 0 ? max(0, qpos - p.window + 1) : 0;
-  const int k_begin = first + part * kPartition;
-  const int k_end = min(qpos + 1, k_begin + kPartition);
+  const int k_begin = first + part * p.keys_per_part;
+  const int k_end = min(qpos + 1, k_begin + p.keys_per_part);
   const int64_t part_index = (static_cast<int64_t>(t) * p.hq + h) * p.partitions + part;
   if (k_begin >= k_end) {  // this row needs fewer partitions than the longest one
     if (p.partitions > 1 && tid == 0) {
@@ -85,50 +91,72 @@ __global__ void __launch_bounds__(kThreads)
     }
     return;
   }
-  const int n = k_end - k_begin;
   const int kvh = h / (p.hq / p.hk);
   const T* qr = q + (static_cast<int64_t>(t) * p.hq + h) * p.d;
   for (int i = tid; i < p.d; i += blockDim.x) q_s[i] = ToF32(qr[i]);
-  for (int j = tid; j < n; j += blockDim.x) {
-    const int pos = k_begin + j;
-    const int block = p.tables[static_cast<int64_t>(s) * p.max_blocks + pos / p.block_size];
-    const int64_t slot = static_cast<int64_t>(block) * p.block_size + pos % p.block_size;
-    rows[j] = slot * p.hk + kvh;
-  }
-  __syncthreads();
-
   const float slope = p.alibi ? slopes.v[h] : 0.0f;
-  for (int j = warp; j < n; j += warps) {
-    const T* kr = kc + rows[j] * p.d;
-    float dot = 0;
-    for (int i = lane; i < p.d; i += 32) dot += q_s[i] * ToF32(kr[i]);
-    dot = WarpSum(dot);
-    if (lane == 0) scores[j] = dot * p.scale + slope * static_cast<float>(k_begin + j - qpos);
-  }
-  __syncthreads();
-  float mx = -INFINITY;
-  for (int j = tid; j < n; j += blockDim.x) mx = fmaxf(mx, scores[j]);
-  mx = BlockMax(mx, scratch);
-  float sum = 0;
-  for (int j = tid; j < n; j += blockDim.x) {
-    const float e = expf(scores[j] - mx);
-    scores[j] = e;
-    sum += e;
-  }
-  sum = BlockSum(sum, scratch);  // its barriers also publish the scores written above
 
-  for (int i = tid; i < p.d; i += blockDim.x) {
-    float acc = 0;
-    for (int j = 0; j < n; ++j) acc += scores[j] * ToF32(vc[rows[j] * p.d + i]);
+  // Online softmax over chunks of keys: running max, running sum, and this thread's output
+  // dimensions (tid, tid + kThreads, ...), rescaled whenever the max grows.
+  float m_run = -INFINITY, l_run = 0.0f;
+  float acc[kDimsPerThread];
+#pragma unroll
+  for (int r = 0; r < kDimsPerThread; ++r) acc[r] = 0.0f;
+  for (int c0 = k_begin; c0 < k_end; c0 += kChunk) {
+    const int n = min(kChunk, k_end - c0);
+    __syncthreads();  // q_s is written; the previous chunk's readers are done with rows, scores
+    for (int j = tid; j < n; j += blockDim.x) {
+      const int pos = c0 + j;
+      const int block = p.tables[static_cast<int64_t>(s) * p.max_blocks + pos / p.block_size];
+      const int64_t slot = static_cast<int64_t>(block) * p.block_size + pos % p.block_size;
+      rows[j] = slot * p.hk + kvh;
+    }
+    __syncthreads();
+    for (int j = warp; j < n; j += warps) {
+      const T* kr = kc + rows[j] * p.d;
+      float dot = 0;
+      for (int i = lane; i < p.d; i += 32) dot += q_s[i] * ToF32(kr[i]);
+      dot = WarpSum(dot);
+      if (lane == 0) scores[j] = dot * p.scale + slope * static_cast<float>(c0 + j - qpos);
+    }
+    __syncthreads();
+    float mx = -INFINITY;
+    for (int j = tid; j < n; j += blockDim.x) mx = fmaxf(mx, scores[j]);
+    const float m_new = fmaxf(m_run, BlockMax(mx, scratch));
+    float sum = 0;
+    for (int j = tid; j < n; j += blockDim.x) {
+      const float e = expf(scores[j] - m_new);
+      scores[j] = e;
+      sum += e;
+    }
+    sum = BlockSum(sum, scratch);  // its barriers also publish the scores written above
+    const float correction = expf(m_run - m_new);  // 0 for the first chunk
+    l_run = l_run * correction + sum;
+#pragma unroll
+    for (int r = 0; r < kDimsPerThread; ++r) {
+      const int i = tid + r * kThreads;
+      if (i < p.d) {
+        float a = 0;
+        for (int j = 0; j < n; ++j) a += scores[j] * ToF32(vc[rows[j] * p.d + i]);
+        acc[r] = acc[r] * correction + a;
+      }
+    }
+    m_run = m_new;
+  }
+
+#pragma unroll
+  for (int r = 0; r < kDimsPerThread; ++r) {
+    const int i = tid + r * kThreads;
+    if (i >= p.d) continue;
     if (p.partitions == 1) {
-      out[(static_cast<int64_t>(t) * p.hq + h) * p.d + i] = FromF32<T>(acc / sum);
+      out[(static_cast<int64_t>(t) * p.hq + h) * p.d + i] = FromF32<T>(acc[r] / l_run);
     } else {
-      part_acc[part_index * p.d + i] = acc;
+      part_acc[part_index * p.d + i] = acc[r];
     }
   }
   if (p.partitions > 1 && tid == 0) {
-    part_m[part_index] = mx;
-    part_l[part_index] = sum;
+    part_m[part_index] = m_run;
+    part_l[part_index] = l_run;
   }
 }
 
@@ -229,8 +257,11 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   }
   const int64_t keys =
       sliding_window > 0 ? std::min<int64_t>(max_context, sliding_window) : max_context;
+  const int64_t per_partition = t * hq * d * static_cast<int64_t>(sizeof(float));
+  const int64_t cap = std::max<int64_t>(1, kWorkspaceBytes / std::max<int64_t>(1, per_partition));
   const int partitions =
-      static_cast<int>(std::max<int64_t>(1, (keys + kPartition - 1) / kPartition));
+      static_cast<int>(std::clamp<int64_t>((keys + kChunk - 1) / kChunk, 1, cap));
+  const int keys_per_part = static_cast<int>((keys + partitions - 1) / partitions);
 
   AttnParams p{batch.query_start.data<int>(),
                batch.context_lens.data<int>(),
@@ -244,7 +275,8 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
                scale,
                sliding_window,
                alibi,
-               partitions};
+               partitions,
+               std::max(1, keys_per_part)};
   Slopes slopes{};
   if (alibi) std::copy(alibi_slopes->begin(), alibi_slopes->end(), slopes.v);
   Tensor m, l, acc;

@@ -730,13 +730,24 @@ struct AttnCase {
   int64_t hq, hk;
   int window;
   bool alibi;
+  // Contexts of ~1-2k keys: several key chunks per block and several partitions per row on
+  // CUDA (its flash-decoding path), not only one.
+  bool long_context = false;
 };
 
 void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device device, double tol) {
-  const int64_t d = 16, bs = 8, num_blocks = 24, max_blocks = 6;
   // A prefill (q_len 5, ctx 5), a decode (q_len 1, ctx 37: 5 blocks), a chunk of a longer
-  // prompt (q_len 3, ctx 20).
-  const std::vector<int64_t> q_lens = {5, 1, 3}, ctxs = {5, 37, 20};
+  // prompt (q_len 3, ctx 20); or, long, a decode at 1700 and a chunk at 1300.
+  const std::vector<int64_t> q_lens = {5, 1, 3};
+  const std::vector<int64_t> ctxs =
+      c.long_context ? std::vector<int64_t>{5, 1700, 1300} : std::vector<int64_t>{5, 37, 20};
+  const int64_t d = 16, bs = 8;
+  int64_t num_blocks = 0, max_blocks = 0;
+  for (int64_t ctx : ctxs) {
+    num_blocks += (ctx + bs - 1) / bs;
+    max_blocks = std::max(max_blocks, (ctx + bs - 1) / bs + 1);  // + an unused entry
+  }
+  num_blocks += 3;  // blocks no sequence owns
   const int64_t num_seqs = 3;
   // Non-contiguous, shuffled block tables; unused entries are -1.
   std::vector<int32_t> perm(num_blocks);
@@ -895,6 +906,12 @@ TEST_P(OpsTest, PagedAttentionAlibi) {
 }
 TEST_P(OpsTest, PagedAttentionAlibiSlidingWindowMqa) {
   RunAttention(this, {8, 1, 4, true}, dtype(), device(), tol());
+}
+TEST_P(OpsTest, PagedAttentionLongContexts) {
+  RunAttention(this, {8, 2, 0, false, true}, dtype(), device(), tol());
+}
+TEST_P(OpsTest, PagedAttentionLongContextsSlidingWindowAlibi) {
+  RunAttention(this, {4, 4, 700, true, true}, dtype(), device(), tol());
 }
 
 // ---- The CPU thread pool ------------------------------------------------------------------
