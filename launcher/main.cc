@@ -9,9 +9,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -24,36 +24,48 @@
 DEFINE_string(model_name, "", "Model directory, or hub id in the local HF cache (env MODEL_NAME)");
 DEFINE_string(revision, "", "Model revision in the HF cache: commit, branch or tag (env REVISION)");
 DEFINE_int32(num_shard, 1, "Number of model shards (env NUM_SHARD)");
-DEFINE_string(dtype_str, "float32", "Weight dtype: float32, bfloat16, float16 (env DTYPE_STR)");
-DEFINE_int32(max_sequence_length, 0,
-             "Longest input + output in tokens; 0: the model's max positions (env MAX_SEQUENCE_LENGTH)");
-DEFINE_int32(max_new_tokens, 1024, "Largest max_new_tokens a request may ask for (env MAX_NEW_TOKENS)");
+DEFINE_string(dtype_str, "",
+              "Weight dtype: float32, bfloat16, float16; default float32 on the CPU, bfloat16 "
+              "on GPUs (env DTYPE_STR)");
+DEFINE_int32(
+    max_sequence_length, 0,
+    "Longest input + output in tokens; 0: the model's max positions (env MAX_SEQUENCE_LENGTH)");
+DEFINE_int32(max_new_tokens, 1024,
+             "Largest max_new_tokens a request may ask for (env MAX_NEW_TOKENS)");
 DEFINE_int32(max_batch_size, 12, "Most requests decoded together (env MAX_BATCH_SIZE)");
-DEFINE_int32(max_concurrent_requests, 96,
-             "Requests in the server at once before RESOURCE_EXHAUSTED (env MAX_CONCURRENT_REQUESTS)");
-DEFINE_int32(max_waiting_tokens, 24,
-             "Decode steps queued requests may wait before a prefill joins them (env MAX_WAITING_TOKENS)");
-DEFINE_int64(max_batch_weight, 0, "Most tokens in the KV cache; 0: what Warmup measures (env MAX_BATCH_WEIGHT)");
+DEFINE_int32(
+    max_concurrent_requests, 96,
+    "Requests in the server at once before RESOURCE_EXHAUSTED (env MAX_CONCURRENT_REQUESTS)");
+DEFINE_int32(
+    max_waiting_tokens, 24,
+    "Decode steps queued requests may wait before a prefill joins them (env MAX_WAITING_TOKENS)");
+DEFINE_int64(max_batch_weight, 0,
+             "Most tokens in the KV cache; 0: what Warmup measures (env MAX_BATCH_WEIGHT)");
 DEFINE_int32(port, 3000, "HTTP port of /health and /metrics (env PORT)");
 DEFINE_int32(grpc_port, 8033, "Port of the gRPC API (env GRPC_PORT)");
 DEFINE_string(shard_uds_path, "/tmp/text-generation-server",
               "Unix socket prefix of the shards (env SHARD_UDS_PATH)");
 DEFINE_string(master_addr, "localhost", "Rendezvous address of the shards (env MASTER_ADDR)");
 DEFINE_int32(master_port, 29500, "Rendezvous port of the shards (env MASTER_PORT)");
-DEFINE_string(tls_cert_path, "", "Server certificate (PEM) enabling TLS on gRPC (env TLS_CERT_PATH)");
+DEFINE_string(tls_cert_path, "",
+              "Server certificate (PEM) enabling TLS on gRPC (env TLS_CERT_PATH)");
 DEFINE_string(tls_key_path, "", "Private key (PEM) of the certificate (env TLS_KEY_PATH)");
-DEFINE_string(tls_client_ca_cert_path, "",
-              "CA (PEM) that client certificates must chain to: mTLS (env TLS_CLIENT_CA_CERT_PATH)");
-DEFINE_bool(output_special_tokens, false, "Keep special tokens in output text (env OUTPUT_SPECIAL_TOKENS)");
+DEFINE_string(
+    tls_client_ca_cert_path, "",
+    "CA (PEM) that client certificates must chain to: mTLS (env TLS_CLIENT_CA_CERT_PATH)");
+DEFINE_bool(output_special_tokens, false,
+            "Keep special tokens in output text (env OUTPUT_SPECIAL_TOKENS)");
 DEFINE_bool(default_include_stop_seqs, true,
             "Default of include_stop_sequence (env DEFAULT_INCLUDE_STOP_SEQS)");
 DEFINE_bool(json_output, false, "Log as JSON lines (env JSON_OUTPUT)");
 DEFINE_int32(shutdown_grace_period, 30,
              "Seconds in-flight requests get to finish after SIGTERM (env SHUTDOWN_GRACE_PERIOD)");
-DEFINE_int32(shard_startup_timeout, 600, "Seconds to wait for a shard to listen (env SHARD_STARTUP_TIMEOUT)");
+DEFINE_int32(shard_startup_timeout, 600,
+             "Seconds to wait for a shard to listen (env SHARD_STARTUP_TIMEOUT)");
 DEFINE_string(termination_log, "/dev/termination-log",
               "Where a fatal exit's reason is written, when writable (env TERMINATION_LOG)");
-DEFINE_string(bin_dir, "", "Where text-generation-server and -router are; default: beside the launcher");
+DEFINE_string(bin_dir, "",
+              "Where text-generation-server and -router are; default: beside the launcher");
 
 namespace {
 
@@ -89,23 +101,35 @@ std::string FindBinary(const std::string& dir, const std::string& name, const st
 }  // namespace
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage("--model-name MODEL [--num-shard N] ... (every flag has an env fallback)");
+  gflags::SetUsageMessage(
+      "--model-name MODEL [--num-shard N] ... (every flag has an env fallback)");
   tgis::NormalizeDashedFlags(argc, argv);
   gflags::ParseCommandLineFlags(&argc, &argv, true);
-  const std::string env_error = tgis::ApplyEnvFallbacks({
-      {"model_name", "MODEL_NAME"}, {"revision", "REVISION"}, {"num_shard", "NUM_SHARD"},
-      {"dtype_str", "DTYPE_STR"}, {"max_sequence_length", "MAX_SEQUENCE_LENGTH"},
-      {"max_new_tokens", "MAX_NEW_TOKENS"}, {"max_batch_size", "MAX_BATCH_SIZE"},
-      {"max_concurrent_requests", "MAX_CONCURRENT_REQUESTS"},
-      {"max_waiting_tokens", "MAX_WAITING_TOKENS"}, {"max_batch_weight", "MAX_BATCH_WEIGHT"},
-      {"port", "PORT"}, {"grpc_port", "GRPC_PORT"}, {"shard_uds_path", "SHARD_UDS_PATH"},
-      {"master_addr", "MASTER_ADDR"}, {"master_port", "MASTER_PORT"},
-      {"tls_cert_path", "TLS_CERT_PATH"}, {"tls_key_path", "TLS_KEY_PATH"},
-      {"tls_client_ca_cert_path", "TLS_CLIENT_CA_CERT_PATH"},
-      {"output_special_tokens", "OUTPUT_SPECIAL_TOKENS"},
-      {"default_include_stop_seqs", "DEFAULT_INCLUDE_STOP_SEQS"}, {"json_output", "JSON_OUTPUT"},
-      {"shutdown_grace_period", "SHUTDOWN_GRACE_PERIOD"},
-      {"shard_startup_timeout", "SHARD_STARTUP_TIMEOUT"}, {"termination_log", "TERMINATION_LOG"}});
+  const std::string env_error =
+      tgis::ApplyEnvFallbacks({{"model_name", "MODEL_NAME"},
+                               {"revision", "REVISION"},
+                               {"num_shard", "NUM_SHARD"},
+                               {"dtype_str", "DTYPE_STR"},
+                               {"max_sequence_length", "MAX_SEQUENCE_LENGTH"},
+                               {"max_new_tokens", "MAX_NEW_TOKENS"},
+                               {"max_batch_size", "MAX_BATCH_SIZE"},
+                               {"max_concurrent_requests", "MAX_CONCURRENT_REQUESTS"},
+                               {"max_waiting_tokens", "MAX_WAITING_TOKENS"},
+                               {"max_batch_weight", "MAX_BATCH_WEIGHT"},
+                               {"port", "PORT"},
+                               {"grpc_port", "GRPC_PORT"},
+                               {"shard_uds_path", "SHARD_UDS_PATH"},
+                               {"master_addr", "MASTER_ADDR"},
+                               {"master_port", "MASTER_PORT"},
+                               {"tls_cert_path", "TLS_CERT_PATH"},
+                               {"tls_key_path", "TLS_KEY_PATH"},
+                               {"tls_client_ca_cert_path", "TLS_CLIENT_CA_CERT_PATH"},
+                               {"output_special_tokens", "OUTPUT_SPECIAL_TOKENS"},
+                               {"default_include_stop_seqs", "DEFAULT_INCLUDE_STOP_SEQS"},
+                               {"json_output", "JSON_OUTPUT"},
+                               {"shutdown_grace_period", "SHUTDOWN_GRACE_PERIOD"},
+                               {"shard_startup_timeout", "SHARD_STARTUP_TIMEOUT"},
+                               {"termination_log", "TERMINATION_LOG"}});
   LogSink log(FLAGS_json_output);
   auto fatal = [&log](const std::string& reason) {
     log.Error(reason);
@@ -121,7 +145,7 @@ int main(int argc, char** argv) {
   if (!model.ok()) return fatal(std::string(model.status().message()));
   log.Info("model " + FLAGS_model_name + " -> " + *model);
 
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = OnStopSignal;
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
@@ -157,13 +181,23 @@ int main(int argc, char** argv) {
     std::error_code ec;
     fs::remove(FLAGS_shard_uds_path + "-" + std::to_string(rank), ec);
     const std::map<std::string, std::string> env = {
-        {"RANK", std::to_string(rank)}, {"WORLD_SIZE", std::to_string(FLAGS_num_shard)},
-        {"MASTER_ADDR", FLAGS_master_addr}, {"MASTER_PORT", std::to_string(FLAGS_master_port)}};
-    if (!child->Start("shard-" + std::to_string(rank),
-                      {server_bin, "serve", *model, "--uds-path", FLAGS_shard_uds_path, "--dtype",
-                       FLAGS_dtype_str, "--rank", std::to_string(rank), "--world-size",
-                       std::to_string(FLAGS_num_shard)},
-                      env, sink, &error)) {
+        {"RANK", std::to_string(rank)},
+        {"WORLD_SIZE", std::to_string(FLAGS_num_shard)},
+        {"MASTER_ADDR", FLAGS_master_addr},
+        {"MASTER_PORT", std::to_string(FLAGS_master_port)}};
+    std::vector<std::string> args = {server_bin,
+                                     "serve",
+                                     *model,
+                                     "--uds-path",
+                                     FLAGS_shard_uds_path,
+                                     "--rank",
+                                     std::to_string(rank),
+                                     "--world-size",
+                                     std::to_string(FLAGS_num_shard)};
+    if (!FLAGS_dtype_str.empty()) {  // else the shard picks by device
+      args.insert(args.end(), {"--dtype", FLAGS_dtype_str});
+    }
+    if (!child->Start("shard-" + std::to_string(rank), args, env, sink, &error)) {
       return fatal("cannot start shard " + std::to_string(rank) + ": " + error);
     }
     shards.push_back(std::move(child));
@@ -208,20 +242,31 @@ int main(int argc, char** argv) {
 
   std::vector<std::string> router_args = {
       router_bin,
-      "--tokenizer-path", *model,
-      "--shard-uds-path", FLAGS_shard_uds_path,
-      "--num-shard", std::to_string(FLAGS_num_shard),
-      "--grpc-port", std::to_string(FLAGS_grpc_port),
-      "--max-sequence-length", std::to_string(FLAGS_max_sequence_length),
-      "--max-new-tokens", std::to_string(FLAGS_max_new_tokens),
-      "--max-batch-size", std::to_string(FLAGS_max_batch_size),
-      "--max-concurrent-requests", std::to_string(FLAGS_max_concurrent_requests),
-      "--max-waiting-tokens", std::to_string(FLAGS_max_waiting_tokens),
-      "--max-batch-weight", std::to_string(FLAGS_max_batch_weight),
+      "--tokenizer-path",
+      *model,
+      "--shard-uds-path",
+      FLAGS_shard_uds_path,
+      "--num-shard",
+      std::to_string(FLAGS_num_shard),
+      "--grpc-port",
+      std::to_string(FLAGS_grpc_port),
+      "--max-sequence-length",
+      std::to_string(FLAGS_max_sequence_length),
+      "--max-new-tokens",
+      std::to_string(FLAGS_max_new_tokens),
+      "--max-batch-size",
+      std::to_string(FLAGS_max_batch_size),
+      "--max-concurrent-requests",
+      std::to_string(FLAGS_max_concurrent_requests),
+      "--max-waiting-tokens",
+      std::to_string(FLAGS_max_waiting_tokens),
+      "--max-batch-weight",
+      std::to_string(FLAGS_max_batch_weight),
       std::string("--output-special-tokens=") + (FLAGS_output_special_tokens ? "true" : "false"),
       std::string("--default-include-stop-seqs=") +
           (FLAGS_default_include_stop_seqs ? "true" : "false"),
-      "--shutdown-grace-period", std::to_string(FLAGS_shutdown_grace_period)};
+      "--shutdown-grace-period",
+      std::to_string(FLAGS_shutdown_grace_period)};
   // HTTP and TLS settings reach the router through its environment.
   std::map<std::string, std::string> router_env = {{"PORT", std::to_string(FLAGS_port)}};
   if (!FLAGS_tls_cert_path.empty()) router_env["TLS_CERT_PATH"] = FLAGS_tls_cert_path;

@@ -25,7 +25,9 @@
 
 DEFINE_string(uds_path, "/tmp/text-generation-server",
               "Unix socket path prefix; shard N listens on <path>-N (env SHARD_UDS_PATH)");
-DEFINE_string(dtype, "float32", "Weight dtype: float32 or bfloat16 (env DTYPE_STR)");
+DEFINE_string(dtype, "auto",
+              "Weight dtype: float32, bfloat16, float16, or auto: float32 on the CPU, bfloat16 "
+              "on CUDA (env DTYPE_STR)");
 DEFINE_int32(rank, 0, "This shard's rank (env RANK)");
 DEFINE_int32(world_size, 1, "Number of shards (env WORLD_SIZE)");
 DEFINE_string(master_addr, "localhost",
@@ -102,16 +104,6 @@ int main(int argc, char** argv) {
     return Fail("--rank " + std::to_string(FLAGS_rank) + " is not in [0, --world-size " +
                 std::to_string(FLAGS_world_size) + ")");
   }
-  tgis::kernels::DType dtype;
-  if (FLAGS_dtype == "float32" || FLAGS_dtype == "float") {
-    dtype = tgis::kernels::DType::kF32;
-  } else if (FLAGS_dtype == "bfloat16") {
-    dtype = tgis::kernels::DType::kBF16;
-  } else if (FLAGS_dtype == "float16") {
-    dtype = tgis::kernels::DType::kF16;
-  } else {
-    return Fail("--dtype must be float32, bfloat16 or float16, not '" + FLAGS_dtype + "'");
-  }
   const int gpus = tgis::kernels::GpuCount();
   bool cuda = false;
   if (FLAGS_device == "cuda") {
@@ -122,16 +114,24 @@ int main(int argc, char** argv) {
   } else if (FLAGS_device != "cpu") {
     return Fail("--device must be cpu, cuda or auto, not '" + FLAGS_device + "'");
   }
+  if (FLAGS_dtype == "auto" || FLAGS_dtype.empty()) {
+    FLAGS_dtype = cuda ? "bfloat16" : "float32";  // as TGIS: half precision on GPUs
+  }
+  tgis::kernels::DType dtype;
+  if (FLAGS_dtype == "float32" || FLAGS_dtype == "float") {
+    dtype = tgis::kernels::DType::kF32;
+  } else if (FLAGS_dtype == "bfloat16") {
+    dtype = tgis::kernels::DType::kBF16;
+  } else if (FLAGS_dtype == "float16") {
+    dtype = tgis::kernels::DType::kF16;
+  } else {
+    return Fail("--dtype must be float32, bfloat16 or float16, not '" + FLAGS_dtype + "'");
+  }
   if (cuda) {
     // One GPU per shard, by rank, before anything touches CUDA.
     tgis::kernels::SelectGpu(FLAGS_rank % gpus);
     if (gflags::GetCommandLineFlagInfoOrDie("memory_fraction").is_default) {
       FLAGS_memory_fraction = 0.85;
-    }
-    if (dtype == tgis::kernels::DType::kF32 &&
-        gflags::GetCommandLineFlagInfoOrDie("dtype").is_default) {
-      dtype = tgis::kernels::DType::kBF16;  // as TGIS: half precision on GPUs unless asked
-      FLAGS_dtype = "bfloat16";
     }
   }
   auto config = tgis::server::ModelConfig::Load(model_dir);
