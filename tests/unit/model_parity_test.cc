@@ -36,10 +36,17 @@ using tgis::server::StepOutput;
 
 constexpr double kLogprobTolerance = 1e-4;
 
+// The fixtures folder: TGIS_FIXTURES_DIR from the environment (a bundle run on another
+// machine), else the source tree's.
+fs::path FixturesDir() {
+  const char* env = std::getenv("TGIS_FIXTURES_DIR");
+  return fs::path(env != nullptr && *env != '\0' ? env : TGIS_FIXTURES_DIR);
+}
+
 std::vector<std::string> ModelFixtures() {
   std::vector<std::string> out;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(fs::path(TGIS_FIXTURES_DIR) / "models", ec)) {
+  for (const auto& e : fs::directory_iterator(FixturesDir() / "models", ec)) {
     if (fs::exists(e.path() / "golden.json")) out.push_back(e.path().filename().string());
   }
   std::sort(out.begin(), out.end());
@@ -57,7 +64,7 @@ struct Golden {
 class ParityFixture {
  protected:
   void Load(const std::string& model) {
-    dir_ = (fs::path(TGIS_FIXTURES_DIR) / "models" / model).string();
+    dir_ = (FixturesDir() / "models" / model).string();
     std::ifstream in(fs::path(dir_) / "golden.json");
     std::stringstream buf;
     buf << in.rdbuf();

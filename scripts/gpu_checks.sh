@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (device tool) from the repository root, with .device/ carried (made
+# by scripts/gpu_bundle.sh): the CUDA op tests, the CUDA model parity tests, then the GPU
+# benchmark. Logs and figures go to $OUT when the device tool sets it.
+#   GPU_CHECKS="ops parity bench"   which parts to run (default: all three)
+#   BENCH_ARGS="..."                extra arguments for benchmarks/gpu_bench.py
+set -uo pipefail
+OUT=${OUT:-/tmp/tgis-gpu-checks}
+mkdir -p "$OUT"
+B=/tmp/tgis-bundle
+rm -rf "$B" && mkdir -p "$B" && tar -C "$B" -xJf .device/bundle.tar.xz || exit 1
+
+# The GPU stack from the machine: CUDA's own folders, and NCCL from PyTorch's wheels.
+gpu_libs=""
+for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -d "$d" ] && gpu_libs="$gpu_libs:$d"
+done
+for lib in libnccl.so.2 libcublasLt.so.13 libcudart.so.13; do
+  if ! ldconfig -p | grep -q "$lib"; then
+    found=$(find / -xdev -name "$lib" -not -path '/proc/*' 2>/dev/null | head -1)
+    [ -n "$found" ] && gpu_libs="$gpu_libs:$(dirname "$found")"
+  fi
+done
+export LD_LIBRARY_PATH="$B/lib$gpu_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export TGIS_FIXTURES_DIR="$PWD/tests/fixtures" TGIS_BUILD_DIR="$B/build"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/tgis-site .device/wheels/*.whl && export PYTHONPATH=/tmp/tgis-site
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+ldd "$B/build/server/text-generation-server" | grep -E "not found|cuda|cublas|nccl" | tee "$OUT/ldd.txt"
+
+rc=0
+parts=${GPU_CHECKS:-ops parity bench}
+if [[ " $parts " == *" ops "* ]]; then
+  "$B/build/tests/kernels_test" --gtest_filter='*Cuda*' 2>&1 | tee "$OUT/ops.log" |
+    grep -E "FAILED|PASSED|SKIPPED \]|error" | tail -60
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+if [[ " $parts " == *" parity "* ]]; then
+  "$B/build/tests/model_parity_test" --gtest_filter='*Cuda*' 2>&1 | tee "$OUT/parity.log" |
+    grep -E "FAILED|PASSED|Failure|error" | tail -60
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+if [[ " $parts " == *" bench "* ]]; then
+  PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py --build-dir "$B/build" \
+    --out "$OUT/gpu_bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+exit $rc
