@@ -124,7 +124,11 @@ TEST_F(HealthTest, SlowGenerationIsSharedAndServesALaterProbe) {
     std::this_thread::sleep_for(10ms);
     pending_(true);
   });
-  EXPECT_TRUE(monitor_.Check() || monitor_.Check());
+  // Probes keep waiting (50 ms each) until the generation ends; however late a loaded
+  // machine runs the finisher, one of them sees it.
+  bool ok = false;
+  for (int i = 0; i < 200 && !ok; ++i) ok = monitor_.Check();
+  EXPECT_TRUE(ok);
   finisher.join();
   EXPECT_EQ(generations_, 1);
   EXPECT_TRUE(monitor_.Check());
