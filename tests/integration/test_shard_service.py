@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -55,6 +56,7 @@ def test_info_health_warmup(shard):
     assert info.model_type == "llama"
     assert info.vocab_size == config["vocab_size"]
     assert info.device == "cpu"
+    assert info.dtype == "float32"  # the dtype a CPU shard picks when none is given
     assert info.max_position_embeddings == config["max_position_embeddings"]
     assert len(info.eos_token_ids) >= 1
     stub.Health(pb.HealthRequest())
@@ -167,3 +169,26 @@ def test_bad_model_dir_fails_at_start_naming_the_file(tmp_path):
     rc = proc.proc.wait(timeout=30)
     assert rc != 0
     assert "config.json" in proc.output()
+
+
+def gpu_visible() -> bool:
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "--device cuda: this build has no CUDA or no GPU is visible"),
+    ("tpu", "--device must be cpu, cuda or auto, not 'tpu'"),
+])
+def test_unusable_device_fails_at_start_saying_why(tmp_path, device, message):
+    server = binary("server/text-generation-server")
+    if not server.exists():
+        pytest.skip(f"{server} not built")
+    if device == "cuda" and gpu_visible():
+        pytest.skip("a GPU is visible here: --device cuda is usable")
+    proc = Process([server, "serve", MODEL, "--uds-path", str(tmp_path / "s"), "--device", device])
+    rc = proc.proc.wait(timeout=30)
+    assert rc != 0
+    assert message in proc.output()
