@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 
@@ -183,24 +184,23 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
   in.attn.max_context_len = *std::max_element(context_lens.begin(), context_lens.end());
   const auto t0 = std::chrono::steady_clock::now();
   Tensor logits = model_->Forward(in, cache_->layers(), logit_rows);
-  // Plain greedy steps pick where the logits are (on CUDA only ids and logprobs come back);
-  // anything else reads the logits on the host.
-  std::vector<TokenInfo> picked;
-  if (!PickOnDevice(seqs, details, &logits, &picked) && logits.device() != kernels::Device::kCpu) {
-    logits = logits.ToDevice(kernels::Device::kCpu);
-  }
+  // Plain greedy rows pick where the logits are (on CUDA only their ids and logprobs come
+  // back); the other sequences' rows are read on the host.
+  std::vector<std::optional<TokenInfo>> picked = PickGreedy(seqs, details, seq_rows, &logits);
   last_forward_ns_ =
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
           .count();
-  if (!picked.empty()) {
-    for (size_t i = 0; i < seqs.size(); ++i) Append(seqs[i], std::move(picked[i]), out);
-    return;
-  }
   const int64_t v = logits.dim(1);
   std::vector<float> lp;
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence* s = seqs[i];
+    if (picked[i].has_value()) {
+      Append(s, std::move(*picked[i]), out);
+      continue;
+    }
     auto [first_row, count] = seq_rows[i];
+    Tensor rows = logits.Rows(first_row, first_row + count);
+    if (rows.device() != kernels::Device::kCpu) rows = rows.ToDevice(kernels::Device::kCpu);
     StepOutput o;
     o.id = s->id;
     if (details[i]) {
@@ -211,7 +211,7 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
       first.rank = 0;
       o.input_tokens.push_back(first);
       for (int32_t r = 0; r + 1 < count; ++r) {
-        std::span<const float> row(logits.data<float>() + (first_row + r) * v, v);
+        std::span<const float> row(rows.data<float>() + r * v, v);
         LogSoftmaxInto(row, &lp);
         TokenInfo ti;
         ti.id = s->tokens[r + 1];
@@ -220,7 +220,7 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
         o.input_tokens.push_back(std::move(ti));
       }
     }
-    std::span<float> last(logits.data<float>() + (first_row + count - 1) * v, v);
+    std::span<float> last(rows.data<float>() + (count - 1) * v, v);
     TokenChoice c = s->sampler->Next(last, s->tokens, s->generated, s->top_n);
     o.token.id = c.id;
     o.token.logprob = c.logprob;
@@ -245,35 +245,44 @@ void Engine::Append(Sequence* s, TokenInfo token, std::vector<StepOutput>* out) 
   out->push_back(std::move(o));
 }
 
-bool Engine::PickOnDevice(const std::vector<Sequence*>& seqs, const std::vector<bool>& details,
-                          Tensor* logits, std::vector<TokenInfo>* picked) {
-  // One logits row per sequence (no prompt details), every one a plain greedy choice without
-  // top-n (the rank of an argmax is 1).
-  if (logits->dim(0) != static_cast<int64_t>(seqs.size())) return false;
+std::vector<std::optional<TokenInfo>> Engine::PickGreedy(
+    const std::vector<Sequence*>& seqs, const std::vector<bool>& details,
+    const std::vector<std::pair<int32_t, int32_t>>& seq_rows, Tensor* logits) {
+  // A sequence qualifies with one logits row (no prompt details), no top-n (the rank of an
+  // argmax is 1) and a plain greedy choice; its EOS ids are banned before min_new_tokens.
+  std::vector<std::optional<TokenInfo>> picked(seqs.size());
   const size_t m = std::max<size_t>(1, eos_.size());
-  std::vector<int32_t> banned(seqs.size() * m, -1);
+  const int64_t rows = logits->dim(0);
+  std::vector<int32_t> banned(rows * m, -1);
+  std::vector<bool> greedy(seqs.size(), false);
+  bool any = false;
   for (size_t i = 0; i < seqs.size(); ++i) {
     bool mask_eos = false;
-    if (details[i] || seqs[i]->top_n > 0 ||
-        !seqs[i]->sampler->PlainGreedy(seqs[i]->generated, &mask_eos)) {
-      return false;
+    greedy[i] = !details[i] && seqs[i]->top_n == 0 &&
+                seqs[i]->sampler->PlainGreedy(seqs[i]->generated, &mask_eos);
+    any = any || greedy[i];
+    if (greedy[i] && mask_eos) {
+      std::copy(eos_.begin(), eos_.end(), banned.begin() + seq_rows[i].first * m);
     }
-    if (mask_eos) std::copy(eos_.begin(), eos_.end(), banned.begin() + i * m);
   }
-  Tensor banned_t =
-      Tensor::FromVector(banned, {static_cast<int64_t>(seqs.size()), static_cast<int64_t>(m)});
+  if (!any) return picked;
+  // Every row is picked (cheap); only the qualifying ones are used. Rows of other sequences
+  // have nothing banned, so their logits stay as they were for the host.
+  Tensor banned_t = Tensor::FromVector(banned, {rows, static_cast<int64_t>(m)});
   if (logits->device() != kernels::Device::kCpu) banned_t = banned_t.ToDevice(logits->device());
   Tensor ids, logprobs;
   kernels::GreedyPick(logits, banned_t, &ids, &logprobs);
   const Tensor ids_h = ids.ToDevice(kernels::Device::kCpu);  // a copy on the CPU: cheap
   const Tensor lps_h = logprobs.ToDevice(kernels::Device::kCpu);
-  picked->resize(seqs.size());
   for (size_t i = 0; i < seqs.size(); ++i) {
-    (*picked)[i].id = ids_h.data<int32_t>()[i];
-    (*picked)[i].logprob = lps_h.data<float>()[i];
-    (*picked)[i].rank = 1;
+    if (!greedy[i]) continue;
+    TokenInfo t;
+    t.id = ids_h.data<int32_t>()[seq_rows[i].first];
+    t.logprob = lps_h.data<float>()[seq_rows[i].first];
+    t.rank = 1;
+    picked[i] = std::move(t);
   }
-  return true;
+  return picked;
 }
 
 }  // namespace tgis::server

@@ -85,10 +85,11 @@ class Engine {
   bool Reserve(Sequence* s);
   void FreeBlocks(Sequence* s);
   void Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<StepOutput>* out);
-  // Greedy choices on the logits' device when every sequence of the step allows it; false
-  // (nothing done) otherwise.
-  bool PickOnDevice(const std::vector<Sequence*>& seqs, const std::vector<bool>& details,
-                    kernels::Tensor* logits, std::vector<TokenInfo>* picked);
+  // The choices of the sequences whose next token is a plain greedy one, made where the
+  // logits are; nullopt for the others. seq_rows: each sequence's [first logits row, count].
+  std::vector<std::optional<TokenInfo>> PickGreedy(
+      const std::vector<Sequence*>& seqs, const std::vector<bool>& details,
+      const std::vector<std::pair<int32_t, int32_t>>& seq_rows, kernels::Tensor* logits);
   // Records `token` as s's next one.
   void Advance(Sequence* s, int32_t token);
   void Append(Sequence* s, TokenInfo token, std::vector<StepOutput>* out);
