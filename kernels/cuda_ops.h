@@ -29,24 +29,6 @@ void Synchronize();
 size_t FreeMemory();
 
 // Ops: same contracts as in ops.h.
-void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out);
-void EmbeddingSlice(const Tensor& ids, const Tensor& weight, int64_t first_id, Tensor* out);
-void CopyColumns(const Tensor& src, int64_t src_col, int64_t ncols, Tensor* dst, int64_t dst_col);
-void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out);
-void RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor* out);
-void LayerNorm(const Tensor& x, const Tensor& w, const Tensor* bias, float eps, Tensor* out);
-void AddInPlace(Tensor* x, const Tensor& y);
-void AddRmsNorm(Tensor* x, const Tensor& y, const Tensor& w, float eps, Tensor* out);
-void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor* k);
-void SiluMul(const Tensor& gate_up, Tensor* out);
-void Gelu(GeluKind kind, Tensor* x);
-void Softmax(Tensor* x);
-void LogSoftmax(Tensor* x);
-void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logprobs);
-void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
-                     KvCacheLayer* cache);
-void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
-                    float scale, int sliding_window, const std::vector<float>* alibi_slopes,
-                    Tensor* out);
+#include "kernels/op_signatures.inc"
 
 }  // namespace tgis::kernels::cuda

@@ -79,15 +79,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildGptStyle(const ModelConfig& c, co
   if (!lnf_b.ok()) return lnf_b.status();
   dw.final_norm_w = *lnf_w;
   dw.final_norm_b = *lnf_b;
-  if (w.Has("lm_head.weight") && !c.raw.value("tie_word_embeddings", true)) {
-    auto head = ld.VocabRows("lm_head.weight");
-    if (!head.ok()) return head.status();
-    dw.lm_head = *head;
-  } else {
-    dw.lm_head = dw.embed;
-  }
-  if (auto st = ValidateWeights(s, *layout, dw); !st.ok()) return st;
-  return std::make_unique<CausalLM>(std::move(s), std::move(dw), std::move(comm));
+  return FinishDecoder(ld, w, "lm_head.weight", c.raw.value("tie_word_embeddings", true),
+                       std::move(s), std::move(dw), std::move(comm));
 }
 
 }  // namespace tgis::server

@@ -87,15 +87,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   if (!fb.ok()) return fb.status();
   dw.final_norm_w = *fw;
   dw.final_norm_b = *fb;
-  if (c.tie_word_embeddings || !w.Has("embed_out.weight")) {
-    dw.lm_head = dw.embed;
-  } else {
-    auto head = ld.VocabRows("embed_out.weight");
-    if (!head.ok()) return head.status();
-    dw.lm_head = *head;
-  }
-  if (auto st = ValidateWeights(s, *layout, dw); !st.ok()) return st;
-  return std::make_unique<CausalLM>(std::move(s), std::move(dw), std::move(comm));
+  return FinishDecoder(ld, w, "embed_out.weight", c.tie_word_embeddings, std::move(s),
+                       std::move(dw), std::move(comm));
 }
 
 }  // namespace

@@ -99,15 +99,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   auto norm = ld.Whole("model.norm.weight");
   if (!norm.ok()) return norm.status();
   dw.final_norm_w = *norm;
-  if (!c.tie_word_embeddings && w.Has("lm_head.weight")) {
-    auto head = ld.VocabRows("lm_head.weight");
-    if (!head.ok()) return head.status();
-    dw.lm_head = *head;
-  } else {
-    dw.lm_head = dw.embed;
-  }
-  if (auto st = ValidateWeights(s, *layout, dw); !st.ok()) return st;
-  return std::make_unique<CausalLM>(std::move(s), std::move(dw), std::move(comm));
+  return FinishDecoder(ld, w, "lm_head.weight", c.tie_word_embeddings, std::move(s), std::move(dw),
+                       std::move(comm));
 }
 
 }  // namespace tgis::server

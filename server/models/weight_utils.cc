@@ -193,4 +193,20 @@ absl::StatusOr<Tensor> ShardedLoader::FusedQkv(const std::string& name, QkvLayou
   return OutputRows(name, ranges, conv1d);
 }
 
+absl::StatusOr<std::unique_ptr<CausalLM>> FinishDecoder(const ShardedLoader& loader,
+                                                        const WeightStore& weights,
+                                                        const std::string& head_name, bool tied,
+                                                        DecoderSpec spec, DecoderWeights dw,
+                                                        std::shared_ptr<Communicator> comm) {
+  if (tied || !weights.Has(head_name)) {
+    dw.lm_head = dw.embed;
+  } else {
+    auto head = loader.VocabRows(head_name);
+    if (!head.ok()) return head.status();
+    dw.lm_head = *head;
+  }
+  if (auto st = ValidateWeights(spec, loader.layout(), dw); !st.ok()) return st;
+  return std::make_unique<CausalLM>(std::move(spec), std::move(dw), std::move(comm));
+}
+
 }  // namespace tgis::server

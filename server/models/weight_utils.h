@@ -2,6 +2,7 @@
 // tensor-parallel slicing every architecture shares (ShardedLoader).
 #pragma once
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -70,5 +71,13 @@ class ShardedLoader {
   ShardLayout layout_;
   kernels::DType dtype_;
 };
+
+// The common end of every builder: the lm_head (this rank's rows of `head_name`, or the
+// embedding when `tied` or the checkpoint has no such tensor), the shape checks, the model.
+absl::StatusOr<std::unique_ptr<CausalLM>> FinishDecoder(const ShardedLoader& loader,
+                                                        const WeightStore& weights,
+                                                        const std::string& head_name, bool tied,
+                                                        DecoderSpec spec, DecoderWeights dw,
+                                                        std::shared_ptr<Communicator> comm);
 
 }  // namespace tgis::server
