@@ -4,7 +4,8 @@ JOBS ?= $(shell nproc)
 PYTHON ?= python3
 CMAKE_FLAGS ?=
 
-.PHONY: all deps build test unit-test integration-test bench run format clean fixtures
+.PHONY: all deps build test unit-test integration-test bench bench-gpu gpu-bundle run format clean \
+	fixtures
 
 all: build
 
@@ -37,6 +38,15 @@ test: build
 bench: build
 	$(PYTHON) benchmarks/tokenizer_bench.py --build-dir $(BUILD_DIR)
 	$(PYTHON) benchmarks/engine_bench.py --build-dir $(BUILD_DIR)
+
+# On a machine with a GPU (builds with nvcc): the Llama-3-8B-shaped benchmark against HF.
+bench-gpu: build
+	$(PYTHON) benchmarks/gpu_bench.py --build-dir $(BUILD_DIR)
+
+# For the device tool's GPU machine, which has no C++ dependencies: .device/ with the
+# binaries and libraries (see scripts/gpu_checks.sh).
+gpu-bundle: build
+	BUILD_DIR=$(BUILD_DIR) bash scripts/gpu_bundle.sh
 
 run: build
 	BUILD_DIR=$(BUILD_DIR) bash scripts/run_demo.sh
