@@ -56,7 +56,7 @@ fixtures:
 
 format:
 	find common kernels launcher metrics router server tokenizer tests benchmarks \
-	  \( -name '*.cc' -o -name '*.h' \) | xargs clang-format -i
+	  \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) | xargs clang-format -i
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -63,7 +63,8 @@ double MeasureBandwidthGBs() {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: engine_bench MODEL_DIR [--dtype float32|bfloat16] [--prompt N] [--steps N]\n";
+    std::cerr
+        << "usage: engine_bench MODEL_DIR [--dtype float32|bfloat16] [--prompt N] [--steps N]\n";
     return 2;
   }
   const std::string dir = argv[1];
@@ -75,7 +76,8 @@ int main(int argc, char** argv) {
     if (k == "--prompt") prompt = std::atoi(argv[i + 1]);
     if (k == "--steps") steps = std::atoi(argv[i + 1]);
   }
-  const auto dtype = dtype_name == "bfloat16" ? tgis::kernels::DType::kBF16 : tgis::kernels::DType::kF32;
+  const auto dtype =
+      dtype_name == "bfloat16" ? tgis::kernels::DType::kBF16 : tgis::kernels::DType::kF32;
   auto config = tgis::server::ModelConfig::Load(dir);
   if (!config.ok()) {
     std::cerr << config.status() << "\n";
@@ -94,10 +96,9 @@ int main(int argc, char** argv) {
   const auto& spec = (*model)->spec();
   // Bytes of weights a decode step streams: every linear layer plus the lm_head.
   const double wbytes = static_cast<double>(tgis::kernels::DTypeSize(dtype));
-  const double layer_params =
-      static_cast<double>((spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * spec.hidden +
-                          spec.hidden * spec.num_heads * spec.head_dim +
-                          3 * spec.hidden * spec.intermediate);
+  const double layer_params = static_cast<double>(
+      (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * spec.hidden +
+      spec.hidden * spec.num_heads * spec.head_dim + 3 * spec.hidden * spec.intermediate);
   const double streamed = (layer_params * spec.num_layers + spec.vocab * spec.hidden) * wbytes;
   const int block = 16;
   const int blocks = 16 * ((prompt + steps) / block + 2);
@@ -116,7 +117,8 @@ int main(int argc, char** argv) {
       tgis::server::NewSequence s;
       s.id = b;
       s.max_new_tokens = steps;
-      for (int t = 0; t < prompt; ++t) s.input_ids.push_back(static_cast<int32_t>(rng() % spec.vocab));
+      for (int t = 0; t < prompt; ++t)
+        s.input_ids.push_back(static_cast<int32_t>(rng() % spec.vocab));
       seqs.push_back(std::move(s));
       ids.push_back(b);
     }
@@ -137,11 +139,11 @@ int main(int argc, char** argv) {
     const double decode_s = Seconds(t0);
     const double step_s = decode_s / steps;
     std::cout << "batch " << batch << ": prefill " << batch * prompt / prefill_s
-              << " tok/s, decode " << batch * steps / decode_s << " tok/s ("
-              << step_s * 1e3 << " ms/step)";
+              << " tok/s, decode " << batch * steps / decode_s << " tok/s (" << step_s * 1e3
+              << " ms/step)";
     if (batch == 1) {
-      std::cout << ", decode bandwidth " << streamed / step_s / 1e9 << " GB/s = "
-                << 100.0 * streamed / step_s / 1e9 / bw << "% of measured";
+      std::cout << ", decode bandwidth " << streamed / step_s / 1e9
+                << " GB/s = " << 100.0 * streamed / step_s / 1e9 / bw << "% of measured";
     }
     std::cout << "\n";
     for (uint64_t id : ids) engine.Release(id);

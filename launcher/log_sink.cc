@@ -3,7 +3,6 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
-
 #include <nlohmann/json.hpp>
 
 namespace tgis::launcher {
@@ -41,7 +40,8 @@ void LogSink::Write(const char* level, const std::string& target, const std::str
                         {"level", level},
                         {"target", target},
                         {"fields", {{"message", message}}}};
-    std::fprintf(stdout, "%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+    std::fprintf(stdout, "%s\n",
+                 j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   } else {
     std::fprintf(stdout, "%s %-5s [%s] %s\n", Timestamp().c_str(), level, target.c_str(),
                  message.c_str());

@@ -63,12 +63,12 @@ absl::StatusOr<std::string> ResolveModel(const std::string& model_name, const st
     if (IsModelFolder(snap)) return snap.string();
     looked.back() = snap.string();
   }
-  return absl::NotFoundError(absl::StrCat("model '", model_name, "' (revision ", rev,
-                                          ") is not a directory and is not in the local Hugging "
-                                          "Face cache; looked in: ",
-                                          looked.empty() ? "(no cache directory configured)"
-                                                         : absl::StrJoin(looked, ", "),
-                                          ". Nothing is downloaded at run time."));
+  return absl::NotFoundError(
+      absl::StrCat("model '", model_name, "' (revision ", rev,
+                   ") is not a directory and is not in the local Hugging "
+                   "Face cache; looked in: ",
+                   looked.empty() ? "(no cache directory configured)" : absl::StrJoin(looked, ", "),
+                   ". Nothing is downloaded at run time."));
 }
 
 }  // namespace tgis::launcher

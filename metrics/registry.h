@@ -36,7 +36,7 @@ class Family {
 
  private:
   struct Child {
-    double value = 0;                    // counter/gauge; histogram sum
+    double value = 0;                     // counter/gauge; histogram sum
     std::vector<uint64_t> bucket_counts;  // histogram, per upper bound (not cumulative)
     uint64_t count = 0;
   };

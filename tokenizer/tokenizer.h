@@ -45,8 +45,7 @@ class Tokenizer {
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromDirectory(const std::string& dir);
 
   // Text must be valid UTF-8 (InvalidArgument otherwise).
-  virtual absl::StatusOr<Encoding> Encode(std::string_view text,
-                                          bool add_special_tokens) const = 0;
+  virtual absl::StatusOr<Encoding> Encode(std::string_view text, bool add_special_tokens) const = 0;
   // Unknown ids are skipped, as HF does.
   virtual absl::StatusOr<std::string> Decode(std::span<const int32_t> ids,
                                              bool skip_special_tokens) const = 0;

@@ -179,8 +179,7 @@ void AddedVocabulary::SplitOn(const Matcher& m, PreTokenizedString::Piece& piece
     if (p.text.empty()) continue;
     if (sp.id >= 0) {
       p.has_tokens = true;
-      p.tokens.push_back(
-          Token{sp.id, p.text.get(), Span{0, static_cast<uint32_t>(p.text.size())}});
+      p.tokens.push_back(Token{sp.id, p.text.get(), Span{0, static_cast<uint32_t>(p.text.size())}});
     }
     out->push_back(std::move(p));
   }

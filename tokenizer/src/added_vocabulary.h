@@ -4,8 +4,8 @@
 
 #include <array>
 #include <functional>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,7 +58,9 @@ class AddedVocabulary {
     if (it == by_content_.end()) return std::nullopt;
     return tokens_[it->second].id;
   }
-  bool IsSpecialContent(std::string_view s) const { return special_contents_.contains(absl::string_view(s.data(), s.size())); }
+  bool IsSpecialContent(std::string_view s) const {
+    return special_contents_.contains(absl::string_view(s.data(), s.size()));
+  }
   int32_t MaxId() const { return max_id_; }
 
  private:

@@ -135,8 +135,8 @@ absl::Status ByteLevelFastPath::Encode(std::string_view text, const AddedVocabul
     added.FindSplits(text.substr(a, b - a), /*normalized=*/true, &norm);
     for (const auto& sp : norm) {
       if (sp.id >= 0) {
-        add_token(sp.id, std::string(text.substr(a + sp.start, sp.end - sp.start)),
-                  a + sp.start, a + sp.end);
+        add_token(sp.id, std::string(text.substr(a + sp.start, sp.end - sp.start)), a + sp.start,
+                  a + sp.end);
       } else if (auto st = encode_plain(a + sp.start, a + sp.end); !st.ok()) {
         return st;
       }

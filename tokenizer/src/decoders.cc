@@ -196,9 +196,9 @@ class WordPieceDecoder : public Decoder {
 
   static std::string Cleanup(std::string s) {
     static const std::pair<const char*, const char*> kRules[] = {
-        {" .", "."},     {" ?", "?"},     {" !", "!"},       {" ,", ","},     {" ' ", "'"},
-        {" n't", "n't"}, {" 'm", "'m"},   {" do not", " don't"}, {" 's", "'s"}, {" 've", "'ve"},
-        {" 're", "'re"}};
+        {" .", "."},   {" ?", "?"},     {" !", "!"},    {" ,", ","},
+        {" ' ", "'"},  {" n't", "n't"}, {" 'm", "'m"},  {" do not", " don't"},
+        {" 's", "'s"}, {" 've", "'ve"}, {" 're", "'re"}};
     for (auto [from, to] : kRules) {
       std::string out;
       const std::string f(from);

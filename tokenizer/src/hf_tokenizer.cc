@@ -3,9 +3,8 @@
 #include "tokenizer/src/hf_tokenizer.h"
 
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "tokenizer/src/added_vocabulary.h"
@@ -118,8 +117,7 @@ absl::Status HfTokenizer::Init(const Json& root, const std::string& file) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Encoding> HfTokenizer::Encode(std::string_view text,
-                                             bool add_special_tokens) const {
+absl::StatusOr<Encoding> HfTokenizer::Encode(std::string_view text, bool add_special_tokens) const {
   if (size_t bad = FirstInvalidUtf8(text); bad != std::string_view::npos) {
     return absl::InvalidArgumentError(absl::StrCat("input is not valid UTF-8 (byte ", bad, ")"));
   }

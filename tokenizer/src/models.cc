@@ -3,9 +3,8 @@
 #include <cstdio>
 #include <limits>
 #include <mutex>
-#include <queue>
-
 #include <nlohmann/json.hpp>
+#include <queue>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -143,7 +142,8 @@ absl::StatusOr<std::unique_ptr<Model>> BpeModel::Load(const Json& j, const std::
   if (!(*merges)->is_array()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ".merges: expected an array"));
   }
-  const size_t prefix_len = m->continuing_subword_prefix_ ? m->continuing_subword_prefix_->size() : 0;
+  const size_t prefix_len =
+      m->continuing_subword_prefix_ ? m->continuing_subword_prefix_->size() : 0;
   m->merges_.reserve((*merges)->size());
   int32_t rank = 0;
   for (const Json& e : **merges) {
@@ -169,8 +169,11 @@ absl::StatusOr<std::unique_ptr<Model>> BpeModel::Load(const Json& j, const std::
     std::string merged = a + (prefix_len > 0 && b.size() >= prefix_len ? b.substr(prefix_len) : b);
     auto idm = m->vocab_.Find(merged);
     if (!ida || !idb || !idm) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ".merges[", rank, "]: token '", !ida ? a : !idb ? b : merged, "' is not in the vocab"));
+      return absl::InvalidArgumentError(absl::StrCat(path, ".merges[", rank, "]: token '",
+                                                     !ida   ? a
+                                                     : !idb ? b
+                                                            : merged,
+                                                     "' is not in the vocab"));
     }
     m->merges_.try_emplace(PairKey(*ida, *idb), MergeInfo{rank, *idm});
     ++rank;
@@ -501,8 +504,8 @@ class WordPieceModel : public Model {
         std::string cand = start > 0 ? prefix_ + std::string(s.substr(start, end - start))
                                      : std::string(s.substr(start, end - start));
         if (auto id = vocab_.Find(cand)) {
-          sub.push_back(Token{*id, cand, Span{static_cast<uint32_t>(start),
-                                              static_cast<uint32_t>(end)}});
+          sub.push_back(
+              Token{*id, cand, Span{static_cast<uint32_t>(start), static_cast<uint32_t>(end)}});
           found = true;
           break;
         }

@@ -29,8 +29,7 @@ Span NormalizedString::ToOriginal(size_t s, size_t e) const {
 }
 
 void NormalizedString::TransformRange(size_t n_start, size_t n_end,
-                                      const std::vector<CharChange>& dest,
-                                      size_t initial_offset) {
+                                      const std::vector<CharChange>& dest, size_t initial_offset) {
   // Walk the replaced chars in lockstep with dest, as HF does, to know which old alignment
   // each new char inherits.
   size_t cursor = n_start;  // byte position of the next old char not yet consumed
@@ -201,8 +200,7 @@ void NormalizedString::Normalize(int form_int) {
   // char composed into it.
   const bool compose = form == NormalForm::kNfc || form == NormalForm::kNfkc;
   const NormalForm decomposed_form =
-      form == NormalForm::kNfkc || form == NormalForm::kNfkd ? NormalForm::kNfkd
-                                                            : NormalForm::kNfd;
+      form == NormalForm::kNfkc || form == NormalForm::kNfkd ? NormalForm::kNfkd : NormalForm::kNfd;
   struct Item {
     char32_t ch;
     int change;
@@ -212,7 +210,8 @@ void NormalizedString::Normalize(int form_int) {
   items.reserve(normalized_.size());
   for (CharChange c : Chars(normalized_)) {
     std::string one = ToUtf8(c.ch);
-    std::string dec = IsNormalized(one, decomposed_form) ? one : NormalizeUnicode(one, decomposed_form);
+    std::string dec =
+        IsNormalized(one, decomposed_form) ? one : NormalizeUnicode(one, decomposed_form);
     bool first = true;
     for (CharChange d : Chars(dec)) {
       items.push_back({d.ch, first ? 0 : 1, CombiningClass(d.ch)});
@@ -235,8 +234,8 @@ void NormalizedString::Normalize(int form_int) {
   if (!compose) {
     for (const Item& it : items) dest.push_back({it.ch, it.change});
   } else {
-    long starter = -1;     // index in dest of the last starter
-    int last_ccc = -1;     // ccc of the last char appended after the starter (-1: none)
+    long starter = -1;  // index in dest of the last starter
+    int last_ccc = -1;  // ccc of the last char appended after the starter (-1: none)
     for (const Item& it : items) {
       if (starter >= 0) {
         const bool adjacent = last_ccc == -1;

@@ -228,9 +228,8 @@ class BertNormalizer : public Normalizer {
     }
     if (strip_accents_) {
       s->Normalize(static_cast<int>(NormalForm::kNfd));
-      s->Filter([](char32_t c) {
-        return u_charType(static_cast<UChar32>(c)) != U_NON_SPACING_MARK;
-      });
+      s->Filter(
+          [](char32_t c) { return u_charType(static_cast<UChar32>(c)) != U_NON_SPACING_MARK; });
     }
     if (lowercase_) s->Lowercase();
   }

@@ -14,7 +14,8 @@ absl::StatusOr<Pattern> Pattern::FromJson(const Json& j, const std::string& path
   }
   if (j.is_object() && j.contains("Regex") && j["Regex"].is_string()) {
     auto re = Regex::Compile(j["Regex"].get<std::string>());
-    if (!re.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", re.status().message()));
+    if (!re.ok())
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", re.status().message()));
     p.regex_ = std::move(*re);
     return p;
   }

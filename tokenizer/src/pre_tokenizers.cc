@@ -166,7 +166,9 @@ absl::StatusOr<char32_t> SingleChar(const Json& j, const std::string& path, cons
 }
 
 std::shared_ptr<Regex> Gpt2Regex() {
-  static std::shared_ptr<Regex> re = [] { return std::shared_ptr<Regex>(*Regex::Compile(kGpt2Pattern)); }();
+  static std::shared_ptr<Regex> re = [] {
+    return std::shared_ptr<Regex>(*Regex::Compile(kGpt2Pattern));
+  }();
   return re;
 }
 

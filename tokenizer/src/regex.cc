@@ -59,8 +59,8 @@ void Regex::FindAll(std::string_view text, std::vector<std::pair<size_t, size_t>
     if (r < 0) break;
     size_t s = region->beg[0], e = region->end[0];
     if (e == s && have_last_match && last_match_end == e) {
-      last_end += last_end < text.size() ? Utf8SeqLen(static_cast<unsigned char>(text[last_end]))
-                                         : 1;
+      last_end +=
+          last_end < text.size() ? Utf8SeqLen(static_cast<unsigned char>(text[last_end])) : 1;
       continue;
     }
     last_end = e;

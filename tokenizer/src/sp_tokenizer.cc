@@ -21,8 +21,7 @@ class SpTokenizer : public Tokenizer {
 
   absl::StatusOr<Encoding> Encode(std::string_view text, bool add_special_tokens) const override {
     if (size_t bad = FirstInvalidUtf8(text); bad != std::string_view::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("input is not valid UTF-8 (byte ", bad, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("input is not valid UTF-8 (byte ", bad, ")"));
     }
     std::vector<SpPiece> pieces;
     std::string error;
@@ -98,7 +97,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadSpTokenizer(const std::string& fi
   std::string error;
   auto model = SpModel::Load(file, &error);
   if (!model) return absl::InvalidArgumentError(absl::StrCat(file, ": ", error));
-  return std::unique_ptr<Tokenizer>(std::make_unique<SpTokenizer>(std::move(model), add_bos, add_eos));
+  return std::unique_ptr<Tokenizer>(
+      std::make_unique<SpTokenizer>(std::move(model), add_bos, add_eos));
 }
 
 }  // namespace tgis::tok

@@ -3,9 +3,8 @@
 
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "tokenizer/src/hf_tokenizer.h"
@@ -91,8 +90,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromDirectory(const std::s
           dir, ": no tokenizer.json, tokenizer.model or spiece.model in this directory"));
     }
     if (tok::SentencePieceLoader() == nullptr) {
-      return absl::UnimplementedError(absl::StrCat(
-          sp.string(), ": this program reads tokenizer.json only (SentencePiece .model files are "
+      return absl::UnimplementedError(
+          absl::StrCat(sp.string(),
+                       ": this program reads tokenizer.json only (SentencePiece .model files are "
                        "not linked in); convert the tokenizer to tokenizer.json"));
     }
     auto t = tok::SentencePieceLoader()(sp.string(), flag("add_bos_token").value_or(false),
@@ -141,15 +141,15 @@ absl::StatusOr<std::string> IncrementalDecoder::Flush() { return Step(/*final=*/
 absl::StatusOr<std::string> IncrementalDecoder::Step(bool final) {
   if (read_offset_ >= ids_.size()) return std::string();
   std::span<const int32_t> all(ids_);
-  auto prefix = tokenizer_.Decode(all.subspan(prefix_offset_, read_offset_ - prefix_offset_),
-                                  skip_special_);
+  auto prefix =
+      tokenizer_.Decode(all.subspan(prefix_offset_, read_offset_ - prefix_offset_), skip_special_);
   if (!prefix.ok()) return prefix.status();
   auto text = tokenizer_.Decode(all.subspan(prefix_offset_), skip_special_);
   if (!text.ok()) return text.status();
   static constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
-  const bool incomplete = text->size() >= kReplacement.size() &&
-                          text->compare(text->size() - kReplacement.size(), kReplacement.size(),
-                                        kReplacement) == 0;
+  const bool incomplete =
+      text->size() >= kReplacement.size() &&
+      text->compare(text->size() - kReplacement.size(), kReplacement.size(), kReplacement) == 0;
   if (!final && (text->size() <= prefix->size() || incomplete)) return std::string();
   std::string out = text->size() > prefix->size() ? text->substr(prefix->size()) : std::string();
   // The next window starts at the newest token that decodes to some text on its own: decoders

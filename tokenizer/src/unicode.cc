@@ -181,8 +181,8 @@ const icu::Normalizer2* GetNormalizer(NormalForm form) {
 
 std::string NormalizeUnicode(std::string_view s, NormalForm form) {
   UErrorCode err = U_ZERO_ERROR;
-  icu::UnicodeString in = icu::UnicodeString::fromUTF8(
-      icu::StringPiece(s.data(), static_cast<int32_t>(s.size())));
+  icu::UnicodeString in =
+      icu::UnicodeString::fromUTF8(icu::StringPiece(s.data(), static_cast<int32_t>(s.size())));
   icu::UnicodeString out = GetNormalizer(form)->normalize(in, err);
   std::string result;
   out.toUTF8String(result);
@@ -199,8 +199,8 @@ bool IsNormalized(std::string_view s, NormalForm form) {
   }
   if (ascii) return true;
   UErrorCode err = U_ZERO_ERROR;
-  icu::UnicodeString in = icu::UnicodeString::fromUTF8(
-      icu::StringPiece(s.data(), static_cast<int32_t>(s.size())));
+  icu::UnicodeString in =
+      icu::UnicodeString::fromUTF8(icu::StringPiece(s.data(), static_cast<int32_t>(s.size())));
   return GetNormalizer(form)->isNormalized(in, err) && U_SUCCESS(err);
 }
 
@@ -210,8 +210,8 @@ std::vector<size_t> GraphemeBoundaries(std::string_view s) {
   UErrorCode err = U_ZERO_ERROR;
   thread_local std::unique_ptr<icu::BreakIterator> it(
       icu::BreakIterator::createCharacterInstance(icu::Locale::getRoot(), err));
-  icu::UnicodeString u = icu::UnicodeString::fromUTF8(
-      icu::StringPiece(s.data(), static_cast<int32_t>(s.size())));
+  icu::UnicodeString u =
+      icu::UnicodeString::fromUTF8(icu::StringPiece(s.data(), static_cast<int32_t>(s.size())));
   it->setText(u);
   // Map UTF-16 boundaries back to UTF-8 byte offsets.
   std::vector<size_t> u16_to_u8(u.length() + 1, 0);

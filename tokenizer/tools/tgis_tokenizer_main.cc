@@ -2,15 +2,15 @@
 // folder's tokenizer, printing one JSON object per line. For people debugging a tokenizer and
 // for the oracle tests.
 //
-//   tgis-tokenizer encode MODEL_DIR [--no-special-tokens]   in: "text"   out: {"ids","tokens","offsets"}
-//   tgis-tokenizer decode MODEL_DIR [--skip-special-tokens] in: [ids]    out: {"text"}
-//   tgis-tokenizer stream MODEL_DIR [--skip-special-tokens] in: [ids]    out: {"pieces","text"}
+//   tgis-tokenizer encode MODEL_DIR [--no-special-tokens]   in: "text"   out:
+//   {"ids","tokens","offsets"} tgis-tokenizer decode MODEL_DIR [--skip-special-tokens] in: [ids]
+//   out: {"text"} tgis-tokenizer stream MODEL_DIR [--skip-special-tokens] in: [ids]    out:
+//   {"pieces","text"}
 #include <cstring>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "tokenizer/sentencepiece.h"
 #include "tokenizer/tokenizer.h"
