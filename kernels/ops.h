@@ -33,6 +33,7 @@ void EmbeddingSlice(const Tensor& ids, const Tensor& weight, int64_t first_id, T
 void CopyColumns(const Tensor& src, int64_t src_col, int64_t ncols, Tensor* dst, int64_t dst_col);
 
 // out = x @ w^T (+ bias). x: [T, in]; w: [out, in]; bias: [out] or undefined; out: [T, out].
+// A defined f32 `out` gets f32 results from bf16/f16 inputs (the logits).
 void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out);
 
 // RMSNorm over the last dim: out = x / sqrt(mean(x^2) + eps) * w. x, out: [T, H]; w: [H].

@@ -167,19 +167,26 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
   }
   const int64_t t = static_cast<int64_t>(ids.size());
   const int64_t nseq = static_cast<int64_t>(seqs.size());
-  const kernels::Device device = model_->device();
-  auto upload = [device](const std::vector<int32_t>& v, const kernels::Shape& shape) {
-    Tensor host = Tensor::FromVector(v, shape);
-    return device == kernels::Device::kCpu ? host : host.ToDevice(device);
-  };
+  // The step's index tensors travel to the model's device as one buffer (one copy, not six)
+  // and are views into it.
+  const int64_t table_cols = static_cast<int64_t>(std::max<size_t>(max_blocks, 1));
+  std::vector<int32_t> meta;
+  meta.reserve(3 * t + 2 * nseq + 1 + tables.size());
+  std::vector<int64_t> at;  // where each part starts
+  for (const std::vector<int32_t>* part :
+       {&ids, &positions, &slots, &query_start, &context_lens, &tables}) {
+    at.push_back(static_cast<int64_t>(meta.size()));
+    meta.insert(meta.end(), part->begin(), part->end());
+  }
+  Tensor all = Tensor::FromVector(meta, {static_cast<int64_t>(meta.size())});
+  if (model_->device() != kernels::Device::kCpu) all = all.ToDevice(model_->device());
   ForwardInput in;
-  in.input_ids = upload(ids, {t});
-  in.positions = upload(positions, {t});
-  in.slot_mapping = upload(slots, {t});
-  in.attn.query_start = upload(query_start, {nseq + 1});
-  in.attn.context_lens = upload(context_lens, {nseq});
-  in.attn.block_tables =
-      upload(tables, {nseq, static_cast<int64_t>(std::max<size_t>(max_blocks, 1))});
+  in.input_ids = all.Rows(at[0], at[0] + t);
+  in.positions = all.Rows(at[1], at[1] + t);
+  in.slot_mapping = all.Rows(at[2], at[2] + t);
+  in.attn.query_start = all.Rows(at[3], at[3] + nseq + 1);
+  in.attn.context_lens = all.Rows(at[4], at[4] + nseq);
+  in.attn.block_tables = all.Rows(at[5], at[5] + nseq * table_cols).Reshape({nseq, table_cols});
   in.attn.block_size = bs;
   in.attn.max_context_len = *std::max_element(context_lens.begin(), context_lens.end());
   const auto t0 = std::chrono::steady_clock::now();

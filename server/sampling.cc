@@ -51,18 +51,24 @@ void RankAndTop(std::span<const float> lp, int32_t id, uint32_t top_n, uint32_t*
 Sampler::Sampler(const SamplingParams& params, std::vector<int32_t> eos_ids)
     : p_(params), eos_(std::move(eos_ids)), rng_(params.seed) {}
 
+bool Sampler::RepetitionPenalized() const {
+  return p_.repetition_penalty > 0 && p_.repetition_penalty != 1.0f;
+}
+
+bool Sampler::LengthPenalized(uint32_t generated) const {
+  return p_.length_penalty_decay > 0 && generated > p_.length_penalty_start;
+}
+
 bool Sampler::PlainGreedy(uint32_t generated, bool* mask_eos) const {
   *mask_eos = generated < p_.min_new_tokens;
-  const bool repetition = p_.repetition_penalty > 0 && p_.repetition_penalty != 1.0f;
-  const bool length = p_.length_penalty_decay > 0 && generated > p_.length_penalty_start;
-  return !p_.do_sample && !repetition && !length;
+  return !p_.do_sample && !RepetitionPenalized() && !LengthPenalized(generated);
 }
 
 TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> context,
                           uint32_t generated, uint32_t top_n) {
   const int64_t v = static_cast<int64_t>(logits.size());
   // Processors.
-  if (p_.repetition_penalty > 0 && p_.repetition_penalty != 1.0f) {
+  if (RepetitionPenalized()) {
     std::vector<uint8_t> seen(v, 0);
     for (int32_t t : context) {
       if (t < 0 || t >= v || seen[t]) continue;
@@ -71,7 +77,7 @@ TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> cont
       x = x < 0 ? x * p_.repetition_penalty : x / p_.repetition_penalty;
     }
   }
-  if (p_.length_penalty_decay > 0 && generated > p_.length_penalty_start) {
+  if (LengthPenalized(generated)) {
     const double boost = std::pow(static_cast<double>(p_.length_penalty_decay),
                                   static_cast<double>(generated - p_.length_penalty_start)) -
                          1.0;

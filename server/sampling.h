@@ -48,6 +48,9 @@ class Sampler {
   const std::vector<int32_t>& eos_ids() const { return eos_; }
 
  private:
+  bool RepetitionPenalized() const;
+  bool LengthPenalized(uint32_t generated) const;
+
   SamplingParams p_;
   std::vector<int32_t> eos_;
   std::mt19937_64 rng_;

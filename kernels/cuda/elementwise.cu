@@ -27,40 +27,26 @@ __global__ void EmbeddingKernel(const void* ids, bool wide, const T* weight, int
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) o[i] = w[i];
 }
 
+// out = RMSNorm(x) or, given y, x += y and then out = RMSNorm(x): the residual add of one
+// half-layer fused with the next norm. Each thread rereads only the elements it wrote.
 template <typename T>
-__global__ void RmsNormKernel(const T* x, const T* w, float eps, int64_t h, T* out) {
+__global__ void RmsNormKernel(T* x, const T* y, const T* w, float eps, int64_t h, T* out) {
   __shared__ float scratch[32];
-  const T* xr = x + blockIdx.x * h;
+  T* xr = x + blockIdx.x * h;
   T* orow = out + blockIdx.x * h;
   float ss = 0;
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
-    const float v = ToF32(xr[i]);
+    float v = ToF32(xr[i]);
+    if (y != nullptr) {
+      const T sum = FromF32<T>(v + ToF32(y[blockIdx.x * h + i]));
+      xr[i] = sum;
+      v = ToF32(sum);
+    }
     ss += v * v;
   }
   const float inv = rsqrtf(BlockSum(ss, scratch) / static_cast<float>(h) + eps);
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
     // HF: weight * (x * rsqrt(...)).to(dtype): the normalized value is rounded first.
-    const float normed = ToF32(FromF32<T>(ToF32(xr[i]) * inv));
-    orow[i] = FromF32<T>(ToF32(w[i]) * normed);
-  }
-}
-
-// x += y, then out = RMSNorm(x): the residual add of one half-layer fused with the next norm.
-template <typename T>
-__global__ void AddRmsNormKernel(T* x, const T* y, const T* w, float eps, int64_t h, T* out) {
-  __shared__ float scratch[32];
-  T* xr = x + blockIdx.x * h;
-  const T* yr = y + blockIdx.x * h;
-  T* orow = out + blockIdx.x * h;
-  float ss = 0;
-  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
-    const T sum = FromF32<T>(ToF32(xr[i]) + ToF32(yr[i]));
-    xr[i] = sum;
-    const float v = ToF32(sum);
-    ss += v * v;
-  }
-  const float inv = rsqrtf(BlockSum(ss, scratch) / static_cast<float>(h) + eps);
-  for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
     const float normed = ToF32(FromF32<T>(ToF32(xr[i]) * inv));
     orow[i] = FromF32<T>(ToF32(w[i]) * normed);
   }
@@ -178,38 +164,37 @@ void EmbeddingSlice(const Tensor& ids, const Tensor& weight, int64_t first_id, T
   EmbeddingRows(ids, weight, first_id, out, "EmbeddingSlice");
 }
 
-void RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor* out) {
-  const char* op = "RmsNorm";
+namespace {
+// RmsNorm of x (into out, or in place), after adding y to x in place when y is given (a
+// Tensor's storage is writable through a const Tensor, as for every op's `out`).
+void LaunchRmsNorm(const Tensor& x, const Tensor* y, const Tensor& w, float eps, Tensor* out,
+                   const char* op) {
   CheckCudaFloat(x, op, "x");
   CheckSame(x, w, op, "weight");
+  if (y != nullptr) {
+    CheckSame(x, *y, op, "y");
+    TGIS_CHECK(x.shape() == y->shape(), "%s: x and y differ in shape", op);
+  }
   const int64_t h = x.dim(-1);
   TGIS_CHECK(w.numel() == h, "%s: weight has %lld elements, want %lld", op,
              static_cast<long long>(w.numel()), static_cast<long long>(h));
   if (out != &x) PrepareOut(out, x.shape(), x.dtype(), op);
   const int64_t rows = Rows(x);
   if (rows == 0) return;
-  TGIS_DISPATCH_FLOAT(x.dtype(), op,
-                      RmsNormKernel<T><<<static_cast<unsigned>(rows), RowThreads(h), 0, Stream()>>>(
-                          x.data<T>(), w.data<T>(), eps, h, out->data<T>()));
+  TGIS_DISPATCH_FLOAT(
+      x.dtype(), op,
+      RmsNormKernel<T><<<static_cast<unsigned>(rows), RowThreads(h), 0, Stream()>>>(
+          x.data<T>(), y != nullptr ? y->data<T>() : nullptr, w.data<T>(), eps, h, out->data<T>()));
   TGIS_CUDA_LAUNCHED();
+}
+}  // namespace
+
+void RmsNorm(const Tensor& x, const Tensor& w, float eps, Tensor* out) {
+  LaunchRmsNorm(x, nullptr, w, eps, out, "RmsNorm");
 }
 
 void AddRmsNorm(Tensor* x, const Tensor& y, const Tensor& w, float eps, Tensor* out) {
-  const char* op = "AddRmsNorm";
-  CheckCudaFloat(*x, op, "x");
-  CheckSame(*x, y, op, "y");
-  CheckSame(*x, w, op, "weight");
-  TGIS_CHECK(x->shape() == y.shape(), "%s: x and y differ in shape", op);
-  const int64_t h = x->dim(-1);
-  TGIS_CHECK(w.numel() == h, "%s: weight size mismatch", op);
-  PrepareOut(out, x->shape(), x->dtype(), op);
-  const int64_t rows = Rows(*x);
-  if (rows == 0) return;
-  TGIS_DISPATCH_FLOAT(x->dtype(), op,
-                      AddRmsNormKernel<T>
-                      <<<static_cast<unsigned>(rows), RowThreads(h), 0, Stream()>>>(
-                          x->data<T>(), y.data<T>(), w.data<T>(), eps, h, out->data<T>()));
-  TGIS_CUDA_LAUNCHED();
+  LaunchRmsNorm(*x, &y, w, eps, out, "AddRmsNorm");
 }
 
 void LayerNorm(const Tensor& x, const Tensor& w, const Tensor* bias, float eps, Tensor* out) {

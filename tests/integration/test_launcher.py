@@ -8,50 +8,17 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import FIXTURES, Process, binary, free_port, need_binaries, proto_module  # noqa: E402
+from procs import (FIXTURES, Process, alive, binary, children_of, cmdline, free_port,  # noqa: E402
+                   need_binaries, proto_module)
 
 grpc = pytest.importorskip("grpc")
 MODEL = FIXTURES / "models" / "llama"
-
-
-def children_of(pid: int) -> list[int]:
-    out = []
-    for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
-            continue
-        try:
-            fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(p.name))
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class Launcher:
