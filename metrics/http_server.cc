@@ -21,8 +21,13 @@ HttpServer::HttpServer(std::function<bool()> healthy, std::function<std::string(
   });
   server_->Get("/health", [healthy](const httplib::Request&, httplib::Response& res) {
     const bool ok = healthy();
-    res.status = ok ? 200 : 503;
-    res.set_content(ok ? "OK" : "Service Unavailable", "text/plain");
+    // TGIS's answers: 200 with an empty body, or 503 with its JSON error.
+    if (ok) {
+      res.status = 200;
+    } else {
+      res.status = 503;
+      res.set_content(R"({"error":"unhealthy"})", "application/json");
+    }
   });
   server_->Get("/metrics", [metrics](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics(), "text/plain; version=0.0.4; charset=utf-8");

@@ -81,25 +81,39 @@ void Family::Observe(double v, const LabelValues& labels) {
   Child& c = ChildFor(labels);
   c.value += v;
   c.count += 1;
+  if (kind_ == Kind::kSummary) {
+    c.recent.emplace_back(Clock::now(), v);
+    if (c.recent.size() > kSummaryMaxSamples) c.recent.pop_front();
+    return;
+  }
   auto it = std::lower_bound(buckets_.begin(), buckets_.end(), v);
   if (it != buckets_.end()) c.bucket_counts[it - buckets_.begin()] += 1;
+}
+
+void Family::SetBuckets(std::vector<double> buckets) {
+  std::lock_guard<std::mutex> lock(mu_);
+  buckets_ = std::move(buckets);
+  children_.clear();
 }
 
 double Family::Value(const LabelValues& labels) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = children_.find(labels);
   if (it == children_.end()) return 0;
-  return kind_ == Kind::kHistogram ? static_cast<double>(it->second.count) : it->second.value;
+  const bool counted = kind_ == Kind::kHistogram || kind_ == Kind::kSummary;
+  return counted ? static_cast<double>(it->second.count) : it->second.value;
 }
 
 void Family::Render(const std::string& exposed, std::string* out) const {
-  static const char* kTypes[] = {"counter", "gauge", "histogram"};
+  static const char* kTypes[] = {"counter", "gauge", "histogram", "summary"};
   *out += "# HELP " + exposed + " " + help_ + "\n";
   *out += "# TYPE " + exposed + " " + kTypes[static_cast<int>(kind_)] + "\n";
   std::lock_guard<std::mutex> lock(mu_);
   // A family without labels shows its zero value before anything happened.
   if (children_.empty() && label_names_.empty()) {
-    if (kind_ == Kind::kHistogram) {
+    if (kind_ == Kind::kSummary) {
+      *out += exposed + "_sum 0\n" + exposed + "_count 0\n";
+    } else if (kind_ == Kind::kHistogram) {
       for (double b : buckets_) *out += exposed + "_bucket{le=\"" + FormatValue(b) + "\"} 0\n";
       *out += exposed + "_bucket{le=\"+Inf\"} 0\n" + exposed + "_sum 0\n" + exposed + "_count 0\n";
     } else {
@@ -107,7 +121,25 @@ void Family::Render(const std::string& exposed, std::string* out) const {
     }
     return;
   }
-  for (const auto& [values, c] : children_) {
+  const auto window_start = Clock::now() - kSummaryWindow;
+  for (auto& [values, c] : children_) {
+    if (kind_ == Kind::kSummary) {
+      while (!c.recent.empty() && c.recent.front().first < window_start) c.recent.pop_front();
+      std::vector<double> sorted;
+      for (const auto& [at, v] : c.recent) sorted.push_back(v);
+      std::sort(sorted.begin(), sorted.end());
+      // Nothing in the window: no quantile lines, as the exporter prints none then.
+      for (double q : sorted.empty() ? std::vector<double>{} : buckets_) {
+        const size_t rank = static_cast<size_t>(std::ceil(q * static_cast<double>(sorted.size())));
+        const double v = sorted[rank == 0 ? 0 : rank - 1];
+        *out += exposed + Labels(label_names_, values, "quantile", FormatValue(q)) + " " +
+                FormatValue(v) + "\n";
+      }
+      *out += exposed + "_sum" + Labels(label_names_, values) + " " + FormatValue(c.value) + "\n";
+      *out +=
+          exposed + "_count" + Labels(label_names_, values) + " " + std::to_string(c.count) + "\n";
+      continue;
+    }
     if (kind_ != Kind::kHistogram) {
       *out += exposed + Labels(label_names_, values) + " " + FormatValue(c.value) + "\n";
       continue;
@@ -144,6 +176,13 @@ Family* Registry::Histogram(const std::string& name, const std::string& help,
                             std::vector<double> buckets, std::vector<std::string> labels) {
   families_.push_back(std::make_unique<Family>(name, help, Kind::kHistogram, std::move(labels),
                                                std::move(buckets)));
+  return families_.back().get();
+}
+
+Family* Registry::Summary(const std::string& name, const std::string& help,
+                          std::vector<std::string> labels) {
+  families_.push_back(
+      std::make_unique<Family>(name, help, Kind::kSummary, std::move(labels), kSummaryQuantiles));
   return families_.back().get();
 }
 

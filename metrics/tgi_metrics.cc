@@ -2,10 +2,38 @@
 
 namespace tgis::metrics {
 
-TgiMetrics::TgiMetrics(Registry* r) {
-  const auto seconds = ExponentialBuckets(0.001, 2, 17);  // 1 ms .. 65 s
-  const auto tokens = ExponentialBuckets(1, 2, 16);       // 1 .. 32768
-  const auto sizes = ExponentialBuckets(1, 2, 10);        // 1 .. 512
+std::vector<double> DurationBuckets() { return ExponentialBuckets(0.0001 * 1.5, 1.5, 35); }
+
+std::vector<double> LinearBuckets(uint32_t limit) {
+  std::vector<double> b;
+  for (int x = 1; x <= 64; ++x) b.push_back(static_cast<double>(limit) / 64.0 * x);
+  return b;
+}
+
+namespace {
+
+std::vector<double> BatchSizeBuckets(uint32_t max_batch_size) {
+  std::vector<double> b;
+  for (uint32_t x = 1; x <= max_batch_size; ++x) b.push_back(x);
+  return b;
+}
+
+}  // namespace
+
+void TgiMetrics::Reshape(const MetricShape& shape) {
+  request_input_length->SetBuckets(LinearBuckets(shape.max_sequence_length));
+  request_total_tokens->SetBuckets(LinearBuckets(shape.max_sequence_length));
+  request_generated_tokens->SetBuckets(LinearBuckets(shape.max_new_tokens));
+  request_max_new_tokens->SetBuckets(LinearBuckets(shape.max_new_tokens));
+  batch_inference_batch_size->SetBuckets(BatchSizeBuckets(shape.max_batch_size));
+}
+
+TgiMetrics::TgiMetrics(Registry* r, const MetricShape& shape) {
+  const auto seconds = DurationBuckets();
+  const auto tokens = LinearBuckets(shape.max_sequence_length);
+  const auto new_tokens = LinearBuckets(shape.max_new_tokens);
+  const auto sizes = BatchSizeBuckets(shape.max_batch_size);
+  const auto tokenized = ExponentialBuckets(64, 2, 14);  // 2^6 .. 2^19
   request_count = r->Counter("tgi_request_count",
                              "Count of generate requests (batch of n counts as 1)", {"kind"});
   request_input_count = r->Counter("tgi_request_input_count",
@@ -15,12 +43,12 @@ TgiMetrics::TgiMetrics(Registry* r) {
   request_success =
       r->Counter("tgi_request_success", "Count of successful requests", {"stop_reason", "kind"});
   request_max_new_tokens = r->Histogram("tgi_request_max_new_tokens",
-                                        "Value of max_new_tokens request parameter", tokens);
+                                        "Value of max_new_tokens request parameter", new_tokens);
   request_input_length =
       r->Histogram("tgi_request_input_length", "Request input length in tokens", tokens);
-  request_raw_input_length = r->Histogram(
-      "tgi_request_raw_input_length",
-      "Raw request input length in tokens (including too long validation failures)", tokens);
+  request_raw_input_length =
+      r->Summary("tgi_request_raw_input_length",
+                 "Raw request input length in tokens (including too long validation failures)");
   request_mean_time_per_token_duration =
       r->Histogram("tgi_request_mean_time_per_token_duration",
                    "Mean time per token, per request (in seconds)", seconds);
@@ -29,7 +57,7 @@ TgiMetrics::TgiMetrics(Registry* r) {
   request_queue_duration = r->Histogram("tgi_request_queue_duration",
                                         "Request time spent in queue (in seconds)", seconds);
   request_generated_tokens = r->Histogram("tgi_request_generated_tokens",
-                                          "Number of tokens generated for request", tokens);
+                                          "Number of tokens generated for request", new_tokens);
   request_total_tokens =
       r->Histogram("tgi_request_total_tokens",
                    "Total sequence length of request (input tokens + generated tokens)", tokens);
@@ -64,8 +92,8 @@ TgiMetrics::TgiMetrics(Registry* r) {
                    "Token-processing time per model forward-pass iteration (in seconds)", seconds,
                    {"method", "makeup"});
   batch_next_tokens =
-      r->Histogram("tgi_batch_next_tokens",
-                   "Total number of tokens included in prefill batch (including padding)", tokens);
+      r->Summary("tgi_batch_next_tokens",
+                 "Total number of tokens included in prefill batch (including padding)");
   batch_current_size = r->Gauge("tgi_batch_current_size", "Current batch size");
   batch_input_tokens =
       r->Gauge("tgi_batch_input_tokens",
@@ -95,8 +123,8 @@ TgiMetrics::TgiMetrics(Registry* r) {
   tokenize_request_input_count =
       r->Counter("tgi_tokenize_request_input_count",
                  "Count of tokenize request inputs (batch of n counts as n)");
-  tokenize_request_tokens = r->Histogram("tgi_tokenize_request_tokens",
-                                         "Count of tokenized tokens per tokenize request", tokens);
+  tokenize_request_tokens = r->Histogram(
+      "tgi_tokenize_request_tokens", "Count of tokenized tokens per tokenize request", tokenized);
   tokenize_request_duration = r->Histogram("tgi_tokenize_request_duration",
                                            "Tokenize request duration (in seconds)", seconds);
 }

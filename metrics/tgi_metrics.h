@@ -1,12 +1,32 @@
 // The tgi_ metric set of TGIS's README, with its exact names, kinds and labels.
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 #include "metrics/registry.h"
 
 namespace tgis::metrics {
 
+// The limits TGIS derives its token-count and batch-size buckets from.
+struct MetricShape {
+  uint32_t max_sequence_length = 2048;
+  uint32_t max_new_tokens = 1024;
+  uint32_t max_batch_size = 12;
+};
+
+// TGIS's buckets (its router's server.rs): every *_duration histogram 0.0001 * 1.5^k seconds,
+// k = 1..35; tokenize counts 2^6..2^19; input and total lengths 64 linear steps up to
+// max_sequence_length, generated and max_new_tokens 64 up to max_new_tokens; batch sizes
+// 1..max_batch_size.
+std::vector<double> DurationBuckets();
+std::vector<double> LinearBuckets(uint32_t limit);  // limit/64 * (1..64)
+
 struct TgiMetrics {
-  explicit TgiMetrics(Registry* r);
+  explicit TgiMetrics(Registry* r, const MetricShape& shape = {});
+  // New buckets for the shape-dependent histograms, once the limits are known (before any of
+  // them is observed: what they hold is dropped).
+  void Reshape(const MetricShape& shape);
 
   // Requests (kind = "single" | "batch" | "stream").
   Family* request_count;        // counter{kind}

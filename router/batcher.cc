@@ -19,6 +19,7 @@ pb::Request ToShardRequest(const GenerationRequest& r) {
   out.set_id(r.id);
   out.mutable_input_ids()->Add(r.input_ids.begin(), r.input_ids.end());
   out.set_max_new_tokens(p.max_new_tokens);
+  out.set_prefix_id(r.prefix_id);
   out.set_top_n_tokens(p.response.top_n_tokens);
   // The shard computes prompt details only when something beyond the token text is wanted.
   const ResponseOptions& o = p.response;
@@ -178,7 +179,15 @@ void Batcher::Loop() {
         EndRequest(*r, absl::UnavailableError("the server is shutting down"), 0);
       }
       for (auto& r : removed.expired) EndRequest(*r, EarlyTimeoutResponse(*r), 0, true);
-      FailAllRunning(absl::UnavailableError("the server is shutting down"));
+      // Our own shutdown, not a generation error: UNAVAILABLE, which a client may retry
+      // against another replica.
+      for (const auto& [id, r] : running_) {
+        EndRequest(*r.request, absl::UnavailableError("the server is shutting down"),
+                   r.progress->generated());
+      }
+      running_.clear();
+      batches_.clear();
+      finished_.clear();
       UpdateBatchGauges();
       (void)shards_.ClearCache(std::nullopt);
       return;
@@ -218,6 +227,12 @@ std::vector<std::unique_ptr<GenerationRequest>> Batcher::TakeBatchLocked(Clock::
   auto batch = queue_.NextBatch(footprints, min_size, config_.admission, &stats);
   if (config_.metrics != nullptr) {
     if (stats.queue_jumps > 0) config_.metrics->queue_jump->Add(stats.queue_jumps);
+    if (stats.prefill_weight_exceeded > 0) {
+      config_.metrics->prefill_weight_limit_exceeded->Add(stats.prefill_weight_exceeded);
+    }
+    if (stats.prefill_padding_exceeded > 0) {
+      config_.metrics->prefill_padding_limit_exceeded->Add(stats.prefill_padding_exceeded);
+    }
     if (stats.granular_additions > 0) {
       config_.metrics->granular_batch_addition->Add(stats.granular_additions);
     }
@@ -484,13 +499,13 @@ void Batcher::FailRequest(uint64_t id, const absl::Status& status) {
   auto it = running_.find(id);
   if (it == running_.end()) return;
   const uint32_t generated = it->second.progress->generated();
-  // As TGIS words it; the shard's status code is kept.
+  // As TGIS words it and codes it: UNKNOWN whatever the shard said, never UNAVAILABLE, which
+  // many gRPC clients retry on their own and so would run a generation twice.
   std::string message = generated == 0 ? std::string(status.message())
                                        : absl::StrCat("Error after generating ", generated,
                                                       " tokens: ", status.message());
   LOG(ERROR) << it->second.request->log_name << ": " << message;
-  Finish(it,
-         absl::Status(status.code(), absl::StrCat("Request failed during generation: ", message)));
+  Finish(it, absl::UnknownError(absl::StrCat("Request failed during generation: ", message)));
 }
 
 void Batcher::SetShardHealth(bool healthy) {

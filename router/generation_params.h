@@ -32,7 +32,7 @@ struct GenerationParams {
   // Greedy unless `sample`; the sampling fields mean nothing for greedy requests.
   bool sample = false;
   float temperature = 1.0f;
-  uint32_t top_k = 0;  // 0: off
+  int32_t top_k = 0;  // 0: off (validated non-negative)
   float top_p = 1.0f;
   float typical_p = 1.0f;
   // Always set for sampling requests once an input is validated (chosen at random if the

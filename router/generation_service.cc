@@ -50,11 +50,11 @@ absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> GenerationServic
   metrics::TgiMetrics* m = options_.metrics;
   absl::StatusOr<GenerationParams> converted = ConvertParameters(params, options_.limits, received);
   if (!converted.ok()) return converted.status();
+  uint32_t prefix_length = 0;
   if (prefix_id.has_value()) {
-    // Prompt tuning is not supported: a prefix can never be loaded, which TGIS counts as a
-    // failed load (tgi_prompt_load_duration, of successful loads, stays empty).
-    if (m != nullptr) m->prompt_load_failure->Add(1);
-    return PromptPrefixNotFound(*prefix_id);
+    absl::StatusOr<uint32_t> length = PrefixLength(*prefix_id);
+    if (!length.ok()) return PromptPrefixError(*prefix_id, length.status());
+    prefix_length = *length;
   }
 
   std::vector<std::unique_ptr<GenerationRequest>> requests;
@@ -64,6 +64,8 @@ absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> GenerationServic
     r->log_name =
         texts.size() == 1 ? log_name : absl::StrCat(log_name, " [", i + 1, "/", texts.size(), "]");
     r->input_text = *texts[i];
+    if (prefix_id.has_value()) r->prefix_id = *prefix_id;
+    r->prefix_length = prefix_length;
     r->params = *converted;
     r->streaming = kind == RequestKind::kStream;
     r->kind = kind;
@@ -76,7 +78,7 @@ absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> GenerationServic
     if (m != nullptr) m->request_raw_input_length->Observe(static_cast<double>(raw_length));
     r->input_ids = std::move(encoding->ids);
     absl::Status valid =
-        ValidateInput(r->input_length(), options_.limits, RandomSeed(), &r->params);
+        ValidateInput(r->input_length(), prefix_length, options_.limits, RandomSeed(), &r->params);
     if (!valid.ok()) return valid;
     requests.push_back(std::move(r));
   }
@@ -90,6 +92,40 @@ absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> GenerationServic
     m->request_validation_duration->Observe(Seconds(Clock::now() - received));
   }
   return requests;
+}
+
+absl::StatusOr<uint32_t> GenerationService::PrefixLength(const std::string& prefix_id) {
+  constexpr size_t kCapacity = 256;
+  constexpr auto kTimeToLive = std::chrono::hours(1);
+  const Clock::time_point now = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(prefix_mu_);
+    auto it = prefix_lengths_.find(prefix_id);
+    if (it != prefix_lengths_.end() && now - it->second.second < kTimeToLive) {
+      return it->second.first;
+    }
+  }
+  metrics::TgiMetrics* m = options_.metrics;
+  absl::StatusOr<uint32_t> length =
+      options_.prefix_lookup
+          ? options_.prefix_lookup(prefix_id)
+          : absl::NotFoundError(absl::StrCat("prefix id \"", prefix_id, "\" not found"));
+  if (!length.ok()) {
+    if (m != nullptr) m->prompt_load_failure->Add(1);
+    return length.status();
+  }
+  if (m != nullptr) m->prompt_load_duration->Observe(Seconds(Clock::now() - now));
+  std::lock_guard<std::mutex> lock(prefix_mu_);
+  if (prefix_lengths_.size() >= kCapacity) {
+    // Full: the entry loaded longest ago goes.
+    auto oldest = prefix_lengths_.begin();
+    for (auto it = prefix_lengths_.begin(); it != prefix_lengths_.end(); ++it) {
+      if (it->second.second < oldest->second.second) oldest = it;
+    }
+    prefix_lengths_.erase(oldest);
+  }
+  prefix_lengths_[prefix_id] = {*length, now};
+  return *length;
 }
 
 void GenerationService::CountFailure(const char* err) {
@@ -189,8 +225,7 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
   }
   uint64_t total_tokens = 0;
   for (const fmaas::TokenizeRequest& r : request->requests()) {
-    absl::StatusOr<Encoding> e =
-        EncodeInput(tokenizer_, r.text(), request->truncate_input_tokens());
+    absl::StatusOr<Encoding> e = EncodeTail(tokenizer_, r.text(), request->truncate_input_tokens());
     if (!e.ok()) {
       reactor->Finish(ToGrpcStatus(TokenizerError(e.status())));
       return reactor;

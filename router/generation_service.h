@@ -6,7 +6,10 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -23,10 +26,13 @@ namespace tgis::router {
 
 struct ServiceOptions {
   ValidationLimits limits;
-  uint32_t max_concurrent_requests = 96;
+  uint32_t max_concurrent_requests = 512;
   fmaas::ModelInfoResponse::ModelKind model_kind = fmaas::ModelInfoResponse::DECODER_ONLY;
   // The tgi_ metrics to keep up to date; none when null. Must outlive the service.
   metrics::TgiMetrics* metrics = nullptr;
+  // Loads a prompt-tuning prefix on the shards and gives its virtual-token count; unset: every
+  // prefix id fails as not found.
+  std::function<absl::StatusOr<uint32_t>(const std::string&)> prefix_lookup;
 };
 
 class GenerationService final : public fmaas::GenerationService::CallbackService {
@@ -52,6 +58,9 @@ class GenerationService final : public fmaas::GenerationService::CallbackService
       const std::optional<std::string>& prefix_id, const fmaas::Parameters* params,
       const std::vector<const std::string*>& texts, RequestKind kind, const std::string& log_name,
       Clock::time_point received);
+  // The prefix's virtual-token count: from the cache of lengths, else looked up on the shards
+  // (TGIS keeps 256 for an hour; failures are not kept).
+  absl::StatusOr<uint32_t> PrefixLength(const std::string& prefix_id);
   // A call refused before validation (overload) or by validation.
   void CountFailure(const char* err);
 
@@ -59,6 +68,8 @@ class GenerationService final : public fmaas::GenerationService::CallbackService
   Batcher& batcher_;
   const ServiceOptions options_;
   ConcurrencyLimiter limiter_;
+  std::mutex prefix_mu_;
+  std::map<std::string, std::pair<uint32_t, Clock::time_point>> prefix_lengths_;
   std::atomic<uint64_t> next_id_{1};    // requests (each input of a call)
   std::atomic<uint64_t> next_call_{1};  // calls, to name them in logs
 };

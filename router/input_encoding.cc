@@ -52,4 +52,11 @@ absl::StatusOr<Encoding> EncodeInput(const Tokenizer& tokenizer, std::string_vie
   return out;
 }
 
+absl::StatusOr<Encoding> EncodeTail(const Tokenizer& tokenizer, std::string_view text,
+                                    uint32_t truncate_to) {
+  absl::StatusOr<Encoding> full = tokenizer.Encode(text, /*add_special_tokens=*/true);
+  if (!full.ok() || truncate_to == 0 || full->ids.size() <= truncate_to) return full;
+  return LastTokens(*full, truncate_to);
+}
+
 }  // namespace tgis::router

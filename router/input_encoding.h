@@ -19,4 +19,9 @@ namespace tgis::router {
 absl::StatusOr<Encoding> EncodeInput(const Tokenizer& tokenizer, std::string_view text,
                                      uint32_t truncate_to, size_t* untruncated_length = nullptr);
 
+// Tokenize's truncation, as TGIS's Tokenize does it: the plain tail of the full encoding (a
+// leading BOS is cut like any other token), unlike Generate's (EncodeInput).
+absl::StatusOr<Encoding> EncodeTail(const Tokenizer& tokenizer, std::string_view text,
+                                    uint32_t truncate_to);
+
 }  // namespace tgis::router

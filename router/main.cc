@@ -50,12 +50,16 @@ DEFINE_int32(max_sequence_length, 0,
 DEFINE_int32(max_new_tokens, 1024,
              "Largest max_new_tokens a request may ask for (env MAX_NEW_TOKENS)");
 DEFINE_int32(max_batch_size, 12, "Most requests in the running batch (env MAX_BATCH_SIZE)");
-DEFINE_int32(max_concurrent_requests, 96,
+DEFINE_int32(max_concurrent_requests, 512,
              "Most requests queued or running; more are refused with RESOURCE_EXHAUSTED "
              "(env MAX_CONCURRENT_REQUESTS)");
 DEFINE_int32(max_waiting_tokens, 24,
              "Decode steps after which a waiting request may always interrupt decoding with its "
              "prefill (env MAX_WAITING_TOKENS)");
+DEFINE_double(max_prefill_padding, 0.2,
+              "Most padding, as a fraction of a prefill's tokens, that a new batch may carry; our "
+              "batches are ragged (never padded), so only a value below 0 refuses anything "
+              "(env MAX_PREFILL_PADDING)");
 DEFINE_int64(max_batch_weight, 0,
              "Most tokens the running batch may hold in the KV cache; 0: what the shards report "
              "at warmup, which also caps it (env MAX_BATCH_WEIGHT)");
@@ -172,6 +176,7 @@ int main(int argc, char** argv) {
           {"max_concurrent_requests", "MAX_CONCURRENT_REQUESTS"},
           {"max_waiting_tokens", "MAX_WAITING_TOKENS"},
           {"max_batch_weight", "MAX_BATCH_WEIGHT"},
+          {"max_prefill_padding", "MAX_PREFILL_PADDING"},
           {"output_special_tokens", "OUTPUT_SPECIAL_TOKENS"},
           {"default_include_stop_seqs", "DEFAULT_INCLUDE_STOP_SEQS"},
           {"shard_connect_timeout", "SHARD_CONNECT_TIMEOUT"},
@@ -210,7 +215,12 @@ int main(int argc, char** argv) {
   // /health and /metrics answer while the router waits for the shards (503 until they are
   // ready and a generation has succeeded).
   tgis::metrics::Registry registry;
-  tgis::metrics::TgiMetrics tgi_metrics(&registry);
+  tgis::metrics::TgiMetrics tgi_metrics(
+      &registry,
+      {.max_sequence_length =
+           FLAGS_max_sequence_length > 0 ? static_cast<uint32_t>(FLAGS_max_sequence_length) : 2048u,
+       .max_new_tokens = static_cast<uint32_t>(FLAGS_max_new_tokens),
+       .max_batch_size = static_cast<uint32_t>(FLAGS_max_batch_size)});
   tgis::router::HealthMonitor health_monitor;
   tgis::metrics::HttpServer http([&health_monitor] { return health_monitor.Check(); },
                                  [&registry] { return registry.Render(); });
@@ -257,11 +267,29 @@ int main(int argc, char** argv) {
     max_sequence_length = static_cast<uint32_t>(batch_tokens);
   }
   if (max_sequence_length < 2) return Fail("the KV cache is too small for any request");
+  // As TGIS: a request can never generate more than max_sequence_length - 1 tokens (one input
+  // token at least), and ModelInfo and validation both say so.
+  uint32_t max_new_tokens = static_cast<uint32_t>(FLAGS_max_new_tokens);
+  if (max_new_tokens >= max_sequence_length) {
+    LOG(INFO) << "adjusting max_new_tokens (" << max_new_tokens
+              << ") down to max_sequence_length - 1 (" << max_sequence_length - 1 << ")";
+    max_new_tokens = max_sequence_length - 1;
+  }
+
+  tgi_metrics.Reshape({.max_sequence_length = max_sequence_length,
+                       .max_new_tokens = max_new_tokens,
+                       .max_batch_size = static_cast<uint32_t>(FLAGS_max_batch_size)});
 
   tgis::router::BatcherConfig batcher_config;
   batcher_config.admission.max_batch_size = static_cast<uint32_t>(FLAGS_max_batch_size);
   batcher_config.admission.max_batch_tokens = batch_tokens;
   batcher_config.admission.block_size = std::max<uint32_t>(warmup->block_size(), 1);
+  // The shards' prefill weight limit; one request of the longest length must always fit.
+  if (warmup->max_prefill_tokens() > 0) {
+    batcher_config.admission.max_prefill_tokens =
+        std::max<uint64_t>(warmup->max_prefill_tokens(), max_sequence_length);
+  }
+  batcher_config.admission.max_prefill_padding = FLAGS_max_prefill_padding;
   batcher_config.max_waiting_tokens = static_cast<uint32_t>(FLAGS_max_waiting_tokens);
   batcher_config.detokenization.skip_special_tokens = !FLAGS_output_special_tokens;
   for (uint32_t id : info->eos_token_ids()) {
@@ -295,10 +323,13 @@ int main(int argc, char** argv) {
 
   tgis::router::ServiceOptions service_options;
   service_options.limits.max_sequence_length = max_sequence_length;
-  service_options.limits.max_new_tokens = static_cast<uint32_t>(FLAGS_max_new_tokens);
+  service_options.limits.max_new_tokens = max_new_tokens;
   service_options.limits.default_include_stop_seqs = FLAGS_default_include_stop_seqs;
   service_options.max_concurrent_requests = static_cast<uint32_t>(FLAGS_max_concurrent_requests);
   service_options.metrics = &tgi_metrics;
+  service_options.prefix_lookup = [&shard_client](const std::string& id) {
+    return shard_client.PrefixLookup(id);
+  };
   service_options.model_kind = info->model_kind() == generate::v1::ENCODER_DECODER
                                    ? fmaas::ModelInfoResponse::ENCODER_DECODER
                                    : fmaas::ModelInfoResponse::DECODER_ONLY;

@@ -8,7 +8,7 @@ Footprint FootprintOf(const GenerationRequest& request, uint32_t generated) {
   // The step that produces token g + 1 writes the prompt and the g tokens before it to the
   // cache; the shard may count one more slot for the token being produced.
   const uint32_t max_new = request.params.max_new_tokens;
-  return Footprint{.tokens = request.input_length() + generated + 1,
+  return Footprint{.tokens = request.prompt_length() + generated + 1,
                    .steps = max_new > generated ? max_new - generated : 0};
 }
 
@@ -37,6 +37,18 @@ uint64_t PeakTokens(std::span<const Footprint> requests, uint32_t block_size) {
     peak = std::max(peak, total);
   }
   return peak;
+}
+
+double PrefillPadding(std::span<const uint32_t> input_lengths, bool padded_batches) {
+  if (!padded_batches || input_lengths.empty()) return 0.0;
+  uint64_t total = 0;
+  uint32_t longest = 0;
+  for (uint32_t n : input_lengths) {
+    total += n;
+    longest = std::max(longest, n);
+  }
+  const double padded = static_cast<double>(longest) * static_cast<double>(input_lengths.size());
+  return padded > 0 ? 1.0 - static_cast<double>(total) / padded : 0.0;
 }
 
 void RequestQueue::Push(std::unique_ptr<GenerationRequest> request) {
@@ -96,8 +108,21 @@ std::vector<std::unique_ptr<GenerationRequest>> RequestQueue::NextBatch(
   if (queue_.size() < min_size || running.size() + min_size > limits.max_batch_size) {
     return batch;
   }
+  // TGIS's effective prefill weight limit: the free share of the KV cache, of the full limit.
+  uint64_t prefill_limit = limits.max_prefill_tokens;
+  if (prefill_limit > 0 && !running.empty() && limits.max_batch_tokens > 0) {
+    uint64_t running_tokens = 0;
+    for (const Footprint& f : running) running_tokens += f.tokens;
+    const double free_share =
+        1.0 - static_cast<double>(running_tokens) / static_cast<double>(limits.max_batch_tokens);
+    prefill_limit = static_cast<uint64_t>(std::max(0.0, free_share) *
+                                          static_cast<double>(limits.max_prefill_tokens));
+    if (prefill_limit == 0) return batch;
+  }
   std::vector<Footprint> footprints(running.begin(), running.end());
   std::vector<size_t> chosen;
+  std::vector<uint32_t> prefill_lengths;
+  uint64_t prefill_tokens = 0;
   std::optional<Clock::time_point> cutoff;
   for (size_t i = 0; i < queue_.size(); ++i) {
     const GenerationRequest& r = *queue_[i];
@@ -108,12 +133,35 @@ std::vector<std::unique_ptr<GenerationRequest>> RequestQueue::NextBatch(
       if (!cutoff.has_value()) cutoff = r.queued + kOvertakeWindow;
       continue;
     }
+    // Then the prefill's own limits, as TGIS checks them: weight first, then padding.
+    prefill_lengths.push_back(r.prompt_length());
+    bool skip = false;
+    if (prefill_limit > 0 && prefill_tokens + r.prompt_length() > prefill_limit) {
+      ++local.prefill_weight_exceeded;
+      skip = true;
+    } else if (PrefillPadding(prefill_lengths, limits.padded_batches) >
+               limits.max_prefill_padding) {
+      ++local.prefill_padding_exceeded;
+      skip = true;
+    }
+    if (skip) {
+      footprints.pop_back();
+      prefill_lengths.pop_back();
+      if (!cutoff.has_value()) cutoff = r.queued + kOvertakeWindow;
+      continue;
+    }
+    prefill_tokens += r.prompt_length();
     if (cutoff.has_value()) ++local.queue_jumps;
     if (FinalTokens(footprints, limits.block_size) > limits.max_batch_tokens) {
       ++local.granular_additions;
     }
     chosen.push_back(i);
     if (running.size() + chosen.size() >= limits.max_batch_size) break;
+  }
+  // The limits' counters count also when nothing is taken: TGIS counts every skip.
+  if (stats != nullptr) {
+    stats->prefill_weight_exceeded = local.prefill_weight_exceeded;
+    stats->prefill_padding_exceeded = local.prefill_padding_exceeded;
   }
   if (chosen.size() < min_size) return batch;
   if (stats != nullptr) *stats = local;

@@ -37,6 +37,15 @@ struct AdmissionLimits {
   uint32_t max_batch_size = 12;
   uint64_t max_batch_tokens = 0;  // the KV cache, in tokens
   uint32_t block_size = 1;
+  // TGIS's prefill weight limit: the most prompt tokens one prefill may carry, as the shards'
+  // memory model says (0: none). As in TGIS it shrinks with the share of the KV cache the
+  // running batch already holds.
+  uint64_t max_prefill_tokens = 0;
+  // TGIS's MAX_PREFILL_PADDING: the most padding, as a fraction of a prefill's tokens. Only a
+  // shard that pads its batches to the longest prompt has any (`padded_batches`); ours are
+  // ragged, so this refuses nothing unless the limit is below 0.
+  double max_prefill_padding = 0.2;
+  bool padded_batches = false;
 };
 
 // What happened while a batch was chosen, for TGIS's queue metrics.
@@ -46,7 +55,16 @@ struct AdmissionStats {
   // Requests taken that fit only because the batch's peak is counted step by step: the sum of
   // every request's final length would exceed the KV cache (tgi_granular_batch_addition).
   uint32_t granular_additions = 0;
+  // Requests skipped because the prefill would be over its weight limit
+  // (tgi_prefill_weight_limit_exceeded) or over its padding limit
+  // (tgi_prefill_padding_limit_exceeded).
+  uint32_t prefill_weight_exceeded = 0;
+  uint32_t prefill_padding_exceeded = 0;
 };
+
+// The fraction of a prefill's tokens that is padding, for a shard that pads every prompt to the
+// longest one (0 for ragged batches).
+double PrefillPadding(std::span<const uint32_t> input_lengths, bool padded_batches);
 
 class RequestQueue {
  public:

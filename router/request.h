@@ -37,6 +37,10 @@ struct GenerationRequest {
   std::string log_name;  // names the request in logs (x-correlation-id when given)
   std::string input_text;
   std::vector<int32_t> input_ids;  // after truncation
+  // Prompt tuning: the prefix's id (empty: none) and its virtual-token count, which the shards
+  // put before the input.
+  std::string prefix_id;
+  uint32_t prefix_length = 0;
   GenerationParams params;
   bool streaming = false;
   RequestKind kind = RequestKind::kSingle;
@@ -46,6 +50,8 @@ struct GenerationRequest {
   Clock::time_point batched{};  // admitted into the running batch (its prefill started)
 
   uint32_t input_length() const { return static_cast<uint32_t>(input_ids.size()); }
+  // The prompt as the shards hold it: virtual tokens and input tokens.
+  uint32_t prompt_length() const { return input_length() + prefix_length; }
 };
 
 }  // namespace tgis::router

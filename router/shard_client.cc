@@ -17,10 +17,11 @@ namespace {
 namespace pb = generate::v1;
 using Stub = pb::TextGenerationService::Stub;
 
-absl::Status FromGrpc(const grpc::Status& s, size_t shard) {
+absl::Status FromGrpc(const grpc::Status& s, size_t shard, bool name_shard = true) {
   if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat("shard ", shard, ": ", s.error_message()));
+  return absl::Status(
+      static_cast<absl::StatusCode>(s.error_code()),
+      name_shard ? absl::StrCat("shard ", shard, ": ", s.error_message()) : s.error_message());
 }
 
 class GrpcShardClient final : public ShardClient {
@@ -68,6 +69,20 @@ class GrpcShardClient final : public ShardClient {
                                            });
   }
 
+  absl::StatusOr<uint32_t> PrefixLookup(const std::string& prefix_id) override {
+    pb::PrefixLookupRequest request;
+    request.set_prefix_id(prefix_id);
+    // TGIS's PREFIX_LOOKUP_TIMEOUT; the shard's message goes to the client as it is.
+    auto response = FanOut<pb::PrefixLookupResponse>(
+        request, kPrefixLookup,
+        [](auto* a, auto* c, auto* q, auto* r, auto done) {
+          a->PrefixLookup(c, q, r, std::move(done));
+        },
+        /*name_shard=*/false);
+    if (!response.ok()) return response.status();
+    return response->prefix_length();
+  }
+
   absl::Status ClearCache(std::optional<uint64_t> batch_id) override {
     pb::ClearCacheRequest request;
     if (batch_id.has_value()) request.set_id(*batch_id);
@@ -81,12 +96,13 @@ class GrpcShardClient final : public ShardClient {
  private:
   static constexpr std::chrono::milliseconds kShortCall{1000};
   static constexpr std::chrono::milliseconds kNoDeadline{0};
+  static constexpr std::chrono::milliseconds kPrefixLookup{5000};
 
   // Sends `request` to every shard at once and waits for all of them; shard 0's response
   // wins, and any shard's failure fails the call.
   template <typename Response, typename Request, typename Start>
   absl::StatusOr<Response> FanOut(const Request& request, std::chrono::milliseconds deadline,
-                                  Start start) {
+                                  Start start, bool name_shard = true) {
     struct Call {
       grpc::ClientContext context;
       Response response;
@@ -115,7 +131,7 @@ class GrpcShardClient final : public ShardClient {
       cv.wait(lock, [&] { return pending == 0; });
     }
     for (size_t i = 0; i < calls.size(); ++i) {
-      if (!calls[i].status.ok()) return FromGrpc(calls[i].status, i);
+      if (!calls[i].status.ok()) return FromGrpc(calls[i].status, i, name_shard);
     }
     return std::move(calls[0].response);
   }

@@ -39,19 +39,19 @@ StopSequenceMatcher::Result StopSequenceMatcher::Append(std::string_view text, b
   const size_t released_end = window_.size() - unreleased_;
 
   if (may_stop) {
+    // As TGIS: the first sequence, in the request's order, that ends in the new text wins,
+    // at its last occurrence there.
     size_t best_start = std::string::npos;
     size_t best_len = 0;
     for (size_t i = 0; i < stop_sequences_.size(); ++i) {
       const std::string& s = stop_sequences_[i];
-      // Only occurrences that end in the new text: the rest were seen (or not allowed) before.
       const size_t from = old_size + 1 > s.size() ? old_size + 1 - s.size() : 0;
-      const size_t pos = window_.find(s, from);
-      if (pos == std::string::npos) continue;
-      if (pos < best_start || (pos == best_start && s.size() > best_len)) {
-        best_start = pos;
-        best_len = s.size();
-        result.match = i;
-      }
+      const size_t pos = window_.rfind(s);
+      if (pos == std::string::npos || pos < from) continue;
+      best_start = pos;
+      best_len = s.size();
+      result.match = i;
+      break;
     }
     if (result.match.has_value()) {
       // Held-back text covers any excluded sequence's start, so the cut is never in text

@@ -24,9 +24,10 @@ class StopSequenceMatcher {
 
   // Adds newly decoded text. When `may_stop`, a stop sequence that ends inside `text` (it may
   // start in earlier, held-back text) ends the output: `released` then stops at the cut and
-  // the matcher takes no more text. When several match, the one that starts first wins (then
-  // the longest). Without `may_stop` (e.g. before min_new_tokens), nothing matches, as in TGIS,
-  // where a stop sequence must end in the text of the token that stops the request.
+  // the matcher takes no more text. When several match, the first in the request's order wins,
+  // at its last occurrence in the new text (TGIS's rule). Without `may_stop` (e.g. before
+  // min_new_tokens), nothing matches, as in TGIS, where a stop sequence must end in the text of the
+  // token that stops the request.
   Result Append(std::string_view text, bool may_stop);
 
   // Releases whatever is held back: the request ended for another reason.

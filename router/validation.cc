@@ -33,10 +33,10 @@ GenerationParams Convert(const fmaas::Parameters& p, bool default_include_stop_s
     gp.response.top_n_tokens = r.top_n_tokens();
   }
 
-  // TGIS only reads length_penalty when repetition_penalty is set (non-zero); a length
-  // penalty alone is ignored, unvalidated. Kept for drop-in compatibility.
-  if (p.has_decoding() && p.decoding().repetition_penalty() != 0.0f) {
-    gp.repetition_penalty = p.decoding().repetition_penalty();
+  if (p.has_decoding()) {
+    if (p.decoding().repetition_penalty() != 0.0f) {
+      gp.repetition_penalty = p.decoding().repetition_penalty();
+    }
     if (p.decoding().has_length_penalty()) {
       gp.length_penalty = LengthPenalty{p.decoding().length_penalty().start_index(),
                                         p.decoding().length_penalty().decay_factor()};
@@ -62,7 +62,9 @@ GenerationParams Convert(const fmaas::Parameters& p, bool default_include_stop_s
     if (p.has_sampling()) {
       const fmaas::SamplingParameters& s = p.sampling();
       gp.temperature = s.temperature();
-      gp.top_k = s.top_k();
+      // TGIS reads the unsigned field as a signed 32-bit value: 2^31 and above are negative
+      // and fail the top_k check below.
+      gp.top_k = static_cast<int32_t>(s.top_k());
       if (s.top_p() != 0.0f) gp.top_p = s.top_p();
       if (s.typical_p() != 0.0f) gp.typical_p = s.typical_p();
       if (s.has_seed()) gp.seed = s.seed();
@@ -94,6 +96,9 @@ absl::StatusOr<GenerationParams> ConvertParameters(const fmaas::Parameters* para
   if (!(gp.typical_p <= 1.0f)) {
     return Invalid("typical_p must be <= 1.0");
   }
+  if (gp.top_k < 0) {
+    return Invalid("top_k must be strictly positive");
+  }
   if (gp.max_new_tokens > limits.max_new_tokens) {
     return Invalid(absl::StrCat("max_new_tokens must be <= ", limits.max_new_tokens));
   }
@@ -116,23 +121,20 @@ absl::StatusOr<GenerationParams> ConvertParameters(const fmaas::Parameters* para
   for (const std::string& s : gp.stop_sequences) {
     if (s.empty() || s.size() > kMaxStopSequenceBytes) return StopSequencesError();
   }
-  // Larger values are served as the maximum rather than refused, as TGIS's shards do.
-  gp.response.top_n_tokens = std::min(gp.response.top_n_tokens, kMaxTopNTokens);
   return gp;
 }
 
-absl::Status ValidateInput(uint32_t input_tokens, const ValidationLimits& limits,
-                           uint32_t random_seed, GenerationParams* params) {
-  // There are no prompt prefixes, so the prefix length in the messages is always 0.
-  constexpr uint32_t kPrefixLength = 0;
-  const uint64_t effective = static_cast<uint64_t>(input_tokens) + kPrefixLength;
+absl::Status ValidateInput(uint32_t input_tokens, uint32_t prefix_length,
+                           const ValidationLimits& limits, uint32_t random_seed,
+                           GenerationParams* params) {
+  const uint64_t effective = static_cast<uint64_t>(input_tokens) + prefix_length;
   if (effective >= limits.max_sequence_length) {
     return Invalid(absl::StrCat("input tokens (", input_tokens, ") plus prefix length (",
-                                kPrefixLength, ") must be < ", limits.max_sequence_length));
+                                prefix_length, ") must be < ", limits.max_sequence_length));
   }
   if (effective + params->min_new_tokens > limits.max_sequence_length) {
     return Invalid(absl::StrCat("input tokens (", input_tokens, ") plus prefix length (",
-                                kPrefixLength, ") plus min_new_tokens (", params->min_new_tokens,
+                                prefix_length, ") plus min_new_tokens (", params->min_new_tokens,
                                 ") must be <= ", limits.max_sequence_length));
   }
   if (params->sample && !params->seed.has_value()) {
@@ -146,10 +148,16 @@ absl::Status ValidateInput(uint32_t input_tokens, const ValidationLimits& limits
   return absl::OkStatus();
 }
 
-absl::Status PromptPrefixNotFound(std::string_view prefix_id) {
-  const std::string id(prefix_id);
-  return Invalid(absl::StrCat("can't retrieve prompt prefix with id '", id, "': prefix id \"", id,
-                              "\" not found"));
+absl::Status PromptPrefixError(std::string_view prefix_id, const absl::Status& shard_status) {
+  // TGIS's ClientError wording of the shard's status.
+  std::string cause(shard_status.message());
+  if (shard_status.code() == absl::StatusCode::kUnavailable) {
+    cause = absl::StrCat("Could not connect to Text Generation server: ", cause);
+  } else if (shard_status.code() == absl::StatusCode::kResourceExhausted) {
+    cause = "GPU out of memory";
+  }
+  return Invalid(
+      absl::StrCat("can't retrieve prompt prefix with id '", std::string(prefix_id), "': ", cause));
 }
 
 }  // namespace tgis::router

@@ -15,8 +15,6 @@ namespace tgis::router {
 
 inline constexpr size_t kMaxStopSequences = 6;
 inline constexpr size_t kMaxStopSequenceBytes = 240;
-// TGIS returns at most this many top tokens per position (more on a tie for the last place).
-inline constexpr uint32_t kMaxTopNTokens = 5;
 // max_new_tokens when a request leaves it at 0.
 inline constexpr uint32_t kDefaultMaxNewTokens = 20;
 
@@ -35,10 +33,13 @@ absl::StatusOr<GenerationParams> ConvertParameters(const fmaas::Parameters* para
 // Checks one input of `input_tokens` tokens (after truncation) and finishes its parameters:
 // a sampling request without a seed gets `random_seed`, and max_new_tokens is lowered (and
 // flagged as a token limit) where input + max_new_tokens would exceed max_sequence_length.
-absl::Status ValidateInput(uint32_t input_tokens, const ValidationLimits& limits,
-                           uint32_t random_seed, GenerationParams* params);
+// `prefix_length`: the virtual tokens of the request's prompt-tuning prefix (0: none).
+absl::Status ValidateInput(uint32_t input_tokens, uint32_t prefix_length,
+                           const ValidationLimits& limits, uint32_t random_seed,
+                           GenerationParams* params);
 
-// There is no prompt-prefix store: every prefix id is unknown, with TGIS's message.
-absl::Status PromptPrefixNotFound(std::string_view prefix_id);
+// TGIS's validation error for a prefix the shards could not load, from their status: the
+// message as TGIS's router words a shard client error.
+absl::Status PromptPrefixError(std::string_view prefix_id, const absl::Status& shard_status);
 
 }  // namespace tgis::router

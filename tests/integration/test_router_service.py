@@ -76,10 +76,10 @@ def test_tokenize_truncation_and_generate_agree(server, oracle):
             truncate_input_tokens=n)).responses[0]
         expected = min(n, len(full.ids))
         assert r.token_count == expected
-        # The BOS stays; the text's last tokens are kept.
-        assert r.tokens[0] == "<s>"
-        assert list(r.tokens[1:]) == full.tokens[len(full.tokens) - (expected - 1):]
-        assert len(r.offsets) == expected
+        # TGIS's Tokenize keeps the plain tail of the tokens and offsets: the BOS goes first.
+        assert list(r.tokens) == full.tokens[len(full.tokens) - expected:]
+        tail = full.offsets[len(full.offsets) - expected:]
+        assert [(o.start, o.end) for o in r.offsets] == byte_offsets(text, tail)
         g = server.stub.Generate(pb.BatchedGenerationRequest(
             requests=[pb.GenerationRequest(text=text)],
             params=pb.Parameters(truncate_input_tokens=n,
@@ -242,3 +242,33 @@ def test_bad_tokenizer_path_fails_at_start(tmp_path):
                        env={**os.environ, "MAX_BATCH_SIZE": "many",
                             "TOKENIZER_PATH": str(fixture_model_dir("llama"))})
     assert r.returncode != 0 and "MAX_BATCH_SIZE" in r.stderr
+
+
+def test_tgis_defaults_max_new_tokens_and_concurrency():
+    """TGIS lowers MAX_NEW_TOKENS to MAX_SEQUENCE_LENGTH - 1 when it is not below it (ModelInfo
+    and validation both), and admits 512 concurrent inputs by default (each input of a batch
+    takes one permit)."""
+    missing = binaries_missing()
+    if missing:
+        pytest.skip(missing)
+    s = RouterServer("llama", kv_blocks=256, block_size=4,
+                     router_args=["--max-sequence-length", "50", "--max-new-tokens", "1024"])
+    try:
+        pb = s.pb
+        info = s.stub.ModelInfo(pb.ModelInfoRequest())
+        assert info.max_sequence_length == 50
+        assert info.max_new_tokens == 49
+        with pytest.raises(grpc.RpcError) as e:
+            s.stub.Generate(pb.BatchedGenerationRequest(
+                requests=[pb.GenerationRequest(text="Hi")],
+                params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=50))), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details() == "max_new_tokens must be <= 49"
+        # 200 inputs in one call: over the old default of 96, within TGIS's 512.
+        batch = s.stub.Generate(pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text=f"Hi {i}") for i in range(200)],
+            params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=1))), timeout=120)
+        assert len(batch.responses) == 200
+        assert all(r.generated_token_count == 1 for r in batch.responses)
+    finally:
+        s.close()

@@ -35,7 +35,7 @@ TEST(Metrics, EveryTgisMetricIsExposedWithItsKind) {
       {"tgi_request_success", "counter"},
       {"tgi_request_max_new_tokens", "histogram"},
       {"tgi_request_input_length", "histogram"},
-      {"tgi_request_raw_input_length", "histogram"},
+      {"tgi_request_raw_input_length", "summary"},
       {"tgi_request_mean_time_per_token_duration", "histogram"},
       {"tgi_request_validation_duration", "histogram"},
       {"tgi_request_queue_duration", "histogram"},
@@ -51,7 +51,7 @@ TEST(Metrics, EveryTgisMetricIsExposedWithItsKind) {
       {"tgi_batch_inference_duration", "histogram"},
       {"tgi_batch_inference_forward_duration", "histogram"},
       {"tgi_batch_inference_tokproc_duration", "histogram"},
-      {"tgi_batch_next_tokens", "histogram"},
+      {"tgi_batch_next_tokens", "summary"},
       {"tgi_batch_current_size", "gauge"},
       {"tgi_batch_input_tokens", "gauge"},
       {"tgi_batch_max_remaining_tokens", "gauge"},
@@ -77,7 +77,7 @@ TEST(Metrics, LabelledCounterAndHistogramRender) {
   TgiMetrics m(&r);
   m.request_success->Add(1, {"EOS_TOKEN", "single"});
   m.request_success->Add(2, {"EOS_TOKEN", "single"});
-  m.batch_inference_duration->Observe(0.0015, {"prefill", "1"});
+  m.batch_inference_duration->Observe(0.0011, {"prefill", "1"});
   m.batch_inference_duration->Observe(100, {"prefill", "1"});
   m.queue_size->Set(4);
   const std::string text = r.Render();
@@ -87,12 +87,12 @@ TEST(Metrics, LabelledCounterAndHistogramRender) {
             std::string::npos);
   EXPECT_NE(
       text.find(
-          "tgi_batch_inference_duration_bucket{method=\"prefill\",makeup=\"1\",le=\"0.001\"} 0\n"),
+          "tgi_batch_inference_duration_bucket{method=\"prefill\",makeup=\"1\",le=\"0.000759375\"} "
+          "0\n"),
       std::string::npos);
-  EXPECT_NE(
-      text.find(
-          "tgi_batch_inference_duration_bucket{method=\"prefill\",makeup=\"1\",le=\"0.002\"} 1\n"),
-      std::string::npos);
+  EXPECT_NE(text.find("tgi_batch_inference_duration_bucket{method=\"prefill\",makeup=\"1\",le=\"0."
+                      "0011390624999999999\"} 1\n"),
+            std::string::npos);
   EXPECT_NE(
       text.find(
           "tgi_batch_inference_duration_bucket{method=\"prefill\",makeup=\"1\",le=\"+Inf\"} 2\n"),
@@ -101,6 +101,66 @@ TEST(Metrics, LabelledCounterAndHistogramRender) {
             std::string::npos);
   EXPECT_NE(text.find("tgi_queue_size 4\n"), std::string::npos);
   EXPECT_EQ(m.request_success->Value({"EOS_TOKEN", "single"}), 3);
+}
+
+// TGIS's router (server.rs) sets these buckets; dashboards built on them must keep working.
+TEST(Metrics, BucketsAreTgisBuckets) {
+  // Durations: value = 0.0001, then 35 times value *= 1.5, each pushed (as TGIS computes them,
+  // so the doubles and their shortest text are the same).
+  std::vector<double> want;
+  double value = 0.0001;
+  for (int i = 0; i < 35; ++i) want.push_back(value *= 1.5);
+  EXPECT_EQ(tgis::metrics::DurationBuckets(), want);
+
+  Registry r;
+  TgiMetrics m(&r, {.max_sequence_length = 200, .max_new_tokens = 169, .max_batch_size = 8});
+  const std::string text = r.Render();
+  auto has = [&text](const std::string& line) { return text.find(line) != std::string::npos; };
+  // Tokenize: 2^6 .. 2^19.
+  EXPECT_TRUE(has("tgi_tokenize_request_tokens_bucket{le=\"64\"} 0\n"));
+  EXPECT_TRUE(has("tgi_tokenize_request_tokens_bucket{le=\"524288\"} 0\n"));
+  EXPECT_FALSE(has("tgi_tokenize_request_tokens_bucket{le=\"32\"}"));
+  EXPECT_FALSE(has("tgi_tokenize_request_tokens_bucket{le=\"1048576\"}"));
+  // Lengths: 64 linear steps of max_sequence_length / 64 or max_new_tokens / 64.
+  EXPECT_TRUE(has("tgi_request_input_length_bucket{le=\"3.125\"} 0\n"));
+  EXPECT_TRUE(has("tgi_request_input_length_bucket{le=\"200\"} 0\n"));
+  EXPECT_TRUE(has("tgi_request_total_tokens_bucket{le=\"6.25\"} 0\n"));
+  EXPECT_TRUE(has("tgi_request_generated_tokens_bucket{le=\"2.640625\"} 0\n"));
+  EXPECT_TRUE(has("tgi_request_max_new_tokens_bucket{le=\"169\"} 0\n"));
+  EXPECT_EQ(tgis::metrics::LinearBuckets(200).size(), 64u);
+  // Batch sizes 1..MAX_BATCH_SIZE (labelled by method, so shown once observed).
+  m.batch_inference_batch_size->Observe(3, {"prefill"});
+  const std::string after = r.Render();
+  EXPECT_NE(after.find("tgi_batch_inference_batch_size_bucket{method=\"prefill\",le=\"8\"} 1\n"),
+            std::string::npos);
+  EXPECT_EQ(after.find("tgi_batch_inference_batch_size_bucket{method=\"prefill\",le=\"9\"}"),
+            std::string::npos);
+
+  // Reshape, once the shards told the real limits, replaces the buckets.
+  m.Reshape({.max_sequence_length = 128, .max_new_tokens = 64, .max_batch_size = 2});
+  const std::string reshaped = r.Render();
+  EXPECT_NE(reshaped.find("tgi_request_input_length_bucket{le=\"2\"} 0\n"), std::string::npos);
+  EXPECT_NE(reshaped.find("tgi_request_max_new_tokens_bucket{le=\"1\"} 0\n"), std::string::npos);
+  EXPECT_EQ(reshaped.find("tgi_request_input_length_bucket{le=\"200\"}"), std::string::npos);
+}
+
+// tgi_batch_next_tokens and tgi_request_raw_input_length have no buckets in TGIS, so its
+// exporter renders them as summaries.
+TEST(Metrics, SummariesRenderQuantilesSumAndCount) {
+  Registry r;
+  TgiMetrics m(&r);
+  EXPECT_NE(r.Render().find("tgi_batch_next_tokens_count 0\n"), std::string::npos);
+  for (int v = 1; v <= 100; ++v) m.batch_next_tokens->Observe(v);
+  const std::string text = r.Render();
+  for (const char* line :
+       {"tgi_batch_next_tokens{quantile=\"0\"} 1\n", "tgi_batch_next_tokens{quantile=\"0.5\"} 50\n",
+        "tgi_batch_next_tokens{quantile=\"0.9\"} 90\n",
+        "tgi_batch_next_tokens{quantile=\"0.99\"} 99\n",
+        "tgi_batch_next_tokens{quantile=\"1\"} 100\n", "tgi_batch_next_tokens_sum 5050\n",
+        "tgi_batch_next_tokens_count 100\n"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << text;
+  }
+  EXPECT_EQ(m.batch_next_tokens->Value(), 100);
 }
 
 TEST(Metrics, LabelValuesAreEscaped) {

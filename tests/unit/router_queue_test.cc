@@ -162,5 +162,65 @@ TEST(RouterQueue, AdmissionStats) {
   EXPECT_EQ(FinalTokens(finishing, 1), 101u);
 }
 
+// TGIS's prefill weight limit (queue.rs next_batch): a request whose prompt would take the
+// prefill over the limit is skipped and counted; later, smaller ones may still join.
+TEST(RouterQueue, PrefillWeightLimitSkipsAndCounts) {
+  RequestQueue q;
+  q.Push(Request(1, 60, 1));
+  q.Push(Request(2, 60, 1));
+  q.Push(Request(3, 30, 1));
+  AdmissionLimits limits{
+      .max_batch_size = 8, .max_batch_tokens = 1000, .block_size = 1, .max_prefill_tokens = 100};
+  AdmissionStats stats;
+  auto batch = q.NextBatch({}, 1, limits, &stats);
+  EXPECT_EQ(Ids(batch), (std::vector<uint64_t>{1, 3}));
+  EXPECT_EQ(stats.prefill_weight_exceeded, 1u);
+  EXPECT_EQ(stats.prefill_padding_exceeded, 0u);
+  // Without the limit (today's default for shards that report none) all three go.
+  RequestQueue all;
+  for (uint64_t id : {1, 2, 3}) all.Push(Request(id, 60, 1));
+  limits.max_prefill_tokens = 0;
+  EXPECT_EQ(all.NextBatch({}, 1, limits).size(), 3u);
+}
+
+// The limit shrinks with the share of the KV cache the running batch holds, as in TGIS.
+TEST(RouterQueue, PrefillWeightLimitShrinksWithTheRunningBatch) {
+  RequestQueue q;
+  q.Push(Request(1, 60, 1));
+  AdmissionLimits limits{
+      .max_batch_size = 8, .max_batch_tokens = 1000, .block_size = 1, .max_prefill_tokens = 100};
+  // Running requests hold 500 of 1000 tokens: the limit is 50, under the 60-token prompt.
+  std::vector<Footprint> running{{.tokens = 500, .steps = 1}};
+  AdmissionStats stats;
+  EXPECT_TRUE(q.NextBatch(running, 1, limits, &stats).empty());
+  EXPECT_EQ(stats.prefill_weight_exceeded, 1u);
+  running[0].tokens = 300;  // limit 70
+  EXPECT_EQ(q.NextBatch(running, 1, limits).size(), 1u);
+}
+
+// MAX_PREFILL_PADDING applies to shards that pad prompts to the longest; ragged batches have
+// none, so the same requests go together there.
+TEST(RouterQueue, PrefillPaddingLimit) {
+  EXPECT_DOUBLE_EQ(PrefillPadding(std::vector<uint32_t>{10, 30}, true), 1.0 - 40.0 / 60.0);
+  EXPECT_DOUBLE_EQ(PrefillPadding(std::vector<uint32_t>{10, 30}, false), 0.0);
+  AdmissionLimits limits{.max_batch_size = 8,
+                         .max_batch_tokens = 1000,
+                         .block_size = 1,
+                         .max_prefill_padding = 0.2,
+                         .padded_batches = true};
+  RequestQueue q;
+  q.Push(Request(1, 100, 1));
+  q.Push(Request(2, 10, 1));  // 100 + 10 padded to 200: 45% padding
+  q.Push(Request(3, 90, 1));  // 100 + 90 padded to 200: 5%
+  AdmissionStats stats;
+  EXPECT_EQ(Ids(q.NextBatch({}, 1, limits, &stats)), (std::vector<uint64_t>{1, 3}));
+  EXPECT_EQ(stats.prefill_padding_exceeded, 1u);
+  EXPECT_EQ(stats.prefill_weight_exceeded, 0u);
+  RequestQueue ragged;
+  for (uint64_t id : {1, 2, 3}) ragged.Push(Request(id, id == 2 ? 10 : 100, 1));
+  limits.padded_batches = false;
+  EXPECT_EQ(ragged.NextBatch({}, 1, limits).size(), 3u);
+}
+
 }  // namespace
 }  // namespace tgis::router

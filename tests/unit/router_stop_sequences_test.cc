@@ -79,12 +79,20 @@ TEST(StopSequenceMatcher, MatchInsideOnePiece) {
   EXPECT_EQ(Feed(inc, {"go on and stop here"}).text, "go on and stop");
 }
 
-TEST(StopSequenceMatcher, EarliestMatchWinsThenLongest) {
-  StopSequenceMatcher m({"b", "ab", "abc"}, true);
+// TGIS's matches_stop_sequence: the first sequence in the request's order that ends in the new
+// text, at its last occurrence there.
+TEST(StopSequenceMatcher, FirstInRequestOrderWinsAtItsLastOccurrence) {
+  StopSequenceMatcher m({"abc", "b", "ab"}, true);
   Fed f = Feed(m, {"xxabcb"});
   ASSERT_TRUE(f.match);
-  EXPECT_EQ(*f.match, 2u);  // "ab" and "abc" start first; "abc" is longer
+  EXPECT_EQ(*f.match, 0u);  // "abc" is listed first, although "ab" starts as early
   EXPECT_EQ(f.text, "xxabc");
+
+  StopSequenceMatcher last({"b", "abc"}, false);
+  f = Feed(last, {"xxabcb"});
+  ASSERT_TRUE(f.match);
+  EXPECT_EQ(*f.match, 0u);
+  EXPECT_EQ(f.text, "xxabc");  // cut at the last "b" of the new text, not the first
 }
 
 TEST(StopSequenceMatcher, NoMatchWhileNotAllowedAndNoLateMatch) {
@@ -127,28 +135,23 @@ TEST(StopSequenceMatcher, FlushAfterNoMatch) {
   EXPECT_EQ(m.Flush(), "ab");
 }
 
-// Reference semantics, on whole strings: after each piece, the earliest-starting (then longest)
-// stop sequence that ends inside that piece stops the text.
+// Reference semantics, on whole strings, as TGIS's batcher.rs matches_stop_sequence: after each
+// piece, the first stop sequence in the request's order whose last occurrence ends inside that
+// piece stops the text there.
 std::string Reference(const std::vector<std::string>& stops, bool include,
                       const std::vector<std::string>& pieces) {
   std::string text;
   for (const std::string& p : pieces) {
-    const size_t old = text.size();
+    const size_t next_off = text.size() + 1;
     text += p;
-    size_t best = std::string::npos, len = 0;
     for (const std::string& s : stops) {
-      for (size_t pos = 0; pos + s.size() <= text.size(); ++pos) {
-        if (pos + s.size() <= old) continue;
+      const size_t start = next_off > s.size() ? next_off - s.size() : 0;
+      for (size_t pos = text.size() >= s.size() ? text.size() - s.size() + 1 : 0; pos-- > start;) {
         if (text.compare(pos, s.size(), s) == 0) {
-          if (pos < best || (pos == best && s.size() > len)) {
-            best = pos;
-            len = s.size();
-          }
-          break;
+          return text.substr(0, include ? pos + s.size() : pos);
         }
       }
     }
-    if (best != std::string::npos) return text.substr(0, include ? best + len : best);
   }
   return text;
 }

@@ -157,12 +157,32 @@ TEST(RouterValidation, Messages) {
   }
 }
 
-TEST(RouterValidation, LengthPenaltyNeedsRepetitionPenaltyAsInTgis) {
+// TGIS's convert_params reads length_penalty whether or not repetition_penalty is set.
+TEST(RouterValidation, LengthPenaltyAppliesOnItsOwn) {
   fmaas::Parameters p;
   p.mutable_decoding()->mutable_length_penalty()->set_decay_factor(0.5f);
+  EXPECT_EQ(ErrorOf(p), "length_penalty must be >= 1.0 and <= 10.0");
+  p.mutable_decoding()->mutable_length_penalty()->set_decay_factor(1.5f);
+  p.mutable_decoding()->mutable_length_penalty()->set_start_index(3);
   absl::StatusOr<GenerationParams> r = Convert(p);
   ASSERT_TRUE(r.ok());
-  EXPECT_FALSE(r->length_penalty.has_value());
+  ASSERT_TRUE(r->length_penalty.has_value());
+  EXPECT_EQ(r->length_penalty->start_index, 3u);
+  EXPECT_FLOAT_EQ(r->length_penalty->decay_factor, 1.5f);
+  EXPECT_FLOAT_EQ(r->repetition_penalty, 1.0f);
+}
+
+// TGIS reads the unsigned top_k as an i32: 2^31 and above are negative and refused.
+TEST(RouterValidation, TopKIsSigned) {
+  fmaas::Parameters p = Sampling(0.7f);
+  p.mutable_sampling()->set_top_k(0x80000000u);
+  EXPECT_EQ(ErrorOf(p), "top_k must be strictly positive");
+  p.mutable_sampling()->set_top_k(0x7fffffffu);
+  EXPECT_EQ(ErrorOf(p), "OK");
+  // Greedy requests' sampling fields are not read at all.
+  p.set_method(fmaas::GREEDY);
+  p.mutable_sampling()->set_top_k(0xffffffffu);
+  EXPECT_EQ(ErrorOf(p), "OK");
 }
 
 TEST(RouterValidation, CheckOrderFollowsTgis) {
@@ -193,62 +213,77 @@ TEST(RouterValidation, NanIsRejected) {
   EXPECT_EQ(ErrorOf(p), "temperature must be >= 0.05");
 }
 
-TEST(RouterValidation, TopNTokensIsCappedAtFive) {
+TEST(RouterValidation, TopNTokensIsNotCapped) {
+  // TGIS's router passes top_n_tokens through; its shards cap it at the vocabulary size.
   fmaas::Parameters p;
   p.mutable_response()->set_generated_tokens(true);
   p.mutable_response()->set_top_n_tokens(9);
-  EXPECT_EQ(Convert(p)->response.top_n_tokens, 5u);
+  EXPECT_EQ(Convert(p)->response.top_n_tokens, 9u);
 }
 
 TEST(RouterValidation, InputLength) {
   GenerationParams params;
   params.max_new_tokens = 100;
-  absl::Status s = ValidateInput(200, kLimits, 7, &params);
+  absl::Status s = ValidateInput(200, 0, kLimits, 7, &params);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(), "input tokens (200) plus prefix length (0) must be < 200");
 
   params.min_new_tokens = 150;
-  s = ValidateInput(69, kLimits, 7, &params);
+  s = ValidateInput(69, 0, kLimits, 7, &params);
   EXPECT_EQ(s.message(),
             "input tokens (69) plus prefix length (0) plus min_new_tokens (150) must be <= 200");
 
   // Input + min == max is allowed; max_new_tokens is cut to fit and flagged.
   params.min_new_tokens = 2;
   params.max_new_tokens = 100;
-  ASSERT_TRUE(ValidateInput(198, kLimits, 7, &params).ok());
+  ASSERT_TRUE(ValidateInput(198, 0, kLimits, 7, &params).ok());
   EXPECT_EQ(params.max_new_tokens, 2u);
   EXPECT_TRUE(params.max_is_token_limit);
 
   GenerationParams fits;
   fits.max_new_tokens = 14;
-  ASSERT_TRUE(ValidateInput(186, kLimits, 7, &fits).ok());
+  ASSERT_TRUE(ValidateInput(186, 0, kLimits, 7, &fits).ok());
   EXPECT_EQ(fits.max_new_tokens, 14u);
   EXPECT_FALSE(fits.max_is_token_limit);
 }
 
 TEST(RouterValidation, SamplingGetsASeed) {
   GenerationParams greedy;
-  ASSERT_TRUE(ValidateInput(5, kLimits, 1234, &greedy).ok());
+  ASSERT_TRUE(ValidateInput(5, 0, kLimits, 1234, &greedy).ok());
   EXPECT_FALSE(greedy.seed.has_value());
 
   GenerationParams sample;
   sample.sample = true;
-  ASSERT_TRUE(ValidateInput(5, kLimits, 1234, &sample).ok());
+  ASSERT_TRUE(ValidateInput(5, 0, kLimits, 1234, &sample).ok());
   EXPECT_EQ(sample.seed, 1234u);
 
   GenerationParams seeded;
   seeded.sample = true;
   seeded.seed = 99;
-  ASSERT_TRUE(ValidateInput(5, kLimits, 1234, &seeded).ok());
+  ASSERT_TRUE(ValidateInput(5, 0, kLimits, 1234, &seeded).ok());
   EXPECT_EQ(seeded.seed, 99u);
 }
 
 TEST(RouterValidation, PromptPrefix) {
-  absl::Status s = PromptPrefixNotFound("invalid_prefix_id");
+  absl::Status s = PromptPrefixError(
+      "invalid_prefix_id", absl::NotFoundError("prefix id \"invalid_prefix_id\" not found"));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(),
             "can't retrieve prompt prefix with id 'invalid_prefix_id': prefix id "
             "\"invalid_prefix_id\" not found");
+  // TGIS's ClientError wording of a shard that cannot be reached.
+  s = PromptPrefixError("p", absl::UnavailableError("connection refused"));
+  EXPECT_EQ(s.message(),
+            "can't retrieve prompt prefix with id 'p': Could not connect to Text Generation "
+            "server: connection refused");
+  // The prefix length counts in the length checks.
+  GenerationParams params;
+  s = ValidateInput(190, 10, kLimits, 7, &params);
+  EXPECT_EQ(s.message(), "input tokens (190) plus prefix length (10) must be < 200");
+  params.max_new_tokens = 20;
+  ASSERT_TRUE(ValidateInput(180, 10, kLimits, 7, &params).ok());
+  EXPECT_EQ(params.max_new_tokens, 10u);
+  EXPECT_TRUE(params.max_is_token_limit);
 }
 
 }  // namespace
