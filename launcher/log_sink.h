@@ -11,6 +11,7 @@ class LogSink {
  public:
   explicit LogSink(bool json) : json_(json) {}
   void Info(const std::string& message) { Write("INFO", "launcher", message); }
+  void Warn(const std::string& message) { Write("WARN", "launcher", message); }
   void Error(const std::string& message) { Write("ERROR", "launcher", message); }
   // A line a child printed.
   void Child(const std::string& name, const std::string& line);

@@ -1,12 +1,13 @@
 // text-generation-launcher: resolves the model, starts NUM_SHARD shards and waits for them,
 // then starts the router; forwards SIGTERM (the router drains in-flight requests within the
 // grace period) and takes everything down, exiting non-zero, when any child dies.
-#include <gflags/gflags.h>
+// The command line is TGIS's launcher's (launcher_flags.h).
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -14,58 +15,15 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <thread>
+#include <vector>
 
-#include "common/env_flags.h"
 #include "launcher/child_process.h"
+#include "launcher/launcher_flags.h"
 #include "launcher/log_sink.h"
 #include "launcher/model_resolver.h"
-
-DEFINE_string(model_name, "", "Model directory, or hub id in the local HF cache (env MODEL_NAME)");
-DEFINE_string(revision, "", "Model revision in the HF cache: commit, branch or tag (env REVISION)");
-DEFINE_int32(num_shard, 1, "Number of model shards (env NUM_SHARD)");
-DEFINE_string(dtype_str, "",
-              "Weight dtype: float32, bfloat16, float16; default float32 on the CPU, bfloat16 "
-              "on GPUs (env DTYPE_STR)");
-DEFINE_int32(
-    max_sequence_length, 0,
-    "Longest input + output in tokens; 0: the model's max positions (env MAX_SEQUENCE_LENGTH)");
-DEFINE_int32(max_new_tokens, 1024,
-             "Largest max_new_tokens a request may ask for (env MAX_NEW_TOKENS)");
-DEFINE_int32(max_batch_size, 12, "Most requests decoded together (env MAX_BATCH_SIZE)");
-DEFINE_int32(
-    max_concurrent_requests, 96,
-    "Requests in the server at once before RESOURCE_EXHAUSTED (env MAX_CONCURRENT_REQUESTS)");
-DEFINE_int32(
-    max_waiting_tokens, 24,
-    "Decode steps queued requests may wait before a prefill joins them (env MAX_WAITING_TOKENS)");
-DEFINE_int64(max_batch_weight, 0,
-             "Most tokens in the KV cache; 0: what Warmup measures (env MAX_BATCH_WEIGHT)");
-DEFINE_int32(port, 3000, "HTTP port of /health and /metrics (env PORT)");
-DEFINE_int32(grpc_port, 8033, "Port of the gRPC API (env GRPC_PORT)");
-DEFINE_string(shard_uds_path, "/tmp/text-generation-server",
-              "Unix socket prefix of the shards (env SHARD_UDS_PATH)");
-DEFINE_string(master_addr, "localhost", "Rendezvous address of the shards (env MASTER_ADDR)");
-DEFINE_int32(master_port, 29500, "Rendezvous port of the shards (env MASTER_PORT)");
-DEFINE_string(tls_cert_path, "",
-              "Server certificate (PEM) enabling TLS on gRPC (env TLS_CERT_PATH)");
-DEFINE_string(tls_key_path, "", "Private key (PEM) of the certificate (env TLS_KEY_PATH)");
-DEFINE_string(
-    tls_client_ca_cert_path, "",
-    "CA (PEM) that client certificates must chain to: mTLS (env TLS_CLIENT_CA_CERT_PATH)");
-DEFINE_bool(output_special_tokens, false,
-            "Keep special tokens in output text (env OUTPUT_SPECIAL_TOKENS)");
-DEFINE_bool(default_include_stop_seqs, true,
-            "Default of include_stop_sequence (env DEFAULT_INCLUDE_STOP_SEQS)");
-DEFINE_bool(json_output, false, "Log as JSON lines (env JSON_OUTPUT)");
-DEFINE_int32(shutdown_grace_period, 30,
-             "Seconds in-flight requests get to finish after SIGTERM (env SHUTDOWN_GRACE_PERIOD)");
-DEFINE_int32(shard_startup_timeout, 600,
-             "Seconds to wait for a shard to listen (env SHARD_STARTUP_TIMEOUT)");
-DEFINE_string(termination_log, "/dev/termination-log",
-              "Where a fatal exit's reason is written, when writable (env TERMINATION_LOG)");
-DEFINE_string(bin_dir, "",
-              "Where text-generation-server and -router are; default: beside the launcher");
 
 namespace {
 
@@ -76,13 +34,13 @@ using tgis::launcher::LogSink;
 volatile sig_atomic_t g_stop_signal = 0;
 void OnStopSignal(int sig) { g_stop_signal = sig; }
 
-void WriteTerminationLog(const std::string& reason) {
-  std::ofstream out(FLAGS_termination_log, std::ios::trunc);
+void WriteTerminationLog(const std::string& path, const std::string& reason) {
+  std::ofstream out(path, std::ios::trunc);
   if (out) out << reason << "\n";
 }
 
-std::string BinDir(const char* argv0) {
-  if (!FLAGS_bin_dir.empty()) return FLAGS_bin_dir;
+std::string BinDir(const std::optional<std::string>& bin_dir, const char* argv0) {
+  if (bin_dir && !bin_dir->empty()) return *bin_dir;
   std::error_code ec;
   fs::path self = fs::read_symlink("/proc/self/exe", ec);
   if (ec) self = fs::absolute(argv0);
@@ -101,56 +59,56 @@ std::string FindBinary(const std::string& dir, const std::string& name, const st
 }  // namespace
 
 int main(int argc, char** argv) {
-  gflags::SetUsageMessage(
-      "--model-name MODEL [--num-shard N] ... (every flag has an env fallback)");
-  tgis::NormalizeDashedFlags(argc, argv);
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
-  const std::string env_error =
-      tgis::ApplyEnvFallbacks({{"model_name", "MODEL_NAME"},
-                               {"revision", "REVISION"},
-                               {"num_shard", "NUM_SHARD"},
-                               {"dtype_str", "DTYPE_STR"},
-                               {"max_sequence_length", "MAX_SEQUENCE_LENGTH"},
-                               {"max_new_tokens", "MAX_NEW_TOKENS"},
-                               {"max_batch_size", "MAX_BATCH_SIZE"},
-                               {"max_concurrent_requests", "MAX_CONCURRENT_REQUESTS"},
-                               {"max_waiting_tokens", "MAX_WAITING_TOKENS"},
-                               {"max_batch_weight", "MAX_BATCH_WEIGHT"},
-                               {"port", "PORT"},
-                               {"grpc_port", "GRPC_PORT"},
-                               {"shard_uds_path", "SHARD_UDS_PATH"},
-                               {"master_addr", "MASTER_ADDR"},
-                               {"master_port", "MASTER_PORT"},
-                               {"tls_cert_path", "TLS_CERT_PATH"},
-                               {"tls_key_path", "TLS_KEY_PATH"},
-                               {"tls_client_ca_cert_path", "TLS_CLIENT_CA_CERT_PATH"},
-                               {"output_special_tokens", "OUTPUT_SPECIAL_TOKENS"},
-                               {"default_include_stop_seqs", "DEFAULT_INCLUDE_STOP_SEQS"},
-                               {"json_output", "JSON_OUTPUT"},
-                               {"shutdown_grace_period", "SHUTDOWN_GRACE_PERIOD"},
-                               {"shard_startup_timeout", "SHARD_STARTUP_TIMEOUT"},
-                               {"termination_log", "TERMINATION_LOG"}});
-  LogSink log(FLAGS_json_output);
-  auto fatal = [&log](const std::string& reason) {
+  using tgis::launcher::ParsedCommandLine;
+  const tgis::launcher::EnvLookup env = tgis::launcher::ProcessEnv();
+  auto parsed =
+      tgis::launcher::ParseLauncherFlags(std::vector<std::string>(argv + 1, argv + argc), env);
+  if (!parsed.ok()) {
+    // A usage error, as clap reports one: on stderr, exit code 2. The termination log gets it
+    // too (from TERMINATION_LOG or its default, as the flags did not parse).
+    const std::string reason(parsed.status().message());
+    std::fprintf(stderr, "text-generation-launcher: error: %s\n", reason.c_str());
+    WriteTerminationLog(env("TERMINATION_LOG").value_or("/dev/termination-log"), reason);
+    return 2;
+  }
+  if (parsed->action == ParsedCommandLine::Action::kHelp) {
+    std::fputs(tgis::launcher::LauncherHelp().c_str(), stdout);
+    return 0;
+  }
+  if (parsed->action == ParsedCommandLine::Action::kVersion) {
+    std::fputs(tgis::launcher::LauncherVersion().c_str(), stdout);
+    return 0;
+  }
+  const tgis::launcher::LauncherFlags& flags = parsed->flags;
+
+  LogSink log(flags.json_output);
+  auto fatal = [&log, &flags](const std::string& reason) {
     log.Error(reason);
-    WriteTerminationLog(reason);
+    WriteTerminationLog(flags.termination_log, reason);
     return 1;
   };
-  if (!env_error.empty()) return fatal(env_error);
-  if (argc != 1) return fatal(std::string("unexpected argument '") + argv[1] + "'");
-  if (FLAGS_num_shard < 1) return fatal("--num-shard must be at least 1");
+  log.Info("Launcher args: " + tgis::launcher::DescribeFlags(flags));
+  auto settings = tgis::launcher::CheckLauncherFlags(flags, env);
+  if (!settings.ok()) return fatal(std::string(settings.status().message()));
+  for (const std::string& line : settings->info) log.Info(line);
+  for (const std::string& line : settings->warnings) log.Warn(line);
+  // As TGIS: MAX_PREFILL_WEIGHT is read by nothing.
+  if (auto v = env("MAX_PREFILL_WEIGHT"); v && v->find_first_not_of(" \t") != std::string::npos) {
+    log.Warn("MAX_PREFILL_WEIGHT is set to " + *v + " but this parameter will be ignored.");
+  }
+  const int num_shard = settings->num_shard;
 
-  auto model = tgis::launcher::ResolveModel(FLAGS_model_name, FLAGS_revision,
+  auto model = tgis::launcher::ResolveModel(flags.model_name, flags.revision.value_or(""),
                                             tgis::launcher::CacheDirs::FromEnvironment());
   if (!model.ok()) return fatal(std::string(model.status().message()));
-  log.Info("model " + FLAGS_model_name + " -> " + *model);
+  log.Info("model " + flags.model_name + " -> " + *model);
 
   struct sigaction sa {};
   sa.sa_handler = OnStopSignal;
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
 
-  const std::string bin = BinDir(argv[0]);
+  const std::string bin = BinDir(flags.bin_dir, argv[0]);
   const std::string server_bin = FindBinary(bin, "text-generation-server", "server");
   const std::string router_bin = FindBinary(bin, "text-generation-router", "router");
   // A child that fails says why in its last "text-generation-<name>: <reason>" line (e.g. the
@@ -175,29 +133,27 @@ int main(int argc, char** argv) {
   };
 
   std::vector<std::unique_ptr<ChildProcess>> shards;
-  for (int rank = 0; rank < FLAGS_num_shard; ++rank) {
+  for (int rank = 0; rank < num_shard; ++rank) {
     auto child = std::make_unique<ChildProcess>();
     std::string error;
     std::error_code ec;
-    fs::remove(FLAGS_shard_uds_path + "-" + std::to_string(rank), ec);
-    const std::map<std::string, std::string> env = {
+    fs::remove(flags.shard_uds_path + "-" + std::to_string(rank), ec);
+    const std::map<std::string, std::string> shard_env = {
         {"RANK", std::to_string(rank)},
-        {"WORLD_SIZE", std::to_string(FLAGS_num_shard)},
-        {"MASTER_ADDR", FLAGS_master_addr},
-        {"MASTER_PORT", std::to_string(FLAGS_master_port)}};
-    std::vector<std::string> args = {server_bin,
-                                     "serve",
-                                     *model,
-                                     "--uds-path",
-                                     FLAGS_shard_uds_path,
-                                     "--rank",
-                                     std::to_string(rank),
-                                     "--world-size",
-                                     std::to_string(FLAGS_num_shard)};
-    if (!FLAGS_dtype_str.empty()) {  // else the shard picks by device
-      args.insert(args.end(), {"--dtype", FLAGS_dtype_str});
+        {"WORLD_SIZE", std::to_string(num_shard)},
+        {"MASTER_ADDR", flags.master_addr},
+        {"MASTER_PORT", std::to_string(flags.master_port)}};
+    std::vector<std::string> args = {
+        server_bin, "serve", *model, "--uds-path", flags.shard_uds_path, "--rank",
+        std::to_string(rank), "--world-size", std::to_string(num_shard),
+        "--cuda_process_memory_fraction=" +
+            tgis::launcher::FormatNumber(flags.cuda_process_memory_fraction),
+        // As TGIS: the shards size the KV cache, so the margin is theirs.
+        "--batch_safety_margin=" + std::to_string(flags.batch_safety_margin)};
+    if (!settings->dtype.empty()) {  // else the shard picks by device
+      args.insert(args.end(), {"--dtype", settings->dtype});
     }
-    if (!child->Start("shard-" + std::to_string(rank), args, env, sink, &error)) {
+    if (!child->Start("shard-" + std::to_string(rank), args, shard_env, sink, &error)) {
       return fatal("cannot start shard " + std::to_string(rank) + ": " + error);
     }
     shards.push_back(std::move(child));
@@ -214,9 +170,9 @@ int main(int argc, char** argv) {
   };
   // Wait for every shard's socket.
   const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::seconds(FLAGS_shard_startup_timeout);
-  for (int rank = 0; rank < FLAGS_num_shard; ++rank) {
-    const std::string socket = FLAGS_shard_uds_path + "-" + std::to_string(rank);
+      std::chrono::steady_clock::now() + std::chrono::seconds(flags.shard_startup_timeout);
+  for (int rank = 0; rank < num_shard; ++rank) {
+    const std::string socket = flags.shard_uds_path + "-" + std::to_string(rank);
     for (;;) {
       std::error_code ec;
       if (fs::exists(socket, ec)) break;
@@ -233,7 +189,7 @@ int main(int argc, char** argv) {
       if (std::chrono::steady_clock::now() > deadline) {
         stop_all(shards, 5);
         return fatal("shard " + std::to_string(rank) + " did not listen on " + socket + " within " +
-                     std::to_string(FLAGS_shard_startup_timeout) + "s");
+                     std::to_string(flags.shard_startup_timeout) + "s");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
@@ -245,34 +201,35 @@ int main(int argc, char** argv) {
       "--tokenizer-path",
       *model,
       "--shard-uds-path",
-      FLAGS_shard_uds_path,
+      flags.shard_uds_path,
       "--num-shard",
-      std::to_string(FLAGS_num_shard),
+      std::to_string(num_shard),
       "--grpc-port",
-      std::to_string(FLAGS_grpc_port),
+      std::to_string(flags.grpc_port),
       "--max-sequence-length",
-      std::to_string(FLAGS_max_sequence_length),
+      std::to_string(flags.max_sequence_length.value_or(0)),  // 0: the model's positions
       "--max-new-tokens",
-      std::to_string(FLAGS_max_new_tokens),
+      std::to_string(flags.max_new_tokens),
       "--max-batch-size",
-      std::to_string(FLAGS_max_batch_size),
+      std::to_string(flags.max_batch_size),
       "--max-concurrent-requests",
-      std::to_string(FLAGS_max_concurrent_requests),
+      std::to_string(flags.max_concurrent_requests),
       "--max-waiting-tokens",
-      std::to_string(FLAGS_max_waiting_tokens),
+      std::to_string(flags.max_waiting_tokens),
+      "--max_prefill_padding=" + tgis::launcher::FormatNumber(flags.max_prefill_padding),
       "--max-batch-weight",
-      std::to_string(FLAGS_max_batch_weight),
-      std::string("--output-special-tokens=") + (FLAGS_output_special_tokens ? "true" : "false"),
+      std::to_string(flags.max_batch_weight),
+      std::string("--output-special-tokens=") + (flags.output_special_tokens ? "true" : "false"),
       std::string("--default-include-stop-seqs=") +
-          (FLAGS_default_include_stop_seqs ? "true" : "false"),
+          (flags.default_include_stop_seqs ? "true" : "false"),
       "--shutdown-grace-period",
-      std::to_string(FLAGS_shutdown_grace_period)};
+      std::to_string(flags.shutdown_grace_period)};
   // HTTP and TLS settings reach the router through its environment.
-  std::map<std::string, std::string> router_env = {{"PORT", std::to_string(FLAGS_port)}};
-  if (!FLAGS_tls_cert_path.empty()) router_env["TLS_CERT_PATH"] = FLAGS_tls_cert_path;
-  if (!FLAGS_tls_key_path.empty()) router_env["TLS_KEY_PATH"] = FLAGS_tls_key_path;
-  if (!FLAGS_tls_client_ca_cert_path.empty()) {
-    router_env["TLS_CLIENT_CA_CERT_PATH"] = FLAGS_tls_client_ca_cert_path;
+  std::map<std::string, std::string> router_env = {{"PORT", std::to_string(flags.port)}};
+  if (flags.tls_cert_path) router_env["TLS_CERT_PATH"] = *flags.tls_cert_path;
+  if (flags.tls_key_path) router_env["TLS_KEY_PATH"] = *flags.tls_key_path;
+  if (flags.tls_client_ca_cert_path) {
+    router_env["TLS_CLIENT_CA_CERT_PATH"] = *flags.tls_client_ca_cert_path;
   }
   std::vector<std::unique_ptr<ChildProcess>> routers;
   {
@@ -284,14 +241,14 @@ int main(int argc, char** argv) {
     }
     routers.push_back(std::move(router));
   }
-  log.Info("router started on gRPC port " + std::to_string(FLAGS_grpc_port));
+  log.Info("router started on gRPC port " + std::to_string(flags.grpc_port));
 
   // Supervise: a stop signal drains; any child's death takes everything down.
   for (;;) {
     if (g_stop_signal != 0) {
       log.Info("received " + std::string(strsignal(g_stop_signal)) + ", draining for up to " +
-               std::to_string(FLAGS_shutdown_grace_period) + "s");
-      stop_all(routers, FLAGS_shutdown_grace_period + 5);
+               std::to_string(flags.shutdown_grace_period) + "s");
+      stop_all(routers, flags.shutdown_grace_period + 5);
       stop_all(shards, 10);
       log.Info("stopped");
       return 0;
