@@ -27,6 +27,8 @@ void* NativeStream();
 void Synchronize();
 // Free device memory in bytes (what the KV cache may take at Warmup).
 size_t FreeMemory();
+// The device's whole memory in bytes.
+size_t TotalMemory();
 
 // Ops: same contracts as in ops.h.
 #include "kernels/op_signatures.inc"

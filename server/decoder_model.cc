@@ -251,6 +251,15 @@ Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLay
   const bool parallel = layout_.world_size > 1;
   Tensor x = Buf({t, s.hidden});
   Embed(in.input_ids, &x);
+  if (in.prefix_values.defined()) {
+    // Virtual tokens: their rows come from the prefix instead (a row gather over both).
+    const int64_t r = in.prefix_values.dim(0);
+    Tensor table = Buf({t + r, s.hidden});
+    Tensor tokens = table.Rows(0, t), virtual_tokens = table.Rows(t, t + r);
+    kernels::CopyColumns(x, 0, s.hidden, &tokens, 0);
+    kernels::CopyColumns(in.prefix_values, 0, s.hidden, &virtual_tokens, 0);
+    kernels::Embedding(in.embedding_source, table, &x);
+  }
   if (s.position == PositionKind::kLearned) {
     Tensor pos = Buf({t, s.hidden});
     kernels::Embedding(in.positions, w_.pos_embed, &pos);

@@ -102,6 +102,10 @@ struct ForwardInput {
   kernels::Tensor positions;     // [T] i32
   kernels::Tensor slot_mapping;  // [T] i32
   kernels::AttentionBatch attn;
+  // Prompt tuning: when defined, row i of the input embeddings is row embedding_source[i] of
+  // [token embeddings; prefix_values] ([T] i32), so virtual tokens take the prefix's vectors.
+  kernels::Tensor embedding_source;
+  kernels::Tensor prefix_values;  // [R, hidden] in the activation dtype
 };
 
 class CausalLM {

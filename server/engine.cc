@@ -83,15 +83,21 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
           absl::InvalidArgumentError(absl::StrCat("input token id out of range [0, ", vocab, ")")));
       continue;
     }
-    if (static_cast<int64_t>(n.input_ids.size() + n.max_new_tokens) > max_positions_) {
-      fail(absl::InvalidArgumentError(
-          absl::StrCat("input (", n.input_ids.size(), ") plus max_new_tokens (", n.max_new_tokens,
-                       ") exceeds the model's ", max_positions_, " positions")));
+    const size_t virtual_tokens = n.prefix ? static_cast<size_t>(n.prefix->dim(0)) : 0;
+    if (static_cast<int64_t>(virtual_tokens + n.input_ids.size() + n.max_new_tokens) >
+        max_positions_) {
+      fail(absl::InvalidArgumentError(absl::StrCat("input (", n.input_ids.size(), ") plus prefix (",
+                                                   virtual_tokens, ") plus max_new_tokens (",
+                                                   n.max_new_tokens, ") exceeds the model's ",
+                                                   max_positions_, " positions")));
       continue;
     }
     auto s = std::make_unique<Sequence>();
     s->id = n.id;
-    s->tokens = std::move(n.input_ids);
+    s->prefix = std::move(n.prefix);
+    s->prefix_len = virtual_tokens;
+    s->tokens.assign(virtual_tokens, 0);  // placeholders: their embeddings are the prefix's
+    s->tokens.insert(s->tokens.end(), n.input_ids.begin(), n.input_ids.end());
     s->prompt_len = s->tokens.size();
     s->sampler = std::make_unique<Sampler>(n.params, eos_);
     s->top_n = n.top_n;
@@ -189,6 +195,7 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
   in.attn.block_tables = all.Rows(at[5], at[5] + nseq * table_cols).Reshape({nseq, table_cols});
   in.attn.block_size = bs;
   in.attn.max_context_len = *std::max_element(context_lens.begin(), context_lens.end());
+  AddPrefixRows(seqs, &in);
   const auto t0 = std::chrono::steady_clock::now();
   Tensor logits = model_->Forward(in, cache_->layers(), logit_rows);
   // Plain greedy rows pick where the logits are (on CUDA only their ids and logprobs come
@@ -211,24 +218,27 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
     StepOutput o;
     o.id = s->id;
     if (details[i]) {
-      // Prompt details: token p's logprob comes from the logits after token p - 1.
-      TokenInfo first;
-      first.id = s->tokens[0];
-      first.logprob = std::numeric_limits<float>::quiet_NaN();
-      first.rank = 0;
-      o.input_tokens.push_back(first);
-      for (int32_t r = 0; r + 1 < count; ++r) {
-        std::span<const float> row(rows.data<float>() + r * v, v);
-        LogSoftmaxInto(row, &lp);
+      // Prompt details of the input's own tokens: token p's logprob comes from the logits after
+      // token p - 1 (the last virtual token's, for the first input token after a prefix).
+      for (int32_t p = static_cast<int32_t>(s->prefix_len); p < count; ++p) {
         TokenInfo ti;
-        ti.id = s->tokens[r + 1];
-        ti.logprob = lp[ti.id];
-        RankAndTop(lp, ti.id, s->top_n, &ti.rank, &ti.top);
+        ti.id = s->tokens[p];
+        if (p == 0) {
+          ti.logprob = std::numeric_limits<float>::quiet_NaN();
+          ti.rank = 0;
+        } else {
+          std::span<const float> row(rows.data<float>() + (p - 1) * v, v);
+          LogSoftmaxInto(row, &lp);
+          ti.logprob = lp[ti.id];
+          RankAndTop(lp, ti.id, s->top_n, &ti.rank, &ti.top);
+        }
         o.input_tokens.push_back(std::move(ti));
       }
     }
     std::span<float> last(rows.data<float>() + (count - 1) * v, v);
-    TokenChoice c = s->sampler->Next(last, s->tokens, s->generated, s->top_n);
+    // The sampler's context (repetition penalty) is the real tokens, without placeholders.
+    TokenChoice c = s->sampler->Next(
+        last, std::span<const int32_t>(s->tokens).subspan(s->prefix_len), s->generated, s->top_n);
     o.token.id = c.id;
     o.token.logprob = c.logprob;
     o.token.rank = c.rank;
@@ -236,6 +246,46 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
     Advance(s, o.token.id);
     out->push_back(std::move(o));
   }
+}
+
+void Engine::AddPrefixRows(const std::vector<Sequence*>& seqs, ForwardInput* in) const {
+  // Rows of this step that are virtual tokens: positions below the sequence's prefix length.
+  std::vector<int32_t> source;
+  std::vector<std::pair<const kernels::Tensor*, std::pair<int64_t, int64_t>>> pieces;
+  int64_t row = 0, prefix_rows = 0;
+  for (const Sequence* s : seqs) {
+    const size_t begin = s->cached, end = s->tokens.size();
+    const size_t virtual_end = std::min(end, s->prefix_len);
+    for (size_t p = begin; p < end; ++p, ++row) source.push_back(static_cast<int32_t>(row));
+    if (begin < virtual_end) {
+      pieces.push_back(
+          {s->prefix.get(), {static_cast<int64_t>(begin), static_cast<int64_t>(virtual_end)}});
+      prefix_rows += static_cast<int64_t>(virtual_end - begin);
+    }
+  }
+  if (pieces.empty()) return;
+  const int64_t t = static_cast<int64_t>(source.size());
+  const int64_t hidden = model_->spec().hidden;
+  kernels::Tensor values =
+      kernels::Tensor::Empty({prefix_rows, hidden}, model_->act_dtype(), model_->device());
+  // Point the virtual rows at the prefix rows, appended after the T token rows.
+  int64_t at = 0, next_value = 0;
+  row = 0;
+  for (const Sequence* s : seqs) {
+    const size_t begin = s->cached, end = s->tokens.size();
+    for (size_t p = begin; p < end; ++p, ++row) {
+      if (p < s->prefix_len) source[row] = static_cast<int32_t>(t + next_value++);
+    }
+  }
+  for (const auto& [prefix, range] : pieces) {
+    kernels::Tensor dst = values.Rows(at, at + range.second - range.first);
+    kernels::CopyColumns(prefix->Rows(range.first, range.second), 0, hidden, &dst, 0);
+    at += range.second - range.first;
+  }
+  kernels::Tensor idx = kernels::Tensor::FromVector(source, {t});
+  in->embedding_source =
+      model_->device() == kernels::Device::kCpu ? idx : idx.ToDevice(model_->device());
+  in->prefix_values = std::move(values);
 }
 
 void Engine::Advance(Sequence* s, int32_t token) {

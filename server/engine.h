@@ -23,6 +23,9 @@ struct NewSequence {
   uint32_t max_new_tokens = 0;
   uint32_t top_n = 0;
   bool input_logprobs = false;
+  // A prompt-tuning prefix [virtual tokens, hidden] (model dtype and device) that goes before
+  // the input: its vectors take positions 0..P-1, the input's tokens follow.
+  std::shared_ptr<const kernels::Tensor> prefix;
 };
 
 struct TokenInfo {
@@ -71,9 +74,11 @@ class Engine {
  private:
   struct Sequence {
     uint64_t id;
-    std::vector<int32_t> tokens;  // prompt then generated
+    std::vector<int32_t> tokens;  // virtual-token placeholders, prompt, then generated
     size_t prompt_len;
-    size_t cached = 0;  // tokens whose keys/values are in the cache
+    std::shared_ptr<const kernels::Tensor> prefix;
+    size_t prefix_len = 0;  // virtual tokens at the start of `tokens`
+    size_t cached = 0;      // tokens whose keys/values are in the cache
     std::vector<int32_t> blocks;
     std::unique_ptr<Sampler> sampler;
     uint32_t generated = 0;
@@ -85,6 +90,8 @@ class Engine {
   bool Reserve(Sequence* s);
   void FreeBlocks(Sequence* s);
   void Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<StepOutput>* out);
+  // The prefix rows of this step's input (prompt tuning), if any sequence has some.
+  void AddPrefixRows(const std::vector<Sequence*>& seqs, ForwardInput* in) const;
   // The choices of the sequences whose next token is a plain greedy one, made where the
   // logits are; nullopt for the others. seq_rows: each sequence's [first logits row, count].
   std::vector<std::optional<TokenInfo>> PickGreedy(

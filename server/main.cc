@@ -46,6 +46,18 @@ DEFINE_double(memory_fraction, 0.3,
               "Fraction of available memory for the KV cache: host memory on the CPU, free GPU "
               "memory after the weights on CUDA, where the default is 0.85 "
               "(env KV_CACHE_MEMORY_FRACTION)");
+DEFINE_double(cuda_process_memory_fraction, 1.0,
+              "Share of the whole GPU this shard may use, 0 < x <= 1; the KV cache leaves the "
+              "rest to other processes (env CUDA_PROCESS_MEMORY_FRACTION)");
+DEFINE_int32(batch_safety_margin, 20,
+             "Percent of the free memory held back when sizing the KV cache and the prefill "
+             "limit, 0-100 (env BATCH_SAFETY_MARGIN)");
+DEFINE_string(prefix_store_path, "",
+              "Folder of prompt-tuning prefixes, one sub-folder per prefix id (decoder.pt or a "
+              "PEFT adapter); empty: prompt tuning off (env PREFIX_STORE_PATH)");
+DEFINE_double(prompt_cache_size_mb, 512,
+              "MiB of prefixes kept loaded, least recently used evicted first "
+              "(env PROMPT_CACHE_SIZE_MB)");
 DEFINE_string(device, "auto",
               "Where the model runs: cpu, cuda (GPU number = rank), or auto: cuda when this "
               "build has CUDA and a GPU is present (env TGIS_DEVICE)");
@@ -77,18 +89,23 @@ int main(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   FLAGS_logtostderr = true;
   google::InitGoogleLogging(argv[0]);
-  if (std::string err = tgis::ApplyEnvFallbacks({{"uds_path", "SHARD_UDS_PATH"},
-                                                 {"dtype", "DTYPE_STR"},
-                                                 {"rank", "RANK"},
-                                                 {"world_size", "WORLD_SIZE"},
-                                                 {"master_addr", "MASTER_ADDR"},
-                                                 {"master_port", "MASTER_PORT"},
-                                                 {"rendezvous_dir", "TGIS_RENDEZVOUS_DIR"},
-                                                 {"collective_timeout", "TGIS_COLLECTIVE_TIMEOUT"},
-                                                 {"kv_cache_blocks", "KV_CACHE_BLOCKS"},
-                                                 {"block_size", "KV_CACHE_BLOCK_SIZE"},
-                                                 {"memory_fraction", "KV_CACHE_MEMORY_FRACTION"},
-                                                 {"device", "TGIS_DEVICE"}});
+  if (std::string err =
+          tgis::ApplyEnvFallbacks({{"uds_path", "SHARD_UDS_PATH"},
+                                   {"dtype", "DTYPE_STR"},
+                                   {"rank", "RANK"},
+                                   {"world_size", "WORLD_SIZE"},
+                                   {"master_addr", "MASTER_ADDR"},
+                                   {"master_port", "MASTER_PORT"},
+                                   {"rendezvous_dir", "TGIS_RENDEZVOUS_DIR"},
+                                   {"collective_timeout", "TGIS_COLLECTIVE_TIMEOUT"},
+                                   {"kv_cache_blocks", "KV_CACHE_BLOCKS"},
+                                   {"block_size", "KV_CACHE_BLOCK_SIZE"},
+                                   {"memory_fraction", "KV_CACHE_MEMORY_FRACTION"},
+                                   {"device", "TGIS_DEVICE"},
+                                   {"cuda_process_memory_fraction", "CUDA_PROCESS_MEMORY_FRACTION"},
+                                   {"batch_safety_margin", "BATCH_SAFETY_MARGIN"},
+                                   {"prefix_store_path", "PREFIX_STORE_PATH"},
+                                   {"prompt_cache_size_mb", "PROMPT_CACHE_SIZE_MB"}});
       !err.empty()) {
     return Fail(err);
   }
@@ -126,6 +143,12 @@ int main(int argc, char** argv) {
     dtype = tgis::kernels::DType::kF16;
   } else {
     return Fail("--dtype must be float32, bfloat16 or float16, not '" + FLAGS_dtype + "'");
+  }
+  if (FLAGS_batch_safety_margin < 0 || FLAGS_batch_safety_margin > 100) {
+    return Fail("--batch-safety-margin (BATCH_SAFETY_MARGIN) must be an integer from 0 to 100");
+  }
+  if (!(FLAGS_cuda_process_memory_fraction > 0.0 && FLAGS_cuda_process_memory_fraction <= 1.0)) {
+    return Fail("cuda_process_memory_fraction must be in range 0 < x <= 1");
   }
   if (cuda) {
     // One GPU per shard, by rank, before anything touches CUDA.
@@ -183,6 +206,10 @@ int main(int argc, char** argv) {
   opts.block_size = FLAGS_block_size;
   opts.num_blocks = FLAGS_kv_cache_blocks;
   opts.memory_fraction = FLAGS_memory_fraction;
+  opts.process_memory_fraction = FLAGS_cuda_process_memory_fraction;
+  opts.batch_safety_margin = FLAGS_batch_safety_margin;
+  opts.prefix_store_path = FLAGS_prefix_store_path;
+  opts.prompt_cache_mb = FLAGS_prompt_cache_size_mb;
   for (int r = 0; r < FLAGS_world_size; ++r) {
     opts.urls.push_back("unix://" + FLAGS_uds_path + "-" + std::to_string(r));
   }

@@ -1,8 +1,11 @@
 #include "server/shard_service.h"
 
+#include <glog/logging.h>
+
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <set>
 #include <span>
 #include <sstream>
@@ -16,13 +19,20 @@ namespace pb = generate::v1;
 
 namespace {
 
-// Memory the KV cache may draw from: free GPU memory (after the weights) on CUDA, else the
+// Memory the KV cache may draw from: free GPU memory (after the weights) on CUDA, less the
+// part of the device that CUDA_PROCESS_MEMORY_FRACTION keeps from this process; else the
 // host's available memory.
-uint64_t AvailableMemory(kernels::Device device) {
+uint64_t AvailableMemory(kernels::Device device, double process_fraction) {
 #ifdef TGIS_WITH_CUDA
-  if (device == kernels::Device::kCuda) return kernels::cuda::FreeMemory();
+  if (device == kernels::Device::kCuda) {
+    const double reserved =
+        (1.0 - process_fraction) * static_cast<double>(kernels::cuda::TotalMemory());
+    const double free_bytes = static_cast<double>(kernels::cuda::FreeMemory());
+    return free_bytes > reserved ? static_cast<uint64_t>(free_bytes - reserved) : 0;
+  }
 #else
   (void)device;
+  (void)process_fraction;
 #endif
   std::ifstream in("/proc/meminfo");
   std::string key;
@@ -32,6 +42,18 @@ uint64_t AvailableMemory(kernels::Device device) {
     if (key == "MemAvailable:") return kb * 1024;
   }
   return 0;
+}
+
+// A prefill's activation memory per prompt token, at its widest point: the residual stream and
+// the normed copy, the fused q/k/v, the attention output and the MLP's up (and gate) outputs
+// of one layer at a time, in the activation dtype, plus the f32 logits row of its last token
+// spread over the prompt. An estimate on the safe side, not a measurement.
+size_t PrefillBytesPerToken(const CausalLM& model) {
+  const DecoderSpec& spec = model.spec();
+  const ShardLayout& shard = model.shard();
+  const int64_t qkv = (shard.q_heads.size() + 2 * shard.kv_heads.size()) * spec.head_dim;
+  const int64_t widest = 4 * spec.hidden + qkv + 3 * shard.intermediate.size();
+  return static_cast<size_t>(widest) * kernels::DTypeSize(model.act_dtype()) + 4 * 64;
 }
 
 SamplingParams FromProto(const pb::SamplingParameters& p) {
@@ -87,7 +109,15 @@ uint64_t NowNs() {
 
 ShardService::ShardService(ModelConfig config, std::unique_ptr<CausalLM> model,
                            ShardOptions options)
-    : config_(std::move(config)), pending_model_(std::move(model)), options_(std::move(options)) {}
+    : config_(std::move(config)), pending_model_(std::move(model)), options_(std::move(options)) {
+  prefixes_ = std::make_unique<PrefixStore>(
+      PrefixStoreOptions{.store_path = options_.prefix_store_path,
+                         .cache_mb = options_.prompt_cache_mb,
+                         .hidden = pending_model_->spec().hidden,
+                         .max_length = config_.max_position_embeddings,
+                         .dtype = pending_model_->act_dtype(),
+                         .device = pending_model_->device()});
+}
 
 grpc::Status ShardService::ServiceDiscovery(grpc::ServerContext*,
                                             const pb::ServiceDiscoveryRequest*,
@@ -121,13 +151,20 @@ grpc::Status ShardService::Health(grpc::ServerContext*, const pb::HealthRequest*
 grpc::Status ShardService::EnsureEngine() {
   if (engine_) return grpc::Status::OK;
   if (!pending_model_) return grpc::Status(grpc::StatusCode::INTERNAL, "no model loaded");
+  // TGIS's BATCH_SAFETY_MARGIN: a share of the free memory that nothing is sized to use.
+  const double usable = static_cast<double>(AvailableMemory(pending_model_->device(),
+                                                            options_.process_memory_fraction)) *
+                        (1.0 - options_.batch_safety_margin / 100.0);
   int64_t blocks = options_.num_blocks;
   if (blocks <= 0) {
     const size_t per_block = pending_model_->KvBytesPerToken() * options_.block_size;
-    const uint64_t budget = static_cast<uint64_t>(
-        static_cast<double>(AvailableMemory(pending_model_->device())) * options_.memory_fraction);
+    const uint64_t budget = static_cast<uint64_t>(usable * options_.memory_fraction);
     blocks = static_cast<int64_t>(std::min<uint64_t>(budget / per_block, 1u << 20));
   }
+  // What is not for the KV cache carries a prefill's activations: the prefill weight limit.
+  const double per_token = static_cast<double>(PrefillBytesPerToken(*pending_model_));
+  max_prefill_tokens_ = static_cast<uint32_t>(std::min<double>(
+      usable * (1.0 - options_.memory_fraction) / per_token, std::numeric_limits<uint32_t>::max()));
   // Tensor-parallel shards run every step together, so they must have the same blocks: the
   // fewest any of them can hold. Every shard gets this call (the first Warmup, Prefill or
   // Decode), so every one takes part.
@@ -139,6 +176,18 @@ grpc::Status ShardService::EnsureEngine() {
   engine_ = std::make_unique<Engine>(std::move(pending_model_), config_.eos_token_ids,
                                      config_.max_position_embeddings, static_cast<int>(blocks),
                                      options_.block_size);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardService::PrefixLookup(grpc::ServerContext*, const pb::PrefixLookupRequest* req,
+                                        pb::PrefixLookupResponse* resp) {
+  // Not under mu_: loading a prefix does not wait for a step, nor hold one up.
+  auto prefix = prefixes_->Get(req->prefix_id());
+  if (!prefix.ok()) {
+    return grpc::Status(static_cast<grpc::StatusCode>(prefix.status().code()),
+                        std::string(prefix.status().message()));
+  }
+  resp->set_prefix_length(static_cast<uint32_t>((*prefix)->dim(0)));
   return grpc::Status::OK;
 }
 
@@ -171,6 +220,7 @@ grpc::Status ShardService::Warmup(grpc::ServerContext*, const pb::WarmupRequest*
   resp->set_block_size(static_cast<uint32_t>(engine_->block_size()));
   resp->set_max_supported_total_tokens(
       static_cast<uint32_t>(engine_->num_blocks() * engine_->block_size()));
+  resp->set_max_prefill_tokens(max_prefill_tokens_);
   return grpc::Status::OK;
 }
 
@@ -198,8 +248,22 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
                         absl::StrCat("batch ", batch.id(), " already exists"));
   }
   std::vector<NewSequence> news;
+  std::vector<SequenceError> errors;
   for (const pb::Request& r : batch.requests()) {
     NewSequence n;
+    if (!r.prefix_id().empty()) {
+      auto prefix = prefixes_->Get(r.prefix_id());
+      if (!prefix.ok()) {
+        // TGIS's words; the cause goes to the log (the router looked the prefix up already,
+        // so this is a prefix that changed or went away since).
+        LOG(ERROR) << "Prefix lookup error for request #" << r.id() << ", prefix id "
+                   << r.prefix_id() << ": " << prefix.status().message();
+        errors.push_back({r.id(), absl::InvalidArgumentError(absl::StrCat(
+                                      "Error retrieving prompt prefix '", r.prefix_id(), "'"))});
+        continue;
+      }
+      n.prefix = *std::move(prefix);
+    }
     n.id = r.id();
     n.input_ids.assign(r.input_ids().begin(), r.input_ids().end());
     n.params = FromProto(r.parameters());
@@ -209,7 +273,6 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
     news.push_back(std::move(n));
   }
   std::vector<StepOutput> outs;
-  std::vector<SequenceError> errors;
   engine_->Prefill(std::move(news), &outs, &errors);
   AddResults(outs, errors, resp);
   if (!outs.empty()) {

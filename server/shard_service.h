@@ -11,6 +11,7 @@
 #include "proto/generate.grpc.pb.h"
 #include "server/engine.h"
 #include "server/model_config.h"
+#include "server/prefix_store.h"
 
 namespace tgis::server {
 
@@ -24,6 +25,14 @@ struct ShardOptions {
   // KV cache budget: explicit blocks, else this fraction of the memory available at Warmup.
   int num_blocks = 0;
   double memory_fraction = 0.3;
+  // CUDA only: the share of the whole GPU this process may use (TGIS's
+  // CUDA_PROCESS_MEMORY_FRACTION); the rest is left to other processes.
+  double process_memory_fraction = 1.0;
+  // Percent of the free memory held back from every estimate (TGIS's BATCH_SAFETY_MARGIN).
+  double batch_safety_margin = 20;
+  // Prompt tuning (TGIS's PREFIX_STORE_PATH, PROMPT_CACHE_SIZE_MB); no store path: off.
+  std::string prefix_store_path;
+  double prompt_cache_mb = 512;
 };
 
 class ShardService final : public generate::v1::TextGenerationService::Service {
@@ -46,6 +55,8 @@ class ShardService final : public generate::v1::TextGenerationService::Service {
                            generate::v1::FilterBatchResponse*) override;
   grpc::Status ClearCache(grpc::ServerContext*, const generate::v1::ClearCacheRequest*,
                           generate::v1::ClearCacheResponse*) override;
+  grpc::Status PrefixLookup(grpc::ServerContext*, const generate::v1::PrefixLookupRequest*,
+                            generate::v1::PrefixLookupResponse*) override;
 
  private:
   grpc::Status EnsureEngine();
@@ -57,6 +68,8 @@ class ShardService final : public generate::v1::TextGenerationService::Service {
   std::unique_ptr<Engine> engine_;
   ShardOptions options_;
   std::map<uint64_t, std::vector<uint64_t>> batches_;  // batch id -> request ids
+  uint32_t max_prefill_tokens_ = 0;                    // sized with the KV cache
+  std::unique_ptr<PrefixStore> prefixes_;              // thread-safe itself
 };
 
 }  // namespace tgis::server

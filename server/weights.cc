@@ -106,6 +106,12 @@ absl::Status MapFile(const fs::path& path, std::map<std::string, Tensor>* out) {
 
 }  // namespace
 
+absl::StatusOr<std::map<std::string, Tensor>> ReadSafetensorsFile(const std::string& path) {
+  std::map<std::string, Tensor> tensors;
+  if (absl::Status st = MapFile(path, &tensors); !st.ok()) return st;
+  return tensors;
+}
+
 absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string& model_dir) {
   const fs::path dir(model_dir);
   std::vector<fs::path> files;

@@ -12,6 +12,9 @@
 
 namespace tgis::server {
 
+// The tensors of one safetensors file, as views of the mapped file.
+absl::StatusOr<std::map<std::string, kernels::Tensor>> ReadSafetensorsFile(const std::string& path);
+
 class WeightStore {
  public:
   // Opens every safetensors file of the folder (a bad header names the file and the tensor).

@@ -76,6 +76,12 @@ size_t FreeMemory() {
   return free_bytes;
 }
 
+size_t TotalMemory() {
+  size_t free_bytes = 0, total = 0;
+  TGIS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+  return total;
+}
+
 bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
 
 void CheckCudaFloat(const Tensor& t, const char* op, const char* what) {

@@ -1,0 +1,190 @@
+#include "server/prefix_store.h"
+
+#include <glog/logging.h>
+
+#include <cmath>
+#include <filesystem>
+#include <regex>
+
+#include "absl/strings/str_cat.h"
+#include "server/torch_file.h"
+#include "server/weights.h"
+
+namespace tgis::server {
+namespace {
+
+namespace fs = std::filesystem;
+using kernels::DType;
+using kernels::Tensor;
+
+// How a TGIS client sees an exception raised in TGIS's PrefixLookup (gRPC Python's words).
+absl::Status Raised(const char* type, const std::string& message) {
+  return absl::UnknownError(absl::StrCat("Unexpected <class '", type, "'>: ", message));
+}
+
+absl::Status NotFound(const std::string& id) {
+  return absl::NotFoundError(absl::StrCat("prefix id \"", id, "\" not found"));
+}
+
+const char* TorchName(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "float32";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF16:
+      return "float16";
+    default:
+      return "other";
+  }
+}
+
+bool AllFinite(const Tensor& t) {
+  const Tensor f = t.dtype() == DType::kF32 ? t : t.To(DType::kF32);
+  const float* p = f.data<float>();
+  for (int64_t i = 0; i < f.numel(); ++i) {
+    if (!std::isfinite(p[i])) return false;
+  }
+  return true;
+}
+
+// A tensor of a .pt file as f32 with its torch dtype name, or TGIS's error for a wrong one.
+absl::StatusOr<std::pair<Tensor, std::string>> FromTorch(const TorchTensor& t,
+                                                         const std::string& where) {
+  absl::StatusOr<Tensor> f = ToFloatTensor(t, DType::kF32, where);
+  if (!f.ok()) return Raised("Exception", "Invalid prefix embedding tensor");
+  return std::make_pair(*std::move(f), t.dtype);
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> PrefixStore::Process(const Tensor& prefix,
+                                            const std::string& source_dtype) const {
+  // TGIS's _process_prefix_tensor, check by check.
+  if (prefix.rank() != 2) return Raised("Exception", "Invalid prefix embedding tensor");
+  const int64_t n = prefix.dim(0);
+  if (n == 0 || n > options_.max_length) {
+    return Raised("Exception", absl::StrCat("Invalid prefix embedding length of ", n));
+  }
+  if (prefix.dim(1) != options_.hidden) {
+    return Raised("Exception", absl::StrCat("Prefix embedding tensor dim ", prefix.dim(1),
+                                            " does not match model (", options_.hidden, ")"));
+  }
+  if (!AllFinite(prefix)) return Raised("Exception", "Prefix contains non-finite elements");
+  Tensor converted = prefix.dtype() == options_.dtype ? prefix : prefix.To(options_.dtype);
+  if (!AllFinite(converted)) {
+    return Raised("Exception", absl::StrCat("Prefix contains non-finite elements after "
+                                            "conversion from torch.",
+                                            source_dtype, " to torch.", TorchName(options_.dtype)));
+  }
+  // An owned copy: the source may be a view of a mapped file.
+  converted = converted.To(options_.dtype);
+  return options_.device == kernels::Device::kCpu ? converted : converted.ToDevice(options_.device);
+}
+
+absl::StatusOr<Tensor> PrefixStore::Load(const std::string& id) const {
+  static const std::regex kValidId("[/\\w\\-]+");
+  if (!std::regex_match(id, kValidId)) {
+    return Raised("Exception", absl::StrCat("Invalid prefix id ", id,
+                                            ", must contain only alphanumeric, _ and - and /"));
+  }
+  const fs::path root(options_.store_path);
+  const fs::path dir = (root / id).lexically_normal();
+  // No way out of the store ("a/../../x").
+  if (dir.string().rfind(root.lexically_normal().string() + "/", 0) != 0) {
+    return Raised("Exception", absl::StrCat("Invalid prefix id ", id));
+  }
+  std::error_code ec;
+  bool peft = false;
+  if (fs::is_directory(dir, ec)) {
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      peft = peft || e.path().stem() == "adapter_model";
+    }
+  }
+  std::pair<Tensor, std::string> loaded;
+  if (peft) {
+    // safetensors first, as TGIS; a .bin if that is all there is.
+    const fs::path st = dir / "adapter_model.safetensors", bin = dir / "adapter_model.bin";
+    if (fs::is_regular_file(st, ec)) {
+      LOG(INFO) << "Loading new prefix " << id << "/adapter_model.safetensors";
+      auto tensors = ReadSafetensorsFile(st.string());
+      if (!tensors.ok()) return Raised("Exception", std::string(tensors.status().message()));
+      auto it = tensors->find("prompt_embeddings");
+      if (it == tensors->end()) return Raised("KeyError", "'prompt_embeddings'");
+      loaded = {it->second.To(DType::kF32), "float32"};
+      if (it->second.dtype() != DType::kF32) loaded.second = TorchName(it->second.dtype());
+    } else if (fs::is_regular_file(bin, ec)) {
+      LOG(INFO) << "Loading new prefix " << id << "/adapter_model.bin";
+      auto tensors = ReadTorchFile(bin.string());
+      if (!tensors.ok()) return Raised("Exception", std::string(tensors.status().message()));
+      auto it = tensors->find("prompt_embeddings");
+      if (it == tensors->end()) return Raised("KeyError", "'prompt_embeddings'");
+      auto t = FromTorch(it->second, bin.string());
+      if (!t.ok()) return t.status();
+      loaded = *std::move(t);
+    } else {
+      return NotFound(id);
+    }
+  } else {
+    const fs::path decoder = dir / "decoder.pt";
+    if (!fs::is_regular_file(decoder, ec)) return NotFound(id);
+    // Decoder-only models use decoder.pt alone; TGIS reads an encoder.pt beside it and drops it.
+    if (fs::is_regular_file(dir / "encoder.pt", ec)) {
+      LOG(WARNING) << "prefix " << id << ": encoder.pt is not used by a decoder-only model";
+    }
+    LOG(INFO) << "Loading new prefix " << id << "/decoder.pt";
+    auto tensors = ReadTorchFile(decoder.string());
+    if (!tensors.ok()) return Raised("Exception", std::string(tensors.status().message()));
+    auto it = tensors->find("");
+    if (it == tensors->end() || tensors->size() != 1) {
+      return Raised("Exception", "Invalid prefix embedding tensor");
+    }
+    auto t = FromTorch(it->second, decoder.string());
+    if (!t.ok()) return t.status();
+    loaded = *std::move(t);
+  }
+  return Process(loaded.first, loaded.second);
+}
+
+absl::StatusOr<std::shared_ptr<const Tensor>> PrefixStore::Get(const std::string& id) {
+  if (options_.store_path.empty()) {
+    return absl::FailedPreconditionError(
+        "prompt tuning is off: the shards were started without PREFIX_STORE_PATH");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = index_.find(id); it != index_.end()) {
+      lru_.splice(lru_.begin(), lru_, it->second);
+      return it->second->prefix;
+    }
+  }
+  // Loaded outside the lock, as TGIS does: a slow disk does not hold up cached prefixes.
+  absl::StatusOr<Tensor> loaded = Load(id);
+  if (!loaded.ok()) return loaded.status();
+  const double mb = std::ceil(static_cast<double>(loaded->nbytes()) / 512.0) * 512.0 / (1 << 20);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = index_.find(id); it != index_.end()) return it->second->prefix;
+  if (mb > options_.cache_mb) {
+    return Raised("ValueError",
+                  absl::StrCat("Prefix ID object ", id, " exceeds the allowed cache size"));
+  }
+  while (cached_mb_ + mb > options_.cache_mb && !lru_.empty()) {
+    LOG(INFO) << "Deleted prefix " << lru_.back().id << " from the prompt cache";
+    cached_mb_ -= lru_.back().mb;
+    index_.erase(lru_.back().id);
+    lru_.pop_back();
+  }
+  lru_.push_front(Entry{id, std::make_shared<const Tensor>(*std::move(loaded)), mb});
+  index_[id] = lru_.begin();
+  cached_mb_ += mb;
+  LOG(INFO) << "Added prefix " << id << " to the prompt cache, has " << lru_.front().prefix->dim(0)
+            << " virtual tokens, total cache size is now " << cached_mb_ << "MiB";
+  return lru_.front().prefix;
+}
+
+size_t PrefixStore::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return index_.size();
+}
+
+}  // namespace tgis::server

@@ -1,0 +1,60 @@
+// Prompt-tuning prefixes, as TGIS's shards keep them (its prompt_cache.py): vectors loaded from
+// PREFIX_STORE_PATH/<prefix id>/ on first use and kept in an LRU cache bounded in MiB. A prefix
+// folder holds decoder.pt (what torch.save wrote: one [virtual tokens, hidden] tensor), or is a
+// PEFT adapter (adapter_model.safetensors, else adapter_model.bin, holding
+// {"prompt_embeddings": tensor}).
+//
+// Error messages are TGIS's, word for word, as a TGIS router shows them to clients: a prefix
+// that is not there is NOT_FOUND `prefix id "<id>" not found`; anything else wrong is UNKNOWN
+// and reads as gRPC Python reports TGIS's exception ("Unexpected <class 'Exception'>: ...").
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kernels/tensor.h"
+
+namespace tgis::server {
+
+struct PrefixStoreOptions {
+  std::string store_path;  // PREFIX_STORE_PATH; empty: prompt tuning is off
+  double cache_mb = 512;   // PROMPT_CACHE_SIZE_MB
+  int64_t hidden = 0;      // the model's embedding width
+  int64_t max_length = 0;  // the most virtual tokens (the model's positions)
+  kernels::DType dtype = kernels::DType::kF32;
+  kernels::Device device = kernels::Device::kCpu;
+};
+
+class PrefixStore {
+ public:
+  explicit PrefixStore(PrefixStoreOptions options) : options_(std::move(options)) {}
+
+  // The prefix's vectors [virtual tokens, hidden] in the model's dtype, on its device: from the
+  // cache, else loaded (and cached, evicting the least recently used ones to stay in budget).
+  absl::StatusOr<std::shared_ptr<const kernels::Tensor>> Get(const std::string& prefix_id);
+
+  size_t size() const;
+
+ private:
+  absl::StatusOr<kernels::Tensor> Load(const std::string& prefix_id) const;
+  absl::StatusOr<kernels::Tensor> Process(const kernels::Tensor& prefix,
+                                          const std::string& source_dtype) const;
+
+  struct Entry {
+    std::string id;
+    std::shared_ptr<const kernels::Tensor> prefix;
+    double mb = 0;
+  };
+  const PrefixStoreOptions options_;
+  mutable std::mutex mu_;
+  std::list<Entry> lru_;  // most recently used first
+  std::map<std::string, std::list<Entry>::iterator> index_;
+  double cached_mb_ = 0;
+};
+
+}  // namespace tgis::server

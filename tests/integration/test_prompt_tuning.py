@@ -1,0 +1,139 @@
+"""Prompt tuning (prefix_id) through the real launcher, router and shard, as a TGIS client uses
+it: prefixes from PREFIX_STORE_PATH give the greedy ids and logprobs that HF transformers gives
+with the prefix prepended through inputs_embeds (tests/fixtures/prefixes/golden.json, made by
+make_prefix_fixtures.py); bad prefixes fail with TGIS's messages; tgi_prompt_load_* count."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs import FIXTURES, Process, binary, free_port, need_binaries, proto_module  # noqa: E402
+
+grpc = pytest.importorskip("grpc")
+PREFIXES = FIXTURES / "prefixes"
+GOLDEN = json.loads((PREFIXES / "golden.json").read_text())
+LAUNCHER = "launcher/text-generation-launcher"
+
+
+@pytest.fixture(scope="module")
+def server():
+    need_binaries()
+    tmp = Path(tempfile.mkdtemp(prefix="tgis-prefix-"))
+    grpc_port, http_port = free_port(), free_port()
+    env = {"MODEL_NAME": str(FIXTURES / "models" / "llama"), "GRPC_PORT": str(grpc_port),
+           "PORT": str(http_port), "SHARD_UDS_PATH": str(tmp / "shard"),
+           "TERMINATION_LOG": str(tmp / "termination-log"), "KV_CACHE_BLOCKS": "128",
+           "PREFIX_STORE_PATH": str(PREFIXES / "store"), "DTYPE_STR": "float32"}
+    proc = Process([binary(LAUNCHER)], env=env)
+    pb, pb_grpc = proto_module("generation")
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    stub = pb_grpc.GenerationServiceStub(channel)
+
+    def ready():
+        try:
+            stub.ModelInfo(pb.ModelInfoRequest(), timeout=1)
+            return True
+        except grpc.RpcError:
+            return False
+
+    try:
+        proc.wait_for(ready, timeout=120, what="serving gRPC")
+        yield pb, stub, http_port, proc
+    finally:
+        channel.close()
+        proc.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def params(pb, n):
+    return pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=n),
+                         response=pb.ResponseOptions(generated_tokens=True, token_logprobs=True,
+                                                     input_tokens=True))
+
+
+@pytest.mark.parametrize("prefix_id", sorted(GOLDEN["prefixes"]))
+def test_prefix_matches_transformers_inputs_embeds(server, prefix_id):
+    pb, stub, _, _ = server
+    want = GOLDEN["prefixes"][prefix_id]
+    n = GOLDEN["new_tokens"]
+    prompts = want["prompts"]
+    # All prompts in one batched call (a ragged prefill with two prefixed sequences).
+    resp = stub.Generate(pb.BatchedGenerationRequest(
+        prefix_id=prefix_id, params=params(pb, n),
+        requests=[pb.GenerationRequest(text=p["text"]) for p in prompts]), timeout=60)
+    for p, r in zip(prompts, resp.responses):
+        # input_token_count is the input's own tokens, as TGIS reports it.
+        assert r.input_token_count == len(p["input_ids"])
+        assert len(r.input_tokens) == len(p["input_ids"])
+        assert r.generated_token_count == n
+        got = [t.logprob for t in r.tokens]
+        for a, b in zip(got, p["logprobs"]):
+            assert abs(a - b) < 1e-4, (got, p["logprobs"])
+    # Token ids through the stream of the first prompt (text pieces come from those ids).
+    stream = list(stub.GenerateStream(pb.SingleGenerationRequest(
+        prefix_id=prefix_id, params=params(pb, n),
+        request=pb.GenerationRequest(text=prompts[0]["text"])), timeout=60))
+    logprobs = [t.logprob for m in stream for t in m.tokens]
+    assert len(logprobs) == n
+    for a, b in zip(logprobs, prompts[0]["logprobs"]):
+        assert abs(a - b) < 1e-4
+
+
+def test_prefix_changes_the_output_and_ids_are_the_golden_ones(server):
+    pb, stub, _, _ = server
+    p = GOLDEN["prefixes"]["llama_pt"]["prompts"][0]
+    plain = stub.Generate(pb.BatchedGenerationRequest(
+        params=params(pb, GOLDEN["new_tokens"]), requests=[pb.GenerationRequest(text=p["text"])]))
+    tuned = stub.Generate(pb.BatchedGenerationRequest(
+        prefix_id="llama_pt", params=params(pb, GOLDEN["new_tokens"]),
+        requests=[pb.GenerationRequest(text=p["text"])]))
+    assert plain.responses[0].text != tuned.responses[0].text
+    # The ids HF chose, decoded, are the text we return (a trailing incomplete UTF-8 sequence
+    # is held back by the router, as TGIS does).
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(FIXTURES / "models" / "llama" / "tokenizer.json"))
+    assert tuned.responses[0].text == tok.decode(p["generated_ids"]).rstrip("\ufffd")
+
+
+@pytest.mark.parametrize("prefix_id,message", [
+    ("missing", "can't retrieve prompt prefix with id 'missing': prefix id \"missing\" not found"),
+    ("bad_width", "can't retrieve prompt prefix with id 'bad_width': Unexpected <class "
+                  "'Exception'>: Prefix embedding tensor dim 32 does not match model (64)"),
+    ("bad_rank", "can't retrieve prompt prefix with id 'bad_rank': Unexpected <class "
+                 "'Exception'>: Invalid prefix embedding tensor"),
+    ("bad_nan", "can't retrieve prompt prefix with id 'bad_nan': Unexpected <class "
+                "'Exception'>: Prefix contains non-finite elements"),
+    ("../models", "can't retrieve prompt prefix with id '../models': Unexpected <class "
+                  "'Exception'>: Invalid prefix id ../models, must contain only alphanumeric, _ "
+                  "and - and /"),
+    ("a/../../x", "can't retrieve prompt prefix with id 'a/../../x': Unexpected <class "
+                  "'Exception'>: Invalid prefix id a/../../x, must contain only alphanumeric, _ "
+                  "and - and /"),
+])
+def test_bad_prefixes_fail_with_tgis_messages(server, prefix_id, message):
+    pb, stub, _, proc = server
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.BatchedGenerationRequest(
+            prefix_id=prefix_id, requests=[pb.GenerationRequest(text="Hi")]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == message
+    assert proc.alive()
+
+
+def test_prompt_load_metrics(server):
+    pb, stub, http_port, _ = server
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics").read().decode()
+    # Each prefix above loaded once (the router caches lengths), each bad one failed.
+    loads = [l for l in text.splitlines() if l.startswith("tgi_prompt_load_duration_count ")]
+    fails = [l for l in text.splitlines() if l.startswith("tgi_prompt_load_failure ")]
+    assert float(loads[0].split()[1]) >= len(GOLDEN["prefixes"])
+    assert float(fails[0].split()[1]) >= 6
