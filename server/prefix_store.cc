@@ -148,8 +148,9 @@ absl::StatusOr<Tensor> PrefixStore::Load(const std::string& id) const {
 
 absl::StatusOr<std::shared_ptr<const Tensor>> PrefixStore::Get(const std::string& id) {
   if (options_.store_path.empty()) {
-    return absl::FailedPreconditionError(
-        "prompt tuning is off: the shards were started without PREFIX_STORE_PATH");
+    // No store: every prefix is one that is not there (the reason goes to the log).
+    LOG(WARNING) << "prefix " << id << " asked for, but PREFIX_STORE_PATH is not set";
+    return NotFound(id);
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -27,7 +27,7 @@ TGIS_METRICS = {
     "tgi_request_count": "counter", "tgi_request_input_count": "counter",
     "tgi_request_failure": "counter", "tgi_request_success": "counter",
     "tgi_request_max_new_tokens": "histogram", "tgi_request_input_length": "histogram",
-    "tgi_request_raw_input_length": "histogram",
+    "tgi_request_raw_input_length": "summary",
     "tgi_request_mean_time_per_token_duration": "histogram",
     "tgi_request_validation_duration": "histogram", "tgi_request_queue_duration": "histogram",
     "tgi_request_generated_tokens": "histogram", "tgi_request_total_tokens": "histogram",
@@ -36,7 +36,7 @@ TGIS_METRICS = {
     "tgi_batch_inference_success": "counter", "tgi_batch_inference_failure": "counter",
     "tgi_batch_inference_batch_size": "histogram", "tgi_batch_inference_duration": "histogram",
     "tgi_batch_inference_forward_duration": "histogram",
-    "tgi_batch_inference_tokproc_duration": "histogram", "tgi_batch_next_tokens": "histogram",
+    "tgi_batch_inference_tokproc_duration": "histogram", "tgi_batch_next_tokens": "summary",
     "tgi_batch_current_size": "gauge", "tgi_batch_input_tokens": "gauge",
     "tgi_batch_max_remaining_tokens": "gauge", "tgi_queue_size": "gauge", "tgi_queue_jump": "counter",
     "tgi_granular_batch_addition": "counter", "tgi_prefill_weight_limit_exceeded": "counter",
@@ -76,7 +76,7 @@ class Exposition:
 
     def count(self, name: str, **labels) -> float:
         """A counter's value, or a histogram's observation count."""
-        if self.types.get(name) == "histogram":
+        if self.types.get(name) in ("histogram", "summary"):
             return self.value(name + "_count", **labels)
         return self.value(name, **labels)
 
