@@ -11,7 +11,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/str_cat.h"
 #include "proto/generate.pb.h"
 
 namespace tgis::router {
@@ -33,9 +32,7 @@ class ShardClient {
   virtual absl::Status ClearCache(std::optional<uint64_t> batch_id) = 0;
   // Loads a prompt-tuning prefix on every shard; its virtual-token count (shard 0's). An error
   // carries the shard's own status code and message.
-  virtual absl::StatusOr<uint32_t> PrefixLookup(const std::string& prefix_id) {
-    return absl::UnimplementedError(absl::StrCat("prefix id \"", prefix_id, "\" not found"));
-  }
+  virtual absl::StatusOr<uint32_t> PrefixLookup(const std::string& prefix_id) = 0;
 };
 
 // Connects to the shards listening on unix://<uds_path>-0 .. -<num_shards - 1>, waiting until

@@ -249,38 +249,42 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
 }
 
 void Engine::AddPrefixRows(const std::vector<Sequence*>& seqs, ForwardInput* in) const {
-  // Rows of this step that are virtual tokens: positions below the sequence's prefix length.
+  // Most steps have no virtual tokens (decode steps never do): nothing to build then.
+  if (std::none_of(seqs.begin(), seqs.end(),
+                   [](const Sequence* s) { return s->cached < s->prefix_len; })) {
+    return;
+  }
+  // Row i of the step takes row source[i] of [token embeddings (T rows); prefix rows]: itself,
+  // or, for a virtual token (a position below its sequence's prefix length), its prefix row.
+  int64_t t = 0;
+  for (const Sequence* s : seqs) t += static_cast<int64_t>(s->tokens.size() - s->cached);
   std::vector<int32_t> source;
-  std::vector<std::pair<const kernels::Tensor*, std::pair<int64_t, int64_t>>> pieces;
-  int64_t row = 0, prefix_rows = 0;
+  source.reserve(t);
+  struct Piece {
+    const kernels::Tensor* prefix;
+    int64_t begin, end;  // prefix rows
+  };
+  std::vector<Piece> pieces;
+  int64_t prefix_rows = 0;
   for (const Sequence* s : seqs) {
     const size_t begin = s->cached, end = s->tokens.size();
-    const size_t virtual_end = std::min(end, s->prefix_len);
-    for (size_t p = begin; p < end; ++p, ++row) source.push_back(static_cast<int32_t>(row));
-    if (begin < virtual_end) {
-      pieces.push_back(
-          {s->prefix.get(), {static_cast<int64_t>(begin), static_cast<int64_t>(virtual_end)}});
-      prefix_rows += static_cast<int64_t>(virtual_end - begin);
+    for (size_t p = begin; p < end; ++p) {
+      const bool virtual_token = p < s->prefix_len;
+      source.push_back(static_cast<int32_t>(virtual_token ? t + prefix_rows++ : source.size()));
+    }
+    if (begin < std::min(end, s->prefix_len)) {
+      pieces.push_back({s->prefix.get(), static_cast<int64_t>(begin),
+                        static_cast<int64_t>(std::min(end, s->prefix_len))});
     }
   }
-  if (pieces.empty()) return;
-  const int64_t t = static_cast<int64_t>(source.size());
   const int64_t hidden = model_->spec().hidden;
   kernels::Tensor values =
       kernels::Tensor::Empty({prefix_rows, hidden}, model_->act_dtype(), model_->device());
-  // Point the virtual rows at the prefix rows, appended after the T token rows.
-  int64_t at = 0, next_value = 0;
-  row = 0;
-  for (const Sequence* s : seqs) {
-    const size_t begin = s->cached, end = s->tokens.size();
-    for (size_t p = begin; p < end; ++p, ++row) {
-      if (p < s->prefix_len) source[row] = static_cast<int32_t>(t + next_value++);
-    }
-  }
-  for (const auto& [prefix, range] : pieces) {
-    kernels::Tensor dst = values.Rows(at, at + range.second - range.first);
-    kernels::CopyColumns(prefix->Rows(range.first, range.second), 0, hidden, &dst, 0);
-    at += range.second - range.first;
+  int64_t at = 0;
+  for (const Piece& piece : pieces) {
+    kernels::Tensor dst = values.Rows(at, at + piece.end - piece.begin);
+    kernels::CopyColumns(piece.prefix->Rows(piece.begin, piece.end), 0, hidden, &dst, 0);
+    at += piece.end - piece.begin;
   }
   kernels::Tensor idx = kernels::Tensor::FromVector(source, {t});
   in->embedding_source =

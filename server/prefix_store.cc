@@ -71,14 +71,13 @@ absl::StatusOr<Tensor> PrefixStore::Process(const Tensor& prefix,
                                             " does not match model (", options_.hidden, ")"));
   }
   if (!AllFinite(prefix)) return Raised("Exception", "Prefix contains non-finite elements");
+  // Every loader hands over an owned f32 copy, so no view of a mapped file outlives Load.
   Tensor converted = prefix.dtype() == options_.dtype ? prefix : prefix.To(options_.dtype);
   if (!AllFinite(converted)) {
     return Raised("Exception", absl::StrCat("Prefix contains non-finite elements after "
                                             "conversion from torch.",
                                             source_dtype, " to torch.", TorchName(options_.dtype)));
   }
-  // An owned copy: the source may be a view of a mapped file.
-  converted = converted.To(options_.dtype);
   return options_.device == kernels::Device::kCpu ? converted : converted.ToDevice(options_.device);
 }
 
@@ -111,8 +110,7 @@ absl::StatusOr<Tensor> PrefixStore::Load(const std::string& id) const {
       if (!tensors.ok()) return Raised("Exception", std::string(tensors.status().message()));
       auto it = tensors->find("prompt_embeddings");
       if (it == tensors->end()) return Raised("KeyError", "'prompt_embeddings'");
-      loaded = {it->second.To(DType::kF32), "float32"};
-      if (it->second.dtype() != DType::kF32) loaded.second = TorchName(it->second.dtype());
+      loaded = {it->second.To(DType::kF32), TorchName(it->second.dtype())};
     } else if (fs::is_regular_file(bin, ec)) {
       LOG(INFO) << "Loading new prefix " << id << "/adapter_model.bin";
       auto tensors = ReadTorchFile(bin.string());

@@ -118,3 +118,23 @@ class Process:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def wait_serving(proc: "Process", grpc_port: int, timeout: float = 60.0):
+    """Waits until the router behind `proc` (a launcher or router) answers ModelInfo on
+    `grpc_port`; returns (channel, pb, stub) of the public GenerationService."""
+    import grpc
+
+    pb, pb_grpc = proto_module("generation")
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    stub = pb_grpc.GenerationServiceStub(channel)
+
+    def ready():
+        try:
+            stub.ModelInfo(pb.ModelInfoRequest(), timeout=1)
+            return True
+        except grpc.RpcError:
+            return False
+
+    proc.wait_for(ready, timeout=timeout, what="serving gRPC")
+    return channel, pb, stub

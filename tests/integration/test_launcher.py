@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from procs import (FIXTURES, Process, alive, binary, children_of, cmdline, free_port,  # noqa: E402
-                   need_binaries, proto_module)
+                   need_binaries, proto_module, wait_serving)
 
 grpc = pytest.importorskip("grpc")
 MODEL = FIXTURES / "models" / "llama"
@@ -39,18 +39,7 @@ class Launcher:
         self.proc = Process([binary(LAUNCHER), *args], env=env)
 
     def wait_serving(self, timeout=90):
-        pb, pb_grpc = proto_module("generation")
-        channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
-
-        def ready():
-            try:
-                pb_grpc.GenerationServiceStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=1)
-                return True
-            except grpc.RpcError:
-                return False
-
-        self.proc.wait_for(ready, timeout=timeout, what="serving gRPC")
-        return channel
+        return wait_serving(self.proc, self.grpc_port, timeout)[0]
 
     def shard_pids(self):
         return [c for c in children_of(self.proc.proc.pid) if "serve" in cmdline(c)]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import FIXTURES, Process, binary, free_port, need_binaries, proto_module  # noqa: E402
+from procs import FIXTURES, Process, binary, free_port, need_binaries, wait_serving  # noqa: E402
 
 grpc = pytest.importorskip("grpc")
 PREFIXES = FIXTURES / "prefixes"
@@ -34,22 +34,13 @@ def server():
            "TERMINATION_LOG": str(tmp / "termination-log"), "KV_CACHE_BLOCKS": "128",
            "PREFIX_STORE_PATH": str(PREFIXES / "store"), "DTYPE_STR": "float32"}
     proc = Process([binary(LAUNCHER)], env=env)
-    pb, pb_grpc = proto_module("generation")
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-    stub = pb_grpc.GenerationServiceStub(channel)
-
-    def ready():
-        try:
-            stub.ModelInfo(pb.ModelInfoRequest(), timeout=1)
-            return True
-        except grpc.RpcError:
-            return False
-
+    channel = None
     try:
-        proc.wait_for(ready, timeout=120, what="serving gRPC")
+        channel, pb, stub = wait_serving(proc, grpc_port, timeout=120)
         yield pb, stub, http_port, proc
     finally:
-        channel.close()
+        if channel is not None:
+            channel.close()
         proc.close()
         shutil.rmtree(tmp, ignore_errors=True)
 

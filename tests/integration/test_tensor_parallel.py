@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from procs import FIXTURES, Process, binary, free_port, need_binaries, proto_module  # noqa: E402
+from procs import (FIXTURES, Process, binary, free_port, need_binaries, proto_module,  # noqa: E402
+                   wait_serving)
 
 grpc = pytest.importorskip("grpc")
 
@@ -44,18 +45,7 @@ class Launcher:
         self.proc = Process([binary("launcher/text-generation-launcher")], env=env)
 
     def wait_serving(self, timeout=60):
-        pb, pb_grpc = proto_module("generation")
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
-        stub = pb_grpc.GenerationServiceStub(self.channel)
-
-        def ready():
-            try:
-                stub.ModelInfo(pb.ModelInfoRequest(), timeout=1)
-                return True
-            except grpc.RpcError:
-                return False
-
-        self.proc.wait_for(ready, timeout=timeout, what="serving gRPC")
+        self.channel, pb, stub = wait_serving(self.proc, self.grpc_port, timeout)
         return pb, stub
 
     def close(self):

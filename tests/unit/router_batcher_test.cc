@@ -102,6 +102,10 @@ class FakeShard final : public ShardClient {
     return response;
   }
 
+  absl::StatusOr<uint32_t> PrefixLookup(const std::string&) override {
+    return absl::UnimplementedError("no prefixes in the fake shard");
+  }
+
   absl::Status ClearCache(std::optional<uint64_t> id) override {
     std::lock_guard<std::mutex> lock(mu);
     if (id.has_value()) {
