@@ -243,6 +243,37 @@ void CausalLM::Mlp(const LayerWeights& w, const Tensor& x, Tensor* out) const {
   }
 }
 
+void CausalLM::Rotate(const ForwardInput& in, Tensor* q, Tensor* k) const {
+  if (!spec_.rope_by_length) {
+    kernels::Rotary(spec_.rotary, in.positions, q, k);
+    return;
+  }
+  const std::vector<int32_t>& starts = in.host_query_start;
+  const std::vector<int32_t>& lens = in.host_context_lens;
+  const int64_t original = spec_.rope_by_length->original_max_positions;
+  auto rotate = [&](size_t first, size_t last, const kernels::RotaryConfig& cfg) {
+    const int64_t begin = starts[first], end = starts[last];
+    if (begin == end) return;
+    Tensor qs = q->Rows(begin, end), ks = k->Rows(begin, end);
+    kernels::Rotary(cfg, in.positions.Rows(begin, end), &qs, &ks);
+  };
+  // Runs of sequences within the original context share the base frequencies; each longer one
+  // gets those of its own length.
+  for (size_t seq = 0; seq < lens.size();) {
+    if (lens[seq] <= original) {
+      size_t end = seq;
+      while (end < lens.size() && lens[end] <= original) ++end;
+      rotate(seq, end, spec_.rotary);
+      seq = end;
+    } else {
+      kernels::RotaryConfig cfg = spec_.rotary;
+      cfg.inv_freq = spec_.rope_by_length->InvFreq(lens[seq]);
+      rotate(seq, seq + 1, cfg);
+      ++seq;
+    }
+  }
+}
+
 Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
                          const std::vector<int32_t>& logit_rows) const {
   const DecoderSpec& s = spec_;
@@ -281,7 +312,7 @@ Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLay
     kernels::CopyColumns(qkv, 0, hq * d, &q2, 0);
     kernels::CopyColumns(qkv, hq * d, hk * d, &k2, 0);
     kernels::CopyColumns(qkv, (hq + hk) * d, hk * d, &v2, 0);
-    if (s.position == PositionKind::kRotary) kernels::Rotary(s.rotary, in.positions, &q, &k);
+    if (s.position == PositionKind::kRotary) Rotate(in, &q, &k);
     kernels::ReshapeAndCache(k, v, in.slot_mapping, &(*cache)[l]);
     kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.sliding_window,
                             alibi_.empty() ? nullptr : &alibi_, &attn);

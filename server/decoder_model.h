@@ -11,11 +11,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/ops.h"
+#include "kernels/rope_scaling.h"
 #include "kernels/tensor.h"
 #include "server/communicator.h"
 
@@ -41,7 +43,10 @@ struct DecoderSpec {
   MlpKind mlp = MlpKind::kGatedSilu;
   kernels::GeluKind gelu = kernels::GeluKind::kTanh;
   PositionKind position = PositionKind::kRotary;
-  kernels::RotaryConfig rotary;
+  kernels::RotaryConfig rotary;  // the frequencies within the original context
+  // Rope types whose frequencies follow each sequence's length (dynamic NTK, LongRoPE).
+  std::optional<kernels::RopeScaling> rope_by_length;
+  int64_t max_positions = 0;       // positions served; 0: the config's max_position_embeddings
   bool parallel_residual = false;  // x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX)
   int sliding_window = 0;
   float attn_scale = 0;  // 0: 1/sqrt(head_dim)
@@ -106,6 +111,10 @@ struct ForwardInput {
   // [token embeddings; prefix_values] ([T] i32), so virtual tokens take the prefix's vectors.
   kernels::Tensor embedding_source;
   kernels::Tensor prefix_values;  // [R, hidden] in the activation dtype
+  // The attention batch's query_start and context_lens on the host, for the ops that vary by
+  // sequence (length-dependent rotary).
+  std::vector<int32_t> host_query_start;
+  std::vector<int32_t> host_context_lens;
 };
 
 class CausalLM {
@@ -139,6 +148,9 @@ class CausalLM {
     return b.defined() && layout_.rank == 0 ? &b : nullptr;
   }
   void Mlp(const LayerWeights& w, const kernels::Tensor& x, kernels::Tensor* out) const;
+  // Rotary on q and k; with length-dependent frequencies, each sequence past the original
+  // context gets its own.
+  void Rotate(const ForwardInput& in, kernels::Tensor* q, kernels::Tensor* k) const;
   void Norm(const kernels::Tensor& x, const kernels::Tensor& w, const kernels::Tensor& b,
             kernels::Tensor* out) const;
   // x += y; out = Norm(x) (fused for RMSNorm).

@@ -17,6 +17,7 @@ Engine::Engine(std::unique_ptr<CausalLM> model, std::vector<int32_t> eos_ids, in
                int num_blocks, int block_size)
     : model_(std::move(model)), eos_(std::move(eos_ids)), max_positions_(max_positions) {
   const DecoderSpec& s = model_->spec();
+  if (s.max_positions > 0) max_positions_ = s.max_positions;
   // A tensor-parallel rank caches only its own KV heads.
   cache_ = std::make_unique<KvCache>(static_cast<int>(s.num_layers), num_blocks, block_size,
                                      static_cast<int>(model_->shard().kv_heads.size()),
@@ -195,6 +196,8 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
   in.attn.block_tables = all.Rows(at[5], at[5] + nseq * table_cols).Reshape({nseq, table_cols});
   in.attn.block_size = bs;
   in.attn.max_context_len = *std::max_element(context_lens.begin(), context_lens.end());
+  in.host_query_start = std::move(query_start);
+  in.host_context_lens = std::move(context_lens);
   AddPrefixRows(seqs, &in);
   const auto t0 = std::chrono::steady_clock::now();
   Tensor logits = model_->Forward(in, cache_->layers(), logit_rows);

@@ -48,6 +48,8 @@ struct SequenceError {
 
 class Engine {
  public:
+  // `max_positions`: the config's max_position_embeddings; a model whose rope scaling serves
+  // more (DecoderSpec::max_positions) takes its own.
   Engine(std::unique_ptr<CausalLM> model, std::vector<int32_t> eos_ids, int64_t max_positions,
          int num_blocks, int block_size);
 

@@ -101,15 +101,40 @@ absl::StatusOr<ModelConfig> ModelConfig::Load(const std::string& model_dir) {
     }
     return 0;
   };
-  c.vocab_size = first_int({"vocab_size"});
-  c.hidden_size = first_int({"hidden_size", "n_embd", "d_model"});
-  c.num_layers = first_int({"num_hidden_layers", "n_layer", "num_layers"});
-  c.num_heads = first_int({"num_attention_heads", "n_head", "num_heads"});
+  const std::initializer_list<const char*> vocab_keys = {"vocab_size"};
+  const std::initializer_list<const char*> hidden_keys = {"hidden_size", "n_embd", "d_model",
+                                                          "n_embed"};
+  const std::initializer_list<const char*> layer_keys = {"num_hidden_layers", "n_layer",
+                                                         "num_layers", "n_layers"};
+  const std::initializer_list<const char*> head_keys = {"num_attention_heads", "n_head",
+                                                        "num_heads", "n_heads"};
+  c.vocab_size = first_int(vocab_keys);
+  c.hidden_size = first_int(hidden_keys);
+  c.num_layers = first_int(layer_keys);
+  c.num_heads = first_int(head_keys);
+  for (auto [value, keys, what] :
+       {std::tuple{c.vocab_size, vocab_keys, "the vocabulary size"},
+        std::tuple{c.hidden_size, hidden_keys, "the hidden size"},
+        std::tuple{c.num_layers, layer_keys, "the layer count"},
+        std::tuple{c.num_heads, head_keys, "the attention head count"}}) {
+    if (value > 0) continue;
+    std::string names, found = "none of them";
+    for (const char* k : keys) {
+      absl::StrAppend(&names, names.empty() ? "" : ", ", k);
+      if (found == "none of them" && c.raw.contains(k)) {
+        found = absl::StrCat(k, " = ", c.raw[k].dump());
+      }
+    }
+    return absl::InvalidArgumentError(absl::StrCat(config_file, ": model_type '", c.model_type,
+                                                   "': ", what, " must be a positive integer (",
+                                                   names, "; found ", found, ")"));
+  }
   c.num_kv_heads = first_int({"num_key_value_heads"});
   if (c.num_kv_heads == 0) c.num_kv_heads = c.num_heads;
   c.head_dim = first_int({"head_dim"});
   if (c.head_dim == 0 && c.num_heads > 0) c.head_dim = c.hidden_size / c.num_heads;
-  c.max_position_embeddings = first_int({"max_position_embeddings", "n_positions", "n_ctx"});
+  c.max_position_embeddings =
+      first_int({"max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"});
   c.tie_word_embeddings = c.raw.value("tie_word_embeddings", false);
   c.bos_token_id = OptionalId(c.raw, "bos_token_id");
   c.pad_token_id = OptionalId(c.raw, "pad_token_id");
@@ -122,10 +147,6 @@ absl::StatusOr<ModelConfig> ModelConfig::Load(const std::string& model_dir) {
     if (!geos->empty()) c.eos_token_ids = *geos;
     if (auto b = OptionalId(*gen, "bos_token_id")) c.bos_token_id = b;
     if (auto p = OptionalId(*gen, "pad_token_id")) c.pad_token_id = p;
-  }
-  if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.num_layers <= 0 || c.num_heads <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        config_file, ": vocab_size, hidden size, layer and head counts must be positive"));
   }
   return c;
 }

@@ -1,5 +1,7 @@
 #include "server/model_registry.h"
 
+#include <fnmatch.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -18,16 +20,47 @@ ModelRegistry& ModelRegistry::Get() {
   return *registry;
 }
 
-void ModelRegistry::Register(const std::string& model_type, ModelBuilder builder) {
-  builders_.emplace_back(model_type, std::move(builder));
+void ModelRegistry::Register(const std::string& model_type, ModelBuilder builder,
+                             std::vector<std::string> ignored) {
+  builders_.push_back({model_type, std::move(builder), std::move(ignored)});
 }
+
+namespace {
+
+absl::Status CheckEveryTensorRead(const std::string& model_type, const WeightStore& weights,
+                                  const std::vector<std::string>& ignored) {
+  std::vector<std::string> unused;
+  for (const std::string& name : weights.Unread()) {
+    bool listed = false;
+    for (const std::string& pattern : ignored) {
+      listed = listed || fnmatch(pattern.c_str(), name.c_str(), 0) == 0;
+    }
+    if (!listed) unused.push_back(name);
+  }
+  if (unused.empty()) return absl::OkStatus();
+  std::string list;
+  constexpr size_t kNamed = 8;
+  for (size_t i = 0; i < unused.size() && i < kNamed; ++i) {
+    absl::StrAppend(&list, i == 0 ? "" : ", ", unused[i], " (", weights.FileOf(unused[i]), ")");
+  }
+  if (unused.size() > kNamed) absl::StrAppend(&list, " and ", unused.size() - kNamed, " more");
+  return absl::InvalidArgumentError(absl::StrCat(
+      weights.dir(), ": the checkpoint has ", unused.size(), " tensor(s) that model_type '",
+      model_type, "' does not use (a layout or config this server does not read): ", list));
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<CausalLM>> ModelRegistry::Build(
     const ModelConfig& config, const WeightStore& weights, kernels::DType dtype,
     std::shared_ptr<Communicator> comm) const {
   if (!comm) comm = MakeSingleProcessCommunicator();
-  for (const auto& [type, builder] : builders_) {
-    if (type == config.model_type) return builder(config, weights, dtype, comm);
+  for (const Entry& e : builders_) {
+    if (e.model_type != config.model_type) continue;
+    auto model = e.builder(config, weights, dtype, comm);
+    if (!model.ok()) return model.status();
+    if (auto st = CheckEveryTensorRead(e.model_type, weights, e.ignored); !st.ok()) return st;
+    return model;
   }
   return absl::UnimplementedError(
       absl::StrCat("config.json: model_type '", config.model_type,
@@ -36,7 +69,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> ModelRegistry::Build(
 
 std::vector<std::string> ModelRegistry::SupportedTypes() const {
   std::vector<std::string> out;
-  for (const auto& [type, b] : builders_) out.push_back(type);
+  for (const Entry& e : builders_) out.push_back(e.model_type);
   return out;
 }
 

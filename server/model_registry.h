@@ -25,15 +25,25 @@ using ModelBuilder = std::function<absl::StatusOr<std::unique_ptr<CausalLM>>(
 class ModelRegistry {
  public:
   static ModelRegistry& Get();  // with every built-in architecture registered
-  void Register(const std::string& model_type, ModelBuilder builder);
-  // A null `comm` builds the whole model (world size 1).
+  // `ignored`: glob patterns (fnmatch) of checkpoint tensors the architecture deliberately does
+  // not read, each with its reason in the caller's comment (buffers older transformers saved,
+  // say). Every other tensor a builder leaves unread fails the load.
+  void Register(const std::string& model_type, ModelBuilder builder,
+                std::vector<std::string> ignored = {});
+  // A null `comm` builds the whole model (world size 1). Fails, naming the tensors and their
+  // files, when the checkpoint holds tensors the model did not read and does not ignore.
   absl::StatusOr<std::unique_ptr<CausalLM>> Build(
       const ModelConfig& config, const WeightStore& weights, kernels::DType dtype,
       std::shared_ptr<Communicator> comm = nullptr) const;
   std::vector<std::string> SupportedTypes() const;
 
  private:
-  std::vector<std::pair<std::string, ModelBuilder>> builders_;
+  struct Entry {
+    std::string model_type;
+    ModelBuilder builder;
+    std::vector<std::string> ignored;
+  };
+  std::vector<Entry> builders_;
 };
 
 // Each architecture file defines one of these; ModelRegistry::Get calls them all.

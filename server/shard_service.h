@@ -64,6 +64,11 @@ class ShardService final : public generate::v1::TextGenerationService::Service {
 
   std::mutex mu_;  // one step at a time
   ModelConfig config_;
+  int64_t model_max_positions_ = 0;  // DecoderSpec::max_positions (rope scaling), or 0
+  // The positions the model serves: the config's, or more with rope scaling.
+  int64_t MaxPositions() const {
+    return model_max_positions_ > 0 ? model_max_positions_ : config_.max_position_embeddings;
+  }
   std::unique_ptr<CausalLM> pending_model_;  // moved into the engine at Warmup
   std::unique_ptr<Engine> engine_;
   ShardOptions options_;

@@ -146,6 +146,7 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string
                      "PyTorch .bin checkpoint must be converted with convert-to-safetensors)"));
   }
   auto store = std::make_unique<WeightStore>();
+  store->dir_ = model_dir;
   for (const fs::path& f : files) {
     std::map<std::string, Tensor> found;
     if (auto st = MapFile(f, &found); !st.ok()) return st;
@@ -157,8 +158,9 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string
 absl::StatusOr<Tensor> WeightStore::Get(const std::string& name, DType dtype) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
-    return absl::NotFoundError(absl::StrCat("weight ", name, " is not in the checkpoint"));
+    return absl::NotFoundError(absl::StrCat(dir_, ": tensor ", name, " is not in the checkpoint"));
   }
+  MarkRead(name);
   if (it->second.view.dtype() == dtype) return it->second.view;
   return it->second.view.To(dtype);
 }
@@ -166,9 +168,29 @@ absl::StatusOr<Tensor> WeightStore::Get(const std::string& name, DType dtype) co
 absl::StatusOr<Tensor> WeightStore::View(const std::string& name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
-    return absl::NotFoundError(absl::StrCat("weight ", name, " is not in the checkpoint"));
+    return absl::NotFoundError(absl::StrCat(dir_, ": tensor ", name, " is not in the checkpoint"));
   }
+  MarkRead(name);
   return it->second.view;
+}
+
+std::string WeightStore::FileOf(const std::string& name) const {
+  auto it = tensors_.find(name);
+  return it == tensors_.end() ? std::string() : it->second.file;
+}
+
+void WeightStore::MarkRead(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(read_mu_);
+  read_.insert(name);
+}
+
+std::vector<std::string> WeightStore::Unread() const {
+  std::lock_guard<std::mutex> lock(read_mu_);
+  std::vector<std::string> out;
+  for (const auto& [n, e] : tensors_) {
+    if (read_.count(n) == 0) out.push_back(n);
+  }
+  return out;
 }
 
 std::vector<std::string> WeightStore::Names() const {

@@ -4,6 +4,8 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -26,13 +28,27 @@ class WeightStore {
   // The tensor as stored: a view of the mapped file (for reading slices of it).
   absl::StatusOr<kernels::Tensor> View(const std::string& name) const;
   std::vector<std::string> Names() const;
+  const std::string& dir() const { return dir_; }
+  // The file that holds `name` ("" when there is no such tensor).
+  std::string FileOf(const std::string& name) const;
+
+  // Get and View record the names they hand out, so that a loader can tell which tensors of
+  // the checkpoint nothing read (a model that leaves a tensor unread computes something else
+  // than the checkpoint's authors meant). Safe to call from several threads (tensor-parallel
+  // ranks in one process share a store).
+  void MarkRead(const std::string& name) const;
+  // Tensors nobody has read, in name order.
+  std::vector<std::string> Unread() const;
 
  private:
   struct Entry {
     kernels::Tensor view;
     std::string file;
   };
+  std::string dir_;
   std::map<std::string, Entry> tensors_;
+  mutable std::mutex read_mu_;
+  mutable std::set<std::string> read_;
 };
 
 }  // namespace tgis::server

@@ -17,6 +17,12 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
 
 }  // namespace
 
-void RegisterGpt2Model(ModelRegistry* r) { r->Register("gpt2", Build); }
+// The original GPT-2 checkpoints (and transformers before 4.26) store each layer's causal-mask
+// buffers attn.bias and attn.masked_bias; attention here is causal by construction.
+void RegisterGpt2Model(ModelRegistry* r) {
+  r->Register("gpt2", Build,
+              {"h.*.attn.bias", "h.*.attn.masked_bias", "transformer.h.*.attn.bias",
+               "transformer.h.*.attn.masked_bias"});
+}
 
 }  // namespace tgis::server

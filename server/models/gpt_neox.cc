@@ -93,6 +93,12 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
 
 }  // namespace
 
-void RegisterGptNeoxModel(ModelRegistry* r) { r->Register("gpt_neox", Build); }
+// Pythia and GPT-NeoX-20B checkpoints store each layer's causal-mask buffers and rotary
+// inv_freq; attention is causal by construction and the frequencies come from the config.
+void RegisterGptNeoxModel(ModelRegistry* r) {
+  r->Register("gpt_neox", Build,
+              {"gpt_neox.layers.*.attention.bias", "gpt_neox.layers.*.attention.masked_bias",
+               "gpt_neox.layers.*.attention.rotary_emb.inv_freq"});
+}
 
 }  // namespace tgis::server

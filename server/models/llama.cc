@@ -1,5 +1,5 @@
-// Llama 1/2/3, Code Llama, TinyLlama, Mistral: the Llama layout without biases; Mistral's
-// sliding_window applies when set.
+// Llama 1/2/3, Code Llama, TinyLlama, Mistral: the Llama layout; attention_bias (q/k/v/o) and
+// mlp_bias (gate/up/down) as the config says; Mistral's sliding_window applies when set.
 #include "server/model_registry.h"
 #include "server/models/llama_style.h"
 
@@ -12,13 +12,20 @@ void RegisterLlamaModels(ModelRegistry* r) {
     auto bias = c.Get<bool>("attention_bias", false);
     if (!bias.ok()) return bias.status();
     opt.qkv_bias = *bias;
+    opt.o_bias = *bias;
+    auto mlp_bias = c.Get<bool>("mlp_bias", false);
+    if (!mlp_bias.ok()) return mlp_bias.status();
+    opt.mlp_bias = *mlp_bias;
     auto window = c.Get<int64_t>("sliding_window", int64_t{0});
     if (!window.ok()) return window.status();
     opt.sliding_window = static_cast<int>(*window);
     return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
   };
-  r->Register("llama", build);
-  r->Register("mistral", build);
+  // Checkpoints saved by transformers before 4.31 hold each layer's rotary inv_freq buffer; we
+  // compute the frequencies from the config (as transformers does since).
+  const std::vector<std::string> ignored = {"model.layers.*.self_attn.rotary_emb.inv_freq"};
+  r->Register("llama", build, ignored);
+  r->Register("mistral", build, ignored);
 }
 
 }  // namespace tgis::server

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/models/weight_utils.h"
+#include "server/rope_config.h"
 
 namespace tgis::server {
 
@@ -33,27 +34,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     return absl::UnimplementedError(
         absl::StrCat("config.json: hidden_act '", *act, "' is not supported for ", c.model_type));
   }
-  s.position = PositionKind::kRotary;
   auto theta = c.Get<double>("rope_theta", 10000.0);
   if (!theta.ok()) return theta.status();
-  double factor = 0, low = 1, high = 4;
-  int original = 8192;
-  if (auto it = c.raw.find("rope_scaling"); it != c.raw.end() && it->is_object()) {
-    std::string type = it->value("rope_type", it->value("type", std::string()));
-    if (type == "llama3") {
-      factor = it->value("factor", 8.0);
-      low = it->value("low_freq_factor", 1.0);
-      high = it->value("high_freq_factor", 4.0);
-      original = it->value("original_max_position_embeddings", 8192);
-    } else if (type != "default") {
-      return absl::UnimplementedError(
-          absl::StrCat("config.json: rope_scaling type '", type, "' is not supported"));
-    }
-  }
-  s.rotary.rotary_dim = static_cast<int>(s.head_dim);
   s.rotary.style = kernels::RotaryStyle::kNeox;
-  s.rotary.inv_freq =
-      kernels::RotaryInvFreq(s.rotary.rotary_dim, *theta, factor, low, high, original);
+  if (auto st = ReadRope(c, static_cast<int>(s.head_dim), *theta, &s); !st.ok()) return st;
   s.sliding_window = opt.sliding_window;
 
   auto layout = ShardLayout::Make(s, comm->rank(), comm->world_size());
@@ -81,6 +65,11 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     auto o = ld.InputColumns(a + "o_proj.weight", q);
     if (!o.ok()) return o.status();
     l.o_w = *o;
+    if (opt.o_bias) {
+      auto b = ld.Whole(a + "o_proj.bias");
+      if (!b.ok()) return b.status();
+      l.o_b = *b;
+    }
     auto gate_up =
         ld.StackOutputRows({{p + "mlp.gate_proj.weight", mlp}, {p + "mlp.up_proj.weight", mlp}});
     if (!gate_up.ok()) return gate_up.status();
@@ -88,6 +77,15 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     auto down = ld.InputColumns(p + "mlp.down_proj.weight", mlp);
     if (!down.ok()) return down.status();
     l.down_w = *down;
+    if (opt.mlp_bias) {
+      auto up_b =
+          ld.StackOutputRows({{p + "mlp.gate_proj.bias", mlp}, {p + "mlp.up_proj.bias", mlp}});
+      auto down_b = ld.Whole(p + "mlp.down_proj.bias");
+      if (!up_b.ok()) return up_b.status();
+      if (!down_b.ok()) return down_b.status();
+      l.up_b = *up_b;
+      l.down_b = *down_b;
+    }
     auto ln1 = ld.Whole(p + "input_layernorm.weight");
     auto ln2 = ld.Whole(p + "post_attention_layernorm.weight");
     if (!ln1.ok()) return ln1.status();

@@ -12,7 +12,9 @@
 namespace tgis::server {
 
 struct LlamaStyleOptions {
-  bool qkv_bias = false;
+  bool qkv_bias = false;  // q/k/v_proj biases (Qwen2; Llama's attention_bias)
+  bool o_bias = false;    // o_proj bias (Llama's attention_bias)
+  bool mlp_bias = false;  // gate/up/down_proj biases (Llama's mlp_bias)
   int sliding_window = 0;
 };
 

@@ -32,6 +32,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
 
 }  // namespace
 
-void RegisterQwen2Model(ModelRegistry* r) { r->Register("qwen2", Build); }
+// Early Qwen2 conversions hold each layer's rotary inv_freq buffer; we compute the frequencies.
+void RegisterQwen2Model(ModelRegistry* r) {
+  r->Register("qwen2", Build, {"model.layers.*.self_attn.rotary_emb.inv_freq"});
+}
 
 }  // namespace tgis::server

@@ -199,6 +199,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> FinishDecoder(const ShardedLoader& loa
                                                         DecoderSpec spec, DecoderWeights dw,
                                                         std::shared_ptr<Communicator> comm) {
   if (tied || !weights.Has(head_name)) {
+    // A tied checkpoint that still stores the head: transformers ties it to the embedding and
+    // never reads it, and so do we.
+    if (weights.Has(head_name)) weights.MarkRead(head_name);
     dw.lm_head = dw.embed;
   } else {
     auto head = loader.VocabRows(head_name);

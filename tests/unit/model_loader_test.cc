@@ -1,0 +1,159 @@
+// The loader's strictness: a checkpoint tensor the architecture does not read fails the load
+// (unless the architecture lists it as deliberately ignored), a missing one is named, and a
+// config the architecture cannot serve names the key and the value.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "server/model_config.h"
+#include "server/model_registry.h"
+#include "server/weights.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+std::string ReadAll(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream buf;
+  buf << in.rdbuf();
+  return buf.str();
+}
+
+// A copy of the llama fixture in a fresh folder whose model.safetensors and config.json the
+// test may rewrite.
+class LoaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/tgis-loader-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    const fs::path src = fs::path(TGIS_FIXTURES_DIR) / "models" / "llama";
+    for (const char* f : {"config.json", "model.safetensors"}) fs::copy(src / f, dir_ / f);
+    const std::string bytes = ReadAll(dir_ / "model.safetensors");
+    uint64_t n;
+    std::memcpy(&n, bytes.data(), 8);
+    header_ = Json::parse(bytes.substr(8, n));
+    data_ = bytes.substr(8 + n);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  void AddTensor(const std::string& name, int64_t numel) {
+    const uint64_t begin = data_.size();
+    data_.append(static_cast<size_t>(numel) * 4, '\0');
+    header_[name] = {{"dtype", "F32"}, {"shape", {numel}}, {"data_offsets", {begin, data_.size()}}};
+  }
+  void Save() {
+    const std::string h = header_.dump();
+    const uint64_t n = h.size();
+    std::ofstream out(dir_ / "model.safetensors", std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << h << data_;
+  }
+  absl::Status Build() {
+    auto config = tgis::server::ModelConfig::Load(dir_.string());
+    if (!config.ok()) return config.status();
+    auto weights = tgis::server::WeightStore::Open(dir_.string());
+    if (!weights.ok()) return weights.status();
+    return tgis::server::ModelRegistry::Get()
+        .Build(*config, **weights, tgis::kernels::DType::kF32)
+        .status();
+  }
+  void EditConfig(const std::function<void(Json&)>& edit) {
+    Json c = Json::parse(ReadAll(dir_ / "config.json"));
+    edit(c);
+    std::ofstream(dir_ / "config.json", std::ios::trunc) << c.dump(1);
+  }
+
+  fs::path dir_;
+  Json header_;
+  std::string data_;
+};
+
+TEST_F(LoaderTest, TheFixtureLoads) { EXPECT_TRUE(Build().ok()) << Build(); }
+
+TEST_F(LoaderTest, AnUnreadTensorFailsTheLoadNamingItAndItsFile) {
+  AddTensor("model.layers.0.self_attn.q_norm.weight", 16);
+  Save();
+  const absl::Status st = Build();
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("model.layers.0.self_attn.q_norm.weight"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("model.safetensors"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("'llama'"), std::string::npos) << st;
+}
+
+TEST_F(LoaderTest, BiasesTheConfigDoesNotAnnounceAreNotDropped) {
+  // attention_bias false but the checkpoint has o_proj biases: transformers would warn and
+  // drop them; a server must not answer with another model than the checkpoint's.
+  AddTensor("model.layers.0.self_attn.o_proj.bias", 64);
+  AddTensor("model.layers.1.self_attn.o_proj.bias", 64);
+  Save();
+  const absl::Status st = Build();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("2 tensor(s)"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("model.layers.1.self_attn.o_proj.bias"), std::string::npos) << st;
+}
+
+TEST_F(LoaderTest, ListedBuffersAreIgnored) {
+  AddTensor("model.layers.0.self_attn.rotary_emb.inv_freq", 8);
+  AddTensor("model.layers.1.self_attn.rotary_emb.inv_freq", 8);
+  Save();
+  EXPECT_TRUE(Build().ok()) << Build();
+}
+
+TEST_F(LoaderTest, AMissingTensorIsNamed) {
+  header_.erase("model.layers.1.mlp.down_proj.weight");
+  Save();
+  const absl::Status st = Build();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("model.layers.1.mlp.down_proj.weight"), std::string::npos) << st;
+}
+
+TEST_F(LoaderTest, AnnouncedBiasesMustBeThere) {
+  EditConfig([](Json& c) { c["mlp_bias"] = true; });
+  const absl::Status st = Build();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("mlp.gate_proj.bias"), std::string::npos) << st;
+}
+
+TEST_F(LoaderTest, AnUnservableConfigNamesTheKeyAndValue) {
+  EditConfig([](Json& c) { c["hidden_size"] = "sixty-four"; });
+  absl::Status st = Build();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("hidden_size = \"sixty-four\""), std::string::npos) << st;
+
+  EditConfig([](Json& c) {
+    c["hidden_size"] = 64;
+    c["rope_scaling"] = {{"rope_type", "mrope"}, {"factor", 2.0}};
+  });
+  st = Build();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("rope_scaling.rope_type = \"mrope\""), std::string::npos) << st;
+
+  EditConfig([](Json& c) { c["rope_scaling"] = {{"type", "linear"}, {"factor", "x"}}; });
+  st = Build();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("rope_scaling.factor = \"x\""), std::string::npos) << st;
+}
+
+TEST(ModelConfigTest, AnUnknownFamilyWithoutSizesSaysWhichKeysItLooked) {
+  char tmpl[] = "/tmp/tgis-config-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const fs::path dir = tmpl;
+  std::ofstream(dir / "config.json") << R"({"model_type": "mystery", "vocab_size": 100})";
+  auto c = tgis::server::ModelConfig::Load(dir.string());
+  fs::remove_all(dir);
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("hidden_size, n_embd, d_model"), std::string::npos)
+      << c.status();
+  EXPECT_NE(c.status().message().find("'mystery'"), std::string::npos) << c.status();
+}
+
+}  // namespace
