@@ -81,7 +81,8 @@ void SiluMul(const Tensor& gate_up, Tensor* out) {
   TGIS_DISPATCH(SiluMul, TGIS_TENSORS(&gate_up, out), gate_up, out);
 }
 
-void Gelu(GeluKind kind, Tensor* x) { TGIS_DISPATCH(Gelu, TGIS_TENSORS(x), kind, x); }
+void Activate(Activation kind, Tensor* x) { TGIS_DISPATCH(Activate, TGIS_TENSORS(x), kind, x); }
+void Clamp(float lo, float hi, Tensor* x) { TGIS_DISPATCH(Clamp, TGIS_TENSORS(x), lo, hi, x); }
 
 void Softmax(Tensor* x) { TGIS_DISPATCH(Softmax, TGIS_TENSORS(x), x); }
 

@@ -68,9 +68,12 @@ std::vector<float> AlibiSlopes(int num_heads);
 
 // gate_up: [T, 2I] laid out [gate | up]; out: [T, I] = silu(gate) * up.
 void SiluMul(const Tensor& gate_up, Tensor* out);
-enum class GeluKind { kErf, kTanh };
-// In place GELU (erf: exact "gelu"; tanh: "gelu_new" / "gelu_pytorch_tanh" / "gelu_fast").
-void Gelu(GeluKind kind, Tensor* x);
+enum class Activation { kGeluErf, kGeluTanh, kRelu };
+// In place: GELU (erf: exact "gelu"; tanh: "gelu_new" / "gelu_pytorch_tanh" / "gelu_fast"),
+// ReLU.
+void Activate(Activation kind, Tensor* x);
+// In place: x = min(max(x, lo), hi) (clip_qkv of MPT and OLMo).
+void Clamp(float lo, float hi, Tensor* x);
 
 // Over the last dim, in place.
 void Softmax(Tensor* x);

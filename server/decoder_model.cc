@@ -79,8 +79,29 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
   const int64_t inter = layout.intermediate.size(), vocab = layout.vocab.size();
   const int64_t qkv = (hq + 2 * hk) * s.head_dim;
   const int64_t up = s.mlp == MlpKind::kGatedSilu ? 2 * inter : inter;
-  if (auto st = CheckShape(w.embed, {vocab, s.hidden}, "embedding"); !st.ok()) return st;
-  if (auto st = CheckShape(w.lm_head, {vocab, s.hidden}, "lm_head"); !st.ok()) return st;
+  const int64_t e = s.EmbedDim();
+  if (auto st = CheckShape(w.embed, {vocab, e}, "embedding"); !st.ok()) return st;
+  if (auto st = CheckShape(w.lm_head, {vocab, e}, "lm_head"); !st.ok()) return st;
+  if (e != s.hidden) {
+    if (auto st = CheckShape(w.project_in, {s.hidden, e}, "project_in"); !st.ok()) return st;
+    if (auto st = CheckShape(w.project_out, {e, s.hidden}, "project_out"); !st.ok()) return st;
+  }
+  if (s.embed_norm) {
+    if (auto st = CheckShape(w.embed_norm_w, {s.hidden}, "embedding norm"); !st.ok()) return st;
+  }
+  if (w.final_norm_w.defined()) {
+    if (auto st = CheckShape(w.final_norm_w, {s.hidden}, "final norm"); !st.ok()) return st;
+  } else if (s.residual != Residual::kPostNorm) {
+    return absl::InvalidArgumentError("final norm: missing");
+  }
+  if (s.position == PositionKind::kLearned &&
+      (!w.pos_embed.defined() || w.pos_embed.rank() != 2 || w.pos_embed.dim(1) != s.hidden)) {
+    return absl::InvalidArgumentError("learned position embeddings: missing or not [P, hidden]");
+  }
+  if (s.position == PositionKind::kAlibi && !s.alibi_slopes.empty() &&
+      static_cast<int64_t>(s.alibi_slopes.size()) != s.num_heads) {
+    return absl::InvalidArgumentError("ALiBi: one slope per attention head is needed");
+  }
   if (static_cast<int64_t>(w.layers.size()) != s.num_layers) {
     return absl::InvalidArgumentError("layer count does not match the config");
   }
@@ -122,7 +143,9 @@ CausalLM::CausalLM(DecoderSpec spec, DecoderWeights weights, std::shared_ptr<Com
     spec_.attn_scale = 1.0f / std::sqrt(static_cast<float>(spec_.head_dim));
   }
   if (spec_.position == PositionKind::kAlibi) {
-    const std::vector<float> all = kernels::AlibiSlopes(static_cast<int>(spec_.num_heads));
+    const std::vector<float> all = spec_.alibi_slopes.empty()
+                                       ? kernels::AlibiSlopes(static_cast<int>(spec_.num_heads))
+                                       : spec_.alibi_slopes;
     alibi_.assign(all.begin() + layout_.q_heads.begin, all.begin() + layout_.q_heads.end);
   }
 }
@@ -150,6 +173,10 @@ void CausalLM::MoveTo(kernels::Device device) {
     move(&w_.lm_head);
   }
   move(&w_.pos_embed);
+  move(&w_.embed_norm_w);
+  move(&w_.embed_norm_b);
+  move(&w_.project_in);
+  move(&w_.project_out);
   move(&w_.final_norm_w);
   move(&w_.final_norm_b);
   for (LayerWeights& l : w_.layers) {
@@ -238,7 +265,7 @@ void CausalLM::Mlp(const LayerWeights& w, const Tensor& x, Tensor* out) const {
   } else {
     Tensor h = Buf({t, inter});
     kernels::Linear(x, w.up_w, w.up_b.defined() ? &w.up_b : nullptr, &h);
-    kernels::Gelu(spec_.gelu, &h);
+    kernels::Activate(spec_.act, &h);
     kernels::Linear(h, w.down_w, RowParallelBias(w.down_b), out);
   }
 }
@@ -274,40 +301,61 @@ void CausalLM::Rotate(const ForwardInput& in, Tensor* q, Tensor* k) const {
   }
 }
 
-Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
-                         const std::vector<int32_t>& logit_rows) const {
+// The input rows of a step: token embeddings (prompt-tuning rows in place of virtual tokens),
+// projected in, learned positions added, normed (BLOOM).
+Tensor CausalLM::InputRows(const ForwardInput& in) const {
   const DecoderSpec& s = spec_;
-  const int64_t t = in.input_ids.dim(0);
-  const int64_t hq = layout_.q_heads.size(), hk = layout_.kv_heads.size(), d = s.head_dim;
-  const bool parallel = layout_.world_size > 1;
-  Tensor x = Buf({t, s.hidden});
+  const int64_t t = in.input_ids.dim(0), e = s.EmbedDim();
+  Tensor x = Buf({t, e});
   Embed(in.input_ids, &x);
   if (in.prefix_values.defined()) {
     // Virtual tokens: their rows come from the prefix instead (a row gather over both).
     const int64_t r = in.prefix_values.dim(0);
-    Tensor table = Buf({t + r, s.hidden});
+    Tensor table = Buf({t + r, e});
     Tensor tokens = table.Rows(0, t), virtual_tokens = table.Rows(t, t + r);
-    kernels::CopyColumns(x, 0, s.hidden, &tokens, 0);
-    kernels::CopyColumns(in.prefix_values, 0, s.hidden, &virtual_tokens, 0);
+    kernels::CopyColumns(x, 0, e, &tokens, 0);
+    kernels::CopyColumns(in.prefix_values, 0, e, &virtual_tokens, 0);
     kernels::Embedding(in.embedding_source, table, &x);
+  }
+  if (e != s.hidden) {
+    Tensor projected = Buf({t, s.hidden});
+    kernels::Linear(x, w_.project_in, nullptr, &projected);
+    x = projected;
   }
   if (s.position == PositionKind::kLearned) {
     Tensor pos = Buf({t, s.hidden});
     kernels::Embedding(in.positions, w_.pos_embed, &pos);
     kernels::AddInPlace(&x, pos);
   }
+  if (s.embed_norm) {
+    Tensor normed = Buf({t, s.hidden});
+    Norm(x, w_.embed_norm_w, w_.embed_norm_b, &normed);
+    x = normed;
+  }
+  return x;
+}
+
+Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
+                         const std::vector<int32_t>& logit_rows) const {
+  const DecoderSpec& s = spec_;
+  const int64_t t = in.input_ids.dim(0);
+  const int64_t hq = layout_.q_heads.size(), hk = layout_.kv_heads.size(), d = s.head_dim;
+  const bool parallel = layout_.world_size > 1;
+  const bool post_norm = s.residual == Residual::kPostNorm;
+  Tensor x = InputRows(in);
   Tensor h = Buf({t, s.hidden});
   Tensor qkv = Buf({t, (hq + 2 * hk) * d});
   Tensor q = Buf({t, hq, d}), k = Buf({t, hk, d}), v = Buf({t, hk, d});
   Tensor attn = Buf({t, hq, d});
   Tensor o = Buf({t, s.hidden});
   Tensor m = Buf({t, s.hidden});
-  Norm(x, w_.layers[0].ln1_w, w_.layers[0].ln1_b, &h);
+  if (!post_norm) Norm(x, w_.layers[0].ln1_w, w_.layers[0].ln1_b, &h);
   for (int64_t l = 0; l < s.num_layers; ++l) {
     const LayerWeights& w = w_.layers[l];
     const LayerWeights* next = l + 1 < s.num_layers ? &w_.layers[l + 1] : nullptr;
-    // h holds this layer's input norm.
-    kernels::Linear(h, w.qkv_w, w.qkv_b.defined() ? &w.qkv_b : nullptr, &qkv);
+    // The attention's input: this layer's input norm in h (pre-norm), or x itself.
+    kernels::Linear(post_norm ? x : h, w.qkv_w, w.qkv_b.defined() ? &w.qkv_b : nullptr, &qkv);
+    if (s.clip_qkv > 0) kernels::Clamp(-s.clip_qkv, s.clip_qkv, &qkv);
     Tensor q2 = q.Reshape({t, hq * d}), k2 = k.Reshape({t, hk * d}), v2 = v.Reshape({t, hk * d});
     kernels::CopyColumns(qkv, 0, hq * d, &q2, 0);
     kernels::CopyColumns(qkv, hq * d, hk * d, &k2, 0);
@@ -317,7 +365,17 @@ Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLay
     kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.sliding_window,
                             alibi_.empty() ? nullptr : &alibi_, &attn);
     kernels::Linear(attn.Reshape({t, hq * d}), w.o_w, RowParallelBias(w.o_b), &o);
-    if (s.parallel_residual) {
+    if (post_norm) {
+      // x = ln1(x + attn); x = ln2(x + mlp(x)): the sums land in x, the norms in h, and the
+      // two swap roles.
+      comm_->AllReduceSum(&o);
+      AddNorm(&x, o, w.ln1_w, w.ln1_b, &h);
+      std::swap(x, h);
+      Mlp(w, x, &m);
+      comm_->AllReduceSum(&m);
+      AddNorm(&x, m, w.ln2_w, w.ln2_b, &h);
+      std::swap(x, h);
+    } else if (s.residual == Residual::kParallel) {
       Norm(x, w.ln2_w, w.ln2_b, &h);
       Mlp(w, h, &m);
       if (parallel) {
@@ -353,8 +411,16 @@ Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLay
     last = Tensor();
     kernels::Embedding(Indices(logit_rows), x, &last);  // a row gather
   }
-  Tensor normed = Buf(last.shape());
-  Norm(last, w_.final_norm_w, w_.final_norm_b, &normed);
+  Tensor normed = last;
+  if (w_.final_norm_w.defined()) {
+    normed = Buf(last.shape());
+    Norm(last, w_.final_norm_w, w_.final_norm_b, &normed);
+  }
+  if (s.EmbedDim() != s.hidden) {
+    Tensor projected = Buf({normed.dim(0), s.EmbedDim()});
+    kernels::Linear(normed, w_.project_out, nullptr, &projected);
+    normed = projected;
+  }
   return LmHead(normed);
 }
 

@@ -28,7 +28,14 @@ enum class MlpKind {
   kGatedSilu,  // down(silu(gate(x)) * up(x)); up_w holds [gate | up]
   kPlain,      // proj(act(fc(x)))
 };
+// Position schemes: rotary on q and k; learned absolute embeddings added to the input
+// (pos_embed); ALiBi slopes added to the attention logits.
 enum class PositionKind { kRotary, kLearned, kAlibi };
+enum class Residual {
+  kSequential,  // x += attn(ln1(x)); x += mlp(ln2(x))
+  kParallel,    // x += attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX, Falcon; ln2 may be ln1's tensors)
+  kPostNorm,    // x = ln1(x + attn(x)); x = ln2(x + mlp(x)) (OPT-350m)
+};
 
 struct DecoderSpec {
   int64_t hidden = 0;
@@ -41,13 +48,20 @@ struct DecoderSpec {
   NormKind norm = NormKind::kRms;
   float norm_eps = 1e-6f;
   MlpKind mlp = MlpKind::kGatedSilu;
-  kernels::GeluKind gelu = kernels::GeluKind::kTanh;
+  kernels::Activation act = kernels::Activation::kGeluTanh;  // kPlain MLPs
   PositionKind position = PositionKind::kRotary;
-  kernels::RotaryConfig rotary;  // the frequencies within the original context
+  std::vector<float> alibi_slopes;  // kAlibi: one per head; empty: kernels::AlibiSlopes
+  kernels::RotaryConfig rotary;     // the frequencies within the original context
   // Rope types whose frequencies follow each sequence's length (dynamic NTK, LongRoPE).
   std::optional<kernels::RopeScaling> rope_by_length;
-  int64_t max_positions = 0;       // positions served; 0: the config's max_position_embeddings
-  bool parallel_residual = false;  // x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX)
+  int64_t max_positions = 0;  // positions served; 0: the config's max_position_embeddings
+  Residual residual = Residual::kSequential;
+  // Token embeddings (and the lm_head) narrower than the model, projected in and out (OPT's
+  // word_embed_proj_dim); 0: hidden.
+  int64_t embed_dim = 0;
+  bool embed_norm = false;  // a norm right after the token embedding (BLOOM)
+  float clip_qkv = 0;       // > 0: q, k and v clamped to [-clip_qkv, clip_qkv] (MPT)
+  int64_t EmbedDim() const { return embed_dim > 0 ? embed_dim : hidden; }
   int sliding_window = 0;
   float attn_scale = 0;  // 0: 1/sqrt(head_dim)
 };
@@ -94,11 +108,13 @@ struct LayerWeights {
 };
 
 struct DecoderWeights {
-  kernels::Tensor embed;      // [V, H]
-  kernels::Tensor pos_embed;  // [P, H] learned positions (whole), or undefined
+  kernels::Tensor embed;                       // [V, E] (E: EmbedDim())
+  kernels::Tensor embed_norm_w, embed_norm_b;  // [H] (embed_norm)
+  kernels::Tensor project_in, project_out;     // [H, E] and [E, H] when E != H
+  kernels::Tensor pos_embed;  // [P, H] learned positions (whole; row p is position p), or undefined
   std::vector<LayerWeights> layers;
-  kernels::Tensor final_norm_w, final_norm_b;
-  kernels::Tensor lm_head;  // [V, H]; may share storage with embed
+  kernels::Tensor final_norm_w, final_norm_b;  // undefined: no final norm (post-norm layouts)
+  kernels::Tensor lm_head;                     // [V, E]; may share storage with embed
 };
 
 // One step's ragged batch, on the model's device.
@@ -142,6 +158,7 @@ class CausalLM {
 
  private:
   void Embed(const kernels::Tensor& ids, kernels::Tensor* x) const;
+  kernels::Tensor InputRows(const ForwardInput& in) const;
   kernels::Tensor LmHead(const kernels::Tensor& normed) const;
   // The bias of a row-parallel linear: added by rank 0 only, so the all-reduce adds it once.
   const kernels::Tensor* RowParallelBias(const kernels::Tensor& b) const {

@@ -114,7 +114,7 @@ ShardService::ShardService(ModelConfig config, std::unique_ptr<CausalLM> model,
   prefixes_ =
       std::make_unique<PrefixStore>(PrefixStoreOptions{.store_path = options_.prefix_store_path,
                                                        .cache_mb = options_.prompt_cache_mb,
-                                                       .hidden = pending_model_->spec().hidden,
+                                                       .hidden = pending_model_->spec().EmbedDim(),
                                                        .max_length = MaxPositions(),
                                                        .dtype = pending_model_->act_dtype(),
                                                        .device = pending_model_->device()});

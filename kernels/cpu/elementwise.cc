@@ -162,11 +162,13 @@ void SiluMul(const Tensor& gate_up, Tensor* out) {
   });
 }
 
-void Gelu(GeluKind kind, Tensor* x) {
-  CheckF32(*x, "Gelu", "x");
+void Activate(Activation kind, Tensor* x) {
+  CheckF32(*x, "Activate", "x");
   float* p = x->data<float>();
   ParallelFor(x->numel(), 1 << 14, [&](int64_t b, int64_t e) {
-    if (kind == GeluKind::kErf) {
+    if (kind == Activation::kRelu) {
+      for (int64_t i = b; i < e; ++i) p[i] = p[i] > 0 ? p[i] : 0.0f;
+    } else if (kind == Activation::kGeluErf) {
       constexpr float kInvSqrt2 = 0.70710678118654752440f;
       for (int64_t i = b; i < e; ++i) p[i] = 0.5f * p[i] * (1.0f + std::erf(p[i] * kInvSqrt2));
     } else {
@@ -176,6 +178,14 @@ void Gelu(GeluKind kind, Tensor* x) {
         p[i] = 0.5f * v * (1.0f + std::tanh(kSqrt2OverPi * (v + 0.044715f * v * v * v)));
       }
     }
+  });
+}
+
+void Clamp(float lo, float hi, Tensor* x) {
+  CheckF32(*x, "Clamp", "x");
+  float* p = x->data<float>();
+  ParallelFor(x->numel(), 1 << 14, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) p[i] = std::min(std::max(p[i], lo), hi);
   });
 }
 

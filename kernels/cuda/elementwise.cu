@@ -95,18 +95,28 @@ __global__ void SiluMulKernel(const T* gate_up, int64_t inter, int64_t rows, T* 
 }
 
 template <typename T>
-__global__ void GeluKernel(bool tanh_form, T* x, int64_t n) {
+__global__ void ActivateKernel(Activation kind, T* x, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float v = ToF32(x[i]);
     float y;
-    if (tanh_form) {
+    if (kind == Activation::kRelu) {
+      y = v > 0 ? v : 0.0f;
+    } else if (kind == Activation::kGeluTanh) {
       const float k = 0.7978845608028654f;  // sqrt(2 / pi)
       y = 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v)));
     } else {
       y = 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
     }
     x[i] = FromF32<T>(y);
+  }
+}
+
+template <typename T>
+__global__ void ClampKernel(float lo, float hi, T* x, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = FromF32<T>(fminf(fmaxf(ToF32(x[i]), lo), hi));
   }
 }
 
@@ -241,14 +251,25 @@ void SiluMul(const Tensor& gate_up, Tensor* out) {
   TGIS_CUDA_LAUNCHED();
 }
 
-void Gelu(GeluKind kind, Tensor* x) {
-  const char* op = "Gelu";
+void Activate(Activation kind, Tensor* x) {
+  const char* op = "Activate";
   CheckCudaFloat(*x, op, "x");
   const int64_t n = x->numel();
   if (n == 0) return;
   TGIS_DISPATCH_FLOAT(x->dtype(), op,
-                      GeluKernel<T><<<StrideBlocks(n), 256, 0, Stream()>>>(kind == GeluKind::kTanh,
-                                                                           x->data<T>(), n));
+                      ActivateKernel<T><<<StrideBlocks(n), 256, 0, Stream()>>>(kind, x->data<T>(),
+                                                                               n));
+  TGIS_CUDA_LAUNCHED();
+}
+
+void Clamp(float lo, float hi, Tensor* x) {
+  const char* op = "Clamp";
+  CheckCudaFloat(*x, op, "x");
+  const int64_t n = x->numel();
+  if (n == 0) return;
+  TGIS_DISPATCH_FLOAT(
+      x->dtype(), op,
+      ClampKernel<T><<<StrideBlocks(n), 256, 0, Stream()>>>(lo, hi, x->data<T>(), n));
   TGIS_CUDA_LAUNCHED();
 }
 

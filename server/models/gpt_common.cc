@@ -29,9 +29,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildGptStyle(const ModelConfig& c, co
   s.mlp = MlpKind::kPlain;
   auto act = c.Get<std::string>("activation_function", std::string("gelu_new"));
   if (!act.ok()) return act.status();
-  auto gelu = GeluFromName(*act);
+  auto gelu = ActivationFromName(*act, "activation_function");
   if (!gelu.ok()) return gelu.status();
-  s.gelu = *gelu;
+  s.act = *gelu;
   s.position = PositionKind::kLearned;
   if (c.raw.value("scale_attn_by_inverse_layer_idx", false)) {
     return absl::UnimplementedError(

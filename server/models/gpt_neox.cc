@@ -30,12 +30,12 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   s.mlp = MlpKind::kPlain;
   auto act = c.Get<std::string>("hidden_act", std::string("gelu"));
   if (!act.ok()) return act.status();
-  auto gelu = GeluFromName(*act);
+  auto gelu = ActivationFromName(*act, "hidden_act");
   if (!gelu.ok()) return gelu.status();
-  s.gelu = *gelu;
+  s.act = *gelu;
   auto parallel = c.Get<bool>("use_parallel_residual", true);
   if (!parallel.ok()) return parallel.status();
-  s.parallel_residual = *parallel;
+  s.residual = *parallel ? Residual::kParallel : Residual::kSequential;
   s.position = PositionKind::kRotary;
   auto pct = c.Get<double>("rotary_pct", 1.0);
   if (!pct.ok()) return pct.status();

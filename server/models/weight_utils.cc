@@ -23,13 +23,16 @@ Tensor ConcatRows(const std::vector<Tensor>& parts) {
   return out;
 }
 
-absl::StatusOr<kernels::GeluKind> GeluFromName(const std::string& act) {
-  if (act == "gelu") return kernels::GeluKind::kErf;
+absl::StatusOr<kernels::Activation> ActivationFromName(const std::string& act,
+                                                       const std::string& key) {
+  if (act == "gelu") return kernels::Activation::kGeluErf;
   if (act == "gelu_new" || act == "gelu_pytorch_tanh" || act == "gelu_fast") {
-    return kernels::GeluKind::kTanh;
+    return kernels::Activation::kGeluTanh;
   }
-  return absl::UnimplementedError(
-      absl::StrCat("config.json: activation '", act, "' is not supported"));
+  if (act == "relu") return kernels::Activation::kRelu;
+  return absl::UnimplementedError(absl::StrCat(
+      "config.json: ", key, " = \"", act,
+      "\" is not supported (gelu, gelu_new, gelu_pytorch_tanh, gelu_fast and relu are)"));
 }
 
 namespace {
@@ -178,6 +181,17 @@ absl::StatusOr<Tensor> ShardedLoader::FusedQkv(const std::string& name, QkvLayou
   if (layout == QkvLayout::kConcat) {
     const int64_t q = spec_.num_heads * d, kv = spec_.num_kv_heads * d;
     ranges = {q_rows(), kv_rows().Shifted(q), kv_rows().Shifted(q + kv)};
+  } else if (layout == QkvLayout::kGrouped) {
+    // KV group g (G = heads / KV heads): rows of its G q heads, then its k, then its v.
+    const int64_t g = spec_.num_heads / spec_.num_kv_heads, group = (g + 2) * d;
+    for (int64_t h = layout_.q_heads.begin; h < layout_.q_heads.end; ++h) {
+      ranges.push_back(Range{(h / g) * group + (h % g) * d, (h / g) * group + (h % g + 1) * d});
+    }
+    for (int64_t part = 0; part < 2; ++part) {
+      for (int64_t kv = layout_.kv_heads.begin; kv < layout_.kv_heads.end; ++kv) {
+        ranges.push_back(Range{kv * group + (g + part) * d, kv * group + (g + part + 1) * d});
+      }
+    }
   } else {
     if (spec_.num_kv_heads != spec_.num_heads) {
       return absl::InvalidArgumentError(

@@ -18,13 +18,16 @@ namespace tgis::server {
 
 // Stacks 2-D tensors (same column count and dtype) or 1-D tensors along dim 0.
 kernels::Tensor ConcatRows(const std::vector<kernels::Tensor>& parts);
-// "gelu" -> erf; "gelu_new", "gelu_pytorch_tanh", "gelu_fast" -> tanh.
-absl::StatusOr<kernels::GeluKind> GeluFromName(const std::string& act);
+// transformers' ACT2FN names: "gelu" -> erf GELU; "gelu_new", "gelu_pytorch_tanh", "gelu_fast"
+// -> tanh GELU; "relu". Others fail naming config.json's key `key` and the value.
+absl::StatusOr<kernels::Activation> ActivationFromName(const std::string& act,
+                                                       const std::string& key);
 
 // How a checkpoint fuses q, k and v into one projection.
 enum class QkvLayout {
   kConcat,   // all q rows, then all k rows, then all v rows (GPT-2, BigCode multi-query)
   kPerHead,  // [q(D) k(D) v(D)] for head 0, then head 1, ... (GPT-NeoX, BigCode MHA)
+  kGrouped,  // per KV head: its group's q heads, then k, then v (Falcon's new architecture)
 };
 
 // Loads checkpoint tensors, or this rank's slice of them (ShardLayout), reading only that slice

@@ -453,27 +453,42 @@ TEST_P(OpsTest, SiluMul) {
   ExpectClose(Host(out), ref, std::vector<double>(ref.size(), 1e-6), tol(), "silu_mul");
 }
 
-TEST_P(OpsTest, Gelu) {
+TEST_P(OpsTest, Activations) {
   std::vector<float> v = Random(200, 15, -6, 6);
   for (float big : {-30.0f, -10.0f, 0.0f, 10.0f, 30.0f, 1e4f, -1e4f}) v.push_back(big);
-  for (GeluKind kind : {GeluKind::kErf, GeluKind::kTanh}) {
+  for (Activation kind : {Activation::kGeluErf, Activation::kGeluTanh, Activation::kRelu}) {
     Tensor x = Act(v, {static_cast<int64_t>(v.size())});
     const std::vector<float> s = Host(x);
     std::vector<double> ref;
     for (float f : s) {
       const double d = f;
-      if (kind == GeluKind::kErf) {
+      if (kind == Activation::kRelu) {
+        ref.push_back(d > 0 ? d : 0.0);
+      } else if (kind == Activation::kGeluErf) {
         ref.push_back(0.5 * d * (1 + std::erf(d / std::sqrt(2.0))));
       } else {
         ref.push_back(0.5 * d * (1 + std::tanh(std::sqrt(2 / M_PI) * (d + 0.044715 * d * d * d))));
       }
     }
-    Gelu(kind, &x);
+    Activate(kind, &x);
     // Scale |x|: gelu(x) ~ 0 for negative x is the difference of two O(|x|) quantities.
     std::vector<double> scale;
     for (float f : s) scale.push_back(std::min(1.0, std::fabs(double{f})));
-    ExpectClose(Host(x), ref, scale, tol(), kind == GeluKind::kErf ? "gelu erf" : "gelu tanh");
+    ExpectClose(Host(x), ref, scale, tol(),
+                kind == Activation::kRelu      ? "relu"
+                : kind == Activation::kGeluErf ? "gelu erf"
+                                               : "gelu tanh");
   }
+}
+
+TEST_P(OpsTest, Clamp) {
+  std::vector<float> v = Random(300, 19, -8, 8);
+  Tensor x = Act(v, {3, 100});
+  const std::vector<float> s = Host(x);
+  std::vector<double> ref;
+  for (float f : s) ref.push_back(std::min(std::max(double{f}, -2.5), 3.0));
+  Clamp(-2.5f, 3.0f, &x);
+  ExpectClose(Host(x), ref, std::vector<double>(ref.size(), 1.0), tol(), "clamp");
 }
 
 TEST_P(OpsTest, SoftmaxAndLogSoftmaxLargeMagnitudes) {

@@ -69,6 +69,7 @@ class ParityFixture {
     std::stringstream buf;
     buf << in.rdbuf();
     Json j = Json::parse(buf.str());
+    rope_stepwise_ = j.value("rope_stepwise", false);
     for (const Json& p : j["prompts"]) {
       Golden g;
       g.input = p["input_ids"].get<std::vector<int32_t>>();
@@ -133,6 +134,10 @@ class ParityFixture {
   tgis::kernels::Device device_ = tgis::kernels::Device::kCpu;
   tgis::kernels::DType dtype_ = tgis::kernels::DType::kF32;
   std::vector<Golden> goldens_;
+  // The goldens come from stepwise decoding with length-dependent rotary frequencies (dynamic
+  // NTK, LongRoPE): a single teacher-forced prefill of prompt + continuation rotates every key
+  // with the whole length's frequencies, so only stepwise runs can match them.
+  bool rope_stepwise_ = false;
 };
 
 class ParityTest : public ParityFixture,
@@ -339,6 +344,7 @@ TEST_P(CudaParityTest, GoldenTokensAreOursWithinDtypeNoise) {
   // 1e-3 on a logprob is generous. bf16: 8 significant bits per activation over a few layers:
   // logprobs within 0.15 nats, and the golden token is our best or within that of it (a tie
   // in bf16 noise, where either choice is right).
+  if (rope_stepwise_) GTEST_SKIP() << "stepwise rope goldens: not comparable teacher-forced";
   const bool f32 = dtype_ == tgis::kernels::DType::kF32;
   const double tol = f32 ? 1e-3 : 0.15;
   OnEveryRank([&](Engine& engine) {
