@@ -241,7 +241,11 @@ int main(int argc, char** argv) {
   if (!info.ok()) return Fail(absl::StrCat("Info failed: ", info.status().message()));
 
   uint32_t max_sequence_length = info->max_position_embeddings();
-  if (FLAGS_max_sequence_length > 0) {
+  if (max_sequence_length == 0) {
+    // A model without a position limit (ALiBi, as BLOOM): MAX_SEQUENCE_LENGTH or TGIS's 2048.
+    max_sequence_length =
+        FLAGS_max_sequence_length > 0 ? static_cast<uint32_t>(FLAGS_max_sequence_length) : 2048u;
+  } else if (FLAGS_max_sequence_length > 0) {
     if (static_cast<uint32_t>(FLAGS_max_sequence_length) > max_sequence_length) {
       LOG(WARNING) << "--max-sequence-length " << FLAGS_max_sequence_length
                    << " exceeds the model's " << max_sequence_length << " positions; using "

@@ -18,6 +18,8 @@ Engine::Engine(std::unique_ptr<CausalLM> model, std::vector<int32_t> eos_ids, in
     : model_(std::move(model)), eos_(std::move(eos_ids)), max_positions_(max_positions) {
   const DecoderSpec& s = model_->spec();
   if (s.max_positions > 0) max_positions_ = s.max_positions;
+  // No limit in the config (ALiBi models such as BLOOM): the router's MAX_SEQUENCE_LENGTH is.
+  if (max_positions_ <= 0) max_positions_ = std::numeric_limits<int32_t>::max();
   // A tensor-parallel rank caches only its own KV heads.
   cache_ = std::make_unique<KvCache>(static_cast<int>(s.num_layers), num_blocks, block_size,
                                      static_cast<int>(model_->shard().kv_heads.size()),

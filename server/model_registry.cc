@@ -15,6 +15,10 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterGpt2Model(r);
     RegisterGptBigCodeModel(r);
     RegisterGptNeoxModel(r);
+    RegisterBloomModel(r);
+    RegisterFalconModel(r);
+    RegisterMptModel(r);
+    RegisterOptModel(r);
     return r;
   }();
   return *registry;

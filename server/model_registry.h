@@ -52,5 +52,9 @@ void RegisterQwen2Model(ModelRegistry* r);
 void RegisterGpt2Model(ModelRegistry* r);
 void RegisterGptBigCodeModel(ModelRegistry* r);
 void RegisterGptNeoxModel(ModelRegistry* r);
+void RegisterBloomModel(ModelRegistry* r);
+void RegisterFalconModel(ModelRegistry* r);  // falcon, RefinedWeb, RefinedWebModel
+void RegisterMptModel(ModelRegistry* r);
+void RegisterOptModel(ModelRegistry* r);
 
 }  // namespace tgis::server

@@ -63,7 +63,7 @@ absl::StatusOr<Tensor> PrefixStore::Process(const Tensor& prefix,
   // TGIS's _process_prefix_tensor, check by check.
   if (prefix.rank() != 2) return Raised("Exception", "Invalid prefix embedding tensor");
   const int64_t n = prefix.dim(0);
-  if (n == 0 || n > options_.max_length) {
+  if (n == 0 || (options_.max_length > 0 && n > options_.max_length)) {
     return Raised("Exception", absl::StrCat("Invalid prefix embedding length of ", n));
   }
   if (prefix.dim(1) != options_.hidden) {

@@ -25,7 +25,7 @@ struct PrefixStoreOptions {
   std::string store_path;  // PREFIX_STORE_PATH; empty: prompt tuning is off
   double cache_mb = 512;   // PROMPT_CACHE_SIZE_MB
   int64_t hidden = 0;      // the model's embedding width
-  int64_t max_length = 0;  // the most virtual tokens (the model's positions)
+  int64_t max_length = 0;  // the most virtual tokens (the model's positions; 0: no limit)
   kernels::DType dtype = kernels::DType::kF32;
   kernels::Device device = kernels::Device::kCpu;
 };

@@ -75,10 +75,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
           std::pair{&l.ln2_b, "post_attention_layernorm.bias"}}) {
       loads.emplace_back(dst, ld.Whole(p + name));
     }
-    for (auto& [dst, t] : loads) {
-      if (!t.ok()) return t.status();
-      *dst = *t;
-    }
+    if (auto st = AssignLoads(&loads); !st.ok()) return st;
     dw.layers.push_back(std::move(l));
   }
   auto fw = ld.Whole("gpt_neox.final_layer_norm.weight");

@@ -207,6 +207,15 @@ absl::StatusOr<Tensor> ShardedLoader::FusedQkv(const std::string& name, QkvLayou
   return OutputRows(name, ranges, conv1d);
 }
 
+absl::Status AssignLoads(
+    std::vector<std::pair<kernels::Tensor*, absl::StatusOr<kernels::Tensor>>>* loads) {
+  for (auto& [dst, t] : *loads) {
+    if (!t.ok()) return t.status();
+    *dst = *std::move(t);
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<CausalLM>> FinishDecoder(const ShardedLoader& loader,
                                                         const WeightStore& weights,
                                                         const std::string& head_name, bool tied,

@@ -75,6 +75,10 @@ class ShardedLoader {
   kernels::DType dtype_;
 };
 
+// Stores each loaded tensor in its destination, or returns the first load's error.
+absl::Status AssignLoads(
+    std::vector<std::pair<kernels::Tensor*, absl::StatusOr<kernels::Tensor>>>* loads);
+
 // The common end of every builder: the lm_head (this rank's rows of `head_name`, or the
 // embedding when `tied` or the checkpoint has no such tensor), the shape checks, the model.
 absl::StatusOr<std::unique_ptr<CausalLM>> FinishDecoder(const ShardedLoader& loader,
