@@ -34,6 +34,16 @@ absl::Status TokenizerError(const absl::Status& status) {
   return absl::InvalidArgumentError(absl::StrCat("tokenizer error ", status.message()));
 }
 
+// The prompt-tuning prefix a request selects: the vllm-tgis-adapter's adapter_id when set and
+// non-empty (its rule), else TGIS's prefix_id when present (an empty one is looked up, and fails,
+// as in TGIS).
+template <typename Request>
+std::optional<std::string> SelectedPrefix(const Request& request) {
+  if (request.has_adapter_id() && !request.adapter_id().empty()) return request.adapter_id();
+  if (request.has_prefix_id()) return request.prefix_id();
+  return std::nullopt;
+}
+
 }  // namespace
 
 GenerationService::GenerationService(const Tokenizer& tokenizer, Batcher& batcher,
@@ -158,10 +168,9 @@ grpc::ServerUnaryReactor* GenerationService::Generate(
   }
   std::vector<const std::string*> texts;
   for (const fmaas::GenerationRequest& r : request->requests()) texts.push_back(&r.text());
-  std::optional<std::string> prefix_id;
-  if (request->has_prefix_id()) prefix_id = request->prefix_id();
-  auto requests = Prepare(prefix_id, request->has_params() ? &request->params() : nullptr, texts,
-                          n == 1 ? RequestKind::kSingle : RequestKind::kBatch, name, received);
+  auto requests =
+      Prepare(SelectedPrefix(*request), request->has_params() ? &request->params() : nullptr, texts,
+              n == 1 ? RequestKind::kSingle : RequestKind::kBatch, name, received);
   if (!requests.ok()) {
     CountFailure("validation");
     LOG(WARNING) << name << ": " << requests.status().message();
@@ -195,10 +204,9 @@ grpc::ServerWriteReactor<fmaas::GenerationResponse>* GenerationService::Generate
     reactor->Fail(absl::InvalidArgumentError("missing request"));
     return reactor;
   }
-  std::optional<std::string> prefix_id;
-  if (request->has_prefix_id()) prefix_id = request->prefix_id();
-  auto requests = Prepare(prefix_id, request->has_params() ? &request->params() : nullptr,
-                          {&request->request().text()}, RequestKind::kStream, name, received);
+  auto requests =
+      Prepare(SelectedPrefix(*request), request->has_params() ? &request->params() : nullptr,
+              {&request->request().text()}, RequestKind::kStream, name, received);
   if (!requests.ok()) {
     CountFailure("validation");
     LOG(WARNING) << name << ": " << requests.status().message();

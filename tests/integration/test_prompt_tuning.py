@@ -95,6 +95,37 @@ def test_prefix_changes_the_output_and_ids_are_the_golden_ones(server):
     assert tuned.responses[0].text == tok.decode(p["generated_ids"]).rstrip("\ufffd")
 
 
+def test_adapter_id_selects_the_prefix_as_the_vllm_tgis_adapter_does(server):
+    """adapter_id (field 4, the vllm-tgis-adapter's name for it) selects the prefix, and wins
+    over prefix_id when both are set; an empty one leaves prefix_id in charge."""
+    pb, stub, _, _ = server
+    prefix_id = sorted(GOLDEN["prefixes"])[0]
+    p = GOLDEN["prefixes"][prefix_id]["prompts"][0]
+    n = GOLDEN["new_tokens"]
+
+    def logprobs(**ids):
+        r = stub.Generate(pb.BatchedGenerationRequest(
+            params=params(pb, n), requests=[pb.GenerationRequest(text=p["text"])], **ids),
+            timeout=60).responses[0]
+        return [t.logprob for t in r.tokens]
+
+    for ids in ({"adapter_id": prefix_id}, {"adapter_id": prefix_id, "prefix_id": "missing"},
+                {"adapter_id": "", "prefix_id": prefix_id}):
+        got = logprobs(**ids)
+        assert len(got) == n, ids
+        assert all(abs(a - b) < 1e-4 for a, b in zip(got, p["logprobs"])), ids
+    stream = list(stub.GenerateStream(pb.SingleGenerationRequest(
+        adapter_id=prefix_id, params=params(pb, n), request=pb.GenerationRequest(text=p["text"])),
+        timeout=60))
+    got = [t.logprob for m in stream for t in m.tokens]
+    assert all(abs(a - b) < 1e-4 for a, b in zip(got, p["logprobs"])) and len(got) == n
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.BatchedGenerationRequest(
+            adapter_id="missing", requests=[pb.GenerationRequest(text="Hi")]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'missing'" in e.value.details()
+
+
 @pytest.mark.parametrize("prefix_id,message", [
     ("missing", "can't retrieve prompt prefix with id 'missing': prefix id \"missing\" not found"),
     ("bad_width", "can't retrieve prompt prefix with id 'bad_width': Unexpected <class "
