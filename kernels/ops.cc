@@ -77,8 +77,8 @@ void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor*
   TGIS_DISPATCH(Rotary, TGIS_TENSORS(&positions, q, k), cfg, positions, q, k);
 }
 
-void SiluMul(const Tensor& gate_up, Tensor* out) {
-  TGIS_DISPATCH(SiluMul, TGIS_TENSORS(&gate_up, out), gate_up, out);
+void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
+  TGIS_DISPATCH(GatedActivation, TGIS_TENSORS(&gate_up, out), kind, gate_up, out);
 }
 
 void Activate(Activation kind, Tensor* x) { TGIS_DISPATCH(Activate, TGIS_TENSORS(x), kind, x); }
@@ -100,12 +100,13 @@ void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mappin
 }
 
 void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
-                    float scale, int sliding_window, const std::vector<float>* alibi_slopes,
-                    Tensor* out) {
+                    float scale, int sliding_window, const AttentionBias* bias, Tensor* out) {
+  const Tensor* table =
+      bias != nullptr && bias->relative_table.defined() ? &bias->relative_table : &q;
   TGIS_DISPATCH(PagedAttention,
                 TGIS_TENSORS(&q, &cache.k, &cache.v, &batch.query_start, &batch.context_lens,
-                             &batch.block_tables, out),
-                q, cache, batch, scale, sliding_window, alibi_slopes, out);
+                             &batch.block_tables, table, out),
+                q, cache, batch, scale, sliding_window, bias, out);
 }
 
 }  // namespace tgis::kernels

@@ -66,11 +66,12 @@ void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor*
 // ALiBi slopes for n heads, as BLOOM / MPT define them.
 std::vector<float> AlibiSlopes(int num_heads);
 
-// gate_up: [T, 2I] laid out [gate | up]; out: [T, I] = silu(gate) * up.
-void SiluMul(const Tensor& gate_up, Tensor* out);
-enum class Activation { kGeluErf, kGeluTanh, kRelu };
+enum class Activation { kGeluErf, kGeluTanh, kRelu, kSilu };
+// gate_up: [T, 2I] laid out [gate | up]; out: [T, I] = act(gate) * up (SwiGLU: kSilu; T5's
+// gated-gelu: kGeluTanh).
+void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out);
 // In place: GELU (erf: exact "gelu"; tanh: "gelu_new" / "gelu_pytorch_tanh" / "gelu_fast"),
-// ReLU.
+// ReLU, SiLU.
 void Activate(Activation kind, Tensor* x);
 // In place: x = min(max(x, lo), hi) (clip_qkv of MPT and OLMo).
 void Clamp(float lo, float hi, Tensor* x);
@@ -100,20 +101,34 @@ void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mappin
 // Attention over a ragged batch whose keys/values are all in the paged cache (the new tokens'
 // too: call ReshapeAndCache first). Sequence s owns query rows [query_start[s],
 // query_start[s+1]) which are its last (query_start[s+1]-query_start[s]) positions of
-// context_lens[s] in total; block_tables: [S, max_blocks] i32. Causal; `sliding_window` > 0
-// limits each query to that many most recent keys; `alibi_slopes` (size Hq) adds ALiBi bias.
+// context_lens[s] in total; block_tables: [S, max_blocks] i32. Causal unless `causal` is false
+// (then every query sees all context_lens[s] keys: encoders, cross-attention); `sliding_window`
+// > 0 limits each (causal) query to that many most recent keys; `bias` adds a position bias.
 // q, out: [T, Hq, D]. Hq must be a multiple of Hk (MHA, GQA, MQA).
 struct AttentionBatch {
   Tensor query_start;   // [S + 1] i32
   Tensor context_lens;  // [S] i32
   Tensor block_tables;  // [S, max_blocks] i32
   int block_size = 16;
+  bool causal = true;
   // max(context_lens) when the caller knows it (host side): CUDA sizes its launch by it
   // without reading context_lens back. 0: unknown.
   int64_t max_context_len = 0;
 };
+// What attention adds to a (scaled) logit, by the key's position relative to the query's.
+// Position schemes are these biases (or rotary, applied to q and k before), never special
+// cases of a model inside attention.
+struct AttentionBias {
+  // ALiBi: alibi_slopes[h] * (key - query); [Hq], on the host.
+  std::vector<float> alibi_slopes;
+  // T5: relative_table[h, RelativePositionBucket(key - query, ...)]; [Hq, num_buckets] f32 on
+  // the op's device; undefined: none.
+  Tensor relative_table;
+  int num_buckets = 0;
+  int max_distance = 0;
+  bool bidirectional = false;
+};
 void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
-                    float scale, int sliding_window, const std::vector<float>* alibi_slopes,
-                    Tensor* out);
+                    float scale, int sliding_window, const AttentionBias* bias, Tensor* out);
 
 }  // namespace tgis::kernels

@@ -146,7 +146,8 @@ CausalLM::CausalLM(DecoderSpec spec, DecoderWeights weights, std::shared_ptr<Com
     const std::vector<float> all = spec_.alibi_slopes.empty()
                                        ? kernels::AlibiSlopes(static_cast<int>(spec_.num_heads))
                                        : spec_.alibi_slopes;
-    alibi_.assign(all.begin() + layout_.q_heads.begin, all.begin() + layout_.q_heads.end);
+    alibi_.alibi_slopes.assign(all.begin() + layout_.q_heads.begin,
+                               all.begin() + layout_.q_heads.end);
   }
 }
 
@@ -260,7 +261,7 @@ void CausalLM::Mlp(const LayerWeights& w, const Tensor& x, Tensor* out) const {
     Tensor gate_up = Buf({t, 2 * inter});
     kernels::Linear(x, w.up_w, w.up_b.defined() ? &w.up_b : nullptr, &gate_up);
     Tensor act = Buf({t, inter});
-    kernels::SiluMul(gate_up, &act);
+    kernels::GatedActivation(kernels::Activation::kSilu, gate_up, &act);
     kernels::Linear(act, w.down_w, RowParallelBias(w.down_b), out);
   } else {
     Tensor h = Buf({t, inter});
@@ -363,7 +364,7 @@ Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLay
     if (s.position == PositionKind::kRotary) Rotate(in, &q, &k);
     kernels::ReshapeAndCache(k, v, in.slot_mapping, &(*cache)[l]);
     kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.sliding_window,
-                            alibi_.empty() ? nullptr : &alibi_, &attn);
+                            alibi_.alibi_slopes.empty() ? nullptr : &alibi_, &attn);
     kernels::Linear(attn.Reshape({t, hq * d}), w.o_w, RowParallelBias(w.o_b), &o);
     if (post_norm) {
       // x = ln1(x + attn); x = ln2(x + mlp(x)): the sums land in x, the norms in h, and the

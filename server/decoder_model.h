@@ -182,7 +182,7 @@ class CausalLM {
   DecoderWeights w_;
   std::shared_ptr<Communicator> comm_;
   ShardLayout layout_;
-  std::vector<float> alibi_;  // this rank's heads' slopes
+  kernels::AttentionBias alibi_;  // this rank's heads' slopes
   kernels::Device device_ = kernels::Device::kCpu;
   kernels::DType act_dtype_ = kernels::DType::kF32;
 };

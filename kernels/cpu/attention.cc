@@ -7,6 +7,7 @@
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/thread_pool.h"
+#include "kernels/relative_position.h"
 
 namespace tgis::kernels::cpu {
 
@@ -71,8 +72,7 @@ void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mappin
 }
 
 void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
-                    float scale, int sliding_window, const std::vector<float>* alibi_slopes,
-                    Tensor* out) {
+                    float scale, int sliding_window, const AttentionBias* bias, Tensor* out) {
   const char* op = "PagedAttention";
   CheckF32(q, op, "q");
   CheckCache(cache, op);
@@ -100,9 +100,24 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   TGIS_CHECK(batch.block_tables.rank() == 2 && batch.block_tables.dim(0) == num_seqs,
              "%s: block_tables must be [S, max_blocks]", op);
   const int64_t max_blocks = batch.block_tables.dim(1);
+  const std::vector<float>* alibi_slopes =
+      bias != nullptr && !bias->alibi_slopes.empty() ? &bias->alibi_slopes : nullptr;
   TGIS_CHECK(alibi_slopes == nullptr || static_cast<int64_t>(alibi_slopes->size()) == hq,
              "%s: %zu ALiBi slopes for %lld heads", op, alibi_slopes ? alibi_slopes->size() : 0,
              static_cast<long long>(hq));
+  const float* relative = nullptr;
+  int num_buckets = 0;
+  if (bias != nullptr && bias->relative_table.defined()) {
+    CheckF32(bias->relative_table, op, "relative_table");
+    num_buckets = bias->num_buckets;
+    TGIS_CHECK(bias->relative_table.rank() == 2 && bias->relative_table.dim(0) == hq &&
+                   bias->relative_table.dim(1) == num_buckets && num_buckets >= 2 &&
+                   bias->max_distance > 0,
+               "%s: relative_table must be [Hq, num_buckets]", op);
+    relative = bias->relative_table.data<float>();
+  }
+  TGIS_CHECK(batch.causal || sliding_window <= 0, "%s: a sliding window needs causal attention",
+             op);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q0 = IndexAt(batch.query_start, s);
     const int64_t q1 = IndexAt(batch.query_start, s + 1);
@@ -133,7 +148,7 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
     const int64_t kvh = h / group;
     const float slope = alibi_slopes ? (*alibi_slopes)[h] : 0.f;
     // The keys any query row of this sequence may see: [first, ctx).
-    const int64_t first_qpos = ctx - q_len;
+    const int64_t first_qpos = batch.causal ? ctx - q_len : 0;
     const int64_t first =
         sliding_window > 0 ? std::max<int64_t>(0, first_qpos - sliding_window + 1) : 0;
     // Gather this head's keys and values in f32: rows [first, ctx).
@@ -148,20 +163,26 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
     for (int64_t i = 0; i < q_len; ++i) {
       const int64_t qpos = ctx - q_len + i;
       const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, qpos - sliding_window + 1) : 0;
+      const int64_t hi = batch.causal ? qpos : ctx - 1;  // the last key it sees
       const float* qrow = qp + ((q0 + i) * hq + h) * d;
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = lo; j <= qpos; ++j) {
+      for (int64_t j = lo; j <= hi; ++j) {
         const float* kr = keys.data() + (j - first) * d;
         float dot = 0.f;
         for (int64_t c = 0; c < d; ++c) dot += qrow[c] * kr[c];
         float sc = dot * scale;
         if (alibi_slopes) sc += slope * static_cast<float>(j - qpos);
+        if (relative != nullptr) {
+          sc += relative[h * num_buckets + RelativePositionBucket(static_cast<int>(j - qpos),
+                                                                  bias->bidirectional, num_buckets,
+                                                                  bias->max_distance)];
+        }
         scores[j - first] = sc;
         mx = std::max(mx, sc);
       }
       float sum = 0.f;
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = lo; j <= qpos; ++j) {
+      for (int64_t j = lo; j <= hi; ++j) {
         const float p = std::exp(scores[j - first] - mx);
         sum += p;
         const float* vr = values.data() + (j - first) * d;

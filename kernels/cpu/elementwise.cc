@@ -138,15 +138,34 @@ void AddInPlace(Tensor* x, const Tensor& y) {
   });
 }
 
-void SiluMul(const Tensor& gate_up, Tensor* out) {
-  CheckF32(gate_up, "SiluMul", "gate_up");
+namespace {
+
+float ActivateOne(Activation kind, float v) {
+  switch (kind) {
+    case Activation::kRelu:
+      return v > 0 ? v : 0.0f;
+    case Activation::kSilu:
+      return v / (1.0f + std::exp(-v));
+    case Activation::kGeluErf:
+      return 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752440f));
+    case Activation::kGeluTanh:
+      return 0.5f * v * (1.0f + std::tanh(0.79788456080286535588f * (v + 0.044715f * v * v * v)));
+  }
+  return v;
+}
+
+}  // namespace
+
+void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
+  CheckF32(gate_up, "GatedActivation", "gate_up");
   const int64_t two_i = LastDim(gate_up);
-  TGIS_CHECK(two_i % 2 == 0, "SiluMul: last dim %lld is odd", static_cast<long long>(two_i));
+  TGIS_CHECK(two_i % 2 == 0, "GatedActivation: last dim %lld is odd",
+             static_cast<long long>(two_i));
   const int64_t inter = two_i / 2;
   const int64_t rows = gate_up.numel() / std::max<int64_t>(1, two_i);
   Shape shape = gate_up.shape();
   shape.back() = inter;
-  PrepareOut(out, shape, "SiluMul");
+  PrepareOut(out, shape, "GatedActivation");
   const float* g = gate_up.data<float>();
   float* o = out->data<float>();
   ParallelFor(rows, RowGrain(two_i), [&](int64_t b, int64_t e) {
@@ -154,10 +173,7 @@ void SiluMul(const Tensor& gate_up, Tensor* out) {
       const float* gr = g + r * two_i;
       const float* ur = gr + inter;
       float* orow = o + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float v = gr[i];
-        orow[i] = v / (1.0f + std::exp(-v)) * ur[i];
-      }
+      for (int64_t i = 0; i < inter; ++i) orow[i] = ActivateOne(kind, gr[i]) * ur[i];
     }
   });
 }
@@ -166,18 +182,7 @@ void Activate(Activation kind, Tensor* x) {
   CheckF32(*x, "Activate", "x");
   float* p = x->data<float>();
   ParallelFor(x->numel(), 1 << 14, [&](int64_t b, int64_t e) {
-    if (kind == Activation::kRelu) {
-      for (int64_t i = b; i < e; ++i) p[i] = p[i] > 0 ? p[i] : 0.0f;
-    } else if (kind == Activation::kGeluErf) {
-      constexpr float kInvSqrt2 = 0.70710678118654752440f;
-      for (int64_t i = b; i < e; ++i) p[i] = 0.5f * p[i] * (1.0f + std::erf(p[i] * kInvSqrt2));
-    } else {
-      constexpr float kSqrt2OverPi = 0.79788456080286535588f;
-      for (int64_t i = b; i < e; ++i) {
-        const float v = p[i];
-        p[i] = 0.5f * v * (1.0f + std::tanh(kSqrt2OverPi * (v + 0.044715f * v * v * v)));
-      }
-    }
+    for (int64_t i = b; i < e; ++i) p[i] = ActivateOne(kind, p[i]);
   });
 }
 

@@ -12,6 +12,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda_ops.h"
+#include "kernels/relative_position.h"
 
 namespace tgis::kernels::cuda {
 
@@ -50,6 +51,10 @@ struct AttnParams {
   float scale;
   int window;
   bool alibi;
+  bool causal;
+  const float* relative;  // [hq, num_buckets] or null
+  int num_buckets, max_distance;
+  bool bidirectional;
   int partitions;     // blocks along the keys of one (row, head)
   int keys_per_part;  // keys each of them covers (in chunks of kChunk)
 };
@@ -82,7 +87,7 @@ __global__ void __launch_bounds__(kThreads)
   const int qpos = p.context_lens[s] - q_len + (t - p.query_start[s]);
   const int first = p.window > 0 ? max(0, qpos - p.window + 1) : 0;
   const int k_begin = first + part * p.keys_per_part;
-  const int k_end = min(qpos + 1, k_begin + p.keys_per_part);
+  const int k_end = min(p.causal ? qpos + 1 : p.context_lens[s], k_begin + p.keys_per_part);
   const int64_t part_index = (static_cast<int64_t>(t) * p.hq + h) * p.partitions + part;
   if (k_begin >= k_end) {  // this row needs fewer partitions than the longest one
     if (p.partitions > 1 && tid == 0) {
@@ -117,7 +122,15 @@ __global__ void __launch_bounds__(kThreads)
       float dot = 0;
       for (int i = lane; i < p.d; i += 32) dot += q_s[i] * ToF32(kr[i]);
       dot = WarpSum(dot);
-      if (lane == 0) scores[j] = dot * p.scale + slope * static_cast<float>(c0 + j - qpos);
+      if (lane == 0) {
+        float sc = dot * p.scale + slope * static_cast<float>(c0 + j - qpos);
+        if (p.relative != nullptr) {
+          sc +=
+              p.relative[h * p.num_buckets + RelativePositionBucket(c0 + j - qpos, p.bidirectional,
+                                                                    p.num_buckets, p.max_distance)];
+        }
+        scores[j] = sc;
+      }
     }
     __syncthreads();
     float mx = -INFINITY;
@@ -221,8 +234,7 @@ void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mappin
 }
 
 void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
-                    float scale, int sliding_window, const std::vector<float>* alibi_slopes,
-                    Tensor* out) {
+                    float scale, int sliding_window, const AttentionBias* bias, Tensor* out) {
   const char* op = "PagedAttention";
   CheckCudaFloat(q, op, "q");
   CheckCache(cache, q.dtype(), op);
@@ -239,7 +251,19 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
                  batch.block_tables.dim(0) == num_seqs,
              "%s: batch metadata sizes disagree", op);
   TGIS_CHECK(cache.k.dim(1) == batch.block_size, "%s: cache block size is not the batch's", op);
+  const std::vector<float>* alibi_slopes = bias != nullptr ? &bias->alibi_slopes : nullptr;
   const bool alibi = alibi_slopes != nullptr && !alibi_slopes->empty();
+  const bool relative = bias != nullptr && bias->relative_table.defined();
+  if (relative) {
+    TGIS_CHECK(bias->relative_table.device() == Device::kCuda &&
+                   bias->relative_table.dtype() == DType::kF32 &&
+                   bias->relative_table.rank() == 2 && bias->relative_table.dim(0) == hq &&
+                   bias->relative_table.dim(1) == bias->num_buckets && bias->num_buckets >= 2 &&
+                   bias->max_distance > 0,
+               "%s: relative_table must be a CUDA f32 [Hq, num_buckets]", op);
+  }
+  TGIS_CHECK(batch.causal || sliding_window <= 0, "%s: a sliding window needs causal attention",
+             op);
   TGIS_CHECK(!alibi || static_cast<int64_t>(alibi_slopes->size()) == hq,
              "%s: %zu ALiBi slopes for %lld heads", op, alibi ? alibi_slopes->size() : 0,
              static_cast<long long>(hq));
@@ -275,6 +299,11 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
                scale,
                sliding_window,
                alibi,
+               batch.causal,
+               relative ? bias->relative_table.data<float>() : nullptr,
+               relative ? bias->num_buckets : 0,
+               relative ? bias->max_distance : 0,
+               relative && bias->bidirectional,
                partitions,
                std::max(1, keys_per_part)};
   Slopes slopes{};

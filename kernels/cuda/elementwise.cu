@@ -80,17 +80,31 @@ __global__ void AddKernel(T* x, const T* y, int64_t n) {
   }
 }
 
+__device__ float ActivateOne(Activation kind, float v) {
+  switch (kind) {
+    case Activation::kRelu:
+      return v > 0 ? v : 0.0f;
+    case Activation::kSilu:
+      return v / (1.0f + expf(-v));
+    case Activation::kGeluErf:
+      return 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
+    case Activation::kGeluTanh:
+      return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+  }
+  return v;
+}
+
 template <typename T>
-__global__ void SiluMulKernel(const T* gate_up, int64_t inter, int64_t rows, T* out) {
+__global__ void GatedActivationKernel(Activation kind, const T* gate_up, int64_t inter,
+                                      int64_t rows, T* out) {
   const int64_t n = rows * inter;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / inter, c = i % inter;
     const float g = ToF32(gate_up[r * 2 * inter + c]);
     const float u = ToF32(gate_up[r * 2 * inter + inter + c]);
-    // HF: act(gate) * up, each a dtype tensor: silu's result is rounded before the product.
-    const float silu = ToF32(FromF32<T>(g / (1.0f + expf(-g))));
-    out[i] = FromF32<T>(silu * u);
+    // HF: act(gate) * up, each a dtype tensor: the activation is rounded before the product.
+    out[i] = FromF32<T>(ToF32(FromF32<T>(ActivateOne(kind, g))) * u);
   }
 }
 
@@ -98,17 +112,7 @@ template <typename T>
 __global__ void ActivateKernel(Activation kind, T* x, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float v = ToF32(x[i]);
-    float y;
-    if (kind == Activation::kRelu) {
-      y = v > 0 ? v : 0.0f;
-    } else if (kind == Activation::kGeluTanh) {
-      const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-      y = 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v)));
-    } else {
-      y = 0.5f * v * (1.0f + erff(v * 0.7071067811865476f));
-    }
-    x[i] = FromF32<T>(y);
+    x[i] = FromF32<T>(ActivateOne(kind, ToF32(x[i])));
   }
 }
 
@@ -238,16 +242,16 @@ void AddInPlace(Tensor* x, const Tensor& y) {
   TGIS_CUDA_LAUNCHED();
 }
 
-void SiluMul(const Tensor& gate_up, Tensor* out) {
-  const char* op = "SiluMul";
+void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
+  const char* op = "GatedActivation";
   CheckCudaFloat(gate_up, op, "gate_up");
   TGIS_CHECK(gate_up.rank() == 2 && gate_up.dim(1) % 2 == 0, "%s: gate_up must be [T, 2I]", op);
   const int64_t rows = gate_up.dim(0), inter = gate_up.dim(1) / 2;
   PrepareOut(out, {rows, inter}, gate_up.dtype(), op);
   if (rows * inter == 0) return;
   TGIS_DISPATCH_FLOAT(gate_up.dtype(), op,
-                      SiluMulKernel<T><<<StrideBlocks(rows * inter), 256, 0, Stream()>>>(
-                          gate_up.data<T>(), inter, rows, out->data<T>()));
+                      GatedActivationKernel<T><<<StrideBlocks(rows * inter), 256, 0, Stream()>>>(
+                          kind, gate_up.data<T>(), inter, rows, out->data<T>()));
   TGIS_CUDA_LAUNCHED();
 }
 
@@ -257,8 +261,8 @@ void Activate(Activation kind, Tensor* x) {
   const int64_t n = x->numel();
   if (n == 0) return;
   TGIS_DISPATCH_FLOAT(x->dtype(), op,
-                      ActivateKernel<T><<<StrideBlocks(n), 256, 0, Stream()>>>(kind, x->data<T>(),
-                                                                               n));
+                      ActivateKernel<T>
+                      <<<StrideBlocks(n), 256, 0, Stream()>>>(kind, x->data<T>(), n));
   TGIS_CUDA_LAUNCHED();
 }
 
@@ -267,9 +271,9 @@ void Clamp(float lo, float hi, Tensor* x) {
   CheckCudaFloat(*x, op, "x");
   const int64_t n = x->numel();
   if (n == 0) return;
-  TGIS_DISPATCH_FLOAT(
-      x->dtype(), op,
-      ClampKernel<T><<<StrideBlocks(n), 256, 0, Stream()>>>(lo, hi, x->data<T>(), n));
+  TGIS_DISPATCH_FLOAT(x->dtype(), op,
+                      ClampKernel<T>
+                      <<<StrideBlocks(n), 256, 0, Stream()>>>(lo, hi, x->data<T>(), n));
   TGIS_CUDA_LAUNCHED();
 }
 

@@ -9,7 +9,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 #include <string>
@@ -19,6 +21,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/ops.h"
+#include "kernels/relative_position.h"
 #include "kernels/tensor.h"
 #ifdef TGIS_WITH_CUDA
 #include "kernels/cuda_ops.h"
@@ -432,25 +435,51 @@ TEST_P(OpsTest, LinearIntoF32Logits) {
   ExpectClose(Host(out), ref, scale, RelTol(DType::kF32) * 10, "f32 logits");
 }
 
-TEST_P(OpsTest, SiluMul) {
+TEST_P(OpsTest, GatedActivation) {
   const int64_t t_count = 3, inter = 37;
   std::vector<float> v = Random(t_count * 2 * inter, 14, -8, 8);
   v[0] = -90.0f;  // exp overflow territory
   v[1] = 90.0f;
   Tensor gu = Act(v, {t_count, 2 * inter});
   const std::vector<float> s = Host(gu);
-  std::vector<double> ref;
-  for (int64_t t = 0; t < t_count; ++t) {
-    for (int64_t i = 0; i < inter; ++i) {
-      const double g = s[t * 2 * inter + i], u = s[t * 2 * inter + inter + i];
-      ref.push_back(g / (1 + std::exp(-g)) * u);
+  for (Activation kind :
+       {Activation::kSilu, Activation::kGeluTanh, Activation::kGeluErf, Activation::kRelu}) {
+    std::vector<double> ref;
+    for (int64_t t = 0; t < t_count; ++t) {
+      for (int64_t i = 0; i < inter; ++i) {
+        const double g = s[t * 2 * inter + i], u = s[t * 2 * inter + inter + i];
+        double a = 0;
+        switch (kind) {
+          case Activation::kSilu:
+            a = g / (1 + std::exp(-g));
+            break;
+          case Activation::kGeluTanh:
+            a = 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g)));
+            break;
+          case Activation::kGeluErf:
+            a = 0.5 * g * (1 + std::erf(g / std::sqrt(2.0)));
+            break;
+          case Activation::kRelu:
+            a = g > 0 ? g : 0;
+            break;
+        }
+        ref.push_back(a * u);
+      }
     }
+    Tensor out;
+    GatedActivation(kind, gu, &out);
+    ASSERT_EQ(out.shape(), (Shape{t_count, inter}));
+    // Absolute slack of 1e-6 * tol: silu(-90) ~ -7e-38 is 0 in f32 arithmetic (exp overflows);
+    // gelu of a large negative value is the difference of two O(|x|) quantities.
+    std::vector<double> scale;
+    for (int64_t t = 0; t < t_count; ++t) {
+      for (int64_t i = 0; i < inter; ++i) {
+        const double g = s[t * 2 * inter + i], u = s[t * 2 * inter + inter + i];
+        scale.push_back(1e-6 + std::fabs(u) * std::min(1.0, std::fabs(g)));
+      }
+    }
+    ExpectClose(Host(out), ref, scale, tol(), "gated activation");
   }
-  Tensor out;
-  SiluMul(gu, &out);
-  ASSERT_EQ(out.shape(), (Shape{t_count, inter}));
-  // Absolute slack of 1e-6 * tol: silu(-90) ~ -7e-38 is 0 in f32 arithmetic (exp overflows).
-  ExpectClose(Host(out), ref, std::vector<double>(ref.size(), 1e-6), tol(), "silu_mul");
 }
 
 TEST_P(OpsTest, Activations) {
@@ -748,6 +777,10 @@ struct AttnCase {
   // Contexts of ~1-2k keys: several key chunks per block and several partitions per row on
   // CUDA (its flash-decoding path), not only one.
   bool long_context = false;
+  bool causal = true;
+  // T5 relative position buckets (32 buckets up to distance 128, or 1000 on long contexts).
+  bool relative = false;
+  bool bidirectional = false;
 };
 
 void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device device, double tol) {
@@ -858,9 +891,21 @@ void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device de
   Tensor q = test->Act(Random(t_count * c.hq * d, 7), {t_count, c.hq, d});
   const std::vector<float> qs = OpsTest::Host(q);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  batch.causal = c.causal;
   const std::vector<float> slopes = AlibiSlopes(static_cast<int>(c.hq));
+  AttentionBias bias;
+  if (c.alibi) bias.alibi_slopes = slopes;
+  const int buckets = 32, max_distance = c.long_context ? 1000 : 128;
+  const std::vector<float> table = Random(c.hq * buckets, 23, -2, 2);
+  if (c.relative) {
+    bias.relative_table = Tensor::FromVector(table, {c.hq, buckets});
+    if (device != Device::kCpu) bias.relative_table = bias.relative_table.ToDevice(device);
+    bias.num_buckets = buckets;
+    bias.max_distance = max_distance;
+    bias.bidirectional = c.bidirectional;
+  }
   Tensor out;
-  PagedAttention(q, cache, batch, scale, c.window, c.alibi ? &slopes : nullptr, &out);
+  PagedAttention(q, cache, batch, scale, c.window, c.alibi || c.relative ? &bias : nullptr, &out);
   ASSERT_EQ(out.shape(), (Shape{t_count, c.hq, d}));
 
   // Dense reference from the same K/V (as the cache stores them), in double.
@@ -874,7 +919,7 @@ void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device de
         const int64_t kvh = h / group;
         std::vector<double> logits;
         std::vector<int64_t> keys_seen;
-        for (int64_t j = 0; j <= qpos; ++j) {
+        for (int64_t j = 0; j < (c.causal ? qpos + 1 : ctxs[s]); ++j) {
           if (c.window > 0 && j <= qpos - c.window) continue;
           double dot = 0;
           for (int64_t x = 0; x < d; ++x)
@@ -882,6 +927,11 @@ void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device de
                    RoundTo(cache_dtype, keys[s][(j * c.hk + kvh) * d + x]);
           double l = dot * scale;
           if (c.alibi) l += double{slopes[h]} * static_cast<double>(j - qpos);
+          if (c.relative) {
+            l +=
+                table[h * buckets + RelativePositionBucket(static_cast<int>(j - qpos),
+                                                           c.bidirectional, buckets, max_distance)];
+          }
           logits.push_back(l);
           keys_seen.push_back(j);
         }
@@ -927,6 +977,43 @@ TEST_P(OpsTest, PagedAttentionLongContexts) {
 }
 TEST_P(OpsTest, PagedAttentionLongContextsSlidingWindowAlibi) {
   RunAttention(this, {4, 4, 700, true, true}, dtype(), device(), tol());
+}
+// Encoders and cross-attention: every query sees the whole context.
+TEST_P(OpsTest, PagedAttentionNotCausal) {
+  RunAttention(this, {8, 2, 0, false, false, /*causal=*/false}, dtype(), device(), tol());
+}
+TEST_P(OpsTest, PagedAttentionRelativeBucketsDecoder) {
+  RunAttention(this, {4, 4, 0, false, false, true, /*relative=*/true}, dtype(), device(), tol());
+}
+TEST_P(OpsTest, PagedAttentionRelativeBucketsEncoder) {
+  RunAttention(this, {4, 4, 0, false, false, false, true, /*bidirectional=*/true}, dtype(),
+               device(), tol());
+}
+TEST_P(OpsTest, PagedAttentionRelativeBucketsLongContexts) {
+  RunAttention(this, {4, 4, 0, false, true, false, true, true}, dtype(), device(), tol());
+  RunAttention(this, {4, 2, 0, false, true, true, true, false}, dtype(), device(), tol());
+}
+
+// transformers' _relative_position_bucket for every relative position in [-1200, 1200]
+// (tests/fixtures/relative_buckets.json, made by make_relative_bucket_fixture.py).
+TEST(RelativePositionBucket, MatchesTransformers) {
+  std::ifstream in(std::string(TGIS_FIXTURES_DIR) + "/relative_buckets.json");
+  ASSERT_TRUE(in.good());
+  const nlohmann::json cases = nlohmann::json::parse(in);
+  ASSERT_EQ(cases.size(), 6u);
+  for (const nlohmann::json& c : cases) {
+    const int first = c["first"].get<int>();
+    const std::vector<int> want = c["buckets"].get<std::vector<int>>();
+    int bad = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const int rel = first + static_cast<int>(i);
+      const int got =
+          RelativePositionBucket(rel, c["bidirectional"].get<bool>(), c["num_buckets"].get<int>(),
+                                 c["max_distance"].get<int>());
+      if (got != want[i] && ++bad <= 5) ADD_FAILURE() << c.dump().substr(0, 60) << " rel " << rel;
+    }
+    EXPECT_EQ(bad, 0);
+  }
 }
 
 // ---- The CPU thread pool ------------------------------------------------------------------
