@@ -13,7 +13,7 @@ namespace tgis::server {
 using kernels::DType;
 using kernels::Tensor;
 
-Engine::Engine(std::unique_ptr<CausalLM> model, std::vector<int32_t> eos_ids, int64_t max_positions,
+Engine::Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64_t max_positions,
                int num_blocks, int block_size)
     : model_(std::move(model)), eos_(std::move(eos_ids)), max_positions_(max_positions) {
   const DecoderSpec& s = model_->spec();

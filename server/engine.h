@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "server/decoder_model.h"
 #include "server/kv_cache.h"
+#include "server/model.h"
 #include "server/sampling.h"
 
 namespace tgis::server {
@@ -50,7 +50,7 @@ class Engine {
  public:
   // `max_positions`: the config's max_position_embeddings; a model whose rope scaling serves
   // more (DecoderSpec::max_positions) takes its own.
-  Engine(std::unique_ptr<CausalLM> model, std::vector<int32_t> eos_ids, int64_t max_positions,
+  Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64_t max_positions,
          int num_blocks, int block_size);
 
   // Adds sequences and runs their prompts; each surviving one gets its first token. Bad or
@@ -65,7 +65,7 @@ class Engine {
   void ReleaseAll();
   bool Has(uint64_t id) const { return seqs_.count(id) > 0; }
   size_t CachedTokens(uint64_t id) const;
-  const CausalLM& model() const { return *model_; }
+  const Model& model() const { return *model_; }
   int num_blocks() const { return cache_->num_blocks(); }
   int free_blocks() { return cache_->allocator().free_count(); }
   int block_size() const { return cache_->block_size(); }
@@ -103,7 +103,7 @@ class Engine {
   void Advance(Sequence* s, int32_t token);
   void Append(Sequence* s, TokenInfo token, std::vector<StepOutput>* out);
 
-  std::unique_ptr<CausalLM> model_;
+  std::unique_ptr<Model> model_;
   std::vector<int32_t> eos_;
   int64_t max_positions_;
   std::unique_ptr<KvCache> cache_;

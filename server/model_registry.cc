@@ -55,7 +55,7 @@ absl::Status CheckEveryTensorRead(const std::string& model_type, const WeightSto
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CausalLM>> ModelRegistry::Build(
+absl::StatusOr<std::unique_ptr<Model>> ModelRegistry::Build(
     const ModelConfig& config, const WeightStore& weights, kernels::DType dtype,
     std::shared_ptr<Communicator> comm) const {
   if (!comm) comm = MakeSingleProcessCommunicator();

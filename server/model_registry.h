@@ -1,4 +1,4 @@
-// model_type (config.json) -> builder of a CausalLM from the checkpoint.
+// model_type (config.json) -> builder of a Model from the checkpoint.
 #pragma once
 
 #include <functional>
@@ -17,8 +17,8 @@ namespace tgis::server {
 
 // `dtype`: the dtype linear weights are kept in (activations are f32 on the CPU). `comm`: the
 // tensor-parallel group (never null; world size 1 for a single shard): a builder loads only this
-// rank's slice of the weights (ShardLayout, ShardedLoader) and hands `comm` to the CausalLM.
-using ModelBuilder = std::function<absl::StatusOr<std::unique_ptr<CausalLM>>(
+// rank's slice of the weights (ShardLayout, ShardedLoader) and hands `comm` to the Model.
+using ModelBuilder = std::function<absl::StatusOr<std::unique_ptr<Model>>(
     const ModelConfig&, const WeightStore&, kernels::DType dtype,
     std::shared_ptr<Communicator> comm)>;
 
@@ -32,9 +32,9 @@ class ModelRegistry {
                 std::vector<std::string> ignored = {});
   // A null `comm` builds the whole model (world size 1). Fails, naming the tensors and their
   // files, when the checkpoint holds tensors the model did not read and does not ignore.
-  absl::StatusOr<std::unique_ptr<CausalLM>> Build(
-      const ModelConfig& config, const WeightStore& weights, kernels::DType dtype,
-      std::shared_ptr<Communicator> comm = nullptr) const;
+  absl::StatusOr<std::unique_ptr<Model>> Build(const ModelConfig& config,
+                                               const WeightStore& weights, kernels::DType dtype,
+                                               std::shared_ptr<Communicator> comm = nullptr) const;
   std::vector<std::string> SupportedTypes() const;
 
  private:

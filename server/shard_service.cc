@@ -48,7 +48,7 @@ uint64_t AvailableMemory(kernels::Device device, double process_fraction) {
 // the normed copy, the fused q/k/v, the attention output and the MLP's up (and gate) outputs
 // of one layer at a time, in the activation dtype, plus the f32 logits row of its last token
 // spread over the prompt. An estimate on the safe side, not a measurement.
-size_t PrefillBytesPerToken(const CausalLM& model) {
+size_t PrefillBytesPerToken(const Model& model) {
   const DecoderSpec& spec = model.spec();
   const ShardLayout& shard = model.shard();
   const int64_t qkv = (shard.q_heads.size() + 2 * shard.kv_heads.size()) * spec.head_dim;
@@ -107,8 +107,7 @@ uint64_t NowNs() {
 
 }  // namespace
 
-ShardService::ShardService(ModelConfig config, std::unique_ptr<CausalLM> model,
-                           ShardOptions options)
+ShardService::ShardService(ModelConfig config, std::unique_ptr<Model> model, ShardOptions options)
     : config_(std::move(config)), pending_model_(std::move(model)), options_(std::move(options)) {
   model_max_positions_ = pending_model_->spec().max_positions;
   prefixes_ =

@@ -37,7 +37,7 @@ struct ShardOptions {
 
 class ShardService final : public generate::v1::TextGenerationService::Service {
  public:
-  ShardService(ModelConfig config, std::unique_ptr<CausalLM> model, ShardOptions options);
+  ShardService(ModelConfig config, std::unique_ptr<Model> model, ShardOptions options);
 
   grpc::Status ServiceDiscovery(grpc::ServerContext*, const generate::v1::ServiceDiscoveryRequest*,
                                 generate::v1::ServiceDiscoveryResponse*) override;
@@ -69,7 +69,7 @@ class ShardService final : public generate::v1::TextGenerationService::Service {
   int64_t MaxPositions() const {
     return model_max_positions_ > 0 ? model_max_positions_ : config_.max_position_embeddings;
   }
-  std::unique_ptr<CausalLM> pending_model_;  // moved into the engine at Warmup
+  std::unique_ptr<Model> pending_model_;  // moved into the engine at Warmup
   std::unique_ptr<Engine> engine_;
   ShardOptions options_;
   std::map<uint64_t, std::vector<uint64_t>> batches_;  // batch id -> request ids
