@@ -199,40 +199,51 @@ Tensor CausalLM::Indices(const std::vector<int32_t>& v) const {
   return device_ == kernels::Device::kCpu ? t : t.ToDevice(device_);
 }
 
-void CausalLM::Embed(const Tensor& ids, Tensor* x) const {
-  if (layout_.world_size == 1) {
-    kernels::Embedding(ids, w_.embed, x);
+void EmbedTokens(const Tensor& ids, const Tensor& embed, const ShardLayout& layout,
+                 Communicator& comm, Tensor* x) {
+  if (layout.world_size == 1) {
+    kernels::Embedding(ids, embed, x);
     return;
   }
   // Vocab-parallel: this rank looks up the ids in its slice and leaves zeros for the others';
   // the sum over ranks is the embedding.
-  kernels::EmbeddingSlice(ids, w_.embed, layout_.vocab.begin, x);
-  comm_->AllReduceSum(x);
+  kernels::EmbeddingSlice(ids, embed, layout.vocab.begin, x);
+  comm.AllReduceSum(x);
 }
 
-Tensor CausalLM::LmHead(const Tensor& normed) const {
+Tensor VocabLogits(const Tensor& normed, const Tensor& lm_head, const ShardLayout& layout,
+                   int64_t vocab, Communicator& comm) {
   const int64_t rows = normed.dim(0);
+  const kernels::Device device = normed.device();
   // f32 logits whatever the activations: sampling and logprobs want them unrounded.
-  Tensor local = Tensor::Empty({rows, layout_.vocab.size()}, DType::kF32, device_);
-  kernels::Linear(normed, w_.lm_head, nullptr, &local);
-  if (layout_.world_size == 1) return local;
+  Tensor local = Tensor::Empty({rows, layout.vocab.size()}, DType::kF32, device);
+  kernels::Linear(normed, lm_head, nullptr, &local);
+  if (layout.world_size == 1) return local;
   // Vocab-parallel: every rank computes its slice of the logits; the all-gather (equal chunks:
   // the last rank's is padded) gives every rank all of them, so they all sample alike.
-  const int64_t chunk = layout_.vocab_chunk, world = layout_.world_size;
+  const int64_t chunk = layout.vocab_chunk, world = layout.world_size;
   Tensor padded = local;
-  if (layout_.vocab.size() != chunk) {
-    padded = Tensor::Zeros({rows, chunk}, DType::kF32, device_);
+  if (layout.vocab.size() != chunk) {
+    padded = Tensor::Zeros({rows, chunk}, DType::kF32, device);
     kernels::CopyColumns(local, 0, local.dim(1), &padded, 0);
   }
   Tensor gathered;  // [world, rows, chunk]
-  comm_->AllGather(padded, &gathered);
-  Tensor logits = Tensor::Empty({rows, spec_.vocab}, DType::kF32, device_);
+  comm.AllGather(padded, &gathered);
+  Tensor logits = Tensor::Empty({rows, vocab}, DType::kF32, device);
   for (int64_t k = 0; k < world; ++k) {
-    const int64_t begin = std::min(spec_.vocab, k * chunk);
-    const int64_t n = std::min(spec_.vocab, (k + 1) * chunk) - begin;
+    const int64_t begin = std::min(vocab, k * chunk);
+    const int64_t n = std::min(vocab, (k + 1) * chunk) - begin;
     kernels::CopyColumns(gathered.Rows(k, k + 1).Reshape({rows, chunk}), 0, n, &logits, begin);
   }
   return logits;
+}
+
+void CausalLM::Embed(const Tensor& ids, Tensor* x) const {
+  EmbedTokens(ids, w_.embed, layout_, *comm_, x);
+}
+
+Tensor CausalLM::LmHead(const Tensor& normed) const {
+  return VocabLogits(normed, w_.lm_head, layout_, spec_.vocab, *comm_);
 }
 
 void CausalLM::Norm(const Tensor& x, const Tensor& w, const Tensor& b, Tensor* out) const {

@@ -43,6 +43,14 @@ struct DecoderWeights {
   kernels::Tensor lm_head;                     // [V, E]; may share storage with embed
 };
 
+// Shared layers of every family: the vocab-parallel token embedding (rows `layout.vocab` of
+// the vocabulary on this rank; an all-reduce sums the ranks' lookups) and lm_head (this rank's
+// logits, all-gathered: every rank returns all [rows, vocab] f32 logits).
+void EmbedTokens(const kernels::Tensor& ids, const kernels::Tensor& embed,
+                 const ShardLayout& layout, Communicator& comm, kernels::Tensor* x);
+kernels::Tensor VocabLogits(const kernels::Tensor& normed, const kernels::Tensor& lm_head,
+                            const ShardLayout& layout, int64_t vocab, Communicator& comm);
+
 class CausalLM : public Model {
  public:
   // `weights` hold the part of the model that `comm`'s rank owns (ShardLayout::Make of `spec`);

@@ -17,8 +17,9 @@ Engine::Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64
                int num_blocks, int block_size)
     : model_(std::move(model)), eos_(std::move(eos_ids)), max_positions_(max_positions) {
   const DecoderSpec& s = model_->spec();
-  if (s.max_positions > 0) max_positions_ = s.max_positions;
-  // No limit in the config (ALiBi models such as BLOOM): the router's MAX_SEQUENCE_LENGTH is.
+  if (s.max_positions != 0) max_positions_ = s.max_positions;
+  // No limit of the model's own (ALiBi models without one in the config, relative positions):
+  // the router's MAX_SEQUENCE_LENGTH is the limit.
   if (max_positions_ <= 0) max_positions_ = std::numeric_limits<int32_t>::max();
   // A tensor-parallel rank caches only its own KV heads.
   cache_ = std::make_unique<KvCache>(static_cast<int>(s.num_layers), num_blocks, block_size,
@@ -32,11 +33,9 @@ size_t Engine::CachedTokens(uint64_t id) const {
   return it == seqs_.end() ? 0 : it->second->cached;
 }
 
-bool Engine::Reserve(Sequence* s) {
-  const size_t bs = static_cast<size_t>(cache_->block_size());
-  const size_t need = (s->tokens.size() + bs - 1) / bs;
+bool Engine::AllocateBlocks(size_t n, std::vector<int32_t>* blocks) {
   std::vector<int32_t> got;
-  while (s->blocks.size() + got.size() < need) {
+  while (got.size() < n) {
     auto b = cache_->allocator().Allocate();
     if (!b) {
       for (int32_t x : got) cache_->allocator().Free(x);
@@ -44,13 +43,29 @@ bool Engine::Reserve(Sequence* s) {
     }
     got.push_back(*b);
   }
-  s->blocks.insert(s->blocks.end(), got.begin(), got.end());
+  blocks->insert(blocks->end(), got.begin(), got.end());
+  return true;
+}
+
+bool Engine::Reserve(Sequence* s) {
+  const size_t bs = static_cast<size_t>(cache_->block_size());
+  const size_t need = (s->tokens.size() + bs - 1) / bs;
+  if (s->blocks.size() < need && !AllocateBlocks(need - s->blocks.size(), &s->blocks)) {
+    return false;
+  }
+  const size_t cross = (s->encoder_ids.size() + bs - 1) / bs;
+  if (s->cross_blocks.size() < cross &&
+      !AllocateBlocks(cross - s->cross_blocks.size(), &s->cross_blocks)) {
+    return false;
+  }
   return true;
 }
 
 void Engine::FreeBlocks(Sequence* s) {
   for (int32_t b : s->blocks) cache_->allocator().Free(b);
+  for (int32_t b : s->cross_blocks) cache_->allocator().Free(b);
   s->blocks.clear();
+  s->cross_blocks.clear();
 }
 
 void Engine::Release(uint64_t id) {
@@ -86,6 +101,12 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
           absl::InvalidArgumentError(absl::StrCat("input token id out of range [0, ", vocab, ")")));
       continue;
     }
+    const bool encoder_decoder = model_->encoder_decoder();
+    if (encoder_decoder && n.prefix) {
+      fail(
+          absl::UnimplementedError("prompt tuning of encoder-decoder models is not supported yet"));
+      continue;
+    }
     const size_t virtual_tokens = n.prefix ? static_cast<size_t>(n.prefix->dim(0)) : 0;
     if (static_cast<int64_t>(virtual_tokens + n.input_ids.size() + n.max_new_tokens) >
         max_positions_) {
@@ -100,7 +121,12 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
     s->prefix = std::move(n.prefix);
     s->prefix_len = virtual_tokens;
     s->tokens.assign(virtual_tokens, 0);  // placeholders: their embeddings are the prefix's
-    s->tokens.insert(s->tokens.end(), n.input_ids.begin(), n.input_ids.end());
+    if (encoder_decoder) {
+      s->encoder_ids = n.input_ids;
+      s->tokens.push_back(model_->decoder_start_token());
+    } else {
+      s->tokens.insert(s->tokens.end(), n.input_ids.begin(), n.input_ids.end());
+    }
     s->prompt_len = s->tokens.size();
     s->sampler = std::make_unique<Sampler>(n.params, eos_);
     s->top_n = n.top_n;
@@ -165,9 +191,11 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
     std::copy(s->blocks.begin(), s->blocks.end(),
               tables.begin() + i * std::max<size_t>(max_blocks, 1));
     const int32_t n = static_cast<int32_t>(end - begin);
-    const bool all_rows = prefill && s->input_logprobs;
+    // Prompt logprobs come from the logits of every prompt row (decoder-only models; an
+    // encoder-decoder model's input tokens have none).
+    const bool all_rows = prefill && s->input_logprobs && !model_->encoder_decoder();
     seq_rows.emplace_back(static_cast<int32_t>(logit_rows.size()), all_rows ? n : 1);
-    details.push_back(all_rows);
+    details.push_back(prefill && s->input_logprobs);
     if (all_rows) {
       for (int32_t r = 0; r < n; ++r) logit_rows.push_back(row0 + r);
     } else {
@@ -200,6 +228,10 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
   in.attn.max_context_len = *std::max_element(context_lens.begin(), context_lens.end());
   in.host_query_start = std::move(query_start);
   in.host_context_lens = std::move(context_lens);
+  if (model_->encoder_decoder()) {
+    if (prefill) Encode(seqs);
+    in.cross_attn = CrossBatch(seqs, in.host_query_start, /*causal=*/false);
+  }
   AddPrefixRows(seqs, &in);
   const auto t0 = std::chrono::steady_clock::now();
   Tensor logits = model_->Forward(in, cache_->layers(), logit_rows);
@@ -222,7 +254,16 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
     if (rows.device() != kernels::Device::kCpu) rows = rows.ToDevice(kernels::Device::kCpu);
     StepOutput o;
     o.id = s->id;
-    if (details[i]) {
+    if (details[i] && model_->encoder_decoder()) {
+      // TGIS: the input tokens of an encoder-decoder model come without logprobs (NaN).
+      for (int32_t id : s->encoder_ids) {
+        TokenInfo ti;
+        ti.id = id;
+        ti.logprob = std::numeric_limits<float>::quiet_NaN();
+        ti.rank = 0;
+        o.input_tokens.push_back(std::move(ti));
+      }
+    } else if (details[i]) {
       // Prompt details of the input's own tokens: token p's logprob comes from the logits after
       // token p - 1 (the last virtual token's, for the first input token after a prefix).
       for (int32_t p = static_cast<int32_t>(s->prefix_len); p < count; ++p) {
@@ -251,6 +292,58 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
     Advance(s, o.token.id);
     out->push_back(std::move(o));
   }
+}
+
+Tensor Engine::OnDevice(const std::vector<int32_t>& v, const kernels::Shape& shape) const {
+  Tensor t = Tensor::FromVector(v, shape);
+  return model_->device() == kernels::Device::kCpu ? t : t.ToDevice(model_->device());
+}
+
+kernels::AttentionBatch Engine::CrossBatch(const std::vector<Sequence*>& seqs,
+                                           const std::vector<int32_t>& query_start,
+                                           bool causal) const {
+  size_t max_blocks = 1;
+  for (const Sequence* s : seqs) max_blocks = std::max(max_blocks, s->cross_blocks.size());
+  std::vector<int32_t> lens, tables(seqs.size() * max_blocks, 0);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    lens.push_back(static_cast<int32_t>(seqs[i]->encoder_ids.size()));
+    std::copy(seqs[i]->cross_blocks.begin(), seqs[i]->cross_blocks.end(),
+              tables.begin() + i * max_blocks);
+  }
+  const int64_t nseq = static_cast<int64_t>(seqs.size());
+  kernels::AttentionBatch b;
+  b.query_start = OnDevice(query_start, {nseq + 1});
+  b.context_lens = OnDevice(lens, {nseq});
+  b.block_tables = OnDevice(tables, {nseq, static_cast<int64_t>(max_blocks)});
+  b.block_size = cache_->block_size();
+  b.causal = causal;
+  b.max_context_len = *std::max_element(lens.begin(), lens.end());
+  return b;
+}
+
+void Engine::Encode(const std::vector<Sequence*>& seqs) {
+  const int bs = cache_->block_size();
+  std::vector<int32_t> ids, positions, slots, query_start{0};
+  for (const Sequence* s : seqs) {
+    for (size_t p = 0; p < s->encoder_ids.size(); ++p) {
+      ids.push_back(s->encoder_ids[p]);
+      positions.push_back(static_cast<int32_t>(p));
+      slots.push_back(s->cross_blocks[p / bs] * bs + static_cast<int32_t>(p % bs));
+    }
+    query_start.push_back(static_cast<int32_t>(ids.size()));
+  }
+  const int64_t t = static_cast<int64_t>(ids.size());
+  ForwardInput in;
+  in.input_ids = OnDevice(ids, {t});
+  in.positions = OnDevice(positions, {t});
+  in.slot_mapping = OnDevice(slots, {t});
+  // Every input token sees the whole input: a non-causal batch over the cross blocks.
+  in.attn = CrossBatch(seqs, query_start, /*causal=*/false);
+  in.host_query_start = query_start;
+  for (const Sequence* s : seqs) {
+    in.host_context_lens.push_back(static_cast<int32_t>(s->encoder_ids.size()));
+  }
+  model_->Encode(in, cache_->layers());
 }
 
 void Engine::AddPrefixRows(const std::vector<Sequence*>& seqs, ForwardInput* in) const {

@@ -82,6 +82,10 @@ class Engine {
     size_t prefix_len = 0;  // virtual tokens at the start of `tokens`
     size_t cached = 0;      // tokens whose keys/values are in the cache
     std::vector<int32_t> blocks;
+    // Encoder-decoder models: the input (the encoder's tokens; `tokens` are the decoder's,
+    // from the decoder start token) and the blocks of its cross-attention keys/values.
+    std::vector<int32_t> encoder_ids;
+    std::vector<int32_t> cross_blocks;
     std::unique_ptr<Sampler> sampler;
     uint32_t generated = 0;
     uint32_t top_n = 0;
@@ -92,6 +96,15 @@ class Engine {
   bool Reserve(Sequence* s);
   void FreeBlocks(Sequence* s);
   void Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<StepOutput>* out);
+  // Encoder-decoder models: encodes the new sequences' inputs into their cross blocks.
+  void Encode(const std::vector<Sequence*>& seqs);
+  // The attention batch of each sequence's cross blocks (context: its input's length), for
+  // query rows `query_start`.
+  kernels::AttentionBatch CrossBatch(const std::vector<Sequence*>& seqs,
+                                     const std::vector<int32_t>& query_start, bool causal) const;
+  // `n` blocks more for `blocks`, all or none; false when the cache is full.
+  bool AllocateBlocks(size_t n, std::vector<int32_t>* blocks);
+  kernels::Tensor OnDevice(const std::vector<int32_t>& v, const kernels::Shape& shape) const;
   // The prefix rows of this step's input (prompt tuning), if any sequence has some.
   void AddPrefixRows(const std::vector<Sequence*>& seqs, ForwardInput* in) const;
   // The choices of the sequences whose next token is a plain greedy one, made where the

@@ -24,7 +24,7 @@ enum class MlpKind {
 };
 // Position schemes: rotary on q and k; learned absolute embeddings added to the input
 // (pos_embed); ALiBi slopes added to the attention logits.
-enum class PositionKind { kRotary, kLearned, kAlibi };
+enum class PositionKind { kRotary, kLearned, kAlibi, kRelative /* T5 buckets */ };
 enum class Residual {
   kSequential,  // x += attn(ln1(x)); x += mlp(ln2(x))
   kParallel,    // x += attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX, Falcon; ln2 may be ln1's tensors)
@@ -48,7 +48,9 @@ struct DecoderSpec {
   kernels::RotaryConfig rotary;     // the frequencies within the original context
   // Rope types whose frequencies follow each sequence's length (dynamic NTK, LongRoPE).
   std::optional<kernels::RopeScaling> rope_by_length;
-  int64_t max_positions = 0;  // positions served; 0: the config's max_position_embeddings
+  // Positions served; 0: the config's max_position_embeddings; < 0: no limit of the model's own
+  // (relative positions), the router's MAX_SEQUENCE_LENGTH bounds sequences.
+  int64_t max_positions = 0;
   Residual residual = Residual::kSequential;
   // Token embeddings (and the lm_head) narrower than the model, projected in and out (OPT's
   // word_embed_proj_dim); 0: hidden.

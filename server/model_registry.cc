@@ -19,6 +19,7 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterFalconModel(r);
     RegisterMptModel(r);
     RegisterOptModel(r);
+    RegisterT5Models(r);
     return r;
   }();
   return *registry;

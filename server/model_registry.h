@@ -56,5 +56,6 @@ void RegisterBloomModel(ModelRegistry* r);
 void RegisterFalconModel(ModelRegistry* r);  // falcon, RefinedWeb, RefinedWebModel
 void RegisterMptModel(ModelRegistry* r);
 void RegisterOptModel(ModelRegistry* r);
+void RegisterT5Models(ModelRegistry* r);  // t5, mt5
 
 }  // namespace tgis::server

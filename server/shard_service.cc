@@ -110,6 +110,7 @@ uint64_t NowNs() {
 ShardService::ShardService(ModelConfig config, std::unique_ptr<Model> model, ShardOptions options)
     : config_(std::move(config)), pending_model_(std::move(model)), options_(std::move(options)) {
   model_max_positions_ = pending_model_->spec().max_positions;
+  encoder_decoder_ = pending_model_->encoder_decoder();
   prefixes_ =
       std::make_unique<PrefixStore>(PrefixStoreOptions{.store_path = options_.prefix_store_path,
                                                        .cache_mb = options_.prompt_cache_mb,
@@ -128,7 +129,7 @@ grpc::Status ShardService::ServiceDiscovery(grpc::ServerContext*,
 
 grpc::Status ShardService::Info(grpc::ServerContext*, const pb::InfoRequest*,
                                 pb::InfoResponse* resp) {
-  resp->set_model_kind(pb::DECODER_ONLY);
+  resp->set_model_kind(encoder_decoder_ ? pb::ENCODER_DECODER : pb::DECODER_ONLY);
   resp->set_model_type(config_.model_type);
   for (int32_t e : config_.eos_token_ids) resp->add_eos_token_ids(static_cast<uint32_t>(e));
   resp->set_vocab_size(static_cast<uint32_t>(config_.vocab_size));

@@ -64,9 +64,11 @@ class ShardService final : public generate::v1::TextGenerationService::Service {
 
   std::mutex mu_;  // one step at a time
   ModelConfig config_;
-  int64_t model_max_positions_ = 0;  // DecoderSpec::max_positions (rope scaling), or 0
+  int64_t model_max_positions_ = 0;
+  bool encoder_decoder_ = false;  // DecoderSpec::max_positions (rope scaling), or 0
   // The positions the model serves: the config's, or more with rope scaling.
   int64_t MaxPositions() const {
+    if (model_max_positions_ < 0) return 0;  // no limit of the model's own
     return model_max_positions_ > 0 ? model_max_positions_ : config_.max_position_embeddings;
   }
   std::unique_ptr<Model> pending_model_;  // moved into the engine at Warmup

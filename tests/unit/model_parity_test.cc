@@ -43,11 +43,13 @@ fs::path FixturesDir() {
   return fs::path(env != nullptr && *env != '\0' ? env : TGIS_FIXTURES_DIR);
 }
 
-std::vector<std::string> ModelFixtures() {
+// Fixture folders with `golden` (golden.json: decoder-only; golden_seq2seq.json:
+// encoder-decoder).
+std::vector<std::string> ModelFixtures(const std::string& golden = "golden.json") {
   std::vector<std::string> out;
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(FixturesDir() / "models", ec)) {
-    if (fs::exists(e.path() / "golden.json")) out.push_back(e.path().filename().string());
+    if (fs::exists(e.path() / golden)) out.push_back(e.path().filename().string());
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -63,9 +65,9 @@ struct Golden {
 // A fixture model, its goldens, and engines over it on some device, dtype and world size.
 class ParityFixture {
  protected:
-  void Load(const std::string& model) {
+  void Load(const std::string& model, const std::string& golden = "golden.json") {
     dir_ = (FixturesDir() / "models" / model).string();
-    std::ifstream in(fs::path(dir_) / "golden.json");
+    std::ifstream in(fs::path(dir_) / golden);
     std::stringstream buf;
     buf << in.rdbuf();
     Json j = Json::parse(buf.str());
@@ -75,7 +77,7 @@ class ParityFixture {
       g.input = p["input_ids"].get<std::vector<int32_t>>();
       g.generated = p["generated_ids"].get<std::vector<int32_t>>();
       g.logprobs = p["logprobs"].get<std::vector<double>>();
-      for (const Json& v : p["prompt_logprobs"]) {
+      for (const Json& v : p.value("prompt_logprobs", Json::array())) {
         g.prompt_logprobs.push_back(v.is_null() ? std::nan("") : v.get<double>());
       }
       goldens_.push_back(std::move(g));
@@ -382,6 +384,112 @@ TEST_P(CudaParityTest, GoldenTokensAreOursWithinDtypeNoise) {
     EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
   });
 }
+
+// Encoder-decoder models (T5 family): the engine encodes the input once and decodes from the
+// decoder start token; goldens from transformers (golden_seq2seq.json), alone, ragged, with
+// others joining and leaving, at world sizes 1 and 2.
+class Seq2SeqParityTest : public ParityFixture,
+                          public ::testing::TestWithParam<std::tuple<std::string, int>> {
+ protected:
+  void SetUp() override {
+    Load(std::get<0>(GetParam()), "golden_seq2seq.json");
+    world_ = std::get<1>(GetParam());
+  }
+};
+
+TEST_P(Seq2SeqParityTest, EachPromptAloneMatchesTransformers) {
+  OnEveryRank([&](Engine& engine) {
+    ASSERT_TRUE(engine.model().encoder_decoder());
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      const Golden& g = goldens_[i];
+      std::vector<StepOutput> out;
+      std::vector<SequenceError> errors;
+      engine.Prefill({Seq(i, g, /*input_logprobs=*/true)}, &out, &errors);
+      ASSERT_TRUE(errors.empty()) << errors[0].status;
+      ASSERT_EQ(out.size(), 1u);
+      // The input tokens are the encoder's, without logprobs (TGIS).
+      ASSERT_EQ(out[0].input_tokens.size(), g.input.size());
+      for (size_t p = 0; p < g.input.size(); ++p) {
+        EXPECT_EQ(out[0].input_tokens[p].id, g.input[p]);
+        EXPECT_TRUE(std::isnan(out[0].input_tokens[p].logprob));
+      }
+      std::vector<int32_t> ids = {out[0].token.id};
+      std::vector<double> lps = {out[0].token.logprob};
+      while (ids.size() < g.generated.size()) {
+        out.clear();
+        engine.Decode({i}, &out, &errors);
+        ASSERT_TRUE(errors.empty()) << errors[0].status;
+        ids.push_back(out[0].token.id);
+        lps.push_back(out[0].token.logprob);
+      }
+      EXPECT_EQ(ids, g.generated) << "prompt " << i;
+      for (size_t k = 0; k < lps.size(); ++k) {
+        EXPECT_NEAR(lps[k], g.logprobs[k], kLogprobTolerance) << "prompt " << i << " step " << k;
+      }
+      engine.Release(i);
+    }
+    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+  });
+}
+
+TEST_P(Seq2SeqParityTest, RaggedBatchWithJoinsAndLeaves) {
+  OnEveryRank([&](Engine& engine) {
+    std::vector<std::vector<int32_t>> got(goldens_.size());
+    std::vector<std::vector<double>> lps(goldens_.size());
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    // The longest prompt starts alone; the others join at step 2, in one prefill.
+    const size_t first = goldens_.size() - 1;
+    engine.Prefill({Seq(first, goldens_[first])}, &out, &errors);
+    std::vector<uint64_t> live = {first};
+    for (size_t step = 0; !live.empty(); ++step) {
+      for (const StepOutput& o : out) {
+        got[o.id].push_back(o.token.id);
+        lps[o.id].push_back(o.token.logprob);
+      }
+      out.clear();
+      if (step == 1) {
+        std::vector<tgis::server::NewSequence> seqs;
+        for (size_t i = 0; i < first; ++i) seqs.push_back(Seq(i, goldens_[i]));
+        engine.Prefill(std::move(seqs), &out, &errors);
+        ASSERT_TRUE(errors.empty()) << errors[0].status;
+        for (const StepOutput& o : out) {
+          got[o.id].push_back(o.token.id);
+          lps[o.id].push_back(o.token.logprob);
+        }
+        out.clear();
+        for (size_t i = 0; i < first; ++i) live.push_back(i);
+      }
+      std::vector<uint64_t> next;
+      for (uint64_t id : live) {
+        if (got[id].size() < goldens_[id].generated.size()) {
+          next.push_back(id);
+        } else {
+          engine.Release(id);
+        }
+      }
+      live = next;
+      if (!live.empty()) engine.Decode(live, &out, &errors);
+      ASSERT_TRUE(errors.empty()) << errors[0].status;
+    }
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      EXPECT_EQ(got[i], goldens_[i].generated) << "prompt " << i;
+      for (size_t k = 0; k < lps[i].size(); ++k) {
+        EXPECT_NEAR(lps[i][k], goldens_[i].logprobs[k], kLogprobTolerance) << i << " " << k;
+      }
+    }
+    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Models, Seq2SeqParityTest,
+    ::testing::Combine(::testing::ValuesIn(ModelFixtures("golden_seq2seq.json")),
+                       ::testing::Values(1, 2)),
+    [](const ::testing::TestParamInfo<std::tuple<std::string, int>>& info) {
+      return std::get<0>(info.param) + "_tp" + std::to_string(std::get<1>(info.param));
+    });
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(Seq2SeqParityTest);
 
 std::string CaseName(const ::testing::TestParamInfo<std::tuple<std::string, int>>& info) {
   return std::get<0>(info.param) + "_tp" + std::to_string(std::get<1>(info.param));
