@@ -303,7 +303,13 @@ int main(int argc, char** argv) {
       (*tokenizer)->special_ids().eos.has_value()) {
     batcher_config.detokenization.eos_token_ids.push_back(*(*tokenizer)->special_ids().eos);
   }
-  batcher_config.detokenization.placeholder_id = tgis::router::ContinuationPlaceholder(**tokenizer);
+  const bool seq2seq = info->model_kind() == generate::v1::ENCODER_DECODER;
+  batcher_config.detokenization.seq2seq = seq2seq;
+  // An encoder-decoder model's output starts a text of its own: decoded whole, as TGIS does.
+  if (!seq2seq) {
+    batcher_config.detokenization.placeholder_id =
+        tgis::router::ContinuationPlaceholder(**tokenizer);
+  }
   // grpc.health.v1 reports NOT_SERVING while the shards fail (the server is built below).
   std::atomic<grpc::HealthCheckServiceInterface*> health{nullptr};
   batcher_config.on_shard_health = [&health](bool serving) {
@@ -334,9 +340,8 @@ int main(int argc, char** argv) {
   service_options.prefix_lookup = [&shard_client](const std::string& id) {
     return shard_client.PrefixLookup(id);
   };
-  service_options.model_kind = info->model_kind() == generate::v1::ENCODER_DECODER
-                                   ? fmaas::ModelInfoResponse::ENCODER_DECODER
-                                   : fmaas::ModelInfoResponse::DECODER_ONLY;
+  service_options.model_kind =
+      seq2seq ? fmaas::ModelInfoResponse::ENCODER_DECODER : fmaas::ModelInfoResponse::DECODER_ONLY;
   tgis::router::GenerationService service(**tokenizer, batcher, service_options);
 
   grpc::EnableDefaultHealthCheckService(true);

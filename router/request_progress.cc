@@ -121,7 +121,9 @@ RequestProgress::RequestProgress(const Tokenizer& tokenizer, const Detokenizatio
   if (!request.streaming) {
     unary_.set_input_token_count(request.input_length());
     unary_.set_seed(SeedOf(params_));
-    if (params_.response.input_text) unary_.set_text(request.input_text);
+    if (params_.response.input_text) {
+      unary_.set_text(config.seq2seq ? request.input_text + "\n\n" : request.input_text);
+    }
   }
 }
 

@@ -26,6 +26,9 @@ struct DetokenizationConfig {
   // A token that generated tokens are decoded after, so that the first one decodes as a
   // continuation (keeps its leading space), as TGIS does.
   std::optional<int32_t> placeholder_id;
+  // Encoder-decoder models: the output is decoded whole (no placeholder), and a unary
+  // response that echoes the input separates it from the output with "\n\n" (TGIS).
+  bool seq2seq = false;
 };
 
 // Picks the placeholder token of a tokenizer ("A", as TGIS).
