@@ -199,6 +199,17 @@ Tensor CausalLM::Indices(const std::vector<int32_t>& v) const {
   return device_ == kernels::Device::kCpu ? t : t.ToDevice(device_);
 }
 
+void MixPrefixRows(const ForwardInput& in, Tensor* x) {
+  if (!in.prefix_values.defined()) return;
+  // Virtual tokens: their rows come from the prefix instead (a row gather over both).
+  const int64_t t = x->dim(0), e = x->dim(1), r = in.prefix_values.dim(0);
+  Tensor table = Tensor::Empty({t + r, e}, x->dtype(), x->device());
+  Tensor tokens = table.Rows(0, t), virtual_tokens = table.Rows(t, t + r);
+  kernels::CopyColumns(*x, 0, e, &tokens, 0);
+  kernels::CopyColumns(in.prefix_values, 0, e, &virtual_tokens, 0);
+  kernels::Embedding(in.embedding_source, table, x);
+}
+
 void EmbedTokens(const Tensor& ids, const Tensor& embed, const ShardLayout& layout,
                  Communicator& comm, Tensor* x) {
   if (layout.world_size == 1) {
@@ -320,15 +331,7 @@ Tensor CausalLM::InputRows(const ForwardInput& in) const {
   const int64_t t = in.input_ids.dim(0), e = s.EmbedDim();
   Tensor x = Buf({t, e});
   Embed(in.input_ids, &x);
-  if (in.prefix_values.defined()) {
-    // Virtual tokens: their rows come from the prefix instead (a row gather over both).
-    const int64_t r = in.prefix_values.dim(0);
-    Tensor table = Buf({t + r, e});
-    Tensor tokens = table.Rows(0, t), virtual_tokens = table.Rows(t, t + r);
-    kernels::CopyColumns(x, 0, e, &tokens, 0);
-    kernels::CopyColumns(in.prefix_values, 0, e, &virtual_tokens, 0);
-    kernels::Embedding(in.embedding_source, table, &x);
-  }
+  MixPrefixRows(in, &x);
   if (e != s.hidden) {
     Tensor projected = Buf({t, s.hidden});
     kernels::Linear(x, w_.project_in, nullptr, &projected);

@@ -48,6 +48,9 @@ struct DecoderWeights {
 // logits, all-gathered: every rank returns all [rows, vocab] f32 logits).
 void EmbedTokens(const kernels::Tensor& ids, const kernels::Tensor& embed,
                  const ShardLayout& layout, Communicator& comm, kernels::Tensor* x);
+// Prompt tuning: the rows of virtual tokens in the embedded input `x` take the prefix's vectors
+// (ForwardInput::embedding_source / prefix_values; nothing when there are none).
+void MixPrefixRows(const ForwardInput& in, kernels::Tensor* x);
 kernels::Tensor VocabLogits(const kernels::Tensor& normed, const kernels::Tensor& lm_head,
                             const ShardLayout& layout, int64_t vocab, Communicator& comm);
 

@@ -102,11 +102,6 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
       continue;
     }
     const bool encoder_decoder = model_->encoder_decoder();
-    if (encoder_decoder && n.prefix) {
-      fail(
-          absl::UnimplementedError("prompt tuning of encoder-decoder models is not supported yet"));
-      continue;
-    }
     const size_t virtual_tokens = n.prefix ? static_cast<size_t>(n.prefix->dim(0)) : 0;
     if (static_cast<int64_t>(virtual_tokens + n.input_ids.size() + n.max_new_tokens) >
         max_positions_) {
@@ -122,7 +117,12 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
     s->prefix_len = virtual_tokens;
     s->tokens.assign(virtual_tokens, 0);  // placeholders: their embeddings are the prefix's
     if (encoder_decoder) {
-      s->encoder_ids = n.input_ids;
+      // TGIS: the encoder prefix's vectors, then the input; the decoder prefix's, then the
+      // decoder start token.
+      s->encoder_prefix_len = n.encoder_prefix ? static_cast<size_t>(n.encoder_prefix->dim(0)) : 0;
+      s->encoder_prefix = std::move(n.encoder_prefix);
+      s->encoder_ids.assign(s->encoder_prefix_len, 0);
+      s->encoder_ids.insert(s->encoder_ids.end(), n.input_ids.begin(), n.input_ids.end());
       s->tokens.push_back(model_->decoder_start_token());
     } else {
       s->tokens.insert(s->tokens.end(), n.input_ids.begin(), n.input_ids.end());
@@ -232,7 +232,11 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
     if (prefill) Encode(seqs);
     in.cross_attn = CrossBatch(seqs, in.host_query_start, /*causal=*/false);
   }
-  AddPrefixRows(seqs, &in);
+  std::vector<PrefixSpan> spans;
+  for (const Sequence* s : seqs) {
+    spans.push_back({s->prefix.get(), s->prefix_len, s->cached, s->tokens.size()});
+  }
+  AddPrefixRows(spans, &in);
   const auto t0 = std::chrono::steady_clock::now();
   Tensor logits = model_->Forward(in, cache_->layers(), logit_rows);
   // Plain greedy rows pick where the logits are (on CUDA only their ids and logprobs come
@@ -256,7 +260,8 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
     o.id = s->id;
     if (details[i] && model_->encoder_decoder()) {
       // TGIS: the input tokens of an encoder-decoder model come without logprobs (NaN).
-      for (int32_t id : s->encoder_ids) {
+      for (size_t p = s->encoder_prefix_len; p < s->encoder_ids.size(); ++p) {
+        const int32_t id = s->encoder_ids[p];
         TokenInfo ti;
         ti.id = id;
         ti.logprob = std::numeric_limits<float>::quiet_NaN();
@@ -340,22 +345,25 @@ void Engine::Encode(const std::vector<Sequence*>& seqs) {
   // Every input token sees the whole input: a non-causal batch over the cross blocks.
   in.attn = CrossBatch(seqs, query_start, /*causal=*/false);
   in.host_query_start = query_start;
+  std::vector<PrefixSpan> spans;
   for (const Sequence* s : seqs) {
     in.host_context_lens.push_back(static_cast<int32_t>(s->encoder_ids.size()));
+    spans.push_back({s->encoder_prefix.get(), s->encoder_prefix_len, 0, s->encoder_ids.size()});
   }
+  AddPrefixRows(spans, &in);
   model_->Encode(in, cache_->layers());
 }
 
-void Engine::AddPrefixRows(const std::vector<Sequence*>& seqs, ForwardInput* in) const {
+void Engine::AddPrefixRows(const std::vector<PrefixSpan>& spans, ForwardInput* in) const {
   // Most steps have no virtual tokens (decode steps never do): nothing to build then.
-  if (std::none_of(seqs.begin(), seqs.end(),
-                   [](const Sequence* s) { return s->cached < s->prefix_len; })) {
+  if (std::none_of(spans.begin(), spans.end(),
+                   [](const PrefixSpan& s) { return s.begin < s.prefix_len; })) {
     return;
   }
   // Row i of the step takes row source[i] of [token embeddings (T rows); prefix rows]: itself,
   // or, for a virtual token (a position below its sequence's prefix length), its prefix row.
   int64_t t = 0;
-  for (const Sequence* s : seqs) t += static_cast<int64_t>(s->tokens.size() - s->cached);
+  for (const PrefixSpan& s : spans) t += static_cast<int64_t>(s.end - s.begin);
   std::vector<int32_t> source;
   source.reserve(t);
   struct Piece {
@@ -364,18 +372,17 @@ void Engine::AddPrefixRows(const std::vector<Sequence*>& seqs, ForwardInput* in)
   };
   std::vector<Piece> pieces;
   int64_t prefix_rows = 0;
-  for (const Sequence* s : seqs) {
-    const size_t begin = s->cached, end = s->tokens.size();
-    for (size_t p = begin; p < end; ++p) {
-      const bool virtual_token = p < s->prefix_len;
+  for (const PrefixSpan& s : spans) {
+    for (size_t p = s.begin; p < s.end; ++p) {
+      const bool virtual_token = p < s.prefix_len;
       source.push_back(static_cast<int32_t>(virtual_token ? t + prefix_rows++ : source.size()));
     }
-    if (begin < std::min(end, s->prefix_len)) {
-      pieces.push_back({s->prefix.get(), static_cast<int64_t>(begin),
-                        static_cast<int64_t>(std::min(end, s->prefix_len))});
+    if (s.begin < std::min(s.end, s.prefix_len)) {
+      pieces.push_back({s.prefix, static_cast<int64_t>(s.begin),
+                        static_cast<int64_t>(std::min(s.end, s.prefix_len))});
     }
   }
-  const int64_t hidden = model_->spec().hidden;
+  const int64_t hidden = model_->spec().EmbedDim();
   kernels::Tensor values =
       kernels::Tensor::Empty({prefix_rows, hidden}, model_->act_dtype(), model_->device());
   int64_t at = 0;
@@ -384,9 +391,7 @@ void Engine::AddPrefixRows(const std::vector<Sequence*>& seqs, ForwardInput* in)
     kernels::CopyColumns(piece.prefix->Rows(piece.begin, piece.end), 0, hidden, &dst, 0);
     at += piece.end - piece.begin;
   }
-  kernels::Tensor idx = kernels::Tensor::FromVector(source, {t});
-  in->embedding_source =
-      model_->device() == kernels::Device::kCpu ? idx : idx.ToDevice(model_->device());
+  in->embedding_source = OnDevice(source, {t});
   in->prefix_values = std::move(values);
 }
 

@@ -26,6 +26,9 @@ struct NewSequence {
   // A prompt-tuning prefix [virtual tokens, hidden] (model dtype and device) that goes before
   // the input: its vectors take positions 0..P-1, the input's tokens follow.
   std::shared_ptr<const kernels::Tensor> prefix;
+  // Encoder-decoder models: a prefix before the input, in the encoder (`prefix` goes before the
+  // decoder start token).
+  std::shared_ptr<const kernels::Tensor> encoder_prefix;
 };
 
 struct TokenInfo {
@@ -84,8 +87,10 @@ class Engine {
     std::vector<int32_t> blocks;
     // Encoder-decoder models: the input (the encoder's tokens; `tokens` are the decoder's,
     // from the decoder start token) and the blocks of its cross-attention keys/values.
-    std::vector<int32_t> encoder_ids;
+    std::vector<int32_t> encoder_ids;  // virtual-token placeholders, then the input
     std::vector<int32_t> cross_blocks;
+    std::shared_ptr<const kernels::Tensor> encoder_prefix;
+    size_t encoder_prefix_len = 0;
     std::unique_ptr<Sampler> sampler;
     uint32_t generated = 0;
     uint32_t top_n = 0;
@@ -105,8 +110,14 @@ class Engine {
   // `n` blocks more for `blocks`, all or none; false when the cache is full.
   bool AllocateBlocks(size_t n, std::vector<int32_t>* blocks);
   kernels::Tensor OnDevice(const std::vector<int32_t>& v, const kernels::Shape& shape) const;
-  // The prefix rows of this step's input (prompt tuning), if any sequence has some.
-  void AddPrefixRows(const std::vector<Sequence*>& seqs, ForwardInput* in) const;
+  // Rows [begin, end) of one sequence's tokens in a step, whose first `prefix_len` positions
+  // are virtual tokens taking `prefix`'s rows.
+  struct PrefixSpan {
+    const kernels::Tensor* prefix;
+    size_t prefix_len, begin, end;
+  };
+  // The prefix rows of a step's input (prompt tuning), if any span has virtual tokens.
+  void AddPrefixRows(const std::vector<PrefixSpan>& spans, ForwardInput* in) const;
   // The choices of the sequences whose next token is a plain greedy one, made where the
   // logits are; nullopt for the others. seq_rows: each sequence's [first logits row, count].
   std::vector<std::optional<TokenInfo>> PickGreedy(

@@ -66,6 +66,9 @@ absl::StatusOr<Tensor> PrefixStore::Process(const Tensor& prefix,
   if (n == 0 || (options_.max_length > 0 && n > options_.max_length)) {
     return Raised("Exception", absl::StrCat("Invalid prefix embedding length of ", n));
   }
+  if (options_.encoder_decoder && n % 2 != 0) {
+    return Raised("Exception", "Encoder/decoder prefix tensor must be of even length");
+  }
   if (prefix.dim(1) != options_.hidden) {
     return Raised("Exception", absl::StrCat("Prefix embedding tensor dim ", prefix.dim(1),
                                             " does not match model (", options_.hidden, ")"));
@@ -81,7 +84,30 @@ absl::StatusOr<Tensor> PrefixStore::Process(const Tensor& prefix,
   return options_.device == kernels::Device::kCpu ? converted : converted.ToDevice(options_.device);
 }
 
-absl::StatusOr<Tensor> PrefixStore::Load(const std::string& id) const {
+int64_t Prefix::length(bool encoder_decoder) const {
+  int64_t n = encoder ? encoder->dim(0) : 0;
+  if (decoder) n += decoder->dim(0) + (encoder_decoder ? 1 : 0);
+  return n;
+}
+
+absl::StatusOr<std::shared_ptr<const Tensor>> PrefixStore::LoadPt(const std::string& file) const {
+  std::error_code ec;
+  if (!fs::is_regular_file(file, ec)) return std::shared_ptr<const Tensor>();
+  LOG(INFO) << "Loading new prefix " << file;
+  auto tensors = ReadTorchFile(file);
+  if (!tensors.ok()) return Raised("Exception", std::string(tensors.status().message()));
+  auto it = tensors->find("");
+  if (it == tensors->end() || tensors->size() != 1) {
+    return Raised("Exception", "Invalid prefix embedding tensor");
+  }
+  auto t = FromTorch(it->second, file);
+  if (!t.ok()) return t.status();
+  auto processed = Process(t->first, t->second);
+  if (!processed.ok()) return processed.status();
+  return std::make_shared<const Tensor>(*std::move(processed));
+}
+
+absl::StatusOr<Prefix> PrefixStore::Load(const std::string& id) const {
   static const std::regex kValidId("[/\\w\\-]+");
   if (!std::regex_match(id, kValidId)) {
     return Raised("Exception", absl::StrCat("Invalid prefix id ", id,
@@ -100,51 +126,54 @@ absl::StatusOr<Tensor> PrefixStore::Load(const std::string& id) const {
       peft = peft || e.path().stem() == "adapter_model";
     }
   }
+  if (!peft) {
+    auto decoder = LoadPt((dir / "decoder.pt").string());
+    if (!decoder.ok()) return decoder.status();
+    if (!options_.encoder_decoder) {
+      if (!*decoder) return NotFound(id);
+      // Decoder-only models use decoder.pt alone; TGIS reads an encoder.pt beside it and drops
+      // it.
+      if (fs::is_regular_file(dir / "encoder.pt", ec)) {
+        LOG(WARNING) << "prefix " << id << ": encoder.pt is not used by a decoder-only model";
+      }
+      return Prefix{*decoder, nullptr};
+    }
+    auto encoder = LoadPt((dir / "encoder.pt").string());
+    if (!encoder.ok()) return encoder.status();
+    if (!*decoder && !*encoder) return NotFound(id);
+    return Prefix{*decoder, *encoder};
+  }
+  if (options_.encoder_decoder) {
+    return Raised("Exception", "encoder-decoder architectures not supported for peft models");
+  }
   std::pair<Tensor, std::string> loaded;
-  if (peft) {
-    // safetensors first, as TGIS; a .bin if that is all there is.
-    const fs::path st = dir / "adapter_model.safetensors", bin = dir / "adapter_model.bin";
-    if (fs::is_regular_file(st, ec)) {
-      LOG(INFO) << "Loading new prefix " << id << "/adapter_model.safetensors";
-      auto tensors = ReadSafetensorsFile(st.string());
-      if (!tensors.ok()) return Raised("Exception", std::string(tensors.status().message()));
-      auto it = tensors->find("prompt_embeddings");
-      if (it == tensors->end()) return Raised("KeyError", "'prompt_embeddings'");
-      loaded = {it->second.To(DType::kF32), TorchName(it->second.dtype())};
-    } else if (fs::is_regular_file(bin, ec)) {
-      LOG(INFO) << "Loading new prefix " << id << "/adapter_model.bin";
-      auto tensors = ReadTorchFile(bin.string());
-      if (!tensors.ok()) return Raised("Exception", std::string(tensors.status().message()));
-      auto it = tensors->find("prompt_embeddings");
-      if (it == tensors->end()) return Raised("KeyError", "'prompt_embeddings'");
-      auto t = FromTorch(it->second, bin.string());
-      if (!t.ok()) return t.status();
-      loaded = *std::move(t);
-    } else {
-      return NotFound(id);
-    }
-  } else {
-    const fs::path decoder = dir / "decoder.pt";
-    if (!fs::is_regular_file(decoder, ec)) return NotFound(id);
-    // Decoder-only models use decoder.pt alone; TGIS reads an encoder.pt beside it and drops it.
-    if (fs::is_regular_file(dir / "encoder.pt", ec)) {
-      LOG(WARNING) << "prefix " << id << ": encoder.pt is not used by a decoder-only model";
-    }
-    LOG(INFO) << "Loading new prefix " << id << "/decoder.pt";
-    auto tensors = ReadTorchFile(decoder.string());
+  // safetensors first, as TGIS; a .bin if that is all there is.
+  const fs::path st = dir / "adapter_model.safetensors", bin = dir / "adapter_model.bin";
+  if (fs::is_regular_file(st, ec)) {
+    LOG(INFO) << "Loading new prefix " << id << "/adapter_model.safetensors";
+    auto tensors = ReadSafetensorsFile(st.string());
     if (!tensors.ok()) return Raised("Exception", std::string(tensors.status().message()));
-    auto it = tensors->find("");
-    if (it == tensors->end() || tensors->size() != 1) {
-      return Raised("Exception", "Invalid prefix embedding tensor");
-    }
-    auto t = FromTorch(it->second, decoder.string());
+    auto it = tensors->find("prompt_embeddings");
+    if (it == tensors->end()) return Raised("KeyError", "'prompt_embeddings'");
+    loaded = {it->second.To(DType::kF32), TorchName(it->second.dtype())};
+  } else if (fs::is_regular_file(bin, ec)) {
+    LOG(INFO) << "Loading new prefix " << id << "/adapter_model.bin";
+    auto tensors = ReadTorchFile(bin.string());
+    if (!tensors.ok()) return Raised("Exception", std::string(tensors.status().message()));
+    auto it = tensors->find("prompt_embeddings");
+    if (it == tensors->end()) return Raised("KeyError", "'prompt_embeddings'");
+    auto t = FromTorch(it->second, bin.string());
     if (!t.ok()) return t.status();
     loaded = *std::move(t);
+  } else {
+    return NotFound(id);
   }
-  return Process(loaded.first, loaded.second);
+  auto processed = Process(loaded.first, loaded.second);
+  if (!processed.ok()) return processed.status();
+  return Prefix{std::make_shared<const Tensor>(*std::move(processed)), nullptr};
 }
 
-absl::StatusOr<std::shared_ptr<const Tensor>> PrefixStore::Get(const std::string& id) {
+absl::StatusOr<Prefix> PrefixStore::Get(const std::string& id) {
   if (options_.store_path.empty()) {
     // No store: every prefix is one that is not there (the reason goes to the log).
     LOG(WARNING) << "prefix " << id << " asked for, but PREFIX_STORE_PATH is not set";
@@ -158,9 +187,12 @@ absl::StatusOr<std::shared_ptr<const Tensor>> PrefixStore::Get(const std::string
     }
   }
   // Loaded outside the lock, as TGIS does: a slow disk does not hold up cached prefixes.
-  absl::StatusOr<Tensor> loaded = Load(id);
+  absl::StatusOr<Prefix> loaded = Load(id);
   if (!loaded.ok()) return loaded.status();
-  const double mb = std::ceil(static_cast<double>(loaded->nbytes()) / 512.0) * 512.0 / (1 << 20);
+  double mb = 0;
+  for (const auto& t : {loaded->decoder, loaded->encoder}) {
+    if (t) mb += std::ceil(static_cast<double>(t->nbytes()) / 512.0) * 512.0 / (1 << 20);
+  }
   std::lock_guard<std::mutex> lock(mu_);
   if (auto it = index_.find(id); it != index_.end()) return it->second->prefix;
   if (mb > options_.cache_mb) {
@@ -173,10 +205,11 @@ absl::StatusOr<std::shared_ptr<const Tensor>> PrefixStore::Get(const std::string
     index_.erase(lru_.back().id);
     lru_.pop_back();
   }
-  lru_.push_front(Entry{id, std::make_shared<const Tensor>(*std::move(loaded)), mb});
+  lru_.push_front(Entry{id, *std::move(loaded), mb});
   index_[id] = lru_.begin();
   cached_mb_ += mb;
-  LOG(INFO) << "Added prefix " << id << " to the prompt cache, has " << lru_.front().prefix->dim(0)
+  LOG(INFO) << "Added prefix " << id << " to the prompt cache, has "
+            << lru_.front().prefix.length(options_.encoder_decoder)
             << " virtual tokens, total cache size is now " << cached_mb_ << "MiB";
   return lru_.front().prefix;
 }

@@ -2,7 +2,8 @@
 // PREFIX_STORE_PATH/<prefix id>/ on first use and kept in an LRU cache bounded in MiB. A prefix
 // folder holds decoder.pt (what torch.save wrote: one [virtual tokens, hidden] tensor), or is a
 // PEFT adapter (adapter_model.safetensors, else adapter_model.bin, holding
-// {"prompt_embeddings": tensor}).
+// {"prompt_embeddings": tensor}). For an encoder-decoder model it holds encoder.pt and/or
+// decoder.pt, each of even length (no PEFT adapters).
 //
 // Error messages are TGIS's, word for word, as a TGIS router shows them to clients: a prefix
 // that is not there is NOT_FOUND `prefix id "<id>" not found`; anything else wrong is UNKNOWN
@@ -28,26 +29,40 @@ struct PrefixStoreOptions {
   int64_t max_length = 0;  // the most virtual tokens (the model's positions; 0: no limit)
   kernels::DType dtype = kernels::DType::kF32;
   kernels::Device device = kernels::Device::kCpu;
+  bool encoder_decoder = false;
+};
+
+// A prefix's vectors [virtual tokens, hidden] in the model's dtype, on its device: before the
+// decoder's tokens (decoder-only: always there) and, for encoder-decoder models, before the
+// encoder's input (either may be missing there, not both).
+struct Prefix {
+  std::shared_ptr<const kernels::Tensor> decoder;
+  std::shared_ptr<const kernels::Tensor> encoder;
+  // TGIS's PrefixLookup length: the rows of both, the decoder's counted with the decoder start
+  // token TGIS appends to it for encoder-decoder models.
+  int64_t length(bool encoder_decoder) const;
 };
 
 class PrefixStore {
  public:
   explicit PrefixStore(PrefixStoreOptions options) : options_(std::move(options)) {}
 
-  // The prefix's vectors [virtual tokens, hidden] in the model's dtype, on its device: from the
-  // cache, else loaded (and cached, evicting the least recently used ones to stay in budget).
-  absl::StatusOr<std::shared_ptr<const kernels::Tensor>> Get(const std::string& prefix_id);
+  // The prefix: from the cache, else loaded (and cached, evicting the least recently used ones
+  // to stay in budget).
+  absl::StatusOr<Prefix> Get(const std::string& prefix_id);
 
   size_t size() const;
 
  private:
-  absl::StatusOr<kernels::Tensor> Load(const std::string& prefix_id) const;
+  absl::StatusOr<Prefix> Load(const std::string& prefix_id) const;
+  // A .pt file of the folder as a processed tensor; null when the file is not there.
+  absl::StatusOr<std::shared_ptr<const kernels::Tensor>> LoadPt(const std::string& file) const;
   absl::StatusOr<kernels::Tensor> Process(const kernels::Tensor& prefix,
                                           const std::string& source_dtype) const;
 
   struct Entry {
     std::string id;
-    std::shared_ptr<const kernels::Tensor> prefix;
+    Prefix prefix;
     double mb = 0;
   };
   const PrefixStoreOptions options_;

@@ -111,13 +111,14 @@ ShardService::ShardService(ModelConfig config, std::unique_ptr<Model> model, Sha
     : config_(std::move(config)), pending_model_(std::move(model)), options_(std::move(options)) {
   model_max_positions_ = pending_model_->spec().max_positions;
   encoder_decoder_ = pending_model_->encoder_decoder();
-  prefixes_ =
-      std::make_unique<PrefixStore>(PrefixStoreOptions{.store_path = options_.prefix_store_path,
-                                                       .cache_mb = options_.prompt_cache_mb,
-                                                       .hidden = pending_model_->spec().EmbedDim(),
-                                                       .max_length = MaxPositions(),
-                                                       .dtype = pending_model_->act_dtype(),
-                                                       .device = pending_model_->device()});
+  prefixes_ = std::make_unique<PrefixStore>(
+      PrefixStoreOptions{.store_path = options_.prefix_store_path,
+                         .cache_mb = options_.prompt_cache_mb,
+                         .hidden = pending_model_->spec().EmbedDim(),
+                         .max_length = MaxPositions(),
+                         .dtype = pending_model_->act_dtype(),
+                         .device = pending_model_->device(),
+                         .encoder_decoder = pending_model_->encoder_decoder()});
 }
 
 grpc::Status ShardService::ServiceDiscovery(grpc::ServerContext*,
@@ -188,7 +189,7 @@ grpc::Status ShardService::PrefixLookup(grpc::ServerContext*, const pb::PrefixLo
     return grpc::Status(static_cast<grpc::StatusCode>(prefix.status().code()),
                         std::string(prefix.status().message()));
   }
-  resp->set_prefix_length(static_cast<uint32_t>((*prefix)->dim(0)));
+  resp->set_prefix_length(static_cast<uint32_t>(prefix->length(encoder_decoder_)));
   return grpc::Status::OK;
 }
 
@@ -263,7 +264,8 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
                                       "Error retrieving prompt prefix '", r.prefix_id(), "'"))});
         continue;
       }
-      n.prefix = *std::move(prefix);
+      n.prefix = prefix->decoder;
+      n.encoder_prefix = prefix->encoder;
     }
     n.id = r.id();
     n.input_ids.assign(r.input_ids().begin(), r.input_ids().end());

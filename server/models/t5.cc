@@ -107,6 +107,7 @@ class T5Model : public Model {
     const int64_t hk = layout_.kv_heads.size(), d = spec_.head_dim;
     Tensor x = Buf({t, spec_.hidden});
     EmbedTokens(in.input_ids, embed, layout_, *comm_, &x);
+    MixPrefixRows(in, &x);
     kernels::AttentionBias bias = Bias(encoder_table, /*bidirectional=*/true);
     for (const EncoderLayer& l : encoder) {
       // Layer 0's cache blocks of these sequences are scratch for the encoder's keys/values.
@@ -132,6 +133,7 @@ class T5Model : public Model {
     const int64_t hq = layout_.q_heads.size(), d = spec_.head_dim;
     Tensor x = Buf({t, spec_.hidden});
     EmbedTokens(in.input_ids, embed, layout_, *comm_, &x);
+    MixPrefixRows(in, &x);
     kernels::AttentionBias bias = Bias(decoder_table, /*bidirectional=*/false);
     Tensor h = Buf({t, spec_.hidden}), q = Buf({t, hq, d}), attn = Buf({t, hq, d});
     Tensor o = Buf({t, spec_.hidden});

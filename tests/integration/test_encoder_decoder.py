@@ -98,3 +98,76 @@ def test_stream_equals_unary(served):
     assert "".join(m.text for m in stream) == unary.text
     assert [t.text for m in stream for t in m.tokens] == [t.text for t in unary.tokens]
     assert stream[-1].stop_reason == unary.stop_reason
+
+
+PREFIX_GOLDEN = json.loads((FIXTURES / "prefixes" / "golden_seq2seq.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tuned():
+    """flan_t5 on two shards with TGIS's prefix store (encoder.pt / decoder.pt prefixes)."""
+    need_binaries()
+    tmp = Path(tempfile.mkdtemp(prefix="tgis-seq2seq-pt-"))
+    grpc_port, master_port = free_port(), free_port()
+    env = {"MODEL_NAME": str(FIXTURES / "models" / PREFIX_GOLDEN["model"]), "NUM_SHARD": "2",
+           "GRPC_PORT": str(grpc_port), "PORT": str(free_port()), "MASTER_PORT": str(master_port),
+           "SHARD_UDS_PATH": str(tmp / "shard"), "TERMINATION_LOG": str(tmp / "termination-log"),
+           "KV_CACHE_BLOCKS": "128", "KV_CACHE_BLOCK_SIZE": "4", "DTYPE_STR": "float32",
+           "PREFIX_STORE_PATH": str(FIXTURES / "prefixes" / "store")}
+    proc = Process([binary("launcher/text-generation-launcher")], env=env)
+    channel = None
+    try:
+        channel, pb, stub = wait_serving(proc, grpc_port, timeout=90)
+        yield pb, stub
+    finally:
+        if channel is not None:
+            channel.close()
+        proc.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(Path(tempfile.gettempdir()) / f"tgis-rendezvous-localhost-{master_port}",
+                      ignore_errors=True)
+
+
+@pytest.mark.parametrize("prefix_id", sorted(PREFIX_GOLDEN["prefixes"]))
+def test_prompt_tuning_matches_transformers_inputs_embeds(tuned, prefix_id):
+    """Encoder prefix before the input's embeddings, decoder prefix before the decoder start
+    token's: transformers with inputs_embeds / decoder_inputs_embeds gives the same ids and
+    logprobs (make_seq2seq_prefix_fixtures.py)."""
+    pb, stub = tuned
+    want = PREFIX_GOLDEN["prefixes"][prefix_id]
+    n = PREFIX_GOLDEN["new_tokens"]
+    params = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=n),
+                           response=pb.ResponseOptions(generated_tokens=True, token_logprobs=True,
+                                                       input_tokens=True))
+    responses = stub.Generate(pb.BatchedGenerationRequest(
+        prefix_id=prefix_id, params=params,
+        requests=[pb.GenerationRequest(text=p["text"]) for p in want["prompts"]]),
+        timeout=60).responses
+    for p, r in zip(want["prompts"], responses):
+        assert r.input_token_count == len(p["input_ids"])
+        assert len(r.input_tokens) == len(p["input_ids"])  # the input's own tokens only
+        got = [t.logprob for t in r.tokens]
+        assert len(got) == len(p["generated_ids"]) or got, p["text"]
+        for k, (a, b) in enumerate(zip(got, p["logprobs"])):
+            assert abs(a - b) <= TOLERANCE, f"{prefix_id} {p['text']!r} step {k}"
+
+
+def test_odd_prefix_fails_with_tgis_message(tuned):
+    pb, stub = tuned
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.BatchedGenerationRequest(
+            prefix_id="t5_odd", requests=[pb.GenerationRequest(text="Hi")]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == ("can't retrieve prompt prefix with id 't5_odd': Unexpected "
+                                 "<class 'Exception'>: Encoder/decoder prefix tensor must be of "
+                                 "even length")
+
+
+def test_peft_adapters_are_refused_for_encoder_decoder_models(tuned):
+    pb, stub = tuned
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.BatchedGenerationRequest(
+            prefix_id="peft/llama_adapter", requests=[pb.GenerationRequest(text="Hi")]),
+            timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "encoder-decoder architectures not supported for peft models" in e.value.details()
