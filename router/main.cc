@@ -191,9 +191,20 @@ int main(int argc, char** argv) {
   }
   if (argc != 1) return Fail(absl::StrCat("unexpected argument '", argv[1], "'"));
   if (FLAGS_tokenizer_path.empty()) return Fail("--tokenizer-path (TOKENIZER_PATH) is required");
-  if (FLAGS_max_new_tokens < 1 || FLAGS_max_batch_size < 1 || FLAGS_max_concurrent_requests < 1 ||
-      FLAGS_max_waiting_tokens < 1 || FLAGS_max_sequence_length < 0 || FLAGS_max_batch_weight < 0) {
-    return Fail("the size limits must be positive");
+  for (auto [value, minimum, name] :
+       {std::tuple{int64_t{FLAGS_max_new_tokens}, 1, "--max-new-tokens (MAX_NEW_TOKENS)"},
+        std::tuple{int64_t{FLAGS_max_batch_size}, 1, "--max-batch-size (MAX_BATCH_SIZE)"},
+        std::tuple{int64_t{FLAGS_max_concurrent_requests}, 1,
+                   "--max-concurrent-requests (MAX_CONCURRENT_REQUESTS)"},
+        std::tuple{int64_t{FLAGS_max_waiting_tokens}, 1,
+                   "--max-waiting-tokens (MAX_WAITING_TOKENS)"},
+        std::tuple{int64_t{FLAGS_max_sequence_length}, 0,
+                   "--max-sequence-length (MAX_SEQUENCE_LENGTH)"},
+        std::tuple{int64_t{FLAGS_max_batch_weight}, 0, "--max-batch-weight (MAX_BATCH_WEIGHT)"}}) {
+    if (value < minimum) {
+      return Fail(absl::StrCat(name, " is ", value, "; it must be ",
+                               minimum == 1 ? "positive" : "zero (unset) or positive"));
+    }
   }
   if (FLAGS_port < 0 || FLAGS_port > 65535) return Fail("--port (PORT) must be a TCP port");
   // TLS files are checked before anything waits: a bad one fails the start, naming the file.

@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -37,14 +38,23 @@ absl::StatusOr<std::vector<int32_t>> EosIds(const Json& j, const std::string& fi
   std::vector<int32_t> out;
   auto it = j.find("eos_token_id");
   if (it == j.end() || it->is_null()) return out;
+  auto id = [&](const Json& v) -> absl::StatusOr<int32_t> {
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 ||
+        v.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file, ": eos_token_id: ", v.dump(), " is not a token id"));
+    }
+    return v.get<int32_t>();
+  };
   if (it->is_number_integer()) {
-    out.push_back(it->get<int32_t>());
+    auto v = id(*it);
+    if (!v.ok()) return v.status();
+    out.push_back(*v);
   } else if (it->is_array()) {
-    for (const Json& v : *it) {
-      if (!v.is_number_integer()) {
-        return absl::InvalidArgumentError(absl::StrCat(file, ": eos_token_id: expected integers"));
-      }
-      out.push_back(v.get<int32_t>());
+    for (const Json& e : *it) {
+      auto v = id(e);
+      if (!v.ok()) return v.status();
+      out.push_back(*v);
     }
   } else {
     return absl::InvalidArgumentError(
@@ -53,10 +63,18 @@ absl::StatusOr<std::vector<int32_t>> EosIds(const Json& j, const std::string& fi
   return out;
 }
 
-std::optional<int32_t> OptionalId(const Json& j, const char* key) {
+// An optional token id (bos, pad): null or absent is none; a negative one is none too
+// (some configs write -1); anything else must be a 32-bit id.
+absl::StatusOr<std::optional<int32_t>> OptionalId(const Json& j, const char* key,
+                                                  const std::string& file) {
   auto it = j.find(key);
-  if (it == j.end() || !it->is_number_integer()) return std::nullopt;
-  return it->get<int32_t>();
+  if (it == j.end() || it->is_null()) return std::optional<int32_t>();
+  if (!it->is_number_integer() || it->get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file, ": ", key, ": ", it->dump(), " is not a token id"));
+  }
+  if (it->get<int64_t>() < 0) return std::optional<int32_t>();
+  return std::optional<int32_t>(it->get<int32_t>());
 }
 
 }  // namespace
@@ -71,7 +89,8 @@ absl::StatusOr<T> ModelConfig::Get(const char* key, std::optional<T> default_val
   try {
     return it->get<T>();
   } catch (const Json::exception&) {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, ": wrong type"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: ", key, " = ", it->dump(), ": wrong type"));
   }
 }
 template absl::StatusOr<int64_t> ModelConfig::Get(const char*, std::optional<int64_t>) const;
@@ -135,9 +154,19 @@ absl::StatusOr<ModelConfig> ModelConfig::Load(const std::string& model_dir) {
   if (c.head_dim == 0 && c.num_heads > 0) c.head_dim = c.hidden_size / c.num_heads;
   c.max_position_embeddings =
       first_int({"max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"});
-  c.tie_word_embeddings = c.raw.value("tie_word_embeddings", false);
-  c.bos_token_id = OptionalId(c.raw, "bos_token_id");
-  c.pad_token_id = OptionalId(c.raw, "pad_token_id");
+  auto tie = c.Get<bool>("tie_word_embeddings", false);
+  if (!tie.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(config_file, ": tie_word_embeddings = ", c.raw["tie_word_embeddings"].dump(),
+                     " is not a boolean"));
+  }
+  c.tie_word_embeddings = *tie;
+  for (auto [dst, key] :
+       {std::pair{&c.bos_token_id, "bos_token_id"}, std::pair{&c.pad_token_id, "pad_token_id"}}) {
+    auto v = OptionalId(c.raw, key, config_file);
+    if (!v.ok()) return v.status();
+    *dst = *v;
+  }
   auto eos = EosIds(c.raw, config_file);
   if (!eos.ok()) return eos.status();
   c.eos_token_ids = *eos;
@@ -145,8 +174,13 @@ absl::StatusOr<ModelConfig> ModelConfig::Load(const std::string& model_dir) {
     auto geos = EosIds(*gen, (dir / "generation_config.json").string());
     if (!geos.ok()) return geos.status();
     if (!geos->empty()) c.eos_token_ids = *geos;
-    if (auto b = OptionalId(*gen, "bos_token_id")) c.bos_token_id = b;
-    if (auto p = OptionalId(*gen, "pad_token_id")) c.pad_token_id = p;
+    const std::string gen_file = (dir / "generation_config.json").string();
+    for (auto [dst, key] :
+         {std::pair{&c.bos_token_id, "bos_token_id"}, std::pair{&c.pad_token_id, "pad_token_id"}}) {
+      auto v = OptionalId(*gen, key, gen_file);
+      if (!v.ok()) return v.status();
+      if (v->has_value()) *dst = *v;
+    }
   }
   return c;
 }

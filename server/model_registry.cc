@@ -62,7 +62,15 @@ absl::StatusOr<std::unique_ptr<Model>> ModelRegistry::Build(
   if (!comm) comm = MakeSingleProcessCommunicator();
   for (const Entry& e : builders_) {
     if (e.model_type != config.model_type) continue;
-    auto model = e.builder(config, weights, dtype, comm);
+    absl::StatusOr<std::unique_ptr<Model>> model;
+    try {
+      model = e.builder(config, weights, dtype, comm);
+    } catch (const nlohmann::json::exception& ex) {
+      // A backstop: builders read config values through ModelConfig::Get, which names the key;
+      // a value read otherwise with the wrong type lands here rather than aborting the shard.
+      return absl::InvalidArgumentError(
+          absl::StrCat(weights.dir(), "/config.json: a value of the wrong type: ", ex.what()));
+    }
     if (!model.ok()) return model.status();
     if (auto st = CheckEveryTensorRead(e.model_type, weights, e.ignored); !st.ok()) return st;
     return model;

@@ -5,9 +5,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -81,21 +83,55 @@ absl::Status MapFile(const fs::path& path, std::map<std::string, Tensor>* out) {
         !t.contains("data_offsets")) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": missing dtype/shape/data_offsets"));
     }
+    if (!t["dtype"].is_string()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": dtype ", t["dtype"].dump(), " is not a string"));
+    }
     auto dtype = ParseDType(t["dtype"].get<std::string>());
     if (!dtype.ok())
       return absl::InvalidArgumentError(absl::StrCat(where, ": ", dtype.status().message()));
-    kernels::Shape shape;
-    int64_t numel = 1;
-    for (const Json& d : t["shape"]) {
-      shape.push_back(d.get<int64_t>());
-      numel *= shape.back();
+    const Json& shape_json = t["shape"];
+    const Json& offsets = t["data_offsets"];
+    if (!shape_json.is_array() ||
+        !std::all_of(shape_json.begin(), shape_json.end(),
+                     [](const Json& d) { return d.is_number_unsigned(); })) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": shape ", shape_json.dump(),
+                                                     " is not a list of non-negative integers"));
     }
-    const auto begin = t["data_offsets"][0].get<uint64_t>();
-    const auto end = t["data_offsets"][1].get<uint64_t>();
-    if (end < begin || end > data_size ||
-        end - begin != static_cast<uint64_t>(numel) * kernels::DTypeSize(*dtype)) {
+    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+        !offsets[1].is_number_unsigned()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": data_offsets ", offsets.dump(),
+                                                     " is not a pair of non-negative integers"));
+    }
+    kernels::Shape shape;
+    // The element count, saturating: a shape whose bytes exceed the file cannot match below.
+    uint64_t numel = 1;
+    for (const Json& d : shape_json) {
+      const uint64_t n = d.get<uint64_t>();
+      if (n > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(where, ": shape ", shape_json.dump(), " has a dimension too large"));
+      }
+      shape.push_back(static_cast<int64_t>(n));
+      numel = (n != 0 && numel > std::numeric_limits<uint64_t>::max() / n) ? UINT64_MAX : numel * n;
+    }
+    const auto begin = offsets[0].get<uint64_t>();
+    const auto end = offsets[1].get<uint64_t>();
+    if (end < begin) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": data_offsets do not match its shape"));
+          absl::StrCat(where, ": data_offsets ", offsets.dump(), " end before they begin"));
+    }
+    if (end > data_size) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": data_offsets end at byte ", end,
+                                                     " of the data, which has ", data_size,
+                                                     " (a truncated file?)"));
+    }
+    const uint64_t elem = kernels::DTypeSize(*dtype);
+    if (numel > (end - begin) / elem || end - begin != numel * elem) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": data_offsets span ", end - begin, " bytes; shape ", shape_json.dump(), " of ",
+          t["dtype"].get<std::string>(), " needs ",
+          numel > UINT64_MAX / elem ? std::string("more") : absl::StrCat(numel * elem)));
     }
     if (shape.empty()) shape.push_back(1);  // scalars as [1]
     void* data = const_cast<uint8_t*>(base + data_start + begin);
@@ -128,6 +164,13 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string
     }
     std::set<std::string> names;
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+      // A file name, in this folder (no path: nothing outside the model is read).
+      if (!it.value().is_string() || it.value().get<std::string>().empty() ||
+          it.value().get<std::string>().find('/') != std::string::npos) {
+        return absl::InvalidArgumentError(absl::StrCat(index.string(), ": weight_map[\"", it.key(),
+                                                       "\"] = ", it.value().dump(),
+                                                       " is not a file name of this folder"));
+      }
       names.insert(it.value().get<std::string>());
     }
     for (const std::string& n : names) files.push_back(dir / n);

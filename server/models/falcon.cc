@@ -39,8 +39,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   s.head_dim = c.hidden_size / c.num_heads;
   s.vocab = c.vocab_size;
   if (*new_arch) {
-    int64_t kv = c.raw.value("num_kv_heads", c.raw.value("n_head_kv", int64_t{0}));
-    s.num_kv_heads = kv > 0 ? kv : c.num_heads;
+    auto kv =
+        c.Get<int64_t>(c.raw.contains("num_kv_heads") ? "num_kv_heads" : "n_head_kv", int64_t{0});
+    if (!kv.ok()) return kv.status();
+    s.num_kv_heads = *kv > 0 ? *kv : c.num_heads;
   } else {
     s.num_kv_heads = *multi_query ? 1 : c.num_heads;
   }

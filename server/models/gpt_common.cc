@@ -33,11 +33,15 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildGptStyle(const ModelConfig& c, co
   if (!gelu.ok()) return gelu.status();
   s.act = *gelu;
   s.position = PositionKind::kLearned;
-  if (c.raw.value("scale_attn_by_inverse_layer_idx", false)) {
+  auto by_layer = c.Get<bool>("scale_attn_by_inverse_layer_idx", false);
+  auto scaled = c.Get<bool>("scale_attn_weights", true);
+  if (!by_layer.ok()) return by_layer.status();
+  if (!scaled.ok()) return scaled.status();
+  if (*by_layer) {
     return absl::UnimplementedError(
-        "config.json: scale_attn_by_inverse_layer_idx is not supported");
+        "config.json: scale_attn_by_inverse_layer_idx = true is not supported");
   }
-  if (!c.raw.value("scale_attn_weights", true)) s.attn_scale = 1.0f;
+  if (!*scaled) s.attn_scale = 1.0f;
 
   auto layout = ShardLayout::Make(s, comm->rank(), comm->world_size());
   if (!layout.ok()) return layout.status();

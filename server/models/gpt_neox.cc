@@ -39,7 +39,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   s.position = PositionKind::kRotary;
   auto pct = c.Get<double>("rotary_pct", 1.0);
   if (!pct.ok()) return pct.status();
-  double theta = c.raw.value("rope_theta", c.raw.value("rotary_emb_base", 10000.0));
+  auto theta_or =
+      c.Get<double>(c.raw.contains("rope_theta") ? "rope_theta" : "rotary_emb_base", 10000.0);
+  if (!theta_or.ok()) return theta_or.status();
+  const double theta = *theta_or;
   s.rotary.rotary_dim = static_cast<int>(static_cast<double>(s.head_dim) * *pct);
   s.rotary.style = kernels::RotaryStyle::kNeox;
   s.rotary.inv_freq = kernels::RotaryInvFreq(s.rotary.rotary_dim, theta);

@@ -272,3 +272,19 @@ def test_tgis_defaults_max_new_tokens_and_concurrency():
         assert all(r.generated_token_count == 1 for r in batch.responses)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("var,value,expected", [
+    ("MAX_NEW_TOKENS", "-5", "--max-new-tokens (MAX_NEW_TOKENS) is -5; it must be positive"),
+    ("MAX_BATCH_SIZE", "0", "--max-batch-size (MAX_BATCH_SIZE) is 0; it must be positive"),
+    ("MAX_SEQUENCE_LENGTH", "-1",
+     "--max-sequence-length (MAX_SEQUENCE_LENGTH) is -1; it must be zero (unset) or positive"),
+])
+def test_a_bad_limit_fails_at_start_naming_it(var, value, expected):
+    if not binary(ROUTER_BINARY).exists():
+        pytest.skip("router not built")
+    r = subprocess.run([str(binary(ROUTER_BINARY))], capture_output=True, text=True, timeout=30,
+                       env={**os.environ, var: value,
+                            "TOKENIZER_PATH": str(fixture_model_dir("llama"))})
+    assert r.returncode != 0
+    assert expected in r.stderr, r.stderr

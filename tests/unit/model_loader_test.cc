@@ -157,3 +157,78 @@ TEST(ModelConfigTest, AnUnknownFamilyWithoutSizesSaysWhichKeysItLooked) {
 }
 
 }  // namespace
+
+namespace {
+
+// Hostile safetensors headers and config values: each fails the load with a message naming the
+// file, the tensor or key and what is wrong; none aborts the process.
+class HostileCheckpointTest : public LoaderTest {
+ protected:
+  absl::Status OpenWithTensor(const Json& entry) {
+    header_["model.layers.0.extra.weight"] = entry;
+    Save();
+    auto w = tgis::server::WeightStore::Open(dir_.string());
+    return w.status();
+  }
+};
+
+TEST_F(HostileCheckpointTest, WronglyTypedHeaderFieldsAreNamed) {
+  const uint64_t end = data_.size();
+  struct Case {
+    Json entry;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {{{"dtype", 5}, {"shape", {4}}, {"data_offsets", {0, 16}}}, "dtype 5 is not a string"},
+      {{{"dtype", "F32"}, {"shape", {"a", 64}}, {"data_offsets", {0, 16}}},
+       "is not a list of non-negative integers"},
+      {{{"dtype", "F32"}, {"shape", {-1, 64}}, {"data_offsets", {0, 16}}},
+       "is not a list of non-negative integers"},
+      {{{"dtype", "F32"}, {"shape", {4}}, {"data_offsets", {"0", "16"}}},
+       "is not a pair of non-negative integers"},
+      {{{"dtype", "F32"}, {"shape", {4}}, {"data_offsets", {0}}},
+       "is not a pair of non-negative integers"},
+      {{{"dtype", "F32"}, {"shape", {4}}, {"data_offsets", {16, 0}}}, "end before they begin"},
+      {{{"dtype", "F32"}, {"shape", {4}}, {"data_offsets", {end, end + 16}}},
+       "(a truncated file?)"},
+      {{{"dtype", "F32"}, {"shape", {5}}, {"data_offsets", {0, 16}}},
+       "span 16 bytes; shape [5] of F32 needs 20"},
+      {{{"dtype", "F32"},
+        {"shape", {uint64_t{1} << 62, uint64_t{1} << 62}},
+        {"data_offsets", {0, 16}}},
+       "needs more"},
+  };
+  for (const Case& c : cases) {
+    const absl::Status st = OpenWithTensor(c.entry);
+    ASSERT_FALSE(st.ok()) << c.entry.dump();
+    EXPECT_NE(st.message().find(c.message), std::string::npos) << st << " for " << c.entry.dump();
+    EXPECT_NE(st.message().find("model.layers.0.extra.weight"), std::string::npos) << st;
+    EXPECT_NE(st.message().find("model.safetensors"), std::string::npos) << st;
+  }
+}
+
+TEST_F(HostileCheckpointTest, WronglyTypedConfigValuesAreNamed) {
+  struct Case {
+    const char* key;
+    Json value;
+    const char* message;
+  };
+  const std::vector<Case> cases = {
+      {"tie_word_embeddings", "yes", "tie_word_embeddings = \"yes\" is not a boolean"},
+      {"eos_token_id", int64_t{1000000000000}, "eos_token_id: 1000000000000 is not a token id"},
+      {"eos_token_id", Json::array({2, "x"}), "eos_token_id: \"x\" is not a token id"},
+      {"bos_token_id", 3.5, "bos_token_id: 3.5 is not a token id"},
+      {"rms_norm_eps", "small", "rms_norm_eps = \"small\": wrong type"},
+      {"rope_theta", Json::array({1}), "rope_theta = [1]: wrong type"},
+  };
+  const std::string original = ReadAll(dir_ / "config.json");
+  for (const Case& c : cases) {
+    std::ofstream(dir_ / "config.json", std::ios::trunc) << original;
+    EditConfig([&](Json& j) { j[c.key] = c.value; });
+    const absl::Status st = Build();
+    ASSERT_FALSE(st.ok()) << c.key;
+    EXPECT_NE(st.message().find(c.message), std::string::npos) << st;
+  }
+}
+
+}  // namespace
