@@ -116,6 +116,32 @@ absl::StatusOr<Key> ParsePrivateKey(const std::string& name, const std::string& 
   return key;
 }
 
+std::string TimeText(const ASN1_TIME* t) {
+  Bio bio(BIO_new(BIO_s_mem()));
+  ASN1_TIME_print(bio.get(), t);
+  char* data = nullptr;
+  const long n = BIO_get_mem_data(bio.get(), &data);
+  return std::string(data, static_cast<size_t>(n));
+}
+
+// Every handshake fails with a server certificate outside its validity: refuse to start.
+absl::Status CheckCurrent(const std::string& name, const X509* cert) {
+  const ASN1_TIME* before = X509_get0_notBefore(cert);
+  const ASN1_TIME* after = X509_get0_notAfter(cert);
+  if (X509_cmp_current_time(after) < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": the certificate expired on ",
+                                                   TimeText(after), " (valid from ",
+                                                   TimeText(before), ")"));
+  }
+  if (X509_cmp_current_time(before) > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": the certificate is not valid before ",
+                                                   TimeText(before), " (until ", TimeText(after),
+                                                   ")"));
+  }
+  return absl::OkStatus();
+}
+
+// A client CA outside its validity only fails the clients it signed (others may be fine).
 void WarnIfNotCurrent(const std::string& name, const X509* cert) {
   if (X509_cmp_current_time(X509_get0_notAfter(cert)) < 0) {
     LOG(WARNING) << name << ": the certificate has expired";
@@ -161,7 +187,7 @@ absl::StatusOr<std::optional<TlsConfig>> LoadTlsConfig(const TlsPaths& paths) {
     return absl::InvalidArgumentError(
         absl::StrCat(key_name, ": does not match the certificate ", paths.cert_path));
   }
-  WarnIfNotCurrent(cert_name, certs->front().get());
+  if (absl::Status st = CheckCurrent(cert_name, certs->front().get()); !st.ok()) return st;
   config.cert_chain_pem = std::move(*cert_pem);
   config.private_key_pem = std::move(*key_pem);
 

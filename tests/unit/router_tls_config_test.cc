@@ -42,12 +42,13 @@ struct Identity {
   std::string cert_pem, key_pem;
 };
 
-Identity MakeIdentity(const char* common_name) {
+// Valid from now + `from_s` to now + `to_s` seconds.
+Identity MakeIdentity(const char* common_name, long from_s = 0, long to_s = 3600) {
   EVP_PKEY* key = EVP_PKEY_Q_keygen(nullptr, nullptr, "EC", "P-256");
   X509* cert = X509_new();
   ASN1_INTEGER_set(X509_get_serialNumber(cert), 1);
-  X509_gmtime_adj(X509_getm_notBefore(cert), 0);
-  X509_gmtime_adj(X509_getm_notAfter(cert), 3600);
+  X509_gmtime_adj(X509_getm_notBefore(cert), from_s);
+  X509_gmtime_adj(X509_getm_notAfter(cert), to_s);
   X509_set_pubkey(cert, key);
   X509_NAME* name = X509_get_subject_name(cert);
   X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC,
@@ -84,6 +85,23 @@ class TlsConfigTest : public ::testing::Test {
   fs::path dir_;
   std::string cert_, key_, ca_, other_key_;
 };
+
+TEST_F(TlsConfigTest, ACertificateOutsideItsDatesFailsNamingFileAndDates) {
+  const Identity expired = MakeIdentity("localhost", -7200, -3600);
+  auto c = LoadTlsConfig(
+      {Write("expired.crt", expired.cert_pem), Write("expired.key", expired.key_pem), ""});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("expired.crt"), std::string::npos) << c.status();
+  EXPECT_NE(c.status().message().find("the certificate expired on "), std::string::npos)
+      << c.status();
+  EXPECT_NE(c.status().message().find(" GMT"), std::string::npos) << c.status();
+  const Identity future = MakeIdentity("localhost", 3600, 7200);
+  c = LoadTlsConfig(
+      {Write("future.crt", future.cert_pem), Write("future.key", future.key_pem), ""});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("future.crt"), std::string::npos) << c.status();
+  EXPECT_NE(c.status().message().find("is not valid before "), std::string::npos) << c.status();
+}
 
 TEST_F(TlsConfigTest, NoPathsIsPlaintext) {
   auto c = LoadTlsConfig({});
