@@ -176,12 +176,15 @@ void Batcher::Loop() {
     }
     if (stopping) {
       for (auto& r : removed.cancelled) {
+        LOG(WARNING) << r->log_name << ": dropped while queued: the shutdown grace period is over";
         EndRequest(*r, absl::UnavailableError("the server is shutting down"), 0);
       }
       for (auto& r : removed.expired) EndRequest(*r, EarlyTimeoutResponse(*r), 0, true);
       // Our own shutdown, not a generation error: UNAVAILABLE, which a client may retry
       // against another replica.
       for (const auto& [id, r] : running_) {
+        LOG(WARNING) << r.request->log_name << ": stopped after " << r.progress->generated()
+                     << " token(s): the shutdown grace period is over";
         EndRequest(*r.request, absl::UnavailableError("the server is shutting down"),
                    r.progress->generated());
       }

@@ -378,9 +378,22 @@ int main(int argc, char** argv) {
   health = nullptr;
   health_monitor.Detach();
   server->GetHealthCheckService()->SetServingStatus(false);
-  server->Shutdown(std::chrono::system_clock::now() +
-                   std::chrono::seconds(FLAGS_shutdown_grace_period));
+  // gRPC cancels the calls still open at its deadline, which the batcher would take for
+  // clients going away: at the end of the grace period the batcher ends what is left first
+  // (UNAVAILABLE "the server is shutting down", logged as such), and gRPC's deadline comes
+  // just after.
+  const auto deadline =
+      std::chrono::system_clock::now() + std::chrono::seconds(FLAGS_shutdown_grace_period);
+  std::atomic<bool> drained{false};
+  std::thread grpc_shutdown([&] {
+    server->Shutdown(deadline + std::chrono::milliseconds(500));
+    drained = true;
+  });
+  while (!drained && std::chrono::system_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   batcher.Stop();
+  grpc_shutdown.join();
   http.Stop();
   LOG(INFO) << "stopped";
   return 0;

@@ -105,3 +105,35 @@ def test_sigterm_while_waiting_for_the_shards(tmp_path):
         assert router.proc.wait(timeout=5) == 0
     finally:
         router.close()
+
+
+def test_requests_left_at_the_end_of_the_grace_period_are_ended_by_the_shutdown():
+    """Not logged (nor answered) as cancelled by their clients: UNAVAILABLE "the server is
+    shutting down", which a client may retry elsewhere, and a log line that says why."""
+    missing = binaries_missing()
+    if missing:
+        pytest.skip(missing)
+    s = RouterServer("gpt2", router_args=["--max-new-tokens", "200",
+                                          "--shutdown-grace-period", "0"])
+    try:
+        pb = s.pb
+        call = s.stub.GenerateStream(pb.SingleGenerationRequest(
+            request=pb.GenerationRequest(text="Hello"),
+            params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=200))), timeout=60)
+        next(call), next(call)  # admitted and generating
+        s.router.proc.send_signal(signal.SIGSTOP)  # hold the router while the test gets ready
+        s.router.proc.send_signal(signal.SIGTERM)
+        s.router.proc.send_signal(signal.SIGCONT)
+        try:
+            rest = list(call)
+            finished = rest and rest[-1].stop_reason == pb.MAX_TOKENS
+        except grpc.RpcError as e:
+            finished = False
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+            assert e.details() == "the server is shutting down"
+        assert s.router.proc.wait(timeout=30) == 0
+        if not finished:
+            assert "the shutdown grace period is over" in s.log()
+        assert "cancelled by the client" not in s.log()
+    finally:
+        s.close()
