@@ -87,6 +87,8 @@ DEFINE_string(tls_client_ca_cert_path, "",
 
 namespace {
 
+constexpr int kMaxRequestBytes = 4 << 20;
+
 using tgis::router::Clock;
 
 int Fail(const std::string& message) {
@@ -362,7 +364,9 @@ int main(int argc, char** argv) {
   builder.AddListeningPort(address, GrpcCredentials(*tls));
   // Without this a second server could bind the same port (SO_REUSEPORT) and share its calls.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.SetMaxReceiveMessageSize(64 << 20);
+  // TGIS's router (tonic) decodes messages of up to 4 MiB; a larger one is refused before it is
+  // read into memory (RESOURCE_EXHAUSTED), as there.
+  builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) return Fail(absl::StrCat("cannot listen on ", address));

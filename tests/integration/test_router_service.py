@@ -288,3 +288,14 @@ def test_a_bad_limit_fails_at_start_naming_it(var, value, expected):
                             "TOKENIZER_PATH": str(fixture_model_dir("llama"))})
     assert r.returncode != 0
     assert expected in r.stderr, r.stderr
+
+
+def test_messages_over_tgis_4_mib_are_refused_and_the_router_serves_on(server):
+    """TGIS's router (tonic) decodes requests of up to 4 MiB; a bigger one is refused before
+    it is read (the router never holds it), and the next request is served."""
+    pb = server.pb
+    with pytest.raises(grpc.RpcError) as e:
+        server.stub.Generate(pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text="a" * (5 << 20))]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _generate_ok(server, "b")
