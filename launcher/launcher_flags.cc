@@ -254,6 +254,13 @@ const std::vector<FlagSpec>& Specs() {
        .group = Group::kProcess,
        .field = &L::shard_startup_timeout,
        .help = "Seconds to wait for a shard to listen"},
+      {.name = "shard_step_timeout",
+       .env = "SHARD_STEP_TIMEOUT",
+       .default_value = "600",
+       .group = Group::kProcess,
+       .field = &L::shard_step_timeout,
+       .help = "Seconds one prefill or decode step may take before its batch fails and the "
+               "server turns unhealthy (a hung shard); 0: no limit"},
       {.name = "termination_log",
        .env = "TERMINATION_LOG",
        .default_value = "/dev/termination-log",

@@ -55,6 +55,7 @@ struct LauncherFlags {
   // Process (ours; TGIS has none of these).
   int64_t shutdown_grace_period = 0;
   int64_t shard_startup_timeout = 0;
+  int64_t shard_step_timeout = 0;
   std::string termination_log;
   std::optional<std::string> bin_dir;
 };

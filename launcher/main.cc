@@ -223,7 +223,9 @@ int main(int argc, char** argv) {
       std::string("--default-include-stop-seqs=") +
           (flags.default_include_stop_seqs ? "true" : "false"),
       "--shutdown-grace-period",
-      std::to_string(flags.shutdown_grace_period)};
+      std::to_string(flags.shutdown_grace_period),
+      "--shard-step-timeout",
+      std::to_string(flags.shard_step_timeout)};
   // HTTP and TLS settings reach the router through its environment.
   std::map<std::string, std::string> router_env = {{"PORT", std::to_string(flags.port)}};
   if (flags.tls_cert_path) router_env["TLS_CERT_PATH"] = *flags.tls_cert_path;

@@ -70,6 +70,9 @@ DEFINE_bool(default_include_stop_seqs, true,
             "(env DEFAULT_INCLUDE_STOP_SEQS)");
 DEFINE_int32(shard_connect_timeout, 600,
              "Seconds to wait for the shards to come up (env SHARD_CONNECT_TIMEOUT)");
+DEFINE_int32(shard_step_timeout, 600,
+             "Seconds one prefill or decode step may take before its batch fails and the "
+             "server turns unhealthy (a hung shard); 0: no limit (env SHARD_STEP_TIMEOUT)");
 DEFINE_int32(
     shutdown_grace_period, 30,
     "Seconds that running requests get to finish after SIGTERM (env SHUTDOWN_GRACE_PERIOD)");
@@ -182,6 +185,7 @@ int main(int argc, char** argv) {
           {"output_special_tokens", "OUTPUT_SPECIAL_TOKENS"},
           {"default_include_stop_seqs", "DEFAULT_INCLUDE_STOP_SEQS"},
           {"shard_connect_timeout", "SHARD_CONNECT_TIMEOUT"},
+          {"shard_step_timeout", "SHARD_STEP_TIMEOUT"},
           {"shutdown_grace_period", "SHUTDOWN_GRACE_PERIOD"},
           {"port", "PORT"},
           {"tls_cert_path", "TLS_CERT_PATH"},
@@ -202,7 +206,9 @@ int main(int argc, char** argv) {
                    "--max-waiting-tokens (MAX_WAITING_TOKENS)"},
         std::tuple{int64_t{FLAGS_max_sequence_length}, 0,
                    "--max-sequence-length (MAX_SEQUENCE_LENGTH)"},
-        std::tuple{int64_t{FLAGS_max_batch_weight}, 0, "--max-batch-weight (MAX_BATCH_WEIGHT)"}}) {
+        std::tuple{int64_t{FLAGS_max_batch_weight}, 0, "--max-batch-weight (MAX_BATCH_WEIGHT)"},
+        std::tuple{int64_t{FLAGS_shard_step_timeout}, 0,
+                   "--shard-step-timeout (SHARD_STEP_TIMEOUT)"}}) {
     if (value < minimum) {
       return Fail(absl::StrCat(name, " is ", value, "; it must be ",
                                minimum == 1 ? "positive" : "zero (unset) or positive"));
@@ -244,7 +250,8 @@ int main(int argc, char** argv) {
   LOG(INFO) << "HTTP server listening on port " << http.port() << " (/health, /metrics)";
 
   auto shards = tgis::router::ConnectShards(FLAGS_shard_uds_path, FLAGS_num_shard,
-                                            std::chrono::seconds(FLAGS_shard_connect_timeout));
+                                            std::chrono::seconds(FLAGS_shard_connect_timeout),
+                                            std::chrono::seconds(FLAGS_shard_step_timeout));
   if (!shards.ok()) return Fail(std::string(shards.status().message()));
   // A restarted router must not inherit batches from its previous life.
   if (absl::Status s = (*shards)->ClearCache(std::nullopt); !s.ok()) {

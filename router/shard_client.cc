@@ -26,16 +26,17 @@ absl::Status FromGrpc(const grpc::Status& s, size_t shard, bool name_shard = tru
 
 class GrpcShardClient final : public ShardClient {
  public:
-  explicit GrpcShardClient(std::vector<std::unique_ptr<Stub>> stubs) : stubs_(std::move(stubs)) {}
+  GrpcShardClient(std::vector<std::unique_ptr<Stub>> stubs, std::chrono::milliseconds step)
+      : stubs_(std::move(stubs)), step_(step) {}
 
   absl::StatusOr<pb::InfoResponse> Info() override {
     return FanOut<pb::InfoResponse>(
-        pb::InfoRequest(), kShortCall,
+        pb::InfoRequest(), kShortCall, /*wait_for_ready=*/true,
         [](auto* a, auto* c, auto* q, auto* r, auto done) { a->Info(c, q, r, std::move(done)); });
   }
 
   absl::Status Health() override {
-    return FanOut<pb::HealthResponse>(pb::HealthRequest(), kShortCall,
+    return FanOut<pb::HealthResponse>(pb::HealthRequest(), kShortCall, /*wait_for_ready=*/true,
                                       [](auto* a, auto* c, auto* q, auto* r, auto done) {
                                         a->Health(c, q, r, std::move(done));
                                       })
@@ -44,12 +45,12 @@ class GrpcShardClient final : public ShardClient {
 
   absl::StatusOr<pb::WarmupResponse> Warmup(const pb::WarmupRequest& request) override {
     return FanOut<pb::WarmupResponse>(
-        request, kNoDeadline,
+        request, kNoDeadline, /*wait_for_ready=*/false,
         [](auto* a, auto* c, auto* q, auto* r, auto done) { a->Warmup(c, q, r, std::move(done)); });
   }
 
   absl::StatusOr<pb::PrefillResponse> Prefill(const pb::PrefillRequest& request) override {
-    return FanOut<pb::PrefillResponse>(request, kNoDeadline,
+    return FanOut<pb::PrefillResponse>(request, step_, /*wait_for_ready=*/false,
                                        [](auto* a, auto* c, auto* q, auto* r, auto done) {
                                          a->Prefill(c, q, r, std::move(done));
                                        });
@@ -57,13 +58,13 @@ class GrpcShardClient final : public ShardClient {
 
   absl::StatusOr<pb::DecodeResponse> Decode(const pb::DecodeRequest& request) override {
     return FanOut<pb::DecodeResponse>(
-        request, kNoDeadline,
+        request, step_, /*wait_for_ready=*/false,
         [](auto* a, auto* c, auto* q, auto* r, auto done) { a->Decode(c, q, r, std::move(done)); });
   }
 
   absl::StatusOr<pb::FilterBatchResponse> FilterBatch(
       const pb::FilterBatchRequest& request) override {
-    return FanOut<pb::FilterBatchResponse>(request, kNoDeadline,
+    return FanOut<pb::FilterBatchResponse>(request, step_, /*wait_for_ready=*/false,
                                            [](auto* a, auto* c, auto* q, auto* r, auto done) {
                                              a->FilterBatch(c, q, r, std::move(done));
                                            });
@@ -74,7 +75,7 @@ class GrpcShardClient final : public ShardClient {
     request.set_prefix_id(prefix_id);
     // TGIS's PREFIX_LOOKUP_TIMEOUT; the shard's message goes to the client as it is.
     auto response = FanOut<pb::PrefixLookupResponse>(
-        request, kPrefixLookup,
+        request, kPrefixLookup, /*wait_for_ready=*/true,
         [](auto* a, auto* c, auto* q, auto* r, auto done) {
           a->PrefixLookup(c, q, r, std::move(done));
         },
@@ -86,7 +87,7 @@ class GrpcShardClient final : public ShardClient {
   absl::Status ClearCache(std::optional<uint64_t> batch_id) override {
     pb::ClearCacheRequest request;
     if (batch_id.has_value()) request.set_id(*batch_id);
-    return FanOut<pb::ClearCacheResponse>(request, kNoDeadline,
+    return FanOut<pb::ClearCacheResponse>(request, step_, /*wait_for_ready=*/false,
                                           [](auto* a, auto* c, auto* q, auto* r, auto done) {
                                             a->ClearCache(c, q, r, std::move(done));
                                           })
@@ -101,8 +102,10 @@ class GrpcShardClient final : public ShardClient {
   // Sends `request` to every shard at once and waits for all of them; shard 0's response
   // wins, and any shard's failure fails the call.
   template <typename Response, typename Request, typename Start>
+  // `wait_for_ready`: wait for a reconnecting channel within the deadline rather than fail at
+  // once (steps fail at once: a shard that is gone is an error, not something to wait for).
   absl::StatusOr<Response> FanOut(const Request& request, std::chrono::milliseconds deadline,
-                                  Start start, bool name_shard = true) {
+                                  bool wait_for_ready, Start start, bool name_shard = true) {
     struct Call {
       grpc::ClientContext context;
       Response response;
@@ -114,9 +117,7 @@ class GrpcShardClient final : public ShardClient {
     size_t pending = calls.size();
     for (size_t i = 0; i < calls.size(); ++i) {
       if (deadline.count() > 0) {
-        // Waits for the connection within the deadline instead of failing at once while the
-        // channel reconnects.
-        calls[i].context.set_wait_for_ready(true);
+        calls[i].context.set_wait_for_ready(wait_for_ready);
         calls[i].context.set_deadline(std::chrono::system_clock::now() + deadline);
       }
       start(stubs_[i]->async(), &calls[i].context, &request, &calls[i].response,
@@ -137,13 +138,15 @@ class GrpcShardClient final : public ShardClient {
   }
 
   std::vector<std::unique_ptr<Stub>> stubs_;
+  std::chrono::milliseconds step_;  // 0: no deadline
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardClient>> ConnectShards(const std::string& uds_path,
                                                            int num_shards,
-                                                           std::chrono::seconds timeout) {
+                                                           std::chrono::seconds timeout,
+                                                           std::chrono::seconds step_timeout) {
   if (num_shards < 1) return absl::InvalidArgumentError("--num-shard must be at least 1");
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);
@@ -158,7 +161,8 @@ absl::StatusOr<std::unique_ptr<ShardClient>> ConnectShards(const std::string& ud
     stubs.push_back(pb::TextGenerationService::NewStub(
         grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args)));
   }
-  auto client = std::make_unique<GrpcShardClient>(std::move(stubs));
+  auto client = std::make_unique<GrpcShardClient>(
+      std::move(stubs), std::chrono::duration_cast<std::chrono::milliseconds>(step_timeout));
   const auto give_up = std::chrono::steady_clock::now() + timeout;
   auto next_log = std::chrono::steady_clock::now();
   for (;;) {

@@ -38,8 +38,11 @@ class ShardClient {
 // Connects to the shards listening on unix://<uds_path>-0 .. -<num_shards - 1>, waiting until
 // every one of them answers Health (they may still be loading their weights), at most
 // `timeout`.
-absl::StatusOr<std::unique_ptr<ShardClient>> ConnectShards(const std::string& uds_path,
-                                                           int num_shards,
-                                                           std::chrono::seconds timeout);
+// `step_timeout` (0: none) bounds each Prefill, Decode, FilterBatch and ClearCache: a shard
+// that hangs (stopped, deadlocked) fails the step with DEADLINE_EXCEEDED instead of holding
+// every request until its client gives up.
+absl::StatusOr<std::unique_ptr<ShardClient>> ConnectShards(
+    const std::string& uds_path, int num_shards, std::chrono::seconds timeout,
+    std::chrono::seconds step_timeout = std::chrono::seconds(0));
 
 }  // namespace tgis::router

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import sys
 
 import pytest
@@ -135,5 +136,34 @@ def test_requests_left_at_the_end_of_the_grace_period_are_ended_by_the_shutdown(
         if not finished:
             assert "the shutdown grace period is over" in s.log()
         assert "cancelled by the client" not in s.log()
+    finally:
+        s.close()
+
+
+def test_a_hung_shard_fails_the_step_and_health_not_the_clients_deadline():
+    """A shard that stops answering (SIGSTOP) fails its batch after SHARD_STEP_TIMEOUT with
+    TGIS's generation error, and the health service turns NOT_SERVING; it does not hold the
+    request until the client's own deadline."""
+    missing = binaries_missing()
+    if missing:
+        pytest.skip(missing)
+    s = RouterServer("gpt2", router_args=["--shard-step-timeout", "2"])
+    try:
+        pb = s.pb
+        assert health(s) == SERVING
+        s.shard.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                s.stub.Generate(pb.BatchedGenerationRequest(
+                    requests=[pb.GenerationRequest(text="Hello")]), timeout=60)
+            assert time.monotonic() - started < 30
+            assert e.value.code() == grpc.StatusCode.UNKNOWN
+            assert e.value.details().startswith("Request failed during generation: ")
+            assert "Deadline Exceeded" in e.value.details()
+            assert wait_until(lambda: health(s) == NOT_SERVING, timeout=30)
+        finally:
+            s.shard.proc.send_signal(signal.SIGCONT)
+        assert s.router.alive()
     finally:
         s.close()
