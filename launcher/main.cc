@@ -168,34 +168,9 @@ int main(int argc, char** argv) {
       }
     }
   };
-  // Wait for every shard's socket.
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::seconds(flags.shard_startup_timeout);
-  for (int rank = 0; rank < num_shard; ++rank) {
-    const std::string socket = flags.shard_uds_path + "-" + std::to_string(rank);
-    for (;;) {
-      std::error_code ec;
-      if (fs::exists(socket, ec)) break;
-      int status;
-      if (shards[rank]->Exited(&status)) {
-        stop_all(shards, 5);
-        return fatal("shard " + std::to_string(rank) + " failed to start: " +
-                     tgis::launcher::DescribeStatus(status) + why(*shards[rank]));
-      }
-      if (g_stop_signal != 0) {
-        stop_all(shards, 5);
-        return 0;
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        stop_all(shards, 5);
-        return fatal("shard " + std::to_string(rank) + " did not listen on " + socket + " within " +
-                     std::to_string(flags.shard_startup_timeout) + "s");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    log.Info("shard " + std::to_string(rank) + " ready");
-  }
-
+  // The router starts beside the shards, not after them: its own inputs (tokenizer, TLS files,
+  // ports) are checked at once, so a mistake there fails the start in seconds, not after every
+  // shard has loaded its weights. It waits for the shards itself (a little longer than we do).
   std::vector<std::string> router_args = {
       router_bin,
       "--tokenizer-path",
@@ -224,6 +199,8 @@ int main(int argc, char** argv) {
           (flags.default_include_stop_seqs ? "true" : "false"),
       "--shutdown-grace-period",
       std::to_string(flags.shutdown_grace_period),
+      "--shard-connect-timeout",
+      std::to_string(flags.shard_startup_timeout + 60),
       "--shard-step-timeout",
       std::to_string(flags.shard_step_timeout)};
   // HTTP and TLS settings reach the router through its environment.
@@ -244,6 +221,40 @@ int main(int argc, char** argv) {
     routers.push_back(std::move(router));
   }
   log.Info("router started on gRPC port " + std::to_string(flags.grpc_port));
+  // Wait for every shard's socket.
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::seconds(flags.shard_startup_timeout);
+  for (int rank = 0; rank < num_shard; ++rank) {
+    const std::string socket = flags.shard_uds_path + "-" + std::to_string(rank);
+    for (;;) {
+      std::error_code ec;
+      if (fs::exists(socket, ec)) break;
+      int status;
+      if (shards[rank]->Exited(&status)) {
+        stop_all(routers, 5);
+        stop_all(shards, 5);
+        return fatal("shard " + std::to_string(rank) + " failed to start: " +
+                     tgis::launcher::DescribeStatus(status) + why(*shards[rank]));
+      }
+      if (routers[0]->Exited(&status)) {
+        stop_all(shards, 5);
+        return fatal("router " + tgis::launcher::DescribeStatus(status) + why(*routers[0]));
+      }
+      if (g_stop_signal != 0) {
+        stop_all(routers, 5);
+        stop_all(shards, 5);
+        return 0;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        stop_all(routers, 5);
+        stop_all(shards, 5);
+        return fatal("shard " + std::to_string(rank) + " did not listen on " + socket + " within " +
+                     std::to_string(flags.shard_startup_timeout) + "s");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    log.Info("shard " + std::to_string(rank) + " ready");
+  }
 
   // Supervise: a stop signal drains; any child's death takes everything down.
   for (;;) {

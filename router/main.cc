@@ -13,11 +13,15 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <future>
 #include <memory>
@@ -91,6 +95,24 @@ DEFINE_string(tls_client_ca_cert_path, "",
 namespace {
 
 constexpr int kMaxRequestBytes = 4 << 20;
+
+// Binds 0.0.0.0:port as gRPC will (SO_REUSEADDR) and lets it go again.
+absl::Status CheckPortFree(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", strerror(errno)));
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const bool bound =
+      bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0 && listen(fd, 1) == 0;
+  const int err = errno;
+  close(fd);
+  if (bound) return absl::OkStatus();
+  return absl::UnavailableError(strerror(err));
+}
 
 using tgis::router::Clock;
 
@@ -219,6 +241,10 @@ int main(int argc, char** argv) {
   auto tls = tgis::router::LoadTlsConfig(
       {FLAGS_tls_cert_path, FLAGS_tls_key_path, FLAGS_tls_client_ca_cert_path});
   if (!tls.ok()) return Fail(absl::StrCat("invalid TLS configuration: ", tls.status().message()));
+  // The gRPC port is bound last (after the shards are up): a port in use must fail now.
+  if (absl::Status s = CheckPortFree(FLAGS_grpc_port); !s.ok()) {
+    return Fail(absl::StrCat("--grpc-port (GRPC_PORT) ", FLAGS_grpc_port, ": ", s.message()));
+  }
   ShutdownSignals signals;
 
   // The tokenizer first: a wrong model directory fails before anything waits on the shards.

@@ -268,3 +268,55 @@ def test_values_not_honoured_fail_at_start(args, env, expected, tmp_path):
         assert part in out, out
     assert "[shard-0]" not in out and "[router]" not in out  # nothing was started
     assert expected[-1] in log.read_text()
+
+
+def slow_shard_bin_dir(tmp_path: Path) -> Path:
+    """A --bin-dir whose shard never listens (it sleeps) and whose router is the real one."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    fake = d / "text-generation-server"
+    fake.write_text("#!/bin/sh\nexec sleep 120\n")
+    fake.chmod(0o755)
+    (d / "text-generation-router").symlink_to(binary("router/text-generation-router"))
+    return d
+
+
+@pytest.mark.parametrize("case", ["tls", "tokenizer", "port"])
+def test_router_input_errors_fail_before_the_shards_have_loaded(case, tmp_path):
+    """The router starts beside the shards: a bad TLS file, a broken tokenizer.json or a gRPC
+    port in use fails the launch within seconds, while the shard is still 'loading'."""
+    if not binary("launcher/text-generation-launcher").exists():
+        pytest.skip("launcher not built")
+    import socket
+    import time
+
+    model = tmp_path / "model"
+    shutil.copytree(GPT2, model)
+    env = {"MODEL_NAME": str(model), "GRPC_PORT": str(free_port()), "PORT": str(free_port()),
+           "SHARD_UDS_PATH": str(tmp_path / "shard"),
+           "TERMINATION_LOG": str(tmp_path / "termination-log")}
+    holder = None
+    if case == "tls":
+        env |= {"TLS_CERT_PATH": str(tmp_path / "missing.crt"),
+                "TLS_KEY_PATH": str(tmp_path / "missing.key")}
+        expected = "missing.crt"
+    elif case == "tokenizer":
+        (model / "tokenizer.json").write_text("{not json")
+        expected = "tokenizer.json"
+    else:
+        holder = socket.socket()
+        holder.bind(("0.0.0.0", 0))
+        holder.listen(1)
+        env["GRPC_PORT"] = str(holder.getsockname()[1])
+        expected = f"--grpc-port (GRPC_PORT) {env['GRPC_PORT']}"
+    started = time.monotonic()
+    rc, out = run_launcher(["--bin-dir", str(slow_shard_bin_dir(tmp_path))], env)
+    try:
+        assert rc != 0
+        assert time.monotonic() - started < 30
+        reason = (tmp_path / "termination-log").read_text()
+        assert expected in reason, reason
+        assert "shard 0 ready" not in out
+    finally:
+        if holder is not None:
+            holder.close()
