@@ -20,6 +20,7 @@
 #include "router/batcher.h"
 #include "router/concurrency_limiter.h"
 #include "router/validation.h"
+#include "router/work_pool.h"
 #include "tokenizer/tokenizer.h"
 
 namespace tgis::router {
@@ -61,6 +62,9 @@ class GenerationService final : public fmaas::GenerationService::CallbackService
   // The prefix's virtual-token count: from the cache of lengths, else looked up on the shards
   // (TGIS keeps 256 for an hour; failures are not kept).
   absl::StatusOr<uint32_t> PrefixLength(const std::string& prefix_id);
+  // Runs a call's preparation (tokenization, validation, queueing) now, or on prepare_pool_
+  // when its inputs are large.
+  void PrepareOn(size_t input_bytes, std::function<void()> work);
   // A call refused before validation (overload) or by validation.
   void CountFailure(const char* err);
 
@@ -72,6 +76,9 @@ class GenerationService final : public fmaas::GenerationService::CallbackService
   std::map<std::string, std::pair<uint32_t, Clock::time_point>> prefix_lengths_;
   std::atomic<uint64_t> next_id_{1};    // requests (each input of a call)
   std::atomic<uint64_t> next_call_{1};  // calls, to name them in logs
+  // Tokenization, validation and prefix lookups of Generate and GenerateStream calls (last:
+  // destroyed first, so its work finishes while the members it uses are alive).
+  WorkPool prepare_pool_{2};
 };
 
 }  // namespace tgis::router

@@ -299,3 +299,38 @@ def test_messages_over_tgis_4_mib_are_refused_and_the_router_serves_on(server):
             requests=[pb.GenerationRequest(text="a" * (5 << 20))]), timeout=30)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert _generate_ok(server, "b")
+
+
+def test_large_inputs_are_prepared_off_the_call_threads_and_small_ones_are_served(server):
+    """Large inputs are tokenized on the router's preparation pool (not on the threads that
+    accept calls), fail validation with TGIS's message, and a small request sent meanwhile is
+    answered."""
+    import concurrent.futures
+
+    from tokenizers import Tokenizer
+
+    pb = server.pb
+    big = "hello " * (20 << 10)  # ~120 kB (over the 64 KiB done inline), ~20k tokens
+    tokens = len(Tokenizer.from_file(str(server.model_dir / "tokenizer.json")).encode(big).ids)
+
+    def generate(text):
+        try:
+            return server.stub.Generate(pb.BatchedGenerationRequest(
+                requests=[pb.GenerationRequest(text=text)],
+                params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=1))),
+                timeout=120).responses[0]
+        except grpc.RpcError as e:
+            return e
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        bigs = [pool.submit(generate, big) for _ in range(3)]
+        small = pool.submit(generate, "a")
+        r = small.result(timeout=120)
+        assert not isinstance(r, grpc.RpcError), r
+        assert r.generated_token_count == 1
+        for f in bigs:
+            e = f.result(timeout=120)
+            assert isinstance(e, grpc.RpcError)
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # TGIS's InputLength2, word for word.
+            assert e.details() == f"input tokens ({tokens}) plus prefix length (0) must be < 200"
