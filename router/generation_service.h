@@ -36,6 +36,10 @@ struct ServiceOptions {
   std::function<absl::StatusOr<uint32_t>(const std::string&)> prefix_lookup;
 };
 
+// A request gRPC cannot parse (random bytes, invalid UTF-8 in a string field) never reaches
+// these handlers: gRPC C++ answers it itself, UNIMPLEMENTED with no details (measured with
+// grpcio sending raw bytes). Answering INVALID_ARGUMENT with the reason would take raw
+// (ByteBuffer) methods that parse and serialize themselves, reactors included: issue 13.
 class GenerationService final : public fmaas::GenerationService::CallbackService {
  public:
   // `tokenizer` and `batcher` must outlive the service.
