@@ -3,6 +3,10 @@ BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 PYTHON ?= python3
 CMAKE_FLAGS ?=
+# CI builds turn compiler warnings into errors (the tree builds clean with -Wall -Wextra).
+ifneq ($(CI),)
+CMAKE_FLAGS += -DTGIS_WERROR=ON
+endif
 
 .PHONY: all deps build test unit-test integration-test bench bench-gpu gpu-bundle run format clean \
 	fixtures

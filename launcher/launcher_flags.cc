@@ -44,14 +44,14 @@ constexpr std::array<std::pair<Group, absl::string_view>, 6> kGroupTitles = {{
 constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
 
 struct FlagSpec {
-  absl::string_view name;  // with underscores; --name and --na-me both work
+  absl::string_view name = {};  // with underscores; --name and --na-me both work
   char short_name = '\0';
-  absl::string_view env;  // empty: none
+  absl::string_view env = {};  // empty: none
   // Parsed like a given value; empty for TGIS's Option<T> (unset unless given).
-  absl::string_view default_value;
+  absl::string_view default_value = {};
   Group group = Group::kModel;
-  Field field;
-  absl::string_view help;
+  Field field = {};
+  absl::string_view help = {};
   int64_t min = 0;  // integer range
   int64_t max = kIntMax;
 };

@@ -68,7 +68,9 @@ TEST(Metrics, EveryTgisMetricIsExposedWithItsKind) {
       {"tgi_tokenize_request_duration", "histogram"}};
   for (const auto& [name, kind] : want) {
     EXPECT_TRUE(types.count({name, kind})) << name << " " << kind;
-    if (kind == "counter") EXPECT_TRUE(types.count({name + "_total", kind})) << name << "_total";
+    if (kind == "counter") {
+      EXPECT_TRUE(types.count({name + "_total", kind})) << name << "_total";
+    }
   }
 }
 

@@ -198,7 +198,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadHfTokenizer(const std::string& fi
     // Parse again with exceptions off but a callback-free error position: nlohmann only
     // reports positions through exceptions, so catch it locally.
     try {
-      (void)Json::parse(buf.str());
+      const Json unused = Json::parse(buf.str());  // throws: the error is the point
+      (void)unused;
     } catch (const Json::parse_error& e) {
       return absl::InvalidArgumentError(absl::StrCat(file, ": invalid JSON: ", e.what()));
     }

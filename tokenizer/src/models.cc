@@ -183,7 +183,11 @@ absl::StatusOr<std::unique_ptr<Model>> BpeModel::Load(const Json& j, const std::
 
 absl::Status BpeModel::MergeWord(std::string_view w, std::vector<Symbol>* symbols) const {
   symbols->clear();
-  std::optional<std::pair<int32_t, uint32_t>> unk;
+  // A pending unknown piece (id, length): emitted when the next known piece comes, or fused
+  // with the next unknown one (fuse_unk).
+  bool has_unk = false;
+  int32_t unk_id_pending = 0;
+  uint32_t unk_len = 0;
   auto add = [symbols](int32_t id, uint32_t len) {
     int32_t idx = static_cast<int32_t>(symbols->size());
     symbols->push_back(Symbol{id, idx - 1, idx + 1, len});
@@ -202,9 +206,9 @@ absl::Status BpeModel::MergeWord(std::string_view w, std::vector<Symbol>* symbol
       s = buf;
     }
     if (auto id = vocab_.Find(s)) {
-      if (unk) {
-        add(unk->first, unk->second);
-        unk.reset();
+      if (has_unk) {
+        add(unk_id_pending, unk_len);
+        has_unk = false;
       }
       add(*id, n);
     } else {
@@ -219,17 +223,19 @@ absl::Status BpeModel::MergeWord(std::string_view w, std::vector<Symbol>* symbol
       }
       if (!done && unk_token_) {
         int32_t unk_id = *vocab_.Find(*unk_token_);
-        if (unk && fuse_unk_) {
-          unk->second += n;
+        if (has_unk && fuse_unk_) {
+          unk_len += static_cast<uint32_t>(n);
         } else {
-          if (unk) add(unk->first, unk->second);
-          unk = std::make_pair(unk_id, static_cast<uint32_t>(n));
+          if (has_unk) add(unk_id_pending, unk_len);
+          has_unk = true;
+          unk_id_pending = unk_id;
+          unk_len = static_cast<uint32_t>(n);
         }
       }
     }
     i += n;
   }
-  if (unk) add(unk->first, unk->second);
+  if (has_unk) add(unk_id_pending, unk_len);
   if (!symbols->empty()) symbols->back().next = -1;
   MergeAll(symbols);
   return absl::OkStatus();
