@@ -161,11 +161,7 @@ void CausalLM::MoveTo(kernels::Device device) {
   // The activations take the linear weights' dtype; small tensors (norms, biases, loaded f32)
   // follow, since the CUDA kernels want one dtype per op.
   const DType dtype = w_.layers.empty() ? w_.embed.dtype() : w_.layers[0].qkv_w.dtype();
-  auto move = [&](Tensor* t) {
-    if (!t->defined()) return;
-    Tensor host = t->dtype() == dtype ? *t : t->To(dtype);
-    *t = host.ToDevice(device);
-  };
+  auto move = [&](Tensor* t) { MoveWeight(t, dtype, device); };
   const bool tied = w_.lm_head.raw() == w_.embed.raw();
   move(&w_.embed);
   if (tied) {
@@ -194,9 +190,23 @@ Tensor CausalLM::Buf(const kernels::Shape& shape) const {
   return Tensor::Empty(shape, act_dtype_, device_);
 }
 
-Tensor CausalLM::Indices(const std::vector<int32_t>& v) const {
-  Tensor t = Tensor::FromVector(v, {static_cast<int64_t>(v.size())});
-  return device_ == kernels::Device::kCpu ? t : t.ToDevice(device_);
+Tensor SelectRows(const Tensor& x, const std::vector<int32_t>& rows) {
+  bool every_row = static_cast<int64_t>(rows.size()) == x.dim(0);
+  for (size_t i = 0; every_row && i < rows.size(); ++i) {
+    every_row = rows[i] == static_cast<int32_t>(i);
+  }
+  if (every_row) return x;
+  Tensor idx = Tensor::FromVector(rows, {static_cast<int64_t>(rows.size())});
+  if (x.device() != kernels::Device::kCpu) idx = idx.ToDevice(x.device());
+  Tensor out;
+  kernels::Embedding(idx, x, &out);  // a row gather
+  return out;
+}
+
+void MoveWeight(Tensor* t, DType dtype, kernels::Device device) {
+  if (!t->defined()) return;
+  Tensor host = t->dtype() == dtype ? *t : t->To(dtype);
+  *t = host.ToDevice(device);
 }
 
 void MixPrefixRows(const ForwardInput& in, Tensor* x) {
@@ -415,17 +425,8 @@ Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLay
       }
     }
   }
-  // Only the rows whose logits are wanted go through the final norm and the lm_head (in a
-  // decode step, every row, in order: no gather).
-  bool every_row = static_cast<int64_t>(logit_rows.size()) == t;
-  for (size_t i = 0; every_row && i < logit_rows.size(); ++i) {
-    every_row = logit_rows[i] == static_cast<int32_t>(i);
-  }
-  Tensor last = x;
-  if (!every_row) {
-    last = Tensor();
-    kernels::Embedding(Indices(logit_rows), x, &last);  // a row gather
-  }
+  // Only the rows whose logits are wanted go through the final norm and the lm_head.
+  Tensor last = SelectRows(x, logit_rows);
   Tensor normed = last;
   if (w_.final_norm_w.defined()) {
     normed = Buf(last.shape());

@@ -48,6 +48,12 @@ struct DecoderWeights {
 // logits, all-gathered: every rank returns all [rows, vocab] f32 logits).
 void EmbedTokens(const kernels::Tensor& ids, const kernels::Tensor& embed,
                  const ShardLayout& layout, Communicator& comm, kernels::Tensor* x);
+// Rows `rows` of x [T, H], in order: the rows whose logits a step wants (x itself when they are
+// all of its rows in order, as in a decode step: no gather).
+kernels::Tensor SelectRows(const kernels::Tensor& x, const std::vector<int32_t>& rows);
+// Converts a weight to `dtype` and moves it to `device` (nothing for an undefined one).
+void MoveWeight(kernels::Tensor* t, kernels::DType dtype, kernels::Device device);
+
 // Prompt tuning: the rows of virtual tokens in the embedded input `x` take the prefix's vectors
 // (ForwardInput::embedding_source / prefix_values; nothing when there are none).
 void MixPrefixRows(const ForwardInput& in, kernels::Tensor* x);
@@ -90,8 +96,6 @@ class CausalLM : public Model {
                const kernels::Tensor& b, kernels::Tensor* out) const;
   // An activation buffer on the model's device.
   kernels::Tensor Buf(const kernels::Shape& shape) const;
-  // A host index vector as a tensor on the model's device.
-  kernels::Tensor Indices(const std::vector<int32_t>& v) const;
 
   DecoderSpec spec_;
   DecoderWeights w_;

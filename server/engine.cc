@@ -17,7 +17,7 @@ Engine::Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64
                int num_blocks, int block_size)
     : model_(std::move(model)), eos_(std::move(eos_ids)), max_positions_(max_positions) {
   const DecoderSpec& s = model_->spec();
-  if (s.max_positions != 0) max_positions_ = s.max_positions;
+  max_positions_ = s.ServedPositions(max_positions);
   // No limit of the model's own (ALiBi models without one in the config, relative positions):
   // the router's MAX_SEQUENCE_LENGTH is the limit.
   if (max_positions_ <= 0) max_positions_ = std::numeric_limits<int32_t>::max();

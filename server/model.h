@@ -51,6 +51,11 @@ struct DecoderSpec {
   // Positions served; 0: the config's max_position_embeddings; < 0: no limit of the model's own
   // (relative positions), the router's MAX_SEQUENCE_LENGTH bounds sequences.
   int64_t max_positions = 0;
+  // The positions served, given the config's max_position_embeddings; 0: no limit.
+  int64_t ServedPositions(int64_t config_max_positions) const {
+    if (max_positions < 0) return 0;
+    return max_positions > 0 ? max_positions : config_max_positions;
+  }
   Residual residual = Residual::kSequential;
   // Token embeddings (and the lm_head) narrower than the model, projected in and out (OPT's
   // word_embed_proj_dim); 0: hidden.

@@ -109,13 +109,13 @@ uint64_t NowNs() {
 
 ShardService::ShardService(ModelConfig config, std::unique_ptr<Model> model, ShardOptions options)
     : config_(std::move(config)), pending_model_(std::move(model)), options_(std::move(options)) {
-  model_max_positions_ = pending_model_->spec().max_positions;
+  max_positions_ = pending_model_->spec().ServedPositions(config_.max_position_embeddings);
   encoder_decoder_ = pending_model_->encoder_decoder();
   prefixes_ = std::make_unique<PrefixStore>(
       PrefixStoreOptions{.store_path = options_.prefix_store_path,
                          .cache_mb = options_.prompt_cache_mb,
                          .hidden = pending_model_->spec().EmbedDim(),
-                         .max_length = MaxPositions(),
+                         .max_length = max_positions_,
                          .dtype = pending_model_->act_dtype(),
                          .device = pending_model_->device(),
                          .encoder_decoder = pending_model_->encoder_decoder()});
@@ -137,7 +137,7 @@ grpc::Status ShardService::Info(grpc::ServerContext*, const pb::InfoRequest*,
   resp->set_dtype(options_.dtype);
   resp->set_device(options_.device);
   resp->set_block_size(static_cast<uint32_t>(options_.block_size));
-  resp->set_max_position_embeddings(static_cast<uint32_t>(MaxPositions()));
+  resp->set_max_position_embeddings(static_cast<uint32_t>(max_positions_));
   if (config_.bos_token_id) resp->set_bos_token_id(static_cast<uint32_t>(*config_.bos_token_id));
   if (config_.pad_token_id) resp->set_pad_token_id(static_cast<uint32_t>(*config_.pad_token_id));
   resp->set_rank(static_cast<uint32_t>(options_.rank));

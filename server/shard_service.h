@@ -64,13 +64,9 @@ class ShardService final : public generate::v1::TextGenerationService::Service {
 
   std::mutex mu_;  // one step at a time
   ModelConfig config_;
-  int64_t model_max_positions_ = 0;
-  bool encoder_decoder_ = false;  // DecoderSpec::max_positions (rope scaling), or 0
-  // The positions the model serves: the config's, or more with rope scaling.
-  int64_t MaxPositions() const {
-    if (model_max_positions_ < 0) return 0;  // no limit of the model's own
-    return model_max_positions_ > 0 ? model_max_positions_ : config_.max_position_embeddings;
-  }
+  // The positions the model serves (DecoderSpec::ServedPositions); 0: no limit of its own.
+  int64_t max_positions_ = 0;
+  bool encoder_decoder_ = false;          // the model's kind (Info, prefix lengths)
   std::unique_ptr<Model> pending_model_;  // moved into the engine at Warmup
   std::unique_ptr<Engine> engine_;
   ShardOptions options_;

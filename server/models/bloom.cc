@@ -12,13 +12,7 @@ namespace {
 absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
                                                 kernels::DType dtype,
                                                 std::shared_ptr<Communicator> comm) {
-  DecoderSpec s;
-  s.hidden = c.hidden_size;
-  s.num_layers = c.num_layers;
-  s.num_heads = c.num_heads;
-  s.num_kv_heads = c.num_heads;
-  s.head_dim = c.hidden_size / c.num_heads;
-  s.vocab = c.vocab_size;
+  DecoderSpec s = MultiHeadSpec(c);
   s.intermediate = 4 * c.hidden_size;
   auto eps = c.Get<double>("layer_norm_epsilon", 1e-5);
   if (!eps.ok()) return eps.status();
@@ -44,7 +38,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   // save_pretrained of BloomForCausalLM adds it.
   const std::string pre = w.Has("transformer.word_embeddings.weight") ? "transformer." : "";
   DecoderWeights dw;
-  std::vector<std::pair<kernels::Tensor*, absl::StatusOr<kernels::Tensor>>> loads;
+  TensorLoads loads;
   loads.emplace_back(&dw.embed, ld.VocabRows(pre + "word_embeddings.weight"));
   loads.emplace_back(&dw.embed_norm_w, ld.Whole(pre + "word_embeddings_layernorm.weight"));
   loads.emplace_back(&dw.embed_norm_b, ld.Whole(pre + "word_embeddings_layernorm.bias"));

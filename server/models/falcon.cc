@@ -32,12 +32,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
                                  bias.status(), alibi.status(), eps.status(), act.status()}) {
     if (!st.ok()) return st;
   }
-  DecoderSpec s;
-  s.hidden = c.hidden_size;
-  s.num_layers = c.num_layers;
-  s.num_heads = c.num_heads;
-  s.head_dim = c.hidden_size / c.num_heads;
-  s.vocab = c.vocab_size;
+  DecoderSpec s = MultiHeadSpec(c);
   if (*new_arch) {
     auto kv =
         c.Get<int64_t>(c.raw.contains("num_kv_heads") ? "num_kv_heads" : "n_head_kv", int64_t{0});
@@ -87,7 +82,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   if (!layout.ok()) return layout.status();
   const ShardedLoader ld(w, s, *layout, dtype);
   DecoderWeights dw;
-  std::vector<std::pair<kernels::Tensor*, absl::StatusOr<kernels::Tensor>>> loads;
+  TensorLoads loads;
   loads.emplace_back(&dw.embed, ld.VocabRows("transformer.word_embeddings.weight"));
   loads.emplace_back(&dw.final_norm_w, ld.Whole("transformer.ln_f.weight"));
   loads.emplace_back(&dw.final_norm_b, ld.Whole("transformer.ln_f.bias"));

@@ -12,13 +12,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildGptStyle(const ModelConfig& c, co
                                                         DType dtype,
                                                         std::shared_ptr<Communicator> comm,
                                                         const GptStyleOptions& opt) {
-  DecoderSpec s;
-  s.hidden = c.hidden_size;
-  s.num_layers = c.num_layers;
-  s.num_heads = c.num_heads;
-  s.num_kv_heads = opt.num_kv_heads > 0 ? opt.num_kv_heads : c.num_heads;
-  s.head_dim = c.hidden_size / c.num_heads;
-  s.vocab = c.vocab_size;
+  DecoderSpec s = MultiHeadSpec(c);
+  if (opt.num_kv_heads > 0) s.num_kv_heads = opt.num_kv_heads;
   auto inner = c.Get<int64_t>("n_inner", 4 * c.hidden_size);
   if (!inner.ok()) return inner.status();
   s.intermediate = *inner;
@@ -58,7 +53,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildGptStyle(const ModelConfig& c, co
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const std::string l = absl::StrCat(p, "h.", i, ".");
     LayerWeights lw;
-    std::vector<std::pair<Tensor*, absl::StatusOr<Tensor>>> loads;
+    TensorLoads loads;
     loads.emplace_back(&lw.qkv_w, ld.FusedQkv(l + "attn.c_attn.weight", opt.qkv_layout, conv1d));
     loads.emplace_back(&lw.qkv_b, ld.FusedQkv(l + "attn.c_attn.bias", opt.qkv_layout));
     loads.emplace_back(&lw.o_w, ld.InputColumns(l + "attn.c_proj.weight", ld.q_rows(), conv1d));

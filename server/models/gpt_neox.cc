@@ -13,13 +13,7 @@ namespace {
 
 absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
                                                 DType dtype, std::shared_ptr<Communicator> comm) {
-  DecoderSpec s;
-  s.hidden = c.hidden_size;
-  s.num_layers = c.num_layers;
-  s.num_heads = c.num_heads;
-  s.num_kv_heads = c.num_heads;
-  s.head_dim = c.hidden_size / c.num_heads;
-  s.vocab = c.vocab_size;
+  DecoderSpec s = MultiHeadSpec(c);
   auto inter = c.Get<int64_t>("intermediate_size");
   if (!inter.ok()) return inter.status();
   s.intermediate = *inter;
@@ -60,7 +54,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const std::string p = absl::StrCat("gpt_neox.layers.", i, ".");
     LayerWeights l;
-    std::vector<std::pair<Tensor*, absl::StatusOr<Tensor>>> loads;
+    TensorLoads loads;
     // query_key_value rows are [q k v] per head.
     loads.emplace_back(&l.qkv_w,
                        ld.FusedQkv(p + "attention.query_key_value.weight", QkvLayout::kPerHead));

@@ -13,13 +13,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
                                                           const WeightStore& w, DType dtype,
                                                           std::shared_ptr<Communicator> comm,
                                                           const LlamaStyleOptions& opt) {
-  DecoderSpec s;
-  s.hidden = c.hidden_size;
-  s.num_layers = c.num_layers;
-  s.num_heads = c.num_heads;
-  s.num_kv_heads = c.num_kv_heads;
-  s.head_dim = c.head_dim;
-  s.vocab = c.vocab_size;
+  DecoderSpec s = MultiHeadSpec(c);
+  s.num_kv_heads = c.num_kv_heads;  // GQA
+  s.head_dim = c.head_dim;          // head_dim may differ from hidden / heads
   auto inter = c.Get<int64_t>("intermediate_size");
   if (!inter.ok()) return inter.status();
   s.intermediate = *inter;

@@ -61,13 +61,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
       it != c.raw.end() && *it != "low_precision_layernorm" && *it != "layernorm") {
     return Refuse("norm_type", *it);
   }
-  DecoderSpec s;
-  s.hidden = c.hidden_size;
-  s.num_layers = c.num_layers;
-  s.num_heads = c.num_heads;
-  s.num_kv_heads = c.num_heads;
-  s.head_dim = c.hidden_size / c.num_heads;
-  s.vocab = c.vocab_size;
+  DecoderSpec s = MultiHeadSpec(c);
   auto ratio = c.Get<int64_t>("expansion_ratio", int64_t{4});
   if (!ratio.ok()) return ratio.status();
   s.intermediate = *ratio * c.hidden_size;
@@ -98,7 +92,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   if (!layout.ok()) return layout.status();
   const ShardedLoader ld(w, s, *layout, dtype);
   DecoderWeights dw;
-  std::vector<std::pair<kernels::Tensor*, absl::StatusOr<kernels::Tensor>>> loads;
+  TensorLoads loads;
   loads.emplace_back(&dw.embed, ld.VocabRows("transformer.wte.weight"));
   loads.emplace_back(&dw.final_norm_w, ld.Whole("transformer.norm_f.weight"));
   dw.layers.resize(s.num_layers);

@@ -31,13 +31,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
     return absl::UnimplementedError(
         "config.json: layer_norm_elementwise_affine = false is not supported for opt");
   }
-  DecoderSpec s;
-  s.hidden = c.hidden_size;
-  s.num_layers = c.num_layers;
-  s.num_heads = c.num_heads;
-  s.num_kv_heads = c.num_heads;
-  s.head_dim = c.hidden_size / c.num_heads;
-  s.vocab = c.vocab_size;
+  DecoderSpec s = MultiHeadSpec(c);
   s.intermediate = *ffn;
   s.embed_dim = *proj;
   s.norm = NormKind::kLayer;
@@ -56,7 +50,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   // save_pretrained of OPTForCausalLM adds "model.".
   const std::string d = w.Has("model.decoder.embed_tokens.weight") ? "model.decoder." : "decoder.";
   DecoderWeights dw;
-  std::vector<std::pair<kernels::Tensor*, absl::StatusOr<kernels::Tensor>>> loads;
+  TensorLoads loads;
   loads.emplace_back(&dw.embed, ld.VocabRows(d + "embed_tokens.weight"));
   loads.emplace_back(&dw.pos_embed, ld.Whole(d + "embed_positions.weight"));
   if (s.EmbedDim() != s.hidden) {

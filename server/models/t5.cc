@@ -72,11 +72,7 @@ class T5Model : public Model {
   void MoveTo(kernels::Device device) override {
     if (device == device_) return;
     const DType dtype = decoder[0].qkv_w.dtype();
-    auto move = [&](Tensor* t) {
-      if (!t->defined()) return;
-      Tensor host = t->dtype() == dtype ? *t : t->To(dtype);
-      *t = host.ToDevice(device);
-    };
+    auto move = [&](Tensor* t) { MoveWeight(t, dtype, device); };
     const bool tied = lm_head.raw() == embed.raw();
     move(&embed);
     if (tied) {
@@ -150,16 +146,7 @@ class T5Model : public Model {
       kernels::AddInPlace(&x, o);
       FeedForwardBlock(l.ln_ff, l.ff, &x);
     }
-    bool every_row = static_cast<int64_t>(logit_rows.size()) == t;
-    for (size_t i = 0; every_row && i < logit_rows.size(); ++i) {
-      every_row = logit_rows[i] == static_cast<int32_t>(i);
-    }
-    Tensor last = x;
-    if (!every_row) {
-      last = Tensor();
-      Tensor idx = Tensor::FromVector(logit_rows, {static_cast<int64_t>(logit_rows.size())});
-      kernels::Embedding(device_ == kernels::Device::kCpu ? idx : idx.ToDevice(device_), x, &last);
-    }
+    Tensor last = SelectRows(x, logit_rows);
     // With tied embeddings the final norm's weight carries the d_model^-0.5 output scaling.
     Tensor normed = Buf(last.shape());
     kernels::RmsNorm(last, decoder_final_ln, spec_.norm_eps, &normed);
@@ -300,14 +287,10 @@ absl::StatusOr<std::unique_ptr<Model>> Build(const ModelConfig& c, const WeightS
         "config.json: decoder_start_token_id = ", opt.decoder_start, " is not in the vocabulary"));
   }
 
-  DecoderSpec s;  // the decoder stack's sizes (the KV cache's layers)
-  s.hidden = c.hidden_size;
+  DecoderSpec s = MultiHeadSpec(c);  // the decoder stack's sizes (the KV cache's layers)
   s.num_layers = dec_layers.ok() ? *dec_layers : *layers;
-  s.num_heads = c.num_heads;
-  s.num_kv_heads = c.num_heads;
-  s.head_dim = *d_kv;
+  s.head_dim = *d_kv;  // heads x d_kv need not be d_model
   s.intermediate = *d_ff;
-  s.vocab = c.vocab_size;
   s.norm = NormKind::kRms;
   s.norm_eps = static_cast<float>(*eps);
   s.position = PositionKind::kRelative;
@@ -320,7 +303,7 @@ absl::StatusOr<std::unique_ptr<Model>> Build(const ModelConfig& c, const WeightS
   const ShardedLoader ld(w, s, *layout, dtype);
   auto model = std::make_unique<T5Model>(s, *layout, opt, comm);
   const Range q = ld.q_rows(), kv = ld.kv_rows(), mlp = ld.mlp_rows();
-  std::vector<std::pair<Tensor*, absl::StatusOr<Tensor>>> loads;
+  TensorLoads loads;
   loads.emplace_back(&model->embed, ld.VocabRows("shared.weight"));
   loads.emplace_back(&model->encoder_final_ln, ld.Whole("encoder.final_layer_norm.weight"));
   loads.emplace_back(&model->decoder_final_ln, ld.Whole("decoder.final_layer_norm.weight"));

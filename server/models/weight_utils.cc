@@ -207,8 +207,18 @@ absl::StatusOr<Tensor> ShardedLoader::FusedQkv(const std::string& name, QkvLayou
   return OutputRows(name, ranges, conv1d);
 }
 
-absl::Status AssignLoads(
-    std::vector<std::pair<kernels::Tensor*, absl::StatusOr<kernels::Tensor>>>* loads) {
+DecoderSpec MultiHeadSpec(const ModelConfig& c) {
+  DecoderSpec s;
+  s.hidden = c.hidden_size;
+  s.num_layers = c.num_layers;
+  s.num_heads = c.num_heads;
+  s.num_kv_heads = c.num_heads;
+  s.head_dim = c.hidden_size / c.num_heads;
+  s.vocab = c.vocab_size;
+  return s;
+}
+
+absl::Status AssignLoads(TensorLoads* loads) {
   for (auto& [dst, t] : *loads) {
     if (!t.ok()) return t.status();
     *dst = *std::move(t);

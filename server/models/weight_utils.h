@@ -16,6 +16,13 @@
 
 namespace tgis::server {
 
+// The sizes every family starts from: hidden, layers, heads, vocabulary from the config, as
+// many KV heads as heads and head_dim hidden / heads; families override what differs.
+DecoderSpec MultiHeadSpec(const ModelConfig& c);
+
+// Checkpoint tensors and where each goes once loaded (AssignLoads).
+using TensorLoads = std::vector<std::pair<kernels::Tensor*, absl::StatusOr<kernels::Tensor>>>;
+
 // Stacks 2-D tensors (same column count and dtype) or 1-D tensors along dim 0.
 kernels::Tensor ConcatRows(const std::vector<kernels::Tensor>& parts);
 // transformers' ACT2FN names: "gelu" -> erf GELU; "gelu_new", "gelu_pytorch_tanh", "gelu_fast"
@@ -76,8 +83,7 @@ class ShardedLoader {
 };
 
 // Stores each loaded tensor in its destination, or returns the first load's error.
-absl::Status AssignLoads(
-    std::vector<std::pair<kernels::Tensor*, absl::StatusOr<kernels::Tensor>>>* loads);
+absl::Status AssignLoads(TensorLoads* loads);
 
 // The common end of every builder: the lm_head (this rank's rows of `head_name`, or the
 // embedding when `tied` or the checkpoint has no such tensor), the shape checks, the model.
