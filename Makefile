@@ -9,7 +9,20 @@ CMAKE_FLAGS += -DTGIS_WERROR=ON
 endif
 
 .PHONY: all deps build test unit-test integration-test bench bench-gpu gpu-bundle run format clean \
-	fixtures
+	fixtures fuzz-build fuzz-smoke fuzz test-asan test-tsan
+
+# Sanitizer builds use clang (libFuzzer comes with it) and no CUDA: one tree for AddressSanitizer
+# + UndefinedBehaviorSanitizer and the fuzz targets, one for ThreadSanitizer.
+ASAN_BUILD_DIR ?= build-asan
+TSAN_BUILD_DIR ?= build-tsan
+SAN_CMAKE_FLAGS = -G Ninja -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DTGIS_CUDA=OFF \
+	-DCMAKE_BUILD_TYPE=RelWithDebInfo
+# Seconds per fuzz target: a bounded run in `make test`, a long one in `make fuzz`.
+FUZZ_SECONDS ?= 20
+FUZZ_LONG_SECONDS ?= 600
+export ASAN_OPTIONS ?= detect_leaks=1:abort_on_error=0:detect_stack_use_after_return=1
+export UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
+export TSAN_OPTIONS ?= halt_on_error=1:second_deadlock_stack=1
 
 all: build
 
@@ -31,13 +44,46 @@ integration-test: build
 # ctest and pytest both run; the target fails if either failed. Each integration file runs in
 # its own pytest process, so that native state of one (gRPC channels, servers) cannot reach
 # another's (a grpcio object finalized during a later file's garbage collection crashed once).
-test: build
+test: build fuzz-build
 	@rc=0; \
 	(cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)) || rc=1; \
 	for f in tests/integration/test_*.py; do \
 	  TGIS_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest -q $$f || rc=1; \
 	done; \
+	bash scripts/fuzz.sh $(ASAN_BUILD_DIR) $(FUZZ_SECONDS) || rc=1; \
 	exit $$rc
+
+$(ASAN_BUILD_DIR)/CMakeCache.txt:
+	cmake -S . -B $(ASAN_BUILD_DIR) $(SAN_CMAKE_FLAGS) -DTGIS_SANITIZE=address,undefined \
+	  -DTGIS_FUZZ=ON $(CMAKE_FLAGS)
+
+$(TSAN_BUILD_DIR)/CMakeCache.txt:
+	cmake -S . -B $(TSAN_BUILD_DIR) $(SAN_CMAKE_FLAGS) -DTGIS_SANITIZE=thread $(CMAKE_FLAGS)
+
+# The libFuzzer targets (tests/fuzz), built with ASan + UBSan.
+fuzz-build: deps $(ASAN_BUILD_DIR)/CMakeCache.txt
+	cmake --build $(ASAN_BUILD_DIR) -j $(JOBS) --target fuzz_targets
+
+fuzz-smoke: fuzz-build
+	bash scripts/fuzz.sh $(ASAN_BUILD_DIR) $(FUZZ_SECONDS)
+
+fuzz: fuzz-build
+	bash scripts/fuzz.sh $(ASAN_BUILD_DIR) $(FUZZ_LONG_SECONDS)
+
+# Unit and integration tests on binaries built with AddressSanitizer + UndefinedBehaviorSanitizer.
+test-asan: deps $(ASAN_BUILD_DIR)/CMakeCache.txt
+	cmake --build $(ASAN_BUILD_DIR) -j $(JOBS)
+	@rc=0; \
+	(cd $(ASAN_BUILD_DIR) && ctest --output-on-failure -j $(JOBS)) || rc=1; \
+	for f in tests/integration/test_*.py; do \
+	  TGIS_BUILD_DIR=$(abspath $(ASAN_BUILD_DIR)) $(PYTHON) -m pytest -q $$f || rc=1; \
+	done; \
+	exit $$rc
+
+# The router's unit tests (queue, batcher, reactors, health) under ThreadSanitizer.
+test-tsan: deps $(TSAN_BUILD_DIR)/CMakeCache.txt
+	cmake --build $(TSAN_BUILD_DIR) -j $(JOBS) --target router_test
+	$(TSAN_BUILD_DIR)/tests/router_test
 
 bench: build
 	$(PYTHON) benchmarks/tokenizer_bench.py --build-dir $(BUILD_DIR)

@@ -2,6 +2,8 @@
 
 #include <atomic>
 
+#include "router/request_decoding.h"
+
 namespace tgis::router {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
@@ -63,12 +65,15 @@ class GenerateReactor::Sink final : public ResponseSink {
   size_t index_;
 };
 
-GenerateReactor::GenerateReactor(fmaas::BatchedGenerationResponse* response,
-                                 std::function<void()> on_cancel,
+GenerateReactor::GenerateReactor(std::unique_ptr<fmaas::BatchedGenerationRequest> request,
+                                 grpc::ByteBuffer* wire_response, std::function<void()> on_cancel,
                                  std::optional<ConcurrencyLimiter::Permit> permit)
-    : state_(std::make_shared<State>()), permit_(std::move(permit)) {
+    : request_(std::move(request)),
+      wire_response_(wire_response),
+      state_(std::make_shared<State>()),
+      permit_(std::move(permit)) {
   state_->reactor = this;
-  state_->response = response;
+  state_->response = &response_;
   state_->on_cancel = std::move(on_cancel);
 }
 
@@ -87,6 +92,8 @@ void GenerateReactor::End(const grpc::Status& status) {
   // The slots are free as soon as the requests are done, not when gRPC is done with the call:
   // a client that sends its next request on receiving this response must find them free.
   permit_.reset();
+  // Every sink has finished (or the call failed): nothing writes response_ any more.
+  if (status.ok()) EncodeResponse(response_, wire_response_);
   Finish(status);
 }
 
@@ -122,9 +129,11 @@ class StreamReactor::Sink final : public ResponseSink {
   std::atomic<bool> cancelled_{false};
 };
 
-StreamReactor::StreamReactor(std::function<void()> on_cancel,
+StreamReactor::StreamReactor(std::unique_ptr<fmaas::SingleGenerationRequest> request,
+                             std::function<void()> on_cancel,
                              std::optional<ConcurrencyLimiter::Permit> permit)
-    : on_cancel_(std::move(on_cancel)),
+    : request_(std::move(request)),
+      on_cancel_(std::move(on_cancel)),
       permit_(std::move(permit)),
       sink_(std::make_shared<Sink>(this)) {}
 
@@ -157,7 +166,7 @@ void StreamReactor::Pump() {
   std::unique_lock<std::mutex> lock(mu_);
   if (writing_ || finished_) return;
   if (!pending_.empty() && !broken_) {
-    in_flight_ = std::move(pending_.front());
+    EncodeResponse(pending_.front(), &in_flight_);
     pending_.pop_front();
     writing_ = true;
     lock.unlock();

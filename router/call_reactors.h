@@ -25,8 +25,13 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 class GenerateReactor final : public grpc::ServerUnaryReactor {
  public:
   // `on_cancel` is called when the client goes away or an input fails (to wake the batcher).
-  GenerateReactor(fmaas::BatchedGenerationResponse* response, std::function<void()> on_cancel,
+  // The reactor keeps the decoded request for the call's life; the response is encoded into
+  // `wire_response` when the call ends.
+  GenerateReactor(std::unique_ptr<fmaas::BatchedGenerationRequest> request,
+                  grpc::ByteBuffer* wire_response, std::function<void()> on_cancel,
                   std::optional<ConcurrencyLimiter::Permit> permit);
+
+  const fmaas::BatchedGenerationRequest& request() const { return *request_; }
 
   // One sink per input, in input order; called at most once, before the requests are queued.
   std::vector<std::shared_ptr<ResponseSink>> MakeSinks(size_t n);
@@ -43,14 +48,22 @@ class GenerateReactor final : public grpc::ServerUnaryReactor {
   // Frees the call's concurrency slots (its requests are done) and finishes the call.
   void End(const grpc::Status& status);
 
+  std::unique_ptr<fmaas::BatchedGenerationRequest> request_;
+  fmaas::BatchedGenerationResponse response_;
+  grpc::ByteBuffer* wire_response_;  // owned by gRPC until the reactor is done
   std::shared_ptr<State> state_;
   std::optional<ConcurrencyLimiter::Permit> permit_;
 };
 
 // GenerateStream: messages are written one at a time, in order, as the batcher produces them.
-class StreamReactor final : public grpc::ServerWriteReactor<fmaas::GenerationResponse> {
+class StreamReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  StreamReactor(std::function<void()> on_cancel, std::optional<ConcurrencyLimiter::Permit> permit);
+  // Keeps the decoded request (null for a call that fails before it has one) for the call's
+  // life; messages are encoded as they are written.
+  StreamReactor(std::unique_ptr<fmaas::SingleGenerationRequest> request,
+                std::function<void()> on_cancel, std::optional<ConcurrencyLimiter::Permit> permit);
+
+  const fmaas::SingleGenerationRequest& request() const { return *request_; }
 
   // The request's sink; the stream ends when the sink is finished.
   std::shared_ptr<ResponseSink> sink();
@@ -71,13 +84,14 @@ class StreamReactor final : public grpc::ServerWriteReactor<fmaas::GenerationRes
   // Starts the next write, or the finish once everything is written; one at a time.
   void Pump();
 
+  std::unique_ptr<fmaas::SingleGenerationRequest> request_;
   std::function<void()> on_cancel_;
   std::optional<ConcurrencyLimiter::Permit> permit_;  // guarded by mu_; freed on Close
   std::shared_ptr<Sink> sink_;
 
   std::mutex mu_;
   std::deque<fmaas::GenerationResponse> pending_;
-  fmaas::GenerationResponse in_flight_;
+  grpc::ByteBuffer in_flight_;
   bool writing_ = false;
   bool broken_ = false;  // a write failed: the client is gone
   std::optional<grpc::Status> final_status_;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "router/call_reactors.h"
 #include "router/input_encoding.h"
+#include "router/request_decoding.h"
 #include "router/request_metrics.h"
 #include "router/request_progress.h"
 
@@ -153,30 +154,49 @@ void GenerationService::CountFailure(const char* err) {
   if (options_.metrics != nullptr) options_.metrics->request_failure->Add(1, {err});
 }
 
-grpc::ServerUnaryReactor* GenerationService::Generate(
-    grpc::CallbackServerContext* context, const fmaas::BatchedGenerationRequest* request,
-    fmaas::BatchedGenerationResponse* response) {
+namespace {
+
+// A unary call whose request could not be decoded.
+grpc::ServerUnaryReactor* RefuseUndecodable(grpc::CallbackServerContext* context,
+                                            const absl::Status& status) {
+  LOG(WARNING) << context->peer() << ": " << status.message();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+}  // namespace
+
+grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContext* context,
+                                                      const grpc::ByteBuffer* wire_request,
+                                                      grpc::ByteBuffer* wire_response) {
   const Clock::time_point received = Clock::now();
-  const size_t n = static_cast<size_t>(request->requests_size());
+  auto decoded = std::make_unique<fmaas::BatchedGenerationRequest>();
+  if (absl::Status st = DecodeRequest(*wire_request, decoded.get()); !st.ok()) {
+    return RefuseUndecodable(context, st);
+  }
+  const size_t n = static_cast<size_t>(decoded->requests_size());
   auto on_cancel = [this] { batcher_.Notify(); };
   metrics::TgiMetrics* m = options_.metrics;
   if (m != nullptr) m->request_count->Add(1, {n == 1 ? "single" : "batch"});
   if (n == 0) {
-    auto* reactor = new GenerateReactor(response, on_cancel, std::nullopt);
-    reactor->Finish(grpc::Status::OK);
+    auto* reactor = new GenerateReactor(std::move(decoded), wire_response, on_cancel, std::nullopt);
+    reactor->Fail(absl::OkStatus());  // ends the call: OK, with no responses
     return reactor;
   }
   if (m != nullptr) m->request_input_count->Add(static_cast<double>(n));
   const std::string name = CallName(context, next_call_.fetch_add(1));
   std::optional<ConcurrencyLimiter::Permit> permit = limiter_.TryAcquire(static_cast<uint32_t>(n));
   const bool admitted = permit.has_value();
-  auto* reactor = new GenerateReactor(response, on_cancel, std::move(permit));
+  auto* reactor =
+      new GenerateReactor(std::move(decoded), wire_response, on_cancel, std::move(permit));
   if (!admitted) {
     CountFailure("conc_limit");
     LOG(ERROR) << name << ": " << kOverloaded;
     reactor->Fail(absl::ResourceExhaustedError(kOverloaded));
     return reactor;
   }
+  const fmaas::BatchedGenerationRequest* request = &reactor->request();
   size_t bytes = 0;
   for (const fmaas::GenerationRequest& r : request->requests()) bytes += r.text().size();
   // `request` lives until the call is finished, which is not before this work is done.
@@ -199,9 +219,17 @@ grpc::ServerUnaryReactor* GenerationService::Generate(
   return reactor;
 }
 
-grpc::ServerWriteReactor<fmaas::GenerationResponse>* GenerationService::GenerateStream(
-    grpc::CallbackServerContext* context, const fmaas::SingleGenerationRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::GenerateStream(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire_request) {
   const Clock::time_point received = Clock::now();
+  auto decoded = std::make_unique<fmaas::SingleGenerationRequest>();
+  if (absl::Status st = DecodeRequest(*wire_request, decoded.get()); !st.ok()) {
+    LOG(WARNING) << context->peer() << ": " << st.message();
+    auto* reactor = new StreamReactor(
+        nullptr, [] {}, std::nullopt);
+    reactor->Fail(st);
+    return reactor;
+  }
   const std::string name = CallName(context, next_call_.fetch_add(1));
   if (options_.metrics != nullptr) {
     options_.metrics->request_count->Add(1, {"stream"});
@@ -209,13 +237,15 @@ grpc::ServerWriteReactor<fmaas::GenerationResponse>* GenerationService::Generate
   }
   std::optional<ConcurrencyLimiter::Permit> permit = limiter_.TryAcquire(1);
   const bool admitted = permit.has_value();
-  auto* reactor = new StreamReactor([this] { batcher_.Notify(); }, std::move(permit));
+  auto* reactor = new StreamReactor(
+      std::move(decoded), [this] { batcher_.Notify(); }, std::move(permit));
   if (!admitted) {
     CountFailure("conc_limit");
     LOG(ERROR) << name << ": " << kOverloaded;
     reactor->Fail(absl::ResourceExhaustedError(kOverloaded));
     return reactor;
   }
+  const fmaas::SingleGenerationRequest* request = &reactor->request();
   if (!request->has_request()) {
     reactor->Fail(absl::InvalidArgumentError("missing request"));
     return reactor;
@@ -240,27 +270,41 @@ grpc::ServerWriteReactor<fmaas::GenerationResponse>* GenerationService::Generate
 }
 
 grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContext* context,
-                                                      const fmaas::BatchedTokenizeRequest* request,
-                                                      fmaas::BatchedTokenizeResponse* response) {
+                                                      const grpc::ByteBuffer* wire_request,
+                                                      grpc::ByteBuffer* wire_response) {
+  fmaas::BatchedTokenizeRequest request;
+  if (absl::Status st = DecodeRequest(*wire_request, &request); !st.ok()) {
+    return RefuseUndecodable(context, st);
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::StatusOr<fmaas::BatchedTokenizeResponse> response = TokenizeAll(request);
+  if (!response.ok()) {
+    reactor->Finish(ToGrpcStatus(response.status()));
+    return reactor;
+  }
+  EncodeResponse(*response, wire_response);
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+absl::StatusOr<fmaas::BatchedTokenizeResponse> GenerationService::TokenizeAll(
+    const fmaas::BatchedTokenizeRequest& request) {
   const Clock::time_point start = Clock::now();
   metrics::TgiMetrics* m = options_.metrics;
   if (m != nullptr) {
     m->tokenize_request_count->Add(1);
-    m->tokenize_request_input_count->Add(request->requests_size());
+    m->tokenize_request_input_count->Add(request.requests_size());
   }
+  fmaas::BatchedTokenizeResponse response;
   uint64_t total_tokens = 0;
-  for (const fmaas::TokenizeRequest& r : request->requests()) {
-    absl::StatusOr<Encoding> e = EncodeTail(tokenizer_, r.text(), request->truncate_input_tokens());
-    if (!e.ok()) {
-      reactor->Finish(ToGrpcStatus(TokenizerError(e.status())));
-      return reactor;
-    }
-    fmaas::TokenizeResponse* out = response->add_responses();
+  for (const fmaas::TokenizeRequest& r : request.requests()) {
+    absl::StatusOr<Encoding> e = EncodeTail(tokenizer_, r.text(), request.truncate_input_tokens());
+    if (!e.ok()) return TokenizerError(e.status());
+    fmaas::TokenizeResponse* out = response.add_responses();
     out->set_token_count(static_cast<uint32_t>(e->ids.size()));
     total_tokens += e->ids.size();
-    if (request->return_tokens()) out->mutable_tokens()->Add(e->tokens.begin(), e->tokens.end());
-    if (request->return_offsets()) {
+    if (request.return_tokens()) out->mutable_tokens()->Add(e->tokens.begin(), e->tokens.end());
+    if (request.return_offsets()) {
       for (const TokenOffset& o : e->offsets) {
         fmaas::TokenizeResponse::Offset* offset = out->add_offsets();
         offset->set_start(o.start);
@@ -272,16 +316,21 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
     m->tokenize_request_tokens->Observe(static_cast<double>(total_tokens));
     m->tokenize_request_duration->Observe(Seconds(Clock::now() - start));
   }
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return response;
 }
 
 grpc::ServerUnaryReactor* GenerationService::ModelInfo(grpc::CallbackServerContext* context,
-                                                       const fmaas::ModelInfoRequest*,
-                                                       fmaas::ModelInfoResponse* response) {
-  response->set_model_kind(options_.model_kind);
-  response->set_max_sequence_length(options_.limits.max_sequence_length);
-  response->set_max_new_tokens(options_.limits.max_new_tokens);
+                                                       const grpc::ByteBuffer* wire_request,
+                                                       grpc::ByteBuffer* wire_response) {
+  fmaas::ModelInfoRequest request;
+  if (absl::Status st = DecodeRequest(*wire_request, &request); !st.ok()) {
+    return RefuseUndecodable(context, st);
+  }
+  fmaas::ModelInfoResponse response;
+  response.set_model_kind(options_.model_kind);
+  response.set_max_sequence_length(options_.limits.max_sequence_length);
+  response.set_max_new_tokens(options_.limits.max_new_tokens);
+  EncodeResponse(response, wire_response);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;

@@ -36,26 +36,38 @@ struct ServiceOptions {
   std::function<absl::StatusOr<uint32_t>(const std::string&)> prefix_lookup;
 };
 
-// A request gRPC cannot parse (random bytes, invalid UTF-8 in a string field) never reaches
-// these handlers: gRPC C++ answers it itself, UNIMPLEMENTED with no details (measured with
-// grpcio sending raw bytes). Answering INVALID_ARGUMENT with the reason would take raw
-// (ByteBuffer) methods that parse and serialize themselves, reactors included: issue 13.
-class GenerationService final : public fmaas::GenerationService::CallbackService {
+// Every method is raw (it receives and sends bytes) so that a request protobuf cannot parse
+// (random bytes, invalid UTF-8 in a string field) is answered INVALID_ARGUMENT saying what is
+// wrong (DecodeRequest); gRPC C++ would answer it UNIMPLEMENTED, without a word, before any
+// handler ran.
+using RawGenerationService = fmaas::GenerationService::WithRawCallbackMethod_Generate<
+    fmaas::GenerationService::WithRawCallbackMethod_GenerateStream<
+        fmaas::GenerationService::WithRawCallbackMethod_Tokenize<
+            fmaas::GenerationService::WithRawCallbackMethod_ModelInfo<
+                fmaas::GenerationService::Service>>>>;
+
+class GenerationService final : public RawGenerationService {
  public:
   // `tokenizer` and `batcher` must outlive the service.
   GenerationService(const Tokenizer& tokenizer, Batcher& batcher, ServiceOptions options);
 
+  // The typed (synchronous) forms stay declared in the base, never called.
+  using RawGenerationService::Generate;
+  using RawGenerationService::GenerateStream;
+  using RawGenerationService::ModelInfo;
+  using RawGenerationService::Tokenize;
+
   grpc::ServerUnaryReactor* Generate(grpc::CallbackServerContext* context,
-                                     const fmaas::BatchedGenerationRequest* request,
-                                     fmaas::BatchedGenerationResponse* response) override;
-  grpc::ServerWriteReactor<fmaas::GenerationResponse>* GenerateStream(
-      grpc::CallbackServerContext* context, const fmaas::SingleGenerationRequest* request) override;
+                                     const grpc::ByteBuffer* wire_request,
+                                     grpc::ByteBuffer* wire_response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerateStream(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* wire_request) override;
   grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* context,
-                                     const fmaas::BatchedTokenizeRequest* request,
-                                     fmaas::BatchedTokenizeResponse* response) override;
+                                     const grpc::ByteBuffer* wire_request,
+                                     grpc::ByteBuffer* wire_response) override;
   grpc::ServerUnaryReactor* ModelInfo(grpc::CallbackServerContext* context,
-                                      const fmaas::ModelInfoRequest* request,
-                                      fmaas::ModelInfoResponse* response) override;
+                                      const grpc::ByteBuffer* wire_request,
+                                      grpc::ByteBuffer* wire_response) override;
 
  private:
   // Validates the parameters and every input, all or nothing, into requests ready to queue.
@@ -71,6 +83,9 @@ class GenerationService final : public fmaas::GenerationService::CallbackService
   void PrepareOn(size_t input_bytes, std::function<void()> work);
   // A call refused before validation (overload) or by validation.
   void CountFailure(const char* err);
+  // Tokenize's answer, or the first input's tokenizer error.
+  absl::StatusOr<fmaas::BatchedTokenizeResponse> TokenizeAll(
+      const fmaas::BatchedTokenizeRequest& request);
 
   const Tokenizer& tokenizer_;
   Batcher& batcher_;

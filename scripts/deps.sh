@@ -9,6 +9,7 @@ APT_PACKAGES=(
   libgflags-dev libgoogle-glog-dev libgtest-dev libgmock-dev libbenchmark-dev
   libsentencepiece-dev nlohmann-json3-dev libonig-dev libicu-dev libssl-dev libopenblas-dev
   libcpp-httplib-dev prometheus libgloo-dev
+  clang libclang-rt-14-dev
   python3-venv
 )
 PY_PACKAGES=(

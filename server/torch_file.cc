@@ -304,7 +304,11 @@ absl::StatusOr<PyRef> ReadLegacy(std::string_view file, Storages* s) {
 absl::StatusOr<std::map<std::string, TorchTensor>> ReadTorchFile(const std::string& path) {
   MappedFile mapped;
   if (absl::Status st = mapped.Open(path); !st.ok()) return st;
-  const std::string_view file = mapped.data();
+  return ParseTorchFile(mapped.data(), path);
+}
+
+absl::StatusOr<std::map<std::string, TorchTensor>> ParseTorchFile(std::string_view file,
+                                                                  const std::string& path) {
   auto fail = [&](absl::string_view msg) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", msg));
   };

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -31,6 +32,9 @@ struct TorchTensor {
 // keys are joined by ".", the way state dicts name them. Every error names the file; a value
 // that is neither a tensor nor a dict (an int, a list, ...) is an error naming its key.
 absl::StatusOr<std::map<std::string, TorchTensor>> ReadTorchFile(const std::string& path);
+// The same from a whole file's bytes; `path` names it in errors.
+absl::StatusOr<std::map<std::string, TorchTensor>> ParseTorchFile(std::string_view file,
+                                                                  const std::string& path);
 
 // A float tensor (float64/float32/float16/bfloat16) converted to `dtype` (kF32, kBF16 or
 // kF16), rounding as torch's .to() does; a 0-dim tensor becomes shape [1]. Other dtypes are

@@ -1,7 +1,9 @@
 #include "server/torch_pickle.h"
 
 #include <cstring>
+#include <memory>
 #include <unordered_map>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -342,11 +344,53 @@ absl::Status Machine::Step(bool* done) {
   }
 }
 
+// Every value made while a pickle is read on this thread (see Unpickle).
+thread_local std::vector<std::weak_ptr<PyValue>>* t_made = nullptr;
+
+// The children of a value, in order: items, then each entry's key and value.
+size_t ChildCount(const PyValue& v) { return v.items.size() + 2 * v.entries.size(); }
+const PyValue* Child(const PyValue& v, size_t i) {
+  if (i < v.items.size()) return v.items[i].get();
+  const auto& e = v.entries[(i - v.items.size()) / 2];
+  return ((i - v.items.size()) % 2 == 0 ? e.first : e.second).get();
+}
+
+// Whether any of `made` lies on a reference cycle (iterative depth-first search).
+bool HasCycle(const std::vector<std::weak_ptr<PyValue>>& made) {
+  enum : uint8_t { kUnseen, kOnPath, kDone };
+  std::unordered_map<const PyValue*, uint8_t> state;
+  for (const auto& w : made) {
+    const PyRef start = w.lock();
+    if (start == nullptr || state[start.get()] != kUnseen) continue;
+    std::vector<std::pair<const PyValue*, size_t>> path = {{start.get(), 0}};
+    state[start.get()] = kOnPath;
+    while (!path.empty()) {
+      const PyValue* v = path.back().first;
+      const size_t i = path.back().second++;
+      if (i == ChildCount(*v)) {
+        state[v] = kDone;
+        path.pop_back();
+        continue;
+      }
+      const PyValue* child = Child(*v, i);
+      if (child == nullptr) continue;
+      uint8_t& s = state[child];
+      if (s == kOnPath) return true;
+      if (s == kUnseen) {
+        s = kOnPath;
+        path.emplace_back(child, 0);
+      }
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 PyRef NewValue(PyValue::Kind kind) {
   auto v = std::make_shared<PyValue>();
   v->kind = kind;
+  if (t_made != nullptr) t_made->push_back(v);
   return v;
 }
 
@@ -378,8 +422,33 @@ PyValue::~PyValue() {
 
 absl::StatusOr<PyRef> Unpickle(std::string_view data, const PersistentLoad& persistent_load,
                                size_t* consumed) {
-  Machine m(data, persistent_load);
-  return m.Run(consumed);
+  // A hostile pickle can put a list or dict inside itself (DUP or GET, then APPEND or
+  // SETITEM), which reference counting never frees. torch.save never writes one: such a
+  // pickle is refused, and its cycles are broken (every value made is emptied) so that its
+  // memory goes back.
+  std::vector<std::weak_ptr<PyValue>> made;
+  t_made = &made;
+  absl::StatusOr<PyRef> result;
+  {
+    Machine m(data, persistent_load);
+    result = m.Run(consumed);
+  }
+  t_made = nullptr;
+  if (result.ok() && HasCycle(made)) {
+    result = absl::InvalidArgumentError(
+        "pickle: a container holds itself (a reference cycle; torch.save never writes one)");
+  }
+  if (!result.ok()) {
+    for (const auto& w : made) {
+      if (PyRef v = w.lock()) {
+        std::vector<PyRef> items = std::move(v->items);
+        std::vector<std::pair<PyRef, PyRef>> entries = std::move(v->entries);
+        v->items.clear();
+        v->entries.clear();
+      }
+    }
+  }
+  return result;
 }
 
 }  // namespace tgis::server::torch_detail

@@ -62,10 +62,25 @@ absl::Status MapFile(const fs::path& path, std::map<std::string, Tensor>* out) {
   if (map->addr == MAP_FAILED) {
     return absl::InternalError(absl::StrCat(file, ": mmap failed: ", strerror(errno)));
   }
-  const auto* base = static_cast<const uint8_t*>(map->addr);
+  auto tensors = ParseSafetensors(static_cast<const uint8_t*>(map->addr), map->size, file, map);
+  if (!tensors.ok()) return tensors.status();
+  *out = std::move(*tensors);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* base, size_t size,
+                                                               const std::string& file,
+                                                               std::shared_ptr<void> owner) {
+  std::map<std::string, Tensor> tensors;
+  std::map<std::string, Tensor>* out = &tensors;
+  if (size < 8) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": too small to be safetensors"));
+  }
   uint64_t header_len;
   std::memcpy(&header_len, base, 8);
-  if (header_len > map->size - 8) {
+  if (header_len > size - 8) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": header length exceeds the file"));
   }
   Json header = Json::parse(reinterpret_cast<const char*>(base + 8),
@@ -74,7 +89,7 @@ absl::Status MapFile(const fs::path& path, std::map<std::string, Tensor>* out) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": invalid JSON header"));
   }
   const size_t data_start = 8 + header_len;
-  const size_t data_size = map->size - data_start;
+  const size_t data_size = size - data_start;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") continue;
     const Json& t = it.value();
@@ -135,12 +150,10 @@ absl::Status MapFile(const fs::path& path, std::map<std::string, Tensor>* out) {
     }
     if (shape.empty()) shape.push_back(1);  // scalars as [1]
     void* data = const_cast<uint8_t*>(base + data_start + begin);
-    (*out)[it.key()] = Tensor::View(data, shape, *dtype, kernels::Device::kCpu, map);
+    (*out)[it.key()] = Tensor::View(data, shape, *dtype, kernels::Device::kCpu, owner);
   }
-  return absl::OkStatus();
+  return tensors;
 }
-
-}  // namespace
 
 absl::StatusOr<std::map<std::string, Tensor>> ReadSafetensorsFile(const std::string& path) {
   std::map<std::string, Tensor> tensors;

@@ -16,6 +16,10 @@ namespace tgis::server {
 
 // The tensors of one safetensors file, as views of the mapped file.
 absl::StatusOr<std::map<std::string, kernels::Tensor>> ReadSafetensorsFile(const std::string& path);
+// The same from the `size` bytes of a whole safetensors file at `data` (`file` names it in
+// errors); the tensors are views into `data` and keep `owner` alive.
+absl::StatusOr<std::map<std::string, kernels::Tensor>> ParseSafetensors(
+    const uint8_t* data, size_t size, const std::string& file, std::shared_ptr<void> owner);
 
 class WeightStore {
  public:

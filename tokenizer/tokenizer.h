@@ -35,6 +35,9 @@ struct SpecialTokenIds {
   std::optional<int32_t> unk;
 };
 
+// Whether `text` is well-formed UTF-8 (what Encode requires and protobuf string fields hold).
+bool IsValidUtf8(std::string_view text);
+
 class Tokenizer {
  public:
   virtual ~Tokenizer() = default;

@@ -12,6 +12,7 @@
 //  - Large T (prefill): OpenBLAS sgemm, one single-threaded call per block of output rows on
 //    our pool (bf16/f16 weight blocks are converted to f32 into a per-thread scratch first).
 #include <cblas.h>
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -39,8 +40,10 @@ std::atomic<Isa> g_isa{Isa::kAuto};
 bool CpuHasAvx2() {
   static const bool has = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    // F16C from cpuid itself: clang's __builtin_cpu_supports does not know that name.
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
   }();
   return has;
 }

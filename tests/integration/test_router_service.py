@@ -334,3 +334,45 @@ def test_large_inputs_are_prepared_off_the_call_threads_and_small_ones_are_serve
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
             # TGIS's InputLength2, word for word.
             assert e.details() == f"input tokens ({tokens}) plus prefix length (0) must be < 200"
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (payload < 128 bytes), written by hand: the Python
+    protobuf library refuses to write invalid UTF-8 into a string field."""
+    assert len(payload) < 128
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+@pytest.mark.parametrize("method,streaming,request_bytes,expected", [
+    ("Generate", False, b"\xff\xff\xff\xff\xff",
+     "could not be decoded as fmaas.BatchedGenerationRequest: the bytes are not a protobuf "
+     "message"),
+    ("Generate", False, _field(3, _field(2, b"caf\xc3")),
+     "could not be decoded as fmaas.BatchedGenerationRequest: field fmaas.GenerationRequest.text "
+     "is not valid UTF-8"),
+    ("Generate", False, _field(10, _field(3, b"\x08")),
+     "could not be decoded as fmaas.BatchedGenerationRequest: field fmaas.Parameters.stopping is "
+     "not a valid fmaas.StoppingCriteria message"),
+    ("GenerateStream", True, _field(2, b"\x80prefix"),
+     "could not be decoded as fmaas.SingleGenerationRequest: field "
+     "fmaas.SingleGenerationRequest.prefix_id is not valid UTF-8"),
+    ("Tokenize", False, _field(2, _field(1, b"\xed\xa0\x80")),
+     "could not be decoded as fmaas.BatchedTokenizeRequest: field fmaas.TokenizeRequest.text is "
+     "not valid UTF-8"),
+    ("ModelInfo", False, _field(1, b"\xfe"),
+     "could not be decoded as fmaas.ModelInfoRequest: field fmaas.ModelInfoRequest.model_id is "
+     "not valid UTF-8"),
+])
+def test_undecodable_requests_are_invalid_argument_naming_the_problem(server, method, streaming,
+                                                                      request_bytes, expected):
+    """A request protobuf cannot parse gets INVALID_ARGUMENT saying what is wrong (gRPC C++
+    alone answers UNIMPLEMENTED with no details), and the router serves on."""
+    path = f"/fmaas.GenerationService/{method}"
+    call = (server.channel.unary_stream if streaming else server.channel.unary_unary)(path)
+    with pytest.raises(grpc.RpcError) as e:
+        result = call(request_bytes, timeout=30)
+        if streaming:
+            list(result)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == f"the request {expected}"
+    assert _generate_ok(server, "b")

@@ -17,6 +17,7 @@ namespace {
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
 using tgis::kernels::DType;
+using tgis::server::ParseTorchFile;
 using tgis::server::ReadTorchFile;
 using tgis::server::ToFloatTensor;
 using tgis::server::TorchTensor;
@@ -190,6 +191,35 @@ TEST(TorchFile, RefusesNonFloatTargetAndBadSizes) {
   EXPECT_NE(to_int.status().message().find("x.pt: w"), std::string::npos);
   t.bytes.resize(6);
   EXPECT_FALSE(ToFloatTensor(t, DType::kF32).ok());
+}
+
+// Found by the torch_file fuzz target (a leak): a pickle that puts a container inside itself
+// is refused, and its memory is freed (the ASan build's leak check sees the latter).
+TEST(TorchFile, RefusesAContainerThatHoldsItself) {
+  // The legacy stream's magic number and protocol version, then its sys_info pickle: PROTO 2,
+  // EMPTY_LIST, BINPUT 0, BINGET 0, APPEND, STOP (a list in itself), or the same with a dict
+  // set into itself.
+  const std::string head(
+      "\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19."
+      "\x80\x02M\xe9\x03.",
+      21);
+  for (const std::string& cycle : {std::string("\x80\x02]q\x00"
+                                               "h\x00"
+                                               "a.",
+                                               9),
+                                   std::string("\x80\x02}q\x00"
+                                               "K\x01"
+                                               "h\x00"
+                                               "s.",
+                                               11)}) {
+    auto read = ParseTorchFile(head + cycle, "cycle.pt");
+    ASSERT_FALSE(read.ok());
+    EXPECT_NE(read.status().message().find(
+                  "pickle: a container holds itself (a reference cycle; torch.save never writes "
+                  "one)"),
+              std::string::npos)
+        << read.status().message();
+  }
 }
 
 }  // namespace

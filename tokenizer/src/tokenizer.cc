@@ -19,6 +19,8 @@ SpLoader& SentencePieceLoader() {
 }
 }  // namespace tok
 
+bool IsValidUtf8(std::string_view text) { return tok::IsValidUtf8(text); }
+
 namespace {
 
 using Json = nlohmann::json;
