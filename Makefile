@@ -41,15 +41,14 @@ unit-test: build
 integration-test: build
 	TGIS_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest -q tests/integration
 
-# ctest and pytest both run; the target fails if either failed. Each integration file runs in
-# its own pytest process, so that native state of one (gRPC channels, servers) cannot reach
-# another's (a grpcio object finalized during a later file's garbage collection crashed once).
+# ctest, pytest and the bounded fuzz runs all run; the target fails if any failed. The
+# integration tests run in one pytest process (channels are closed by their tests, and garbage
+# is collected at the end of each test: see tests/integration/conftest.py).
 test: build fuzz-build
 	@rc=0; \
 	(cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)) || rc=1; \
-	for f in tests/integration/test_*.py; do \
-	  TGIS_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest -q $$f || rc=1; \
-	done; \
+	TGIS_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -X faulthandler -m pytest -q tests/integration \
+	  || rc=1; \
 	bash scripts/fuzz.sh $(ASAN_BUILD_DIR) $(FUZZ_SECONDS) || rc=1; \
 	exit $$rc
 
@@ -75,9 +74,8 @@ test-asan: deps $(ASAN_BUILD_DIR)/CMakeCache.txt
 	cmake --build $(ASAN_BUILD_DIR) -j $(JOBS)
 	@rc=0; \
 	(cd $(ASAN_BUILD_DIR) && ctest --output-on-failure -j $(JOBS)) || rc=1; \
-	for f in tests/integration/test_*.py; do \
-	  TGIS_BUILD_DIR=$(abspath $(ASAN_BUILD_DIR)) $(PYTHON) -m pytest -q $$f || rc=1; \
-	done; \
+	TGIS_BUILD_DIR=$(abspath $(ASAN_BUILD_DIR)) $(PYTHON) -X faulthandler -m pytest -q \
+	  tests/integration || rc=1; \
 	exit $$rc
 
 # The router's unit tests (queue, batcher, reactors, health) under ThreadSanitizer.

@@ -81,6 +81,16 @@ absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> GenerationServic
     r->streaming = kind == RequestKind::kStream;
     r->kind = kind;
     r->received = received;
+    // An input that cannot fit whatever its exact length (no truncation asked for) is
+    // refused from a prefix of it when it is far too long to be worth tokenizing whole.
+    if (r->params.truncate_input_tokens == 0 &&
+        prefix_length < options_.limits.max_sequence_length) {
+      if (std::optional<size_t> at_least = TokensOfLongPrefix(
+              tokenizer_, r->input_text, options_.limits.max_sequence_length - prefix_length)) {
+        if (m != nullptr) m->request_raw_input_length->Observe(static_cast<double>(*at_least));
+        return InputTooLong(*at_least, prefix_length, options_.limits);
+      }
+    }
     size_t raw_length = 0;
     absl::StatusOr<Encoding> encoding =
         EncodeInput(tokenizer_, r->input_text, r->params.truncate_input_tokens, &raw_length);

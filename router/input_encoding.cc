@@ -52,6 +52,26 @@ absl::StatusOr<Encoding> EncodeInput(const Tokenizer& tokenizer, std::string_vie
   return out;
 }
 
+std::optional<size_t> TokensOfLongPrefix(const Tokenizer& tokenizer, std::string_view text,
+                                         size_t max_tokens) {
+  constexpr size_t kTryBytesPerToken = 64;
+  constexpr size_t kMinTryBytes = 64 << 10;
+  constexpr size_t kPrefixBytesPerToken = 16;
+  if (max_tokens == 0 || max_tokens > text.size() / kTryBytesPerToken ||
+      text.size() <= kMinTryBytes) {
+    return std::nullopt;
+  }
+  auto space = [](char c) { return c == ' ' || c == '\n' || c == '\t' || c == '\r'; };
+  // Just before a whitespace that follows a word (ASCII whitespace is never inside a UTF-8
+  // sequence, so this is a character boundary).
+  size_t cut = kPrefixBytesPerToken * max_tokens;
+  while (cut > 0 && !(space(text[cut]) && !space(text[cut - 1]))) --cut;
+  if (cut == 0) return std::nullopt;
+  absl::StatusOr<Encoding> prefix = tokenizer.Encode(text.substr(0, cut), true);
+  if (!prefix.ok() || prefix->ids.size() < max_tokens) return std::nullopt;
+  return prefix->ids.size();
+}
+
 absl::StatusOr<Encoding> EncodeTail(const Tokenizer& tokenizer, std::string_view text,
                                     uint32_t truncate_to) {
   absl::StatusOr<Encoding> full = tokenizer.Encode(text, /*add_special_tokens=*/true);

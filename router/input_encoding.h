@@ -2,7 +2,9 @@
 // Tokenize's token_count equals Generate's input_token_count for the same text).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
 #include "absl/status/statusor.h"
@@ -18,6 +20,15 @@ namespace tgis::router {
 // truncation.
 absl::StatusOr<Encoding> EncodeInput(const Tokenizer& tokenizer, std::string_view text,
                                      uint32_t truncate_to, size_t* untruncated_length = nullptr);
+
+// For an input far longer in bytes than `max_tokens` tokens could be (over 64 bytes per token
+// and 64 KiB), the token count of a prefix of it (about 16 bytes per token, cut just before a
+// whitespace that ends a word) when that count alone reaches `max_tokens`; otherwise nothing,
+// and only the whole text can tell. The prefix's words are whole words of the text, so its
+// tokens are the first tokens of the text's and the text has at least as many: an input that
+// cannot fit is refused without tokenizing all of it (up to 4 MiB: seconds of work).
+std::optional<size_t> TokensOfLongPrefix(const Tokenizer& tokenizer, std::string_view text,
+                                         size_t max_tokens);
 
 // Tokenize's truncation, as TGIS's Tokenize does it: the plain tail of the full encoding (a
 // leading BOS is cut like any other token), unlike Generate's (EncodeInput).

@@ -124,6 +124,13 @@ absl::StatusOr<GenerationParams> ConvertParameters(const fmaas::Parameters* para
   return gp;
 }
 
+absl::Status InputTooLong(size_t input_tokens_at_least, uint32_t prefix_length,
+                          const ValidationLimits& limits) {
+  return Invalid(absl::StrCat("input tokens (at least ", input_tokens_at_least,
+                              ") plus prefix length (", prefix_length, ") must be < ",
+                              limits.max_sequence_length));
+}
+
 absl::Status ValidateInput(uint32_t input_tokens, uint32_t prefix_length,
                            const ValidationLimits& limits, uint32_t random_seed,
                            GenerationParams* params) {

@@ -38,6 +38,12 @@ absl::Status ValidateInput(uint32_t input_tokens, uint32_t prefix_length,
                            const ValidationLimits& limits, uint32_t random_seed,
                            GenerationParams* params);
 
+// The error for an input known to have at least `input_tokens_at_least` tokens (a prefix of
+// it had that many; see TokensOfLongPrefix) that cannot fit: TGIS's message with "at least"
+// before the count, since the exact count was never computed.
+absl::Status InputTooLong(size_t input_tokens_at_least, uint32_t prefix_length,
+                          const ValidationLimits& limits);
+
 // TGIS's validation error for a prefix the shards could not load, from their status: the
 // message as TGIS's router words a shard client error.
 absl::Status PromptPrefixError(std::string_view prefix_id, const absl::Status& shard_status);

@@ -90,6 +90,10 @@ class Process:
         full_env.update(env or {})
         self.proc = subprocess.Popen([str(a) for a in args], stdout=self.log, stderr=subprocess.STDOUT,
                                      env=full_env)
+        # gRPC channels to this process, closed with it: a channel left to the garbage collector
+        # is finalized whenever a later test happens to collect it, which once crashed grpcio's
+        # native code with the whole suite in one pytest process.
+        self.channels = []
 
     def output(self) -> str:
         self.log.flush()
@@ -110,6 +114,9 @@ class Process:
         raise TimeoutError(f"not {what} after {timeout}s:\n{self.output()}")
 
     def close(self, sig_timeout: float = 10.0) -> int | None:
+        for channel in self.channels:
+            channel.close()
+        self.channels.clear()
         if self.alive():
             self.proc.terminate()
             try:
@@ -127,6 +134,7 @@ def wait_serving(proc: "Process", grpc_port: int, timeout: float = 60.0):
 
     pb, pb_grpc = proto_module("generation")
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+    proc.channels.append(channel)  # closed with the process
     stub = pb_grpc.GenerationServiceStub(channel)
 
     def ready():

@@ -1,6 +1,7 @@
 // Prompt encoding and truncation (router/input_encoding.h).
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <string>
 
 #include "router/input_encoding.h"
@@ -53,4 +54,36 @@ TEST(RouterInputEncoding, TruncationWithoutSpecialTokens) {
 }
 
 }  // namespace
+// A long input's prefix has no more tokens than the whole (its tokens are the first of the
+// whole's), in every tokenizer family, so refusing from it is sound.
+TEST(RouterInputEncoding, LongInputIsJudgedFromAPrefixThatUndercountsIt) {
+  std::string text;
+  for (int i = 0; text.size() < (200u << 10); ++i) {
+    text += i % 7 == 0 ? "Gr\xC3\xBC\xC3\x9F"
+                         "e  aus K\xC3\xB6ln,\n"
+                       : "the quick brown fox 1234 ";
+  }
+  for (const char* dir : {"models/llama", "tokenizers/gpt2", "tokenizers/t5", "tokenizers/bloom",
+                          "tokenizers/llama3", "tokenizers/unigram_hf", "tokenizers/qwen2"}) {
+    SCOPED_TRACE(dir);
+    auto t = Load(dir);
+    ASSERT_TRUE(t);
+    const size_t full = t->Encode(text, true)->ids.size();
+    std::optional<size_t> at_least = TokensOfLongPrefix(*t, text, 1000);
+    ASSERT_TRUE(at_least.has_value());
+    EXPECT_GE(*at_least, 1000u);
+    EXPECT_LE(*at_least, full);
+    // A limit the text may fit in bytes is left to the whole text.
+    EXPECT_FALSE(TokensOfLongPrefix(*t, text, text.size() / 32).has_value());
+  }
+}
+
+TEST(RouterInputEncoding, ShortOrUnbrokenInputsAreLeftToTheWholeText) {
+  auto t = Load("models/llama");
+  ASSERT_TRUE(t);
+  EXPECT_FALSE(TokensOfLongPrefix(*t, std::string(60 << 10, 'a') + " b", 10).has_value());
+  // No whitespace to cut at: one word, which may be a single token.
+  EXPECT_FALSE(TokensOfLongPrefix(*t, std::string(300 << 10, 'a'), 10).has_value());
+}
+
 }  // namespace tgis::router
