@@ -41,14 +41,17 @@ unit-test: build
 integration-test: build
 	TGIS_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -m pytest -q tests/integration
 
-# ctest, pytest and the bounded fuzz runs all run; the target fails if any failed. The
-# integration tests run in one pytest process (channels are closed by their tests, and garbage
-# is collected at the end of each test: see tests/integration/conftest.py).
+# ctest, pytest and the bounded fuzz runs all run; the target fails if any failed. Each
+# integration file runs in its own pytest process: in one process, the Python sentencepiece
+# extension once aborted in SentencePieceProcessor.Init with grpc_tools' protoc compiler
+# loaded beside it (two protobuf runtimes in one process; see issue 13's notes).
+INTEGRATION = for f in tests/integration/test_*.py; do \
+	  TGIS_BUILD_DIR=$(abspath $(1)) $(PYTHON) -X faulthandler -m pytest -q $$f || rc=1; \
+	done
 test: build fuzz-build
 	@rc=0; \
 	(cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)) || rc=1; \
-	TGIS_BUILD_DIR=$(abspath $(BUILD_DIR)) $(PYTHON) -X faulthandler -m pytest -q tests/integration \
-	  || rc=1; \
+	$(call INTEGRATION,$(BUILD_DIR)); \
 	bash scripts/fuzz.sh $(ASAN_BUILD_DIR) $(FUZZ_SECONDS) || rc=1; \
 	exit $$rc
 
@@ -74,8 +77,7 @@ test-asan: deps $(ASAN_BUILD_DIR)/CMakeCache.txt
 	cmake --build $(ASAN_BUILD_DIR) -j $(JOBS)
 	@rc=0; \
 	(cd $(ASAN_BUILD_DIR) && ctest --output-on-failure -j $(JOBS)) || rc=1; \
-	TGIS_BUILD_DIR=$(abspath $(ASAN_BUILD_DIR)) $(PYTHON) -X faulthandler -m pytest -q \
-	  tests/integration || rc=1; \
+	$(call INTEGRATION,$(ASAN_BUILD_DIR)); \
 	exit $$rc
 
 # The router's unit tests (queue, batcher, reactors, health) under ThreadSanitizer.
