@@ -91,8 +91,7 @@ class Process:
         self.proc = subprocess.Popen([str(a) for a in args], stdout=self.log, stderr=subprocess.STDOUT,
                                      env=full_env)
         # gRPC channels to this process, closed with it: a channel left to the garbage collector
-        # is finalized whenever a later test happens to collect it, which once crashed grpcio's
-        # native code with the whole suite in one pytest process.
+        # is finalized whenever a later test happens to collect it.
         self.channels = []
 
     def output(self) -> str:
