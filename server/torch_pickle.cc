@@ -441,8 +441,6 @@ absl::StatusOr<PyRef> Unpickle(std::string_view data, const PersistentLoad& pers
   if (!result.ok()) {
     for (const auto& w : made) {
       if (PyRef v = w.lock()) {
-        std::vector<PyRef> items = std::move(v->items);
-        std::vector<std::pair<PyRef, PyRef>> entries = std::move(v->entries);
         v->items.clear();
         v->entries.clear();
       }

@@ -74,7 +74,6 @@ absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* ba
                                                                const std::string& file,
                                                                std::shared_ptr<void> owner) {
   std::map<std::string, Tensor> tensors;
-  std::map<std::string, Tensor>* out = &tensors;
   if (size < 8) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": too small to be safetensors"));
   }
@@ -150,7 +149,7 @@ absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* ba
     }
     if (shape.empty()) shape.push_back(1);  // scalars as [1]
     void* data = const_cast<uint8_t*>(base + data_start + begin);
-    (*out)[it.key()] = Tensor::View(data, shape, *dtype, kernels::Device::kCpu, owner);
+    tensors[it.key()] = Tensor::View(data, shape, *dtype, kernels::Device::kCpu, owner);
   }
   return tensors;
 }

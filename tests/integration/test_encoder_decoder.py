@@ -39,15 +39,12 @@ def served(request):
            "SHARD_UDS_PATH": str(tmp / "shard"), "TERMINATION_LOG": str(tmp / "termination-log"),
            "KV_CACHE_BLOCKS": "128", "KV_CACHE_BLOCK_SIZE": "4", "DTYPE_STR": "float32"}
     proc = Process([binary("launcher/text-generation-launcher")], env=env)
-    channel = None
     try:
-        channel, pb, stub = wait_serving(proc, grpc_port, timeout=90)
+        _, pb, stub = wait_serving(proc, grpc_port, timeout=90)
         golden = json.loads((model_dir / "golden_seq2seq.json").read_text())
         yield pb, stub, golden, Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     finally:
-        if channel is not None:
-            channel.close()
-        proc.close()
+        proc.close()  # closes the channel too
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(Path(tempfile.gettempdir()) / f"tgis-rendezvous-localhost-{master_port}",
                       ignore_errors=True)
@@ -115,14 +112,11 @@ def tuned():
            "KV_CACHE_BLOCKS": "128", "KV_CACHE_BLOCK_SIZE": "4", "DTYPE_STR": "float32",
            "PREFIX_STORE_PATH": str(FIXTURES / "prefixes" / "store")}
     proc = Process([binary("launcher/text-generation-launcher")], env=env)
-    channel = None
     try:
-        channel, pb, stub = wait_serving(proc, grpc_port, timeout=90)
+        _, pb, stub = wait_serving(proc, grpc_port, timeout=90)
         yield pb, stub
     finally:
-        if channel is not None:
-            channel.close()
-        proc.close()
+        proc.close()  # closes the channel too
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(Path(tempfile.gettempdir()) / f"tgis-rendezvous-localhost-{master_port}",
                       ignore_errors=True)

@@ -34,14 +34,11 @@ def server():
            "TERMINATION_LOG": str(tmp / "termination-log"), "KV_CACHE_BLOCKS": "128",
            "PREFIX_STORE_PATH": str(PREFIXES / "store"), "DTYPE_STR": "float32"}
     proc = Process([binary(LAUNCHER)], env=env)
-    channel = None
     try:
-        channel, pb, stub = wait_serving(proc, grpc_port, timeout=120)
+        _, pb, stub = wait_serving(proc, grpc_port, timeout=120)
         yield pb, stub, http_port, proc
     finally:
-        if channel is not None:
-            channel.close()
-        proc.close()
+        proc.close()  # closes the channel too
         shutil.rmtree(tmp, ignore_errors=True)
 
 

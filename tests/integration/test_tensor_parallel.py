@@ -45,13 +45,11 @@ class Launcher:
         self.proc = Process([binary("launcher/text-generation-launcher")], env=env)
 
     def wait_serving(self, timeout=60):
-        self.channel, pb, stub = wait_serving(self.proc, self.grpc_port, timeout)
+        _, pb, stub = wait_serving(self.proc, self.grpc_port, timeout)
         return pb, stub
 
     def close(self):
-        if getattr(self, "channel", None) is not None:
-            self.channel.close()
-        self.proc.close()
+        self.proc.close()  # closes the channel too
         shutil.rmtree(rendezvous_dir(self.master_port), ignore_errors=True)
 
 

@@ -122,6 +122,27 @@ class ParityFixture {
     fs::remove_all(tmpl);
   }
 
+  // Decodes sequence `id`, whose prefill gave `first`, one step at a time to the golden's
+  // length, and compares its tokens and logprobs with the golden's.
+  static void DecodeAndCompare(Engine& engine, uint64_t id, const StepOutput& first,
+                               const Golden& g) {
+    std::vector<int32_t> ids = {first.token.id};
+    std::vector<double> lps = {first.token.logprob};
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    while (ids.size() < g.generated.size()) {
+      out.clear();
+      engine.Decode({id}, &out, &errors);
+      ASSERT_TRUE(errors.empty()) << errors[0].status;
+      ids.push_back(out[0].token.id);
+      lps.push_back(out[0].token.logprob);
+    }
+    EXPECT_EQ(ids, g.generated) << "prompt " << id;
+    for (size_t k = 0; k < lps.size(); ++k) {
+      EXPECT_NEAR(lps[k], g.logprobs[k], kLogprobTolerance) << "prompt " << id << " step " << k;
+    }
+  }
+
   static NewSequence Seq(uint64_t id, const Golden& g, bool input_logprobs = false) {
     NewSequence n;
     n.id = id;
@@ -166,19 +187,7 @@ TEST_P(ParityTest, EachPromptAloneMatchesTransformers) {
         EXPECT_NEAR(out[0].input_tokens[p].logprob, g.prompt_logprobs[p], kLogprobTolerance)
             << "prompt " << i << " token " << p;
       }
-      std::vector<int32_t> ids = {out[0].token.id};
-      std::vector<double> lps = {out[0].token.logprob};
-      while (ids.size() < g.generated.size()) {
-        out.clear();
-        engine.Decode({i}, &out, &errors);
-        ASSERT_TRUE(errors.empty()) << errors[0].status;
-        ids.push_back(out[0].token.id);
-        lps.push_back(out[0].token.logprob);
-      }
-      EXPECT_EQ(ids, g.generated) << "prompt " << i;
-      for (size_t k = 0; k < lps.size(); ++k) {
-        EXPECT_NEAR(lps[k], g.logprobs[k], kLogprobTolerance) << "prompt " << i << " step " << k;
-      }
+      DecodeAndCompare(engine, i, out[0], g);
       engine.Release(i);
     }
     EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
@@ -413,19 +422,7 @@ TEST_P(Seq2SeqParityTest, EachPromptAloneMatchesTransformers) {
         EXPECT_EQ(out[0].input_tokens[p].id, g.input[p]);
         EXPECT_TRUE(std::isnan(out[0].input_tokens[p].logprob));
       }
-      std::vector<int32_t> ids = {out[0].token.id};
-      std::vector<double> lps = {out[0].token.logprob};
-      while (ids.size() < g.generated.size()) {
-        out.clear();
-        engine.Decode({i}, &out, &errors);
-        ASSERT_TRUE(errors.empty()) << errors[0].status;
-        ids.push_back(out[0].token.id);
-        lps.push_back(out[0].token.logprob);
-      }
-      EXPECT_EQ(ids, g.generated) << "prompt " << i;
-      for (size_t k = 0; k < lps.size(); ++k) {
-        EXPECT_NEAR(lps[k], g.logprobs[k], kLogprobTolerance) << "prompt " << i << " step " << k;
-      }
+      DecodeAndCompare(engine, i, out[0], g);
       engine.Release(i);
     }
     EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
