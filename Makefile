@@ -52,7 +52,7 @@ test: build fuzz-build
 	@rc=0; \
 	(cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS)) || rc=1; \
 	$(call INTEGRATION,$(BUILD_DIR)); \
-	bash scripts/fuzz.sh $(ASAN_BUILD_DIR) $(FUZZ_SECONDS) || rc=1; \
+	FUZZ_SEED=1 bash scripts/fuzz.sh $(ASAN_BUILD_DIR) $(FUZZ_SECONDS) || rc=1; \
 	exit $$rc
 
 $(ASAN_BUILD_DIR)/CMakeCache.txt:
@@ -67,7 +67,7 @@ fuzz-build: deps $(ASAN_BUILD_DIR)/CMakeCache.txt
 	cmake --build $(ASAN_BUILD_DIR) -j $(JOBS) --target fuzz_targets
 
 fuzz-smoke: fuzz-build
-	bash scripts/fuzz.sh $(ASAN_BUILD_DIR) $(FUZZ_SECONDS)
+	FUZZ_SEED=1 bash scripts/fuzz.sh $(ASAN_BUILD_DIR) $(FUZZ_SECONDS)
 
 fuzz: fuzz-build
 	bash scripts/fuzz.sh $(ASAN_BUILD_DIR) $(FUZZ_LONG_SECONDS)

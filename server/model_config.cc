@@ -28,7 +28,7 @@ absl::StatusOr<Json> ReadJson(const fs::path& p, bool required) {
       return absl::InvalidArgumentError(absl::StrCat(p.string(), ": expected a JSON object"));
     }
     return j;
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // parse_error, or out_of_range for a number like 1e500
     return absl::InvalidArgumentError(absl::StrCat(p.string(), ": invalid JSON: ", e.what()));
   }
 }

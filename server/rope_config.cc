@@ -17,6 +17,15 @@ absl::Status Bad(const std::string& key, const Json& value, const std::string& w
       absl::StrCat("config.json: rope_scaling.", key, " = ", value.dump(), ": ", why));
 }
 
+// A number of rope_scaling (or computed from one) as a position count: an error, not the
+// undefined behaviour of casting a double beyond int64 (found by the model_config fuzz target).
+absl::StatusOr<int64_t> Positions(const std::string& key, const Json& value, double positions) {
+  if (!(positions >= 0 && positions < 9.2e18)) {
+    return Bad(key, value, "gives a position count beyond any this server can hold");
+  }
+  return static_cast<int64_t>(positions);
+}
+
 // rope_scaling[key] as a number (a default when absent or null).
 absl::StatusOr<double> Number(const Json& rs, const std::string& key,
                               std::optional<double> fallback) {
@@ -56,7 +65,9 @@ absl::Status ReadRope(const ModelConfig& c, int rotary_dim, double theta, Decode
   r.theta = theta;
   r.rotary_dim = rotary_dim;
   r.original_max_positions = c.max_position_embeddings;
-  int64_t max_positions = c.max_position_embeddings;
+  // The served context: max_position_embeddings, times the factor for the scalings that
+  // stretch it.
+  double max_positions = static_cast<double>(c.max_position_embeddings);
   if (rotary_dim <= 0 || rotary_dim % 2 != 0 || rotary_dim > s->head_dim) {
     return absl::InvalidArgumentError(absl::StrCat("config.json: the rotary dimension ", rotary_dim,
                                                    " must be even and at most head_dim ",
@@ -79,10 +90,10 @@ absl::Status ReadRope(const ModelConfig& c, int rotary_dim, double theta, Decode
     if (type == "default") {
     } else if (type == "linear") {
       r.type = RopeScaling::Type::kLinear;
-      max_positions = static_cast<int64_t>(c.max_position_embeddings * r.factor);
+      max_positions = c.max_position_embeddings * r.factor;
     } else if (type == "dynamic") {
       r.type = RopeScaling::Type::kDynamic;
-      max_positions = static_cast<int64_t>(c.max_position_embeddings * r.factor);
+      max_positions = c.max_position_embeddings * r.factor;
     } else if (type == "yarn") {
       r.type = RopeScaling::Type::kYarn;
       // transformers >= 4.50: a rope_scaling.original_max_position_embeddings is the
@@ -95,7 +106,7 @@ absl::Status ReadRope(const ModelConfig& c, int rotary_dim, double theta, Decode
         r.factor = static_cast<double>(c.max_position_embeddings) /
                    static_cast<double>(r.original_max_positions);
       } else {
-        max_positions = static_cast<int64_t>(c.max_position_embeddings * r.factor);
+        max_positions = c.max_position_embeddings * r.factor;
       }
       auto fast = Number(rs, "beta_fast", 32.0), slow = Number(rs, "beta_slow", 1.0);
       if (!fast.ok()) return fast.status();
@@ -160,7 +171,10 @@ absl::Status ReadRope(const ModelConfig& c, int rotary_dim, double theta, Decode
         return Bad("high_freq_factor", rs["high_freq_factor"], "must exceed low_freq_factor");
       r.low_freq_factor = *low;
       r.high_freq_factor = *high;
-      r.original_max_positions = static_cast<int64_t>(*orig);
+      auto original = Positions("original_max_position_embeddings",
+                                rs["original_max_position_embeddings"], *orig);
+      if (!original.ok()) return original.status();
+      r.original_max_positions = *original;
     } else {
       return Bad("rope_type", type_json,
                  "not supported (default, linear, dynamic, yarn, longrope and llama3 are)");
@@ -176,7 +190,11 @@ absl::Status ReadRope(const ModelConfig& c, int rotary_dim, double theta, Decode
   s->rotary.inv_freq = r.InvFreq(0);
   s->rope_by_length.reset();
   if (r.length_dependent()) s->rope_by_length = r;
-  s->max_positions = max_positions;
+  auto served = Positions(
+      "factor", it != c.raw.end() && it->is_object() ? it->value("factor", Json()) : Json(),
+      max_positions);
+  if (!served.ok()) return served.status();
+  s->max_positions = *served;
   if (r.attention_factor != 1) {
     // transformers multiplies cos and sin by the factor, so q.k grows by its square; with the
     // whole head rotated that is the same as scaling the attention logits.

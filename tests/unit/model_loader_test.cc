@@ -141,6 +141,60 @@ TEST_F(LoaderTest, AnUnservableConfigNamesTheKeyAndValue) {
   st = Build();
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("rope_scaling.factor = \"x\""), std::string::npos) << st;
+
+  // Found by the model_config fuzz target: a number beyond double is nlohmann's out_of_range,
+  // which ended the process uncaught.
+  std::ofstream(dir_ / "config.json", std::ios::trunc) << R"({"model_type": "llama", "x": 1e500})";
+  st = Build();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("config.json: invalid JSON"), std::string::npos) << st;
+  fs::copy(fs::path(TGIS_FIXTURES_DIR) / "models" / "llama" / "config.json", dir_ / "config.json",
+           fs::copy_options::overwrite_existing);
+
+  // Found by the model_config fuzz target: a factor that scales the context beyond int64 was
+  // cast anyway (undefined behaviour); so was a llama3 original context beyond it.
+  EditConfig([](Json& c) { c["rope_scaling"] = {{"type", "linear"}, {"factor", 8.9e28}}; });
+  st = Build();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("rope_scaling.factor = 8.9e+28: gives a position count beyond"),
+            std::string::npos)
+      << st;
+  EditConfig([](Json& c) {
+    c["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", 8.0},
+                         {"low_freq_factor", 1.0},
+                         {"high_freq_factor", 4.0},
+                         {"original_max_position_embeddings", 1e30}};
+  });
+  st = Build();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("rope_scaling.original_max_position_embeddings = 1e+30"),
+            std::string::npos)
+      << st;
+}
+
+// Found by the model_config fuzz target: GPT-NeoX's rotary_pct giving an odd rotary dimension
+// failed a kernel check (the process died), and a huge one made a float-to-int cast undefined.
+TEST(ModelConfigTest, GptNeoxRotaryPctMustGiveAnEvenRotaryDimension) {
+  char tmpl[] = "/tmp/tgis-neox-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const fs::path dir = tmpl, src = fs::path(TGIS_FIXTURES_DIR) / "models" / "gpt_neox";
+  fs::copy(src / "model.safetensors", dir / "model.safetensors");
+  for (double pct : {0.7, 1e30}) {  // head_dim 16: 11.2 rotary dimensions; then far too many
+    Json c = Json::parse(ReadAll(src / "config.json"));
+    c["rotary_pct"] = pct;
+    std::ofstream(dir / "config.json", std::ios::trunc) << c.dump();
+    auto config = tgis::server::ModelConfig::Load(dir.string());
+    ASSERT_TRUE(config.ok()) << config.status();
+    auto weights = tgis::server::WeightStore::Open(dir.string());
+    ASSERT_TRUE(weights.ok()) << weights.status();
+    auto model =
+        tgis::server::ModelRegistry::Get().Build(*config, **weights, tgis::kernels::DType::kF32);
+    ASSERT_FALSE(model.ok());
+    EXPECT_NE(model.status().message().find("config.json: rotary_pct = "), std::string::npos)
+        << model.status();
+  }
+  fs::remove_all(dir);
 }
 
 TEST(ModelConfigTest, AnUnknownFamilyWithoutSizesSaysWhichKeysItLooked) {

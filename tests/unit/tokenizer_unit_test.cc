@@ -77,6 +77,21 @@ TEST(TokenizerLoad, TruncatedJsonNamesTheFile) {
   EXPECT_NE(t.status().message().find("invalid JSON"), std::string::npos) << t.status();
 }
 
+// Found by the model_config fuzz target in config.json, and the same in both tokenizer files:
+// a number beyond double (1e500) is nlohmann's out_of_range, not a parse_error, and ended the
+// process uncaught.
+TEST(TokenizerLoad, ANumberBeyondDoubleIsAnErrorNamingTheFile) {
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json"}) {
+    TempDir d;
+    d.Write("tokenizer.json", ByteLevelJson());
+    d.Write(file, R"({"model_max_length": 1e500})");
+    auto t = tgis::Tokenizer::FromDirectory(d.str());
+    ASSERT_FALSE(t.ok()) << file;
+    EXPECT_NE(t.status().message().find(std::string(file) + ": invalid JSON"), std::string::npos)
+        << t.status();
+  }
+}
+
 TEST(TokenizerLoad, WrongFieldTypeNamesTheField) {
   TempDir d;
   std::string json = ByteLevelJson();
