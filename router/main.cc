@@ -368,14 +368,6 @@ int main(int argc, char** argv) {
   tgis::router::Batcher batcher(**shards, **tokenizer, batcher_config);
   batcher.Start();
   tgis::router::ShardClient& shard_client = **shards;
-  health_monitor.Attach(
-      [&shard_client] { return shard_client.Health().ok(); },
-      [&batcher](std::function<void(bool)> done) { batcher.EnqueueHealthCheck(std::move(done)); });
-  // Probes stop using the shards and the batcher before those go, whatever way main() ends.
-  struct DetachHealth {
-    tgis::router::HealthMonitor& monitor;
-    ~DetachHealth() { monitor.Detach(); }
-  } detach_health{health_monitor};
 
   tgis::router::ServiceOptions service_options;
   service_options.limits.max_sequence_length = max_sequence_length;
@@ -404,6 +396,16 @@ int main(int argc, char** argv) {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) return Fail(absl::StrCat("cannot listen on ", address));
   health = server->GetHealthCheckService();
+  // /health answers 200 only from here on: a readiness probe that passed before the gRPC port
+  // listened would send clients to a closed port.
+  health_monitor.Attach(
+      [&shard_client] { return shard_client.Health().ok(); },
+      [&batcher](std::function<void(bool)> done) { batcher.EnqueueHealthCheck(std::move(done)); });
+  // Probes stop using the shards and the batcher before those go, whatever way main() ends.
+  struct DetachHealth {
+    tgis::router::HealthMonitor& monitor;
+    ~DetachHealth() { monitor.Detach(); }
+  } detach_health{health_monitor};
   LOG(INFO) << "gRPC server listening on " << address
             << (tls->has_value() ? ((*tls)->mutual() ? " with mTLS" : " with TLS") : "") << " ("
             << info->model_type() << ", max sequence length " << max_sequence_length

@@ -222,10 +222,14 @@ def test_every_metric_moves(server):
     waiting = stub.Generate.future(pb.BatchedGenerationRequest(
         requests=[pb.GenerationRequest(text="word " * 300), pb.GenerationRequest(text="y")],
         params=pb.Parameters(truncate_input_tokens=230, stopping=pb.StoppingCriteria(
-            max_new_tokens=20, time_limit_millis=30))), timeout=60)
+            max_new_tokens=20, time_limit_millis=100))), timeout=60)
+    # 100 ms: the big one times out in the queue long before the stream ends (about 150 ms on
+    # an optimized build, more under sanitizers), while the small one gets its first token well
+    # within it and so joins the running batch (a concatenation), even under AddressSanitizer.
     during = []
     while not waiting.done():
         during.append(scrape(server))
+        time.sleep(0.002)  # leave the router and shard the CPU
     stream_messages = list(stream)
     assert stream_messages[-1].stop_reason == pb.MAX_TOKENS
     [big, small] = waiting.result().responses
