@@ -127,6 +127,12 @@ TgiMetrics::TgiMetrics(Registry* r, const MetricShape& shape) {
       "tgi_tokenize_request_tokens", "Count of tokenized tokens per tokenize request", tokenized);
   tokenize_request_duration = r->Histogram("tgi_tokenize_request_duration",
                                            "Tokenize request duration (in seconds)", seconds);
+  prefix_cache_hits = r->Counter(
+      "tgis_prefix_cache_hits",
+      "Count of requests whose prompt started with KV cache blocks cached by earlier requests");
+  prefix_cache_reused_tokens =
+      r->Counter("tgis_prefix_cache_reused_tokens",
+                 "Count of prompt tokens whose keys and values came from the prefix cache");
 }
 
 }  // namespace tgis::metrics

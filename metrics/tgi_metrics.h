@@ -68,6 +68,9 @@ struct TgiMetrics {
   Family* tokenize_request_input_count;
   Family* tokenize_request_tokens;
   Family* tokenize_request_duration;
+  // Beyond TGIS, under our own prefix (tgis_): prefix caching.
+  Family* prefix_cache_hits;           // counter: requests whose prompt started cached
+  Family* prefix_cache_reused_tokens;  // counter: prompt tokens taken from the cache
 };
 
 }  // namespace tgis::metrics

@@ -321,6 +321,10 @@ void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
   }
   for (const pb::Generation& g : response->generations()) OnGeneration(g, /*prefill=*/true);
   if (response->has_batch()) batches_.push_back(response->batch());
+  if (m != nullptr) {
+    m->prefix_cache_hits->Add(response->prefix_cache_hits());
+    m->prefix_cache_reused_tokens->Add(static_cast<double>(response->prefix_cache_reused_tokens()));
+  }
   OnInferenceDone("prefill", absl::OkStatus(), end - start, response->forward_ns(),
                   Clock::now() - end);
   if (m != nullptr && running_before > 0) {

@@ -13,9 +13,23 @@ namespace tgis::server {
 using kernels::DType;
 using kernels::Tensor;
 
+namespace {
+
+// Prefix caching shares the keys and values a sequence computed with any later one that starts
+// with the same tokens (and the same prompt-tuning prefix). Left out: encoder-decoder models
+// (the decoder's prompt is one start token; the encoder's output is per input) and rotary
+// scalings whose frequencies follow the sequence's length (dynamic NTK, LongRoPE: a key
+// cached at one length is not the key another length computes).
+bool PrefixCachingApplies(const Model& model) {
+  return !model.encoder_decoder() && !model.spec().rope_by_length.has_value();
+}
+
+}  // namespace
+
 Engine::Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64_t max_positions,
-               int num_blocks, int block_size)
+               int num_blocks, int block_size, bool prefix_caching)
     : model_(std::move(model)), eos_(std::move(eos_ids)), max_positions_(max_positions) {
+  prefix_caching_ = prefix_caching && PrefixCachingApplies(*model_);
   const DecoderSpec& s = model_->spec();
   max_positions_ = s.ServedPositions(max_positions);
   // No limit of the model's own (ALiBi models without one in the config, relative positions):
@@ -25,7 +39,7 @@ Engine::Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64
   cache_ = std::make_unique<KvCache>(static_cast<int>(s.num_layers), num_blocks, block_size,
                                      static_cast<int>(model_->shard().kv_heads.size()),
                                      static_cast<int>(s.head_dim), model_->act_dtype(),
-                                     model_->device());
+                                     model_->device(), prefix_caching_);
 }
 
 size_t Engine::CachedTokens(uint64_t id) const {
@@ -36,9 +50,9 @@ size_t Engine::CachedTokens(uint64_t id) const {
 bool Engine::AllocateBlocks(size_t n, std::vector<int32_t>* blocks) {
   std::vector<int32_t> got;
   while (got.size() < n) {
-    auto b = cache_->allocator().Allocate();
+    auto b = cache_->blocks().Allocate();
     if (!b) {
-      for (int32_t x : got) cache_->allocator().Free(x);
+      for (int32_t x : got) cache_->blocks().Release(x);
       return false;
     }
     got.push_back(*b);
@@ -62,10 +76,37 @@ bool Engine::Reserve(Sequence* s) {
 }
 
 void Engine::FreeBlocks(Sequence* s) {
-  for (int32_t b : s->blocks) cache_->allocator().Free(b);
-  for (int32_t b : s->cross_blocks) cache_->allocator().Free(b);
+  // Last to first: the cache evicts a prompt's later blocks before its first ones.
+  for (auto b = s->blocks.rbegin(); b != s->blocks.rend(); ++b) cache_->blocks().Release(*b);
+  for (int32_t b : s->cross_blocks) cache_->blocks().Release(b);
   s->blocks.clear();
   s->cross_blocks.clear();
+  s->registered = 0;
+}
+
+void Engine::ReuseCachedPrefix(Sequence* s) {
+  BlockCache& cache = cache_->blocks();
+  s->chain = cache.Root(s->prefix);
+  // Prompt logprobs need every prompt row's logits: such a prompt is computed whole (its
+  // blocks are still registered for others).
+  if (s->input_logprobs) return;
+  // The last prompt token is always computed: its logits give the first new token.
+  const size_t max_blocks = (s->tokens.size() - 1) / static_cast<size_t>(cache.block_size());
+  s->blocks = cache.Match(s->chain, s->tokens, max_blocks, &s->chain);
+  s->registered = s->blocks.size();
+  s->cached = s->blocks.size() * static_cast<size_t>(cache.block_size());
+}
+
+void Engine::RegisterFullBlocks(Sequence* s) {
+  if (s->chain == 0) return;
+  BlockCache& cache = cache_->blocks();
+  const size_t bs = static_cast<size_t>(cache.block_size());
+  while ((s->registered + 1) * bs <= s->cached) {
+    s->chain = cache.Register(s->chain,
+                              std::span<const int32_t>(s->tokens).subspan(s->registered * bs, bs),
+                              s->blocks[s->registered]);
+    ++s->registered;
+  }
 }
 
 void Engine::Release(uint64_t id) {
@@ -83,6 +124,7 @@ void Engine::ReleaseAll() {
 void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out,
                      std::vector<SequenceError>* errors) {
   const int64_t vocab = model_->spec().vocab;
+  last_reuse_ = {};
   std::vector<Sequence*> batch;
   for (NewSequence& n : news) {
     auto fail = [&](absl::Status st) { errors->push_back({n.id, std::move(st)}); };
@@ -131,10 +173,15 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
     s->sampler = std::make_unique<Sampler>(n.params, eos_);
     s->top_n = n.top_n;
     s->input_logprobs = n.input_logprobs;
+    if (prefix_caching_) ReuseCachedPrefix(s.get());
     if (!Reserve(s.get())) {
       FreeBlocks(s.get());
       fail(absl::ResourceExhaustedError("not enough KV cache blocks for the prompt"));
       continue;
+    }
+    if (s->cached > 0) {
+      last_reuse_.sequences += 1;
+      last_reuse_.reused_tokens += s->cached;
     }
     batch.push_back(s.get());
     seqs_[n.id] = std::move(s);
@@ -399,6 +446,7 @@ void Engine::Advance(Sequence* s, int32_t token) {
   s->cached = s->tokens.size();
   s->tokens.push_back(token);
   s->generated += 1;
+  RegisterFullBlocks(s);
 }
 
 void Engine::Append(Sequence* s, TokenInfo token, std::vector<StepOutput>* out) {

@@ -49,12 +49,20 @@ struct SequenceError {
   absl::Status status;
 };
 
+// What prefix caching saved in one Prefill call.
+struct PrefillReuse {
+  uint32_t sequences = 0;      // sequences that took at least one cached block
+  uint64_t reused_tokens = 0;  // prompt tokens not computed again
+};
+
 class Engine {
  public:
   // `max_positions`: the config's max_position_embeddings; a model whose rope scaling serves
-  // more (DecoderSpec::max_positions) takes its own.
+  // more (DecoderSpec::max_positions) takes its own. `prefix_caching`: a prompt starting with
+  // tokens whose keys and values are cached (from any earlier or running sequence) takes them
+  // and computes only the rest (see PrefixCachingApplies for the models it leaves out).
   Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64_t max_positions,
-         int num_blocks, int block_size);
+         int num_blocks, int block_size, bool prefix_caching = false);
 
   // Adds sequences and runs their prompts; each surviving one gets its first token. Bad or
   // unservable sequences come back as errors and are not kept.
@@ -70,8 +78,13 @@ class Engine {
   size_t CachedTokens(uint64_t id) const;
   const Model& model() const { return *model_; }
   int num_blocks() const { return cache_->num_blocks(); }
-  int free_blocks() { return cache_->allocator().free_count(); }
+  // Blocks a new sequence can still get (cached blocks nobody holds count: they are evicted
+  // on demand).
+  int free_blocks() { return cache_->blocks().available(); }
   int block_size() const { return cache_->block_size(); }
+  bool prefix_caching() const { return prefix_caching_; }
+  // What prefix caching saved in the last Prefill.
+  const PrefillReuse& last_reuse() const { return last_reuse_; }
 
   // Nanoseconds spent in the last step's forward pass.
   uint64_t last_forward_ns() const { return last_forward_ns_; }
@@ -91,6 +104,10 @@ class Engine {
     std::vector<int32_t> cross_blocks;
     std::shared_ptr<const kernels::Tensor> encoder_prefix;
     size_t encoder_prefix_len = 0;
+    // Prefix caching: the node of the last block registered in the cache (0: the sequence's
+    // blocks are never shared) and how many of its blocks are registered.
+    BlockCache::Node chain = 0;
+    size_t registered = 0;
     std::unique_ptr<Sampler> sampler;
     uint32_t generated = 0;
     uint32_t top_n = 0;
@@ -100,6 +117,10 @@ class Engine {
   // Reserves blocks for every uncached token of s; false when the cache is full.
   bool Reserve(Sequence* s);
   void FreeBlocks(Sequence* s);
+  // Takes the longest cached run of s's prompt, leaving at least its last token to compute.
+  void ReuseCachedPrefix(Sequence* s);
+  // Registers s's blocks that are full and computed, for later sequences to share.
+  void RegisterFullBlocks(Sequence* s);
   void Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<StepOutput>* out);
   // Encoder-decoder models: encodes the new sequences' inputs into their cross blocks.
   void Encode(const std::vector<Sequence*>& seqs);
@@ -133,6 +154,8 @@ class Engine {
   std::unique_ptr<KvCache> cache_;
   std::map<uint64_t, std::unique_ptr<Sequence>> seqs_;
   uint64_t last_forward_ns_ = 0;
+  bool prefix_caching_ = false;
+  PrefillReuse last_reuse_;
 };
 
 }  // namespace tgis::server

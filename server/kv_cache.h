@@ -1,42 +1,29 @@
 // The paged KV cache: per layer, [num_blocks, block_size, kv_heads, head_dim] keys and values,
-// and an allocator of block indices shared by all layers.
+// and the blocks' bookkeeping (BlockCache: allocation, sharing, prefix caching) for all layers.
 #pragma once
 
-#include <optional>
 #include <vector>
 
 #include "kernels/ops.h"
+#include "server/block_cache.h"
 
 namespace tgis::server {
 
-class BlockAllocator {
- public:
-  explicit BlockAllocator(int num_blocks);
-  std::optional<int32_t> Allocate();
-  void Free(int32_t block);
-  int free_count() const { return static_cast<int>(free_.size()); }
-  int total() const { return total_; }
-
- private:
-  std::vector<int32_t> free_;
-  int total_;
-};
-
 class KvCache {
  public:
-  // Keys and values in `dtype` on `device` (the model's activations').
+  // Keys and values in `dtype` on `device` (the model's activations'). `prefix_caching`: full
+  // blocks are kept and shared by content (BlockCache).
   KvCache(int num_layers, int num_blocks, int block_size, int kv_heads, int head_dim,
           kernels::DType dtype = kernels::DType::kF32,
-          kernels::Device device = kernels::Device::kCpu);
+          kernels::Device device = kernels::Device::kCpu, bool prefix_caching = false);
   std::vector<kernels::KvCacheLayer>* layers() { return &layers_; }
-  BlockAllocator& allocator() { return allocator_; }
-  int block_size() const { return block_size_; }
-  int num_blocks() const { return allocator_.total(); }
+  BlockCache& blocks() { return blocks_; }
+  int block_size() const { return blocks_.block_size(); }
+  int num_blocks() const { return blocks_.total(); }
 
  private:
   std::vector<kernels::KvCacheLayer> layers_;
-  BlockAllocator allocator_;
-  int block_size_;
+  BlockCache blocks_;
 };
 
 }  // namespace tgis::server

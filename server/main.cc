@@ -58,6 +58,10 @@ DEFINE_string(prefix_store_path, "",
 DEFINE_double(prompt_cache_size_mb, 512,
               "MiB of prefixes kept loaded, least recently used evicted first "
               "(env PROMPT_CACHE_SIZE_MB)");
+DEFINE_bool(prefix_caching, true,
+            "Keep the keys and values of full KV cache blocks after a request ends and share them "
+            "with later prompts that start with the same tokens, which then compute only the "
+            "rest; outputs are unchanged (env PREFIX_CACHING)");
 DEFINE_string(device, "auto",
               "Where the model runs: cpu, cuda (GPU number = rank), or auto: cuda when this "
               "build has CUDA and a GPU is present (env TGIS_DEVICE)");
@@ -105,7 +109,8 @@ int main(int argc, char** argv) {
                                    {"cuda_process_memory_fraction", "CUDA_PROCESS_MEMORY_FRACTION"},
                                    {"batch_safety_margin", "BATCH_SAFETY_MARGIN"},
                                    {"prefix_store_path", "PREFIX_STORE_PATH"},
-                                   {"prompt_cache_size_mb", "PROMPT_CACHE_SIZE_MB"}});
+                                   {"prompt_cache_size_mb", "PROMPT_CACHE_SIZE_MB"},
+                                   {"prefix_caching", "PREFIX_CACHING"}});
       !err.empty()) {
     return Fail(err);
   }
@@ -210,6 +215,7 @@ int main(int argc, char** argv) {
   opts.batch_safety_margin = FLAGS_batch_safety_margin;
   opts.prefix_store_path = FLAGS_prefix_store_path;
   opts.prompt_cache_mb = FLAGS_prompt_cache_size_mb;
+  opts.prefix_caching = FLAGS_prefix_caching;
   for (int r = 0; r < FLAGS_world_size; ++r) {
     opts.urls.push_back("unix://" + FLAGS_uds_path + "-" + std::to_string(r));
   }

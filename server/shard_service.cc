@@ -177,7 +177,7 @@ grpc::Status ShardService::EnsureEngine() {
   }
   engine_ = std::make_unique<Engine>(std::move(pending_model_), config_.eos_token_ids,
                                      config_.max_position_embeddings, static_cast<int>(blocks),
-                                     options_.block_size);
+                                     options_.block_size, options_.prefix_caching);
   return grpc::Status::OK;
 }
 
@@ -285,6 +285,8 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
   }
   resp->set_forward_ns(engine_->last_forward_ns());
   resp->set_total_ns(NowNs() - t0);
+  resp->set_prefix_cache_hits(engine_->last_reuse().sequences);
+  resp->set_prefix_cache_reused_tokens(engine_->last_reuse().reused_tokens);
   return grpc::Status::OK;
 }
 

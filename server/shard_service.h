@@ -33,6 +33,8 @@ struct ShardOptions {
   // Prompt tuning (TGIS's PREFIX_STORE_PATH, PROMPT_CACHE_SIZE_MB); no store path: off.
   std::string prefix_store_path;
   double prompt_cache_mb = 512;
+  // Keys and values of full blocks kept and shared between prompts that start alike.
+  bool prefix_caching = true;
 };
 
 class ShardService final : public generate::v1::TextGenerationService::Service {

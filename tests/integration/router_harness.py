@@ -28,13 +28,14 @@ def binaries_missing() -> str | None:
 
 class RouterServer:
     """A shard and a router in front of it. `router_args` are extra router flags (dashed TGIS
-    names); `env` extra environment for the router. /health and /metrics are on `http_port`.
+    names), `shard_args` extra shard flags; `env` extra environment for the router. /health and /metrics are on `http_port`.
     With `credentials` (grpc.ChannelCredentials) the client channel uses TLS, with
     `tls_target` as the name the server certificate must carry."""
 
     def __init__(self, model: str = "llama", router_args: list[str] | None = None,
                  env: dict | None = None, kv_blocks: int = 128, block_size: int = 4,
-                 num_shard: int = 1, credentials=None, tls_target: str = "localhost"):
+                 num_shard: int = 1, credentials=None, tls_target: str = "localhost",
+                 shard_args: list[str] | None = None):
         import grpc
 
         self.model_dir = FIXTURES / "models" / model
@@ -47,7 +48,8 @@ class RouterServer:
         # calls every one of them and uses shard 0's answers.
         self.shards = [Process([binary(SHARD_BINARY), "serve", self.model_dir, "--uds-path", self.uds,
                                 "--rank", str(rank), "--kv-cache-blocks", str(kv_blocks),
-                                "--block-size", str(block_size)]) for rank in range(num_shard)]
+                                "--block-size", str(block_size), *(shard_args or [])])
+                       for rank in range(num_shard)]
         self.shard = self.shards[0]
         self.router = None
         try:

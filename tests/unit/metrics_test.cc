@@ -65,7 +65,10 @@ TEST(Metrics, EveryTgisMetricIsExposedWithItsKind) {
       {"tgi_tokenize_request_count", "counter"},
       {"tgi_tokenize_request_input_count", "counter"},
       {"tgi_tokenize_request_tokens", "histogram"},
-      {"tgi_tokenize_request_duration", "histogram"}};
+      {"tgi_tokenize_request_duration", "histogram"},
+      // Ours, beside TGIS's set.
+      {"tgis_prefix_cache_hits", "counter"},
+      {"tgis_prefix_cache_reused_tokens", "counter"}};
   for (const auto& [name, kind] : want) {
     EXPECT_TRUE(types.count({name, kind})) << name << " " << kind;
     if (kind == "counter") {

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -96,7 +97,7 @@ class ParityFixture {
       ASSERT_TRUE(model.ok()) << model.status();
       (*model)->MoveTo(device_);
       Engine engine(std::move(*model), config->eos_token_ids, config->max_position_embeddings,
-                    blocks, 4);
+                    blocks, 4, prefix_caching_);
       body(engine);
     };
     if (world_ == 1) {
@@ -154,6 +155,7 @@ class ParityFixture {
 
   std::string dir_;
   int world_ = 1;
+  bool prefix_caching_ = true;  // as the shard runs by default
   tgis::kernels::Device device_ = tgis::kernels::Device::kCpu;
   tgis::kernels::DType dtype_ = tgis::kernels::DType::kF32;
   std::vector<Golden> goldens_;
@@ -315,6 +317,196 @@ TEST_P(ParityTest, SeededSamplingIsTheSameOnEveryRankAsOnOneShard) {
   });
   ASSERT_EQ(ranks.size(), static_cast<size_t>(world));
   for (const auto& r : ranks) EXPECT_EQ(r, one);
+}
+
+// The tokens and logprobs of sequences run to their golden lengths together: `firsts` are
+// their prefills' outputs, `goldens` their goldens by id.
+using Continuations = std::map<uint64_t, std::pair<std::vector<int32_t>, std::vector<double>>>;
+Continuations DecodeTogether(Engine& engine, const std::vector<StepOutput>& firsts,
+                             const std::map<uint64_t, const Golden*>& goldens) {
+  Continuations got;
+  std::vector<StepOutput> out = firsts;
+  std::vector<SequenceError> errors;
+  while (true) {
+    for (const StepOutput& o : out) {
+      got[o.id].first.push_back(o.token.id);
+      got[o.id].second.push_back(o.token.logprob);
+    }
+    std::vector<uint64_t> live;
+    for (const auto& [id, g] : goldens) {
+      if (got[id].first.size() < g->generated.size()) live.push_back(id);
+    }
+    if (live.empty()) break;
+    out.clear();
+    engine.Decode(live, &out, &errors);
+    EXPECT_TRUE(errors.empty()) << errors[0].status;
+    if (!errors.empty()) break;
+  }
+  return got;
+}
+
+void ExpectGolden(const Continuations& got, uint64_t id, const Golden& g, const std::string& what) {
+  ASSERT_TRUE(got.count(id)) << what;
+  EXPECT_EQ(got.at(id).first, g.generated) << what;
+  for (size_t k = 0; k < got.at(id).second.size() && k < g.logprobs.size(); ++k) {
+    EXPECT_NEAR(got.at(id).second[k], g.logprobs[k], kLogprobTolerance) << what << " step " << k;
+  }
+}
+
+// Prefix caching (on in these engines, as in the shard): a prompt that starts with tokens some
+// sequence computed before takes their blocks and computes only the rest, and its tokens and
+// logprobs are still transformers'.
+TEST_P(ParityTest, CachedPrefixGivesTheGoldenContinuation) {
+  OnEveryRank([&](Engine& engine) {
+    // Length-dependent rotary frequencies leave prefix caching off (see engine.cc).
+    EXPECT_EQ(engine.prefix_caching(), !rope_stepwise_);
+    const int bs = engine.block_size();
+    auto reusable = [&](size_t prompt) {
+      return engine.prefix_caching() ? (prompt - 1) / bs * bs : 0;
+    };
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      const Golden& g = goldens_[i];
+      // Once through: the prompt's and the continuation's full blocks are cached.
+      for (uint64_t id : {10 * i + 1, 10 * i + 2}) {
+        std::vector<StepOutput> out;
+        std::vector<SequenceError> errors;
+        engine.Prefill({Seq(id, g)}, &out, &errors);
+        ASSERT_TRUE(errors.empty()) << errors[0].status;
+        // The second time, the prompt's whole blocks (all but its last token) come cached.
+        if (id % 10 == 2) {
+          EXPECT_EQ(engine.last_reuse().reused_tokens, reusable(g.input.size())) << "prompt " << i;
+        }
+        ExpectGolden(DecodeTogether(engine, out, {{id, &g}}), id, g,
+                     "prompt " + std::to_string(i) + " run " + std::to_string(id % 10));
+        engine.Release(id);
+      }
+      // The prompt and half the continuation as a new prompt: its blocks come from the
+      // generated tokens' too, and the rest of the continuation follows (teacher forced; not
+      // comparable for stepwise goldens).
+      const size_t k = g.generated.size() / 2;
+      if (k == 0 || rope_stepwise_) continue;
+      Golden h;
+      h.input = g.input;
+      h.input.insert(h.input.end(), g.generated.begin(), g.generated.begin() + k);
+      h.generated.assign(g.generated.begin() + k, g.generated.end());
+      h.logprobs.assign(g.logprobs.begin() + k, g.logprobs.end());
+      const uint64_t id = 10 * i + 3;
+      std::vector<StepOutput> out;
+      std::vector<SequenceError> errors;
+      engine.Prefill({Seq(id, h)}, &out, &errors);
+      ASSERT_TRUE(errors.empty()) << errors[0].status;
+      EXPECT_EQ(engine.last_reuse().reused_tokens, reusable(h.input.size())) << "prompt " << i;
+      ExpectGolden(DecodeTogether(engine, out, {{id, &h}}), id, h,
+                   "prompt " + std::to_string(i) + " continued");
+      engine.Release(id);
+    }
+    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+  });
+}
+
+// A prompt takes the blocks of a sequence that is still running; both go on as transformers.
+TEST_P(ParityTest, APromptSharesTheBlocksOfOneStillRunning) {
+  const Golden& g = *std::max_element(
+      goldens_.begin(), goldens_.end(),
+      [](const Golden& x, const Golden& y) { return x.input.size() < y.input.size(); });
+  OnEveryRank([&](Engine& engine) {
+    std::vector<StepOutput> first, out;
+    std::vector<SequenceError> errors;
+    engine.Prefill({Seq(1, g)}, &first, &errors);
+    ASSERT_TRUE(errors.empty()) << errors[0].status;
+    engine.Prefill({Seq(2, g)}, &out, &errors);
+    ASSERT_TRUE(errors.empty()) << errors[0].status;
+    if (engine.prefix_caching()) {
+      EXPECT_GT(engine.last_reuse().reused_tokens, 0u);
+    }
+    first.insert(first.end(), out.begin(), out.end());
+    Continuations got = DecodeTogether(engine, first, {{1, &g}, {2, &g}});
+    ExpectGolden(got, 1, g, "first");
+    ExpectGolden(got, 2, g, "second");
+    engine.Release(1);
+    engine.Release(2);
+    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+  });
+}
+
+// With few blocks, cached ones are evicted for new sequences; what is evicted is computed again
+// and every sequence still matches transformers.
+TEST_P(ParityTest, EvictedPrefixesAreComputedAgain) {
+  size_t most = 0;
+  for (const Golden& g : goldens_) most = std::max(most, g.input.size() + g.generated.size());
+  const int blocks = static_cast<int>((most + 3) / 4 + 1);
+  OnEveryRank(
+      [&](Engine& engine) {
+        for (int round = 0; round < 2; ++round) {
+          for (size_t i = 0; i < goldens_.size(); ++i) {
+            const uint64_t id = 100 * round + i;
+            std::vector<StepOutput> out;
+            std::vector<SequenceError> errors;
+            engine.Prefill({Seq(id, goldens_[i])}, &out, &errors);
+            ASSERT_TRUE(errors.empty()) << errors[0].status;
+            ExpectGolden(DecodeTogether(engine, out, {{id, &goldens_[i]}}), id, goldens_[i],
+                         "round " + std::to_string(round) + " prompt " + std::to_string(i));
+            engine.Release(id);
+          }
+        }
+        EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+      },
+      blocks);
+}
+
+// Prompt tuning: virtual tokens are placeholders in the token list, so a cached block is only
+// ever shared by sequences with the same prefix object. Outputs with the cache on, whatever ran
+// before, equal those of an engine without it.
+TEST_P(ParityTest, PromptTuningPrefixesNeverShareBlocksWithOthers) {
+  if (rope_stepwise_) GTEST_SKIP() << "prefix caching is off for this model";
+  const Golden& g = goldens_[0];
+  std::vector<std::vector<int32_t>> want(2);
+  std::vector<std::vector<double>> want_lp(2);
+  auto make_prefix = [](const Engine& engine, float scale) {
+    const int64_t hidden = engine.model().spec().EmbedDim();
+    std::vector<float> v(static_cast<size_t>(6 * hidden));
+    for (size_t k = 0; k < v.size(); ++k) v[k] = scale * std::sin(0.37f * static_cast<float>(k));
+    return std::make_shared<const tgis::kernels::Tensor>(
+        tgis::kernels::Tensor::FromVector(v, {6, hidden}));
+  };
+  auto run = [&](Engine& engine, uint64_t id, std::shared_ptr<const tgis::kernels::Tensor> prefix) {
+    NewSequence n = Seq(id, g);
+    n.prefix = std::move(prefix);
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    engine.Prefill({n}, &out, &errors);
+    EXPECT_TRUE(errors.empty()) << errors[0].status;
+    Continuations got = DecodeTogether(engine, out, {{id, &g}});
+    engine.Release(id);
+    return got[id];
+  };
+  prefix_caching_ = false;
+  OnEveryRank([&](Engine& engine) {
+    for (int p = 0; p < 2; ++p) {
+      auto [ids, lps] = run(engine, 1, make_prefix(engine, p == 0 ? 0.5f : -0.8f));
+      if (engine.model().shard().rank == 0) {
+        want[p] = ids;
+        want_lp[p] = lps;
+      }
+    }
+  });
+  prefix_caching_ = true;
+  OnEveryRank([&](Engine& engine) {
+    auto expect = [&](const std::pair<std::vector<int32_t>, std::vector<double>>& got, int p,
+                      const std::string& what) {
+      EXPECT_EQ(got.first, want[p]) << what;
+      for (size_t k = 0; k < got.second.size() && k < want_lp[p].size(); ++k) {
+        EXPECT_NEAR(got.second[k], want_lp[p][k], 1e-5) << what << " step " << k;
+      }
+    };
+    ExpectGolden({{1, run(engine, 1, nullptr)}}, 1, g, "no prefix");  // caches the plain prompt
+    auto a = make_prefix(engine, 0.5f);
+    expect(run(engine, 2, a), 0, "prefix a after the plain prompt");
+    EXPECT_EQ(engine.last_reuse().reused_tokens, 0u);
+    expect(run(engine, 3, a), 0, "prefix a again");
+    auto b = make_prefix(engine, -0.8f);
+    expect(run(engine, 4, b), 1, "prefix b after prefix a");
+  });
 }
 
 TEST_P(ParityTest, OutOfBlocksIsReportedNotFatal) {
