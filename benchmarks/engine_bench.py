@@ -56,13 +56,14 @@ for batch in (1, 16):
 '''
 
 
-def make_checkpoint(folder: Path) -> None:
+def make_checkpoint(folder: Path, config: dict | None = None) -> None:
+    """A Llama checkpoint of `config` (default CONFIG) with random weights in `folder`."""
     if (folder / "model.safetensors").exists():
         return
     from safetensors.numpy import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    c = CONFIG
+    c = config or CONFIG
     rng = np.random.default_rng(0)
     h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     d = h // c["num_attention_heads"]
