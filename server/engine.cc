@@ -16,12 +16,18 @@ using kernels::Tensor;
 namespace {
 
 // Prefix caching shares the keys and values a sequence computed with any later one that starts
-// with the same tokens (and the same prompt-tuning prefix). Left out: encoder-decoder models
-// (the decoder's prompt is one start token; the encoder's output is per input) and rotary
-// scalings whose frequencies follow the sequence's length (dynamic NTK, LongRoPE: a key
-// cached at one length is not the key another length computes).
+// with the same tokens (and the same prompt-tuning prefix), and preemption computes a
+// sequence's tokens again in one pass: both need a token's keys and values to be the same
+// whenever and however they are computed. Not so for rotary scalings whose frequencies follow
+// the sequence's length (dynamic NTK, LongRoPE: a key computed at one length is not the key
+// another length computes), which leave both off. Encoder-decoder models leave prefix caching
+// off too (the decoder's prompt is one start token; the encoder's output is per input).
+bool KeysIndependentOfLength(const Model& model) {
+  return !model.spec().rope_by_length.has_value();
+}
+
 bool PrefixCachingApplies(const Model& model) {
-  return !model.encoder_decoder() && !model.spec().rope_by_length.has_value();
+  return !model.encoder_decoder() && KeysIndependentOfLength(model);
 }
 
 }  // namespace
@@ -30,6 +36,7 @@ Engine::Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64
                int num_blocks, int block_size, bool prefix_caching)
     : model_(std::move(model)), eos_(std::move(eos_ids)), max_positions_(max_positions) {
   prefix_caching_ = prefix_caching && PrefixCachingApplies(*model_);
+  can_preempt_ = KeysIndependentOfLength(*model_);
   const DecoderSpec& s = model_->spec();
   max_positions_ = s.ServedPositions(max_positions);
   // No limit of the model's own (ALiBi models without one in the config, relative positions):
@@ -122,12 +129,38 @@ void Engine::ReleaseAll() {
 }
 
 void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out,
-                     std::vector<SequenceError>* errors) {
+                     std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted) {
   const int64_t vocab = model_->spec().vocab;
   last_reuse_ = {};
   std::vector<Sequence*> batch;
   for (NewSequence& n : news) {
     auto fail = [&](absl::Status st) { errors->push_back({n.id, std::move(st)}); };
+    if (n.resume) {
+      auto it = seqs_.find(n.id);
+      if (it == seqs_.end() || !it->second->preempted) {
+        fail(absl::FailedPreconditionError(absl::StrCat("request ", n.id, " is not preempted")));
+        continue;
+      }
+      Sequence* s = it->second.get();
+      if (prefix_caching_) ReuseCachedPrefix(s);
+      if (!Reserve(s)) {
+        Preempt(s);
+        if (preempted != nullptr) {
+          preempted->push_back(n.id);
+        } else {
+          fail(absl::ResourceExhaustedError("not enough KV cache blocks to resume the request"));
+          Release(n.id);
+        }
+        continue;
+      }
+      s->preempted = false;
+      if (s->cached > 0) {
+        last_reuse_.sequences += 1;
+        last_reuse_.reused_tokens += s->cached;
+      }
+      batch.push_back(s);
+      continue;
+    }
     if (seqs_.count(n.id)) {
       fail(absl::AlreadyExistsError(absl::StrCat("request ", n.id, " is already running")));
       continue;
@@ -170,6 +203,7 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
       s->tokens.insert(s->tokens.end(), n.input_ids.begin(), n.input_ids.end());
     }
     s->prompt_len = s->tokens.size();
+    s->order = next_order_++;
     s->sampler = std::make_unique<Sampler>(n.params, eos_);
     s->top_n = n.top_n;
     s->input_logprobs = n.input_logprobs;
@@ -190,7 +224,7 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
 }
 
 void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* out,
-                    std::vector<SequenceError>* errors) {
+                    std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted) {
   std::vector<Sequence*> batch;
   for (uint64_t id : ids) {
     auto it = seqs_.find(id);
@@ -199,19 +233,64 @@ void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* o
       continue;
     }
     Sequence* s = it->second.get();
+    if (s->preempted) {
+      errors->push_back({id, absl::FailedPreconditionError(absl::StrCat(
+                                 "request ", id, " is preempted: resume it with a prefill"))});
+      continue;
+    }
     if (static_cast<int64_t>(s->tokens.size()) >= max_positions_) {
       errors->push_back({id, absl::OutOfRangeError("the model's positions are exhausted")});
       Release(id);
       continue;
     }
-    if (!Reserve(s)) {
-      errors->push_back({id, absl::ResourceExhaustedError("out of KV cache blocks")});
-      Release(id);
-      continue;
-    }
     batch.push_back(s);
   }
+  batch = ReserveOrPreempt(batch, errors, can_preempt_ ? preempted : nullptr);
   if (!batch.empty()) Run(batch, /*prefill=*/false, out);
+}
+
+void Engine::Preempt(Sequence* s) {
+  FreeBlocks(s);
+  s->cached = 0;
+  s->chain = 0;
+  s->preempted = true;
+  // Its prompt details went out with its first token.
+  s->input_logprobs = false;
+}
+
+std::vector<Engine::Sequence*> Engine::ReserveOrPreempt(const std::vector<Sequence*>& seqs,
+                                                        std::vector<SequenceError>* errors,
+                                                        std::vector<uint64_t>* preempted) {
+  std::vector<Sequence*> by_age = seqs;
+  std::sort(by_age.begin(), by_age.end(),
+            [](const Sequence* a, const Sequence* b) { return a->order < b->order; });
+  std::vector<uint64_t> dropped;
+  for (size_t i = 0; i < by_age.size();) {
+    Sequence* s = by_age[i];
+    if (Reserve(s)) {
+      ++i;
+      continue;
+    }
+    if (preempted == nullptr || by_age.size() == 1) {
+      // Alone it still does not fit (or preemption is not wanted): it can never run.
+      errors->push_back({s->id, absl::ResourceExhaustedError("out of KV cache blocks")});
+      dropped.push_back(s->id);
+      FreeBlocks(s);
+      by_age.erase(by_age.begin() + static_cast<std::ptrdiff_t>(i));
+      continue;
+    }
+    // The newest gives its blocks up (possibly s itself); s then tries again.
+    Sequence* victim = by_age.back();
+    Preempt(victim);
+    preempted->push_back(victim->id);
+    by_age.pop_back();
+  }
+  std::vector<Sequence*> kept;
+  for (Sequence* s : seqs) {
+    if (std::find(by_age.begin(), by_age.end(), s) != by_age.end()) kept.push_back(s);
+  }
+  for (uint64_t id : dropped) Release(id);
+  return kept;
 }
 
 void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<StepOutput>* out) {

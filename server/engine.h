@@ -29,6 +29,9 @@ struct NewSequence {
   // Encoder-decoder models: a prefix before the input, in the encoder (`prefix` goes before the
   // decoder start token).
   std::shared_ptr<const kernels::Tensor> encoder_prefix;
+  // Resumes the preempted sequence `id` (every other field is ignored): its tokens are
+  // computed again and it gets its next token.
+  bool resume = false;
 };
 
 struct TokenInfo {
@@ -64,17 +67,26 @@ class Engine {
   Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64_t max_positions,
          int num_blocks, int block_size, bool prefix_caching = false);
 
-  // Adds sequences and runs their prompts; each surviving one gets its first token. Bad or
-  // unservable sequences come back as errors and are not kept.
+  // Adds sequences and runs their prompts; each surviving one gets its first token (a resumed
+  // one its next). Bad or unservable sequences come back as errors and are not kept; a resumed
+  // one whose blocks do not fit stays preempted and is listed in `preempted` (when given;
+  // else it fails).
   void Prefill(std::vector<NewSequence> seqs, std::vector<StepOutput>* out,
-               std::vector<SequenceError>* errors);
-  // One more token for each listed live sequence. A sequence that cannot get a KV block is
-  // dropped with an error; the others proceed.
+               std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted = nullptr);
+  // One more token for each listed live sequence. When the KV cache cannot hold them all, the
+  // newest are preempted until the rest fit (when `preempted` is given): their blocks are
+  // freed, their tokens and sampler kept, and they are listed there, to be resumed later by a
+  // Prefill. A sequence that cannot fit even alone (or any, without `preempted`) is dropped
+  // with an error; the others proceed. Models that cannot preempt (can_preempt) never do.
   void Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* out,
-              std::vector<SequenceError>* errors);
+              std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted = nullptr);
   void Release(uint64_t id);
   void ReleaseAll();
   bool Has(uint64_t id) const { return seqs_.count(id) > 0; }
+  bool Preempted(uint64_t id) const {
+    auto it = seqs_.find(id);
+    return it != seqs_.end() && it->second->preempted;
+  }
   size_t CachedTokens(uint64_t id) const;
   const Model& model() const { return *model_; }
   int num_blocks() const { return cache_->num_blocks(); }
@@ -83,6 +95,9 @@ class Engine {
   int free_blocks() { return cache_->blocks().available(); }
   int block_size() const { return cache_->block_size(); }
   bool prefix_caching() const { return prefix_caching_; }
+  // Whether Decode may preempt (a model whose keys depend on the sequence's length cannot
+  // compute a preempted sequence's tokens again exactly: see engine.cc).
+  bool can_preempt() const { return can_preempt_; }
   // What prefix caching saved in the last Prefill.
   const PrefillReuse& last_reuse() const { return last_reuse_; }
 
@@ -108,6 +123,8 @@ class Engine {
     // blocks are never shared) and how many of its blocks are registered.
     BlockCache::Node chain = 0;
     size_t registered = 0;
+    uint64_t order = 0;      // admission order: the newest are preempted first
+    bool preempted = false;  // blocks freed; resumed by a Prefill
     std::unique_ptr<Sampler> sampler;
     uint32_t generated = 0;
     uint32_t top_n = 0;
@@ -117,6 +134,14 @@ class Engine {
   // Reserves blocks for every uncached token of s; false when the cache is full.
   bool Reserve(Sequence* s);
   void FreeBlocks(Sequence* s);
+  // Frees s's blocks, keeping its tokens and sampler, until it is resumed.
+  void Preempt(Sequence* s);
+  // Reserves blocks for every listed sequence, oldest first; when the cache runs out, preempts
+  // the newest (listing them in `preempted`) or, without `preempted` or for one that cannot fit
+  // alone, drops it with an error. Returns the sequences that got their blocks, in order.
+  std::vector<Sequence*> ReserveOrPreempt(const std::vector<Sequence*>& seqs,
+                                          std::vector<SequenceError>* errors,
+                                          std::vector<uint64_t>* preempted);
   // Takes the longest cached run of s's prompt, leaving at least its last token to compute.
   void ReuseCachedPrefix(Sequence* s);
   // Registers s's blocks that are full and computed, for later sequences to share.
@@ -155,7 +180,9 @@ class Engine {
   std::map<uint64_t, std::unique_ptr<Sequence>> seqs_;
   uint64_t last_forward_ns_ = 0;
   bool prefix_caching_ = false;
+  bool can_preempt_ = false;
   PrefillReuse last_reuse_;
+  uint64_t next_order_ = 0;
 };
 
 }  // namespace tgis::server

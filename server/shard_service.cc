@@ -253,6 +253,12 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
   std::vector<SequenceError> errors;
   for (const pb::Request& r : batch.requests()) {
     NewSequence n;
+    if (r.resume()) {
+      n.id = r.id();
+      n.resume = true;
+      news.push_back(std::move(n));
+      continue;
+    }
     if (!r.prefix_id().empty()) {
       auto prefix = prefixes_->Get(r.prefix_id());
       if (!prefix.ok()) {
@@ -276,8 +282,10 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
     news.push_back(std::move(n));
   }
   std::vector<StepOutput> outs;
-  engine_->Prefill(std::move(news), &outs, &errors);
+  std::vector<uint64_t> preempted;
+  engine_->Prefill(std::move(news), &outs, &errors, &preempted);
   AddResults(outs, errors, resp);
+  resp->mutable_preempted_request_ids()->Add(preempted.begin(), preempted.end());
   if (!outs.empty()) {
     auto& ids = batches_[batch.id()];
     for (const StepOutput& o : outs) ids.push_back(o.id);
@@ -319,10 +327,19 @@ grpc::Status ShardService::Decode(grpc::ServerContext*, const pb::DecodeRequest*
     }
     batches_.erase(b.id());
   }
+  // Finished requests that were preempted are in no batch.
+  for (uint64_t id : finished) {
+    if (engine_->Preempted(id)) engine_->Release(id);
+  }
   std::vector<StepOutput> outs;
   std::vector<SequenceError> errors;
-  if (!ids.empty()) engine_->Decode(ids, &outs, &errors);
+  std::vector<uint64_t> preempted;
+  if (!ids.empty()) engine_->Decode(ids, &outs, &errors, &preempted);
   AddResults(outs, errors, resp);
+  resp->mutable_preempted_request_ids()->Add(preempted.begin(), preempted.end());
+  if (!preempted.empty()) {
+    LOG(INFO) << "KV cache full: preempted " << preempted.size() << " request(s)";
+  }
   if (!outs.empty()) {
     auto& kept = batches_[merged_id];
     for (const StepOutput& o : outs) kept.push_back(o.id);

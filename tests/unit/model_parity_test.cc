@@ -10,12 +10,14 @@
 #include <stdlib.h>
 
 #include <cmath>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -360,6 +362,7 @@ TEST_P(ParityTest, CachedPrefixGivesTheGoldenContinuation) {
   OnEveryRank([&](Engine& engine) {
     // Length-dependent rotary frequencies leave prefix caching off (see engine.cc).
     EXPECT_EQ(engine.prefix_caching(), !rope_stepwise_);
+    EXPECT_EQ(engine.can_preempt(), !rope_stepwise_);
     const int bs = engine.block_size();
     auto reusable = [&](size_t prompt) {
       return engine.prefix_caching() ? (prompt - 1) / bs * bs : 0;
@@ -507,6 +510,120 @@ TEST_P(ParityTest, PromptTuningPrefixesNeverShareBlocksWithOthers) {
     auto b = make_prefix(engine, -0.8f);
     expect(run(engine, 4, b), 1, "prefix b after prefix a");
   });
+}
+
+// Runs every golden prompt to its golden length on `engine` as a scheduler with preemption
+// would: admits one waiting sequence per step when it fits, resumes preempted ones (oldest
+// first) before admitting new ones, decodes the rest. `make` builds sequence i. Returns every
+// sequence's tokens and logprobs, and how many preemptions happened.
+std::pair<Continuations, int> RunWithPreemption(Engine& engine, const std::vector<Golden>& goldens,
+                                                const std::function<NewSequence(size_t)>& make) {
+  Continuations got;
+  std::deque<uint64_t> waiting;
+  for (size_t i = 0; i < goldens.size(); ++i) waiting.push_back(i);
+  std::set<uint64_t> running, preempted;
+  int preemptions = 0;
+  auto record = [&](const std::vector<StepOutput>& out) {
+    for (const StepOutput& o : out) {
+      got[o.id].first.push_back(o.token.id);
+      got[o.id].second.push_back(o.token.logprob);
+      if (got[o.id].first.size() >= goldens[o.id].generated.size()) {
+        engine.Release(o.id);
+        running.erase(o.id);
+      }
+    }
+  };
+  for (int step = 0; step < 10000 && (!waiting.empty() || !running.empty() || !preempted.empty());
+       ++step) {
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    std::vector<uint64_t> still;
+    if (!preempted.empty()) {
+      NewSequence n;
+      n.id = *preempted.begin();
+      n.resume = true;
+      engine.Prefill({n}, &out, &errors, &still);
+      EXPECT_TRUE(errors.empty()) << errors[0].status;
+      if (still.empty()) {
+        preempted.erase(n.id);
+        running.insert(n.id);
+      }
+    } else if (!waiting.empty()) {
+      engine.Prefill({make(waiting.front())}, &out, &errors);
+      if (errors.empty()) {
+        running.insert(waiting.front());
+        waiting.pop_front();
+      } else {
+        EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kResourceExhausted);
+        EXPECT_FALSE(running.empty()) << "a sequence that fits alone was refused";
+        if (running.empty()) break;
+      }
+    }
+    record(out);
+    if (running.empty()) continue;
+    out.clear();
+    errors.clear();
+    still.clear();
+    engine.Decode(std::vector<uint64_t>(running.begin(), running.end()), &out, &errors, &still);
+    EXPECT_TRUE(errors.empty()) << errors[0].status;
+    for (uint64_t id : still) {
+      running.erase(id);
+      preempted.insert(id);
+      ++preemptions;
+    }
+    record(out);
+  }
+  return {got, preemptions};
+}
+
+// Preemption: in a KV cache that holds the longest sequence but not all of them at once, the
+// newest running sequences give their blocks up and are resumed later, computing their tokens
+// again; every one still gets transformers' tokens, and seeded samples are the same as in a
+// cache large enough for all.
+TEST_P(ParityTest, PreemptedSequencesResumeWithTheSameTokens) {
+  if (goldens_.size() < 2) GTEST_SKIP() << "needs two prompts";
+  size_t most = 0, sum = 0;
+  for (const Golden& g : goldens_) {
+    const size_t blocks = (g.input.size() + g.generated.size() + 3) / 4;
+    most = std::max(most, blocks);
+    sum += blocks;
+  }
+  if (sum <= most + 1) GTEST_SKIP() << "the sequences fit together";
+  if (rope_stepwise_) GTEST_SKIP() << "length-dependent rotary: this model never preempts";
+  const int small = static_cast<int>(most + 1);
+  auto greedy = [&](size_t i) { return Seq(i, goldens_[i]); };
+  auto sampled = [&](size_t i) {
+    NewSequence n = Seq(i, goldens_[i]);
+    n.params.do_sample = true;
+    n.params.seed = 77 + i;
+    n.params.top_k = 20;
+    return n;
+  };
+  Continuations roomy;
+  OnEveryRank([&](Engine& engine) {
+    auto [got, preemptions] = RunWithPreemption(engine, goldens_, sampled);
+    EXPECT_EQ(preemptions, 0);
+    if (engine.model().shard().rank == 0) roomy = got;
+  });
+  for (bool caching : {true, false}) {
+    prefix_caching_ = caching;
+    OnEveryRank(
+        [&](Engine& engine) {
+          const std::string mode = caching ? "caching on" : "caching off";
+          auto [got, preemptions] = RunWithPreemption(engine, goldens_, greedy);
+          EXPECT_GT(preemptions, 0) << mode;
+          for (size_t i = 0; i < goldens_.size(); ++i) {
+            ExpectGolden(got, i, goldens_[i], mode + " prompt " + std::to_string(i));
+          }
+          auto [samples, sample_preemptions] = RunWithPreemption(engine, goldens_, sampled);
+          EXPECT_GT(sample_preemptions, 0) << mode;
+          for (size_t i = 0; i < goldens_.size(); ++i) {
+            EXPECT_EQ(samples[i].first, roomy[i].first) << mode << " sampled prompt " << i;
+          }
+          EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+        },
+        small);
+  }
 }
 
 TEST_P(ParityTest, OutOfBlocksIsReportedNotFatal) {
