@@ -133,6 +133,9 @@ TgiMetrics::TgiMetrics(Registry* r, const MetricShape& shape) {
   prefix_cache_reused_tokens =
       r->Counter("tgis_prefix_cache_reused_tokens",
                  "Count of prompt tokens whose keys and values came from the prefix cache");
+  preemptions = r->Counter("tgis_preemptions",
+                           "Count of requests preempted because the KV cache was full (their "
+                           "tokens are computed again when they resume)");
 }
 
 }  // namespace tgis::metrics

@@ -71,6 +71,7 @@ struct TgiMetrics {
   // Beyond TGIS, under our own prefix (tgis_): prefix caching.
   Family* prefix_cache_hits;           // counter: requests whose prompt started cached
   Family* prefix_cache_reused_tokens;  // counter: prompt tokens taken from the cache
+  Family* preemptions;                 // counter: requests preempted (KV cache full)
 };
 
 }  // namespace tgis::metrics

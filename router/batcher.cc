@@ -197,10 +197,11 @@ void Batcher::Loop() {
     }
     AnswerRemoved(std::move(removed));
     DropCancelled();
+    if (AnyPreempted()) Resume();
     if (!batch.empty()) Prefill(std::move(batch));
-    if (!running_.empty()) {
+    if (AnyActive()) {
       Decode();
-    } else {
+    } else if (running_.empty()) {
       ReleaseIdleBatches();
     }
     UpdateBatchGauges();
@@ -214,8 +215,11 @@ std::vector<std::unique_ptr<GenerationRequest>> Batcher::TakeBatchLocked(Clock::
   footprints.reserve(running_.size());
   uint32_t most_steps_left = 0;
   for (const auto& [id, r] : running_) {
-    footprints.push_back(FootprintOf(*r.request, r.progress->generated()));
-    most_steps_left = std::max(most_steps_left, footprints.back().steps);
+    // Preempted requests are resumed before anything new is admitted.
+    if (r.preempted) return {};
+    const uint32_t generated = r.progress->generated();
+    most_steps_left = std::max(most_steps_left, FootprintOf(*r.request, generated).steps);
+    footprints.push_back(FootprintOf(*r.request, generated, config_.admission.lookahead_steps));
   }
   if (!running_.empty()) {
     // Leave a batch that finishes at the next step alone, and give decoding at least half as
@@ -405,6 +409,15 @@ void Batcher::Decode() {
   for (const pb::RequestError& e : response->errors()) {
     FailRequest(e.request_id(), absl::Status(static_cast<absl::StatusCode>(e.code()), e.message()));
   }
+  for (uint64_t id : response->preempted_request_ids()) {
+    auto it = running_.find(id);
+    if (it == running_.end()) continue;
+    it->second.preempted = true;
+    LOG(INFO) << it->second.request->log_name << ": preempted after "
+              << it->second.progress->generated()
+              << " token(s): the KV cache is full; it resumes when blocks free up";
+    if (config_.metrics != nullptr) config_.metrics->preemptions->Add(1);
+  }
   for (const pb::Generation& g : response->generations()) OnGeneration(g, /*prefill=*/false);
   if (response->has_batch()) batches_.push_back(response->batch());
   OnInferenceDone("next_token", absl::OkStatus(), end - start, response->forward_ns(),
@@ -416,12 +429,15 @@ void Batcher::Decode() {
 
 void Batcher::FilterFinished() {
   const std::set<uint64_t> done(finished_.begin(), finished_.end());
+  // Finished while preempted: in no batch; the next Decode (or ClearCache) releases them.
+  std::set<uint64_t> unbatched = done;
   std::vector<pb::CachedBatch> kept;
   for (const pb::CachedBatch& b : batches_) {
     pb::FilterBatchRequest request;
     request.set_batch_id(b.id());
     bool any_done = false;
     for (uint64_t id : b.request_ids()) {
+      unbatched.erase(id);
       if (done.count(id)) {
         any_done = true;
       } else {
@@ -441,7 +457,7 @@ void Batcher::FilterFinished() {
     if (request.request_ids_size() > 0) kept.push_back(response->batch());
   }
   batches_ = std::move(kept);
-  finished_.clear();
+  finished_.assign(unbatched.begin(), unbatched.end());
 }
 
 void Batcher::ReleaseIdleBatches() {
@@ -450,8 +466,91 @@ void Batcher::ReleaseIdleBatches() {
       LOG(WARNING) << "clearing batch #" << b.id() << " failed: " << s;
     }
   }
+  // Requests that finished while preempted are in no batch: nothing runs, so all can go.
+  std::set<uint64_t> unbatched(finished_.begin(), finished_.end());
+  for (const pb::CachedBatch& b : batches_) {
+    for (uint64_t id : b.request_ids()) unbatched.erase(id);
+  }
+  if (!unbatched.empty()) {
+    if (absl::Status s = shards_.ClearCache(std::nullopt); !s.ok()) {
+      LOG(WARNING) << "clearing the shards' cache failed: " << s;
+    }
+  }
   batches_.clear();
   finished_.clear();
+}
+
+bool Batcher::AnyPreempted() const {
+  return std::any_of(running_.begin(), running_.end(),
+                     [](const auto& entry) { return entry.second.preempted; });
+}
+
+bool Batcher::AnyActive() const {
+  return std::any_of(running_.begin(), running_.end(),
+                     [](const auto& entry) { return !entry.second.preempted; });
+}
+
+void Batcher::Resume() {
+  if (!finished_.empty()) FilterFinished();
+  const uint32_t lookahead = config_.admission.lookahead_steps;
+  std::vector<Footprint> footprints;
+  std::vector<uint64_t> waiting;  // oldest first: ids grow with arrival
+  for (const auto& [id, r] : running_) {
+    if (r.preempted) {
+      waiting.push_back(id);
+    } else {
+      footprints.push_back(FootprintOf(*r.request, r.progress->generated(), lookahead));
+    }
+  }
+  const bool alone = footprints.empty();
+  pb::PrefillRequest request;
+  pb::Batch* b = request.mutable_batch();
+  b->set_id(next_batch_id_++);
+  for (uint64_t id : waiting) {
+    const Running& r = running_.at(id);
+    footprints.push_back(FootprintOf(*r.request, r.progress->generated(), lookahead));
+    const bool fits =
+        PeakTokens(footprints, config_.admission.block_size) <= config_.admission.max_batch_tokens;
+    if (!fits && !(alone && b->requests_size() == 0)) break;
+    pb::Request* resume = b->add_requests();
+    resume->set_id(id);
+    resume->set_resume(true);
+  }
+  if (b->requests_size() == 0) return;
+  LOG(INFO) << "resuming " << b->requests_size() << " preempted request(s) in batch #" << b->id();
+  const Clock::time_point start = Clock::now();
+  absl::StatusOr<pb::PrefillResponse> response = shards_.Prefill(request);
+  const Clock::time_point end = Clock::now();
+  SetShardHealth(response.ok());
+  if (!response.ok()) {
+    OnInferenceDone("prefill", response.status(), end - start, 0, {});
+    LOG(ERROR) << "resuming batch #" << b->id() << " failed: " << response.status();
+    for (const pb::Request& r : b->requests()) FailRequest(r.id(), response.status());
+    (void)shards_.ClearCache(b->id());
+    return;
+  }
+  for (const pb::RequestError& e : response->errors()) {
+    FailRequest(e.request_id(), absl::Status(static_cast<absl::StatusCode>(e.code()), e.message()));
+  }
+  for (const pb::Generation& g : response->generations()) {
+    auto it = running_.find(g.request_id());
+    if (it != running_.end()) it->second.preempted = false;
+    OnGeneration(g, /*prefill=*/false);
+  }
+  if (response->has_batch()) batches_.push_back(response->batch());
+  if (alone && response->preempted_request_ids_size() == b->requests_size()) {
+    // Nothing else holds blocks and it still does not fit: it never will.
+    finished_.push_back(b->requests(0).id());
+    FailRequest(b->requests(0).id(), absl::ResourceExhaustedError(
+                                         "the request does not fit in the KV cache even alone"));
+  }
+  metrics::TgiMetrics* m = config_.metrics;
+  if (m != nullptr) {
+    m->prefix_cache_hits->Add(response->prefix_cache_hits());
+    m->prefix_cache_reused_tokens->Add(static_cast<double>(response->prefix_cache_reused_tokens()));
+  }
+  OnInferenceDone("prefill", absl::OkStatus(), end - start, response->forward_ns(),
+                  Clock::now() - end);
 }
 
 void Batcher::OnGeneration(const pb::Generation& generation, bool prefill) {

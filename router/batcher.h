@@ -64,6 +64,9 @@ class Batcher {
   struct Running {
     std::unique_ptr<GenerationRequest> request;
     std::unique_ptr<RequestProgress> progress;
+    // The shards preempted it (KV cache full): in no cached batch, no blocks, waiting for
+    // Resume.
+    bool preempted = false;
   };
 
   void Loop();
@@ -73,6 +76,11 @@ class Batcher {
   void DropCancelled();
   void Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch);
   void Decode();
+  // Resumes preempted requests, oldest first, as many as the KV cache holds again (at least
+  // one when nothing else runs): a Prefill of resume requests.
+  void Resume();
+  bool AnyPreempted() const;
+  bool AnyActive() const;  // running and not preempted
   // Frees the finished requests' KV blocks on the shards now (before a prefill needs them).
   void FilterFinished();
   void ReleaseIdleBatches();

@@ -72,6 +72,11 @@ DEFINE_bool(output_special_tokens, false,
 DEFINE_bool(default_include_stop_seqs, true,
             "Whether a matched stop sequence stays in the output when a request does not say "
             "(env DEFAULT_INCLUDE_STOP_SEQS)");
+DEFINE_bool(preemption, false,
+            "Admit requests by the KV cache they need over the next block of tokens instead of "
+            "their whole run (TGIS); when the cache runs out, the shards preempt the newest "
+            "running requests and they resume, recomputed, when blocks free up: more requests "
+            "run at once, outputs are unchanged (env PREEMPTION)");
 DEFINE_int32(shard_connect_timeout, 600,
              "Seconds to wait for the shards to come up (env SHARD_CONNECT_TIMEOUT)");
 DEFINE_int32(shard_step_timeout, 600,
@@ -207,6 +212,7 @@ int main(int argc, char** argv) {
           {"output_special_tokens", "OUTPUT_SPECIAL_TOKENS"},
           {"default_include_stop_seqs", "DEFAULT_INCLUDE_STOP_SEQS"},
           {"shard_connect_timeout", "SHARD_CONNECT_TIMEOUT"},
+          {"preemption", "PREEMPTION"},
           {"shard_step_timeout", "SHARD_STEP_TIMEOUT"},
           {"shutdown_grace_period", "SHUTDOWN_GRACE_PERIOD"},
           {"port", "PORT"},
@@ -340,6 +346,15 @@ int main(int argc, char** argv) {
         std::max<uint64_t>(warmup->max_prefill_tokens(), max_sequence_length);
   }
   batcher_config.admission.max_prefill_padding = FLAGS_max_prefill_padding;
+  if (FLAGS_preemption) {
+    if (info->can_preempt()) {
+      batcher_config.admission.lookahead_steps = batcher_config.admission.block_size;
+    } else {
+      LOG(WARNING) << "--preemption: " << info->model_type()
+                   << " with length-dependent rotary frequencies cannot be preempted exactly; "
+                      "requests are admitted for their whole run";
+    }
+  }
   batcher_config.max_waiting_tokens = static_cast<uint32_t>(FLAGS_max_waiting_tokens);
   batcher_config.detokenization.skip_special_tokens = !FLAGS_output_special_tokens;
   for (uint32_t id : info->eos_token_ids()) {

@@ -4,12 +4,13 @@
 
 namespace tgis::router {
 
-Footprint FootprintOf(const GenerationRequest& request, uint32_t generated) {
+Footprint FootprintOf(const GenerationRequest& request, uint32_t generated, uint32_t lookahead) {
   // The step that produces token g + 1 writes the prompt and the g tokens before it to the
   // cache; the shard may count one more slot for the token being produced.
   const uint32_t max_new = request.params.max_new_tokens;
-  return Footprint{.tokens = request.prompt_length() + generated + 1,
-                   .steps = max_new > generated ? max_new - generated : 0};
+  uint32_t steps = max_new > generated ? max_new - generated : 0;
+  if (lookahead > 0) steps = std::min(steps, lookahead);
+  return Footprint{.tokens = request.prompt_length() + generated + 1, .steps = steps};
 }
 
 uint64_t FinalTokens(std::span<const Footprint> requests, uint32_t block_size) {
@@ -127,7 +128,7 @@ std::vector<std::unique_ptr<GenerationRequest>> RequestQueue::NextBatch(
   for (size_t i = 0; i < queue_.size(); ++i) {
     const GenerationRequest& r = *queue_[i];
     if (cutoff.has_value() && r.queued > *cutoff) break;
-    footprints.push_back(FootprintOf(r, 0));
+    footprints.push_back(FootprintOf(r, 0, limits.lookahead_steps));
     if (PeakTokens(footprints, limits.block_size) > limits.max_batch_tokens) {
       footprints.pop_back();
       if (!cutoff.has_value()) cutoff = r.queued + kOvertakeWindow;

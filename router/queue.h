@@ -21,8 +21,9 @@ struct Footprint {
   uint32_t steps = 0;
 };
 
-// The footprint of a request that has generated `generated` of its tokens (0: not started).
-Footprint FootprintOf(const GenerationRequest& request, uint32_t generated);
+// The footprint of a request that has generated `generated` of its tokens (0: not started),
+// looking `lookahead` steps ahead at most (0: to the end of its run).
+Footprint FootprintOf(const GenerationRequest& request, uint32_t generated, uint32_t lookahead = 0);
 
 // The KV-cache tokens the requests would hold if none of them finished before the others: the
 // sum of their final lengths in whole blocks, an upper bound of PeakTokens.
@@ -46,6 +47,10 @@ struct AdmissionLimits {
   // ragged, so this refuses nothing unless the limit is below 0.
   double max_prefill_padding = 0.2;
   bool padded_batches = false;
+  // 0: every request is admitted for its whole run, as TGIS does (the KV cache never runs out).
+  // N > 0: for the next N steps only; when the cache runs out later, the shards preempt the
+  // newest requests and the batcher resumes them (more requests run at once).
+  uint32_t lookahead_steps = 0;
 };
 
 // What happened while a batch was chosen, for TGIS's queue metrics.

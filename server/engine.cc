@@ -22,15 +22,15 @@ namespace {
 // the sequence's length (dynamic NTK, LongRoPE: a key computed at one length is not the key
 // another length computes), which leave both off. Encoder-decoder models leave prefix caching
 // off too (the decoder's prompt is one start token; the encoder's output is per input).
-bool KeysIndependentOfLength(const Model& model) {
-  return !model.spec().rope_by_length.has_value();
-}
-
 bool PrefixCachingApplies(const Model& model) {
   return !model.encoder_decoder() && KeysIndependentOfLength(model);
 }
 
 }  // namespace
+
+bool KeysIndependentOfLength(const Model& model) {
+  return !model.spec().rope_by_length.has_value();
+}
 
 Engine::Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64_t max_positions,
                int num_blocks, int block_size, bool prefix_caching)

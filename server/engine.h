@@ -58,6 +58,11 @@ struct PrefillReuse {
   uint64_t reused_tokens = 0;  // prompt tokens not computed again
 };
 
+// Whether a token's keys and values are the same however and whenever they are computed (not
+// so with rotary frequencies that follow the sequence's length): what prefix caching and
+// preemption's recomputation rely on.
+bool KeysIndependentOfLength(const Model& model);
+
 class Engine {
  public:
   // `max_positions`: the config's max_position_embeddings; a model whose rope scaling serves

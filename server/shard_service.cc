@@ -111,6 +111,7 @@ ShardService::ShardService(ModelConfig config, std::unique_ptr<Model> model, Sha
     : config_(std::move(config)), pending_model_(std::move(model)), options_(std::move(options)) {
   max_positions_ = pending_model_->spec().ServedPositions(config_.max_position_embeddings);
   encoder_decoder_ = pending_model_->encoder_decoder();
+  can_preempt_ = KeysIndependentOfLength(*pending_model_);
   prefixes_ = std::make_unique<PrefixStore>(
       PrefixStoreOptions{.store_path = options_.prefix_store_path,
                          .cache_mb = options_.prompt_cache_mb,
@@ -142,6 +143,7 @@ grpc::Status ShardService::Info(grpc::ServerContext*, const pb::InfoRequest*,
   if (config_.pad_token_id) resp->set_pad_token_id(static_cast<uint32_t>(*config_.pad_token_id));
   resp->set_rank(static_cast<uint32_t>(options_.rank));
   resp->set_world_size(static_cast<uint32_t>(options_.world_size));
+  resp->set_can_preempt(can_preempt_);
   return grpc::Status::OK;
 }
 

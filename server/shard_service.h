@@ -69,6 +69,7 @@ class ShardService final : public generate::v1::TextGenerationService::Service {
   // The positions the model serves (DecoderSpec::ServedPositions); 0: no limit of its own.
   int64_t max_positions_ = 0;
   bool encoder_decoder_ = false;          // the model's kind (Info, prefix lengths)
+  bool can_preempt_ = false;              // Info: see KeysIndependentOfLength
   std::unique_ptr<Model> pending_model_;  // moved into the engine at Warmup
   std::unique_ptr<Engine> engine_;
   ShardOptions options_;

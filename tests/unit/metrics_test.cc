@@ -68,7 +68,8 @@ TEST(Metrics, EveryTgisMetricIsExposedWithItsKind) {
       {"tgi_tokenize_request_duration", "histogram"},
       // Ours, beside TGIS's set.
       {"tgis_prefix_cache_hits", "counter"},
-      {"tgis_prefix_cache_reused_tokens", "counter"}};
+      {"tgis_prefix_cache_reused_tokens", "counter"},
+      {"tgis_preemptions", "counter"}};
   for (const auto& [name, kind] : want) {
     EXPECT_TRUE(types.count({name, kind})) << name << " " << kind;
     if (kind == "counter") {

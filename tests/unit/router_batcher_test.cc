@@ -27,6 +27,10 @@ class FakeShard final : public ShardClient {
   std::set<uint64_t> refuse;                         // fail these at prefill
   std::chrono::milliseconds step_delay{0};
   std::atomic<bool> unavailable{false};  // every Prefill and Decode fails as a dead shard would
+  // Preemption: these are preempted at the next Decode that holds them; while `hold` is set, a
+  // resume is answered "still preempted".
+  std::set<uint64_t> preempt_next;
+  std::atomic<bool> hold{false};
 
   absl::StatusOr<pb::InfoResponse> Info() override { return pb::InfoResponse(); }
   absl::Status Health() override { return absl::OkStatus(); }
@@ -42,6 +46,18 @@ class FakeShard final : public ShardClient {
     std::vector<uint64_t> ids, live;
     for (const pb::Request& r : request.batch().requests()) {
       ids.push_back(r.id());
+      if (r.resume()) {
+        EXPECT_TRUE(preempted.count(r.id())) << "resumed " << r.id() << ", not preempted";
+        if (hold) {
+          response.add_preempted_request_ids(r.id());
+          continue;
+        }
+        preempted.erase(r.id());
+        resumed.push_back(r.id());
+        live.push_back(r.id());
+        Generate(r.id(), &response);
+        continue;
+      }
       requests[r.id()] = r;
       if (refuse.count(r.id())) {
         pb::RequestError* e = response.add_errors();
@@ -68,6 +84,7 @@ class FakeShard final : public ShardClient {
     const std::set<uint64_t> done(request.finished_request_ids().begin(),
                                   request.finished_request_ids().end());
     decode_finished.emplace_back(done.begin(), done.end());
+    for (uint64_t id : done) preempted.erase(id);
     std::vector<uint64_t> live;
     for (const pb::CachedBatch& b : request.batches()) {
       EXPECT_TRUE(batches.count(b.id())) << "unknown batch " << b.id();
@@ -77,6 +94,12 @@ class FakeShard final : public ShardClient {
       batches.erase(b.id());
     }
     pb::DecodeResponse response;
+    std::erase_if(live, [&](uint64_t id) {
+      if (!preempt_next.erase(id)) return false;
+      preempted.insert(id);
+      response.add_preempted_request_ids(id);
+      return true;
+    });
     response.set_forward_ns(2000000);
     size_t held = 0;
     for (uint64_t id : live) {
@@ -112,6 +135,7 @@ class FakeShard final : public ShardClient {
       batches.erase(*id);
     } else {
       batches.clear();
+      preempted.clear();
     }
     return absl::OkStatus();
   }
@@ -130,7 +154,9 @@ class FakeShard final : public ShardClient {
   std::vector<std::vector<uint64_t>> prefills;
   std::vector<std::vector<uint64_t>> decode_finished;
   std::vector<size_t> decode_sizes;
-  size_t max_held = 0;  // most KV tokens the live requests held at a decode
+  size_t max_held = 0;           // most KV tokens the live requests held at a decode
+  std::set<uint64_t> preempted;  // preempted and neither resumed nor released
+  std::vector<uint64_t> resumed;
 
  private:
   template <typename Response>
@@ -460,6 +486,64 @@ TEST_F(BatcherTest, AdmissionWaitsForKvSpace) {
   EXPECT_EQ(shard_.prefills[0], std::vector<uint64_t>{a_id});
   EXPECT_EQ(shard_.prefills[1], std::vector<uint64_t>{b_id});
   EXPECT_LE(shard_.max_held, 48u);
+}
+
+// Preemption: a request the shard preempts leaves the decode batch, is resumed (before any new
+// request is admitted) and finishes with all its tokens.
+TEST_F(BatcherTest, PreemptedRequestResumesAndFinishes) {
+  config_.admission.lookahead_steps = 4;
+  StartBatcher();
+  std::shared_ptr<RecordingSink> a_sink, b_sink;
+  const std::vector<int32_t> a_script = Ids(" one two three four five six");
+  const std::vector<int32_t> b_script = Ids(" seven eight nine ten");
+  auto a = Request("a", a_script, Params(static_cast<uint32_t>(a_script.size())), false, &a_sink);
+  auto b = Request("b", b_script, Params(static_cast<uint32_t>(b_script.size())), true, &b_sink);
+  const uint64_t b_id = b->id;
+  shard_.preempt_next.insert(b_id);
+  std::vector<std::unique_ptr<GenerationRequest>> both;
+  both.push_back(std::move(a));
+  both.push_back(std::move(b));
+  batcher_->Enqueue(std::move(both));
+  auto a_result = a_sink->Result();
+  auto b_result = b_sink->Result();
+  ASSERT_TRUE(a_result.ok()) << a_result.status();
+  ASSERT_TRUE(b_result.ok()) << b_result.status();
+  EXPECT_EQ(a_result->text(), " one two three four five six");
+  std::string streamed;
+  for (const auto& m : b_sink->messages()) streamed += m.text();
+  EXPECT_EQ(streamed + b_result->text(), " seven eight nine ten");
+  EXPECT_EQ(b_result->generated_token_count(), b_script.size());
+  std::lock_guard<std::mutex> lock(shard_.mu);
+  EXPECT_EQ(shard_.resumed, std::vector<uint64_t>{b_id});
+  EXPECT_TRUE(shard_.preempted.empty());
+}
+
+// A request cancelled while preempted is answered at once and released on the shard.
+TEST_F(BatcherTest, CancelledWhilePreemptedIsReleased) {
+  config_.admission.lookahead_steps = 4;
+  shard_.step_delay = 1ms;
+  shard_.hold = true;
+  StartBatcher();
+  std::shared_ptr<RecordingSink> a_sink, b_sink;
+  auto a = Request("a", {}, Params(300), true, &a_sink);
+  auto b = Request("b", {}, Params(300), true, &b_sink);
+  const uint64_t b_id = b->id;
+  shard_.preempt_next.insert(b_id);
+  std::vector<std::unique_ptr<GenerationRequest>> both;
+  both.push_back(std::move(a));
+  both.push_back(std::move(b));
+  batcher_->Enqueue(std::move(both));
+  ASSERT_TRUE(a_sink->WaitMessages(5));
+  b_sink->cancelled = true;
+  batcher_->Notify();
+  EXPECT_EQ(b_sink->Result().status().code(), absl::StatusCode::kCancelled);
+  a_sink->cancelled = true;
+  batcher_->Notify();
+  EXPECT_EQ(a_sink->Result().status().code(), absl::StatusCode::kCancelled);
+  batcher_->Stop();
+  std::lock_guard<std::mutex> lock(shard_.mu);
+  EXPECT_TRUE(shard_.preempted.empty()) << "the preempted request was never released";
+  EXPECT_TRUE(shard_.resumed.empty());
 }
 
 TEST_F(BatcherTest, NewRequestsJoinTheRunningBatch) {
