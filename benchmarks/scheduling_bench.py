@@ -1,17 +1,25 @@
 #!/usr/bin/env python3
-"""Prefix caching on the CPU: the real launcher with the cache on and off, same workload, one run.
+"""Scheduling features on the CPU, each against the same server with the feature off, one run.
 
-The workload: 90% of the requests start with the same ~1,000-token prefix (a system prompt)
-followed by a short question of their own; the other 10% are as long but share nothing. Each
-generates 16 tokens. Clients send them through the public GenerateStream API at a fixed
-concurrency, back to back. Printed per mode: requests/s, generated tokens/s, time to first
-token (p50, p90), the tgis_prefix_cache_* counters, and the ratio on/off.
+prefix: prefix caching (PREFIX_CACHING). 90% of the requests start with the same ~1,000-token
+  prefix (a system prompt) followed by a short question of their own; the other 10% are as
+  long but share nothing. Each generates 16 tokens. Printed per mode: requests/s, generated
+  tokens/s, time to first token (p50, p90), the tgis_prefix_cache_* counters, the ratios.
+preemption: admission by the next block's need with preemption (PREEMPTION) against TGIS's
+  whole-run reservation, in a fixed KV cache (96 blocks of 16 tokens). 48 requests of a
+  ~100-token prompt, max_new_tokens 300, seeded sampling that stops at the first "x" in the
+  text (so lengths vary as real ones do, mostly far below max_new_tokens). Printed per mode:
+  requests/s, generated tokens/s, the mean decode batch size (requests served at once),
+  preemptions, and the ratios.
+
+Clients send the requests through the public GenerateStream API at a fixed concurrency, back to
+back.
 
 The model is Llama-shaped with random weights (hidden 768, 12 layers; ~78M parameters, f32,
 written with numpy under benchmarks/data/, nothing downloaded) and the Llama-2-style fixture
 tokenizer (its 1,500-token vocabulary sizes the model's).
 
-    python3 benchmarks/prefix_cache_bench.py [--build-dir build] [--requests 40]
+    python3 benchmarks/scheduling_bench.py [--only prefix|preemption] [--build-dir build]
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ def workload(n: int, shared_share: float, seed: int = 0) -> list[str]:
 
 
 class Launcher:
-    def __init__(self, build: Path, model: Path, caching: bool, log_dir: Path):
+    def __init__(self, build: Path, model: Path, extra_env: dict):
         self.grpc_port, self.http_port = free_port(), free_port()
         self.tmp = tempfile.mkdtemp(prefix="tgis-prefix-bench-")
         env = {"MODEL_NAME": str(model), "NUM_SHARD": "1", "TGIS_DEVICE": "cpu",
@@ -77,8 +85,7 @@ class Launcher:
                "PORT": str(self.http_port), "MASTER_PORT": str(free_port()),
                "SHARD_UDS_PATH": os.path.join(self.tmp, "shard"),
                "MAX_SEQUENCE_LENGTH": "1200", "MAX_NEW_TOKENS": "64", "MAX_BATCH_SIZE": "16",
-               "KV_CACHE_BLOCKS": "1024", "PREFIX_CACHING": "true" if caching else "false",
-               "HF_HUB_OFFLINE": "1"}
+               "KV_CACHE_BLOCKS": "1024", "HF_HUB_OFFLINE": "1", **extra_env}
         self.proc = Process([build / "launcher" / "text-generation-launcher"], env=env)
         deadline = time.time() + 300
         while time.time() < deadline:
@@ -99,33 +106,46 @@ class Launcher:
                 return float(line.split()[1])
         return 0.0
 
+    def batch_size_mean(self) -> float:
+        """The mean size of the decode (next_token) batches so far."""
+        body = urllib.request.urlopen(f"http://localhost:{self.http_port}/metrics").read().decode()
+        total = count = 0.0
+        for line in body.splitlines():
+            if line.startswith('tgi_batch_inference_batch_size_sum{method="next_token"}'):
+                total = float(line.split()[-1])
+            elif line.startswith('tgi_batch_inference_batch_size_count{method="next_token"}'):
+                count = float(line.split()[-1])
+        return total / count if count else 0.0
+
     def close(self):
         self.proc.close(sig_timeout=30)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def run(launcher: Launcher, prompts: list[str], concurrency: int, max_new: int) -> dict:
+def run(launcher: Launcher, prompts: list[str], concurrency: int, make_params,
+        warm_up: bool) -> dict:
+    """Sends `prompts` (request i with make_params(pb, i)) from `concurrency` clients."""
     import grpc
 
     pb, pb_grpc = proto_module("generation")
     channel = grpc.insecure_channel(f"localhost:{launcher.grpc_port}")
     stub = pb_grpc.GenerationServiceStub(channel)
-    params = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=max_new,
-                                                        min_new_tokens=max_new))
-    # One request first, alone: it puts the shared prefix in the cache (when caching), as the
-    # first of many users of a system prompt would; it is not counted.
-    list(stub.GenerateStream(pb.SingleGenerationRequest(
-        request=pb.GenerationRequest(text=prompts[1]), params=params), timeout=600))
+    if warm_up:
+        # One request first, alone: it puts the shared prefix in the cache (when caching), as
+        # the first of many users of a system prompt would; it is not counted.
+        list(stub.GenerateStream(pb.SingleGenerationRequest(
+            request=pb.GenerationRequest(text=prompts[1]), params=make_params(pb, 1)),
+            timeout=600))
     todo: queue.Queue = queue.Queue()
-    for p in prompts:
-        todo.put(p)
+    for i, p in enumerate(prompts):
+        todo.put((i, p))
     ttft, tokens, errors = [], [0], []
     lock = threading.Lock()
 
     def worker():
         while True:
             try:
-                p = todo.get_nowait()
+                i, p = todo.get_nowait()
             except queue.Empty:
                 return
             start = time.perf_counter()
@@ -133,7 +153,8 @@ def run(launcher: Launcher, prompts: list[str], concurrency: int, max_new: int) 
             n = 0
             try:
                 for m in stub.GenerateStream(pb.SingleGenerationRequest(
-                        request=pb.GenerationRequest(text=p), params=params), timeout=600):
+                        request=pb.GenerationRequest(text=p), params=make_params(pb, i)),
+                        timeout=600):
                     if m.generated_token_count > 0 and first is None:
                         first = time.perf_counter() - start
                     n = m.generated_token_count
@@ -156,30 +177,27 @@ def run(launcher: Launcher, prompts: list[str], concurrency: int, max_new: int) 
     ttft.sort()
     return {"requests_per_s": len(ttft) / wall, "tokens_per_s": tokens[0] / wall,
             "ttft_p50": statistics.median(ttft), "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))],
-            "wall": wall, "errors": len(errors),
+            "wall": wall, "errors": len(errors), "tokens": tokens[0],
             "hits": launcher.metric("tgis_prefix_cache_hits"),
-            "reused": launcher.metric("tgis_prefix_cache_reused_tokens")}
+            "reused": launcher.metric("tgis_prefix_cache_reused_tokens"),
+            "preemptions": launcher.metric("tgis_preemptions"),
+            "batch_mean": launcher.batch_size_mean()}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--build-dir", default="build")
-    ap.add_argument("--requests", type=int, default=40)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
-    args = ap.parse_args()
-    build = Path(args.build_dir)
-    build = build if build.is_absolute() else REPO / build
-    model = checkpoint()
+def bench_prefix(build: Path, model: Path, args) -> None:
     prompts = workload(args.requests, 0.9)
+
+    def params(pb, i):
+        return pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=16, min_new_tokens=16))
+
     results = {}
     for caching in (True, False):
         name = "on" if caching else "off"
         print(f"== prefix caching {name}: {args.requests} requests, concurrency "
-              f"{args.concurrency}, {args.max_new_tokens} new tokens each", flush=True)
-        launcher = Launcher(build, model, caching, REPO / "benchmarks" / "results")
+              f"{args.concurrency}, 16 new tokens each", flush=True)
+        launcher = Launcher(build, model, {"PREFIX_CACHING": "true" if caching else "false"})
         try:
-            r = run(launcher, prompts, args.concurrency, args.max_new_tokens)
+            r = run(launcher, prompts, args.concurrency, params, warm_up=True)
         finally:
             launcher.close()
         results[name] = r
@@ -191,6 +209,55 @@ def main() -> int:
     print(f"== on/off: throughput x{on['requests_per_s'] / off['requests_per_s']:.2f}, "
           f"TTFT p50 x{off['ttft_p50'] / on['ttft_p50']:.2f} faster, "
           f"p90 x{off['ttft_p90'] / on['ttft_p90']:.2f} faster")
+
+
+def bench_preemption(build: Path, model: Path, args) -> None:
+    rng = random.Random(1)
+    prompts = [f"Request {i}: " + text(rng, 30) for i in range(48)]
+
+    def params(pb, i):
+        p = pb.Parameters(method=pb.SAMPLE,
+                          stopping=pb.StoppingCriteria(max_new_tokens=300, stop_sequences=["x"]))
+        p.sampling.seed = 1000 + i
+        p.sampling.top_k = 50
+        return p
+
+    results = {}
+    for preemption in (True, False):
+        name = "on" if preemption else "off"
+        print(f"== preemption {name}: {len(prompts)} requests, concurrency 24, KV cache 96 "
+              f"blocks of 16 tokens, max_new_tokens 300 (stop at \"x\")", flush=True)
+        launcher = Launcher(build, model, {"PREEMPTION": "true" if preemption else "false",
+                                           "KV_CACHE_BLOCKS": "96", "MAX_BATCH_SIZE": "32",
+                                           "MAX_NEW_TOKENS": "300"})
+        try:
+            r = run(launcher, prompts, 24, params, warm_up=False)
+        finally:
+            launcher.close()
+        results[name] = r
+        print(f"   {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} generated tok/s "
+              f"({r['tokens']} tokens), mean decode batch {r['batch_mean']:.2f}, "
+              f"preemptions {r['preemptions']:.0f}, wall {r['wall']:.1f} s, "
+              f"errors {r['errors']}", flush=True)
+    on, off = results["on"], results["off"]
+    print(f"== on/off: throughput x{on['tokens_per_s'] / off['tokens_per_s']:.2f}, requests "
+          f"at once x{on['batch_mean'] / off['batch_mean']:.2f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--build-dir", default="build")
+    ap.add_argument("--only", choices=["prefix", "preemption"])
+    ap.add_argument("--requests", type=int, default=40, help="prefix: requests")
+    ap.add_argument("--concurrency", type=int, default=4, help="prefix: clients")
+    args = ap.parse_args()
+    build = Path(args.build_dir)
+    build = build if build.is_absolute() else REPO / build
+    model = checkpoint()
+    if args.only in (None, "prefix"):
+        bench_prefix(build, model, args)
+    if args.only in (None, "preemption"):
+        bench_preemption(build, model, args)
     return 0
 
 
