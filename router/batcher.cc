@@ -307,6 +307,7 @@ void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
     m->batch_next_tokens->Observe(static_cast<double>(tokens));
     m->batch_inference_batch_size->Observe(b->requests_size(), {"prefill"});
   }
+  request.set_max_prompt_tokens(config_.prefill_chunk_tokens);
   const Clock::time_point start = Clock::now();
   absl::StatusOr<pb::PrefillResponse> response = shards_.Prefill(request);
   const Clock::time_point end = Clock::now();
@@ -324,6 +325,9 @@ void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
     FailRequest(e.request_id(), absl::Status(static_cast<absl::StatusCode>(e.code()), e.message()));
   }
   for (const pb::Generation& g : response->generations()) OnGeneration(g, /*prefill=*/true);
+  for (uint64_t id : response->prefilling_request_ids()) {
+    if (auto it = running_.find(id); it != running_.end()) it->second.prefilling = true;
+  }
   if (response->has_batch()) batches_.push_back(response->batch());
   if (m != nullptr) {
     m->prefix_cache_hits->Add(response->prefix_cache_hits());
@@ -387,6 +391,7 @@ void Batcher::Decode() {
   pb::DecodeRequest request;
   for (const pb::CachedBatch& b : batches_) *request.add_batches() = b;
   request.mutable_finished_request_ids()->Add(finished_.begin(), finished_.end());
+  request.set_max_prompt_tokens(config_.prefill_chunk_tokens);
   const size_t size_before = running_.size();
   if (config_.metrics != nullptr) {
     config_.metrics->batch_inference_batch_size->Observe(static_cast<double>(size_before),
@@ -418,7 +423,13 @@ void Batcher::Decode() {
               << " token(s): the KV cache is full; it resumes when blocks free up";
     if (config_.metrics != nullptr) config_.metrics->preemptions->Add(1);
   }
-  for (const pb::Generation& g : response->generations()) OnGeneration(g, /*prefill=*/false);
+  for (const pb::Generation& g : response->generations()) {
+    // A chunked prompt's first token: the request's prefill generation.
+    auto it = running_.find(g.request_id());
+    const bool first = it != running_.end() && it->second.prefilling;
+    if (first) it->second.prefilling = false;
+    OnGeneration(g, /*prefill=*/first);
+  }
   if (response->has_batch()) batches_.push_back(response->batch());
   OnInferenceDone("next_token", absl::OkStatus(), end - start, response->forward_ns(),
                   Clock::now() - end);
@@ -518,6 +529,7 @@ void Batcher::Resume() {
   }
   if (b->requests_size() == 0) return;
   LOG(INFO) << "resuming " << b->requests_size() << " preempted request(s) in batch #" << b->id();
+  request.set_max_prompt_tokens(config_.prefill_chunk_tokens);
   const Clock::time_point start = Clock::now();
   absl::StatusOr<pb::PrefillResponse> response = shards_.Prefill(request);
   const Clock::time_point end = Clock::now();
@@ -532,11 +544,14 @@ void Batcher::Resume() {
   for (const pb::RequestError& e : response->errors()) {
     FailRequest(e.request_id(), absl::Status(static_cast<absl::StatusCode>(e.code()), e.message()));
   }
-  for (const pb::Generation& g : response->generations()) {
-    auto it = running_.find(g.request_id());
-    if (it != running_.end()) it->second.preempted = false;
-    OnGeneration(g, /*prefill=*/false);
+  // Resumed: all but those still preempted (a chunked one may have no token yet).
+  const std::set<uint64_t> still(response->preempted_request_ids().begin(),
+                                 response->preempted_request_ids().end());
+  for (const pb::Request& r : b->requests()) {
+    auto it = running_.find(r.id());
+    if (it != running_.end() && !still.count(r.id())) it->second.preempted = false;
   }
+  for (const pb::Generation& g : response->generations()) OnGeneration(g, /*prefill=*/false);
   if (response->has_batch()) batches_.push_back(response->batch());
   if (alone && response->preempted_request_ids_size() == b->requests_size()) {
     // Nothing else holds blocks and it still does not fit: it never will.

@@ -30,6 +30,10 @@ struct BatcherConfig {
   // Decode steps after which any queued request may interrupt decoding with its prefill;
   // before that, a prefill needs a number of waiting requests that shrinks with the steps.
   uint32_t max_waiting_tokens = 24;
+  // Chunked prefill: the most prompt tokens one step computes (0: whole prompts in one
+  // Prefill, as TGIS). The rest of a long prompt goes on in the next Decode steps, beside the
+  // running requests' next tokens, so that their inter-token latency stays bounded.
+  uint32_t prefill_chunk_tokens = 0;
   DetokenizationConfig detokenization;
   // Told whether the shards answer (false after a failed Prefill or Decode, true again after
   // one that worked); called from the batcher's thread when that changes.
@@ -67,6 +71,8 @@ class Batcher {
     // The shards preempted it (KV cache full): in no cached batch, no blocks, waiting for
     // Resume.
     bool preempted = false;
+    // Chunked prefill: admitted, its prompt not done, its first token still to come.
+    bool prefilling = false;
   };
 
   void Loop();

@@ -77,6 +77,11 @@ DEFINE_bool(preemption, false,
             "their whole run (TGIS); when the cache runs out, the shards preempt the newest "
             "running requests and they resume, recomputed, when blocks free up: more requests "
             "run at once, outputs are unchanged (env PREEMPTION)");
+DEFINE_int32(prefill_chunk_tokens, 0,
+             "Chunked prefill: the most prompt tokens one step computes; the rest of a long "
+             "prompt goes on in the next steps beside the running requests' tokens, keeping "
+             "their inter-token latency bounded. 0: whole prompts, as TGIS (env "
+             "PREFILL_CHUNK_TOKENS)");
 DEFINE_int32(shard_connect_timeout, 600,
              "Seconds to wait for the shards to come up (env SHARD_CONNECT_TIMEOUT)");
 DEFINE_int32(shard_step_timeout, 600,
@@ -213,6 +218,7 @@ int main(int argc, char** argv) {
           {"default_include_stop_seqs", "DEFAULT_INCLUDE_STOP_SEQS"},
           {"shard_connect_timeout", "SHARD_CONNECT_TIMEOUT"},
           {"preemption", "PREEMPTION"},
+          {"prefill_chunk_tokens", "PREFILL_CHUNK_TOKENS"},
           {"shard_step_timeout", "SHARD_STEP_TIMEOUT"},
           {"shutdown_grace_period", "SHUTDOWN_GRACE_PERIOD"},
           {"port", "PORT"},
@@ -356,6 +362,11 @@ int main(int argc, char** argv) {
     }
   }
   batcher_config.max_waiting_tokens = static_cast<uint32_t>(FLAGS_max_waiting_tokens);
+  if (FLAGS_prefill_chunk_tokens < 0) {
+    return Fail(
+        absl::StrCat("--prefill-chunk-tokens must be >= 0, not ", FLAGS_prefill_chunk_tokens));
+  }
+  batcher_config.prefill_chunk_tokens = static_cast<uint32_t>(FLAGS_prefill_chunk_tokens);
   batcher_config.detokenization.skip_special_tokens = !FLAGS_output_special_tokens;
   for (uint32_t id : info->eos_token_ids()) {
     batcher_config.detokenization.eos_token_ids.push_back(static_cast<int32_t>(id));

@@ -129,7 +129,8 @@ void Engine::ReleaseAll() {
 }
 
 void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out,
-                     std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted) {
+                     std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted,
+                     size_t prompt_budget, std::vector<uint64_t>* prefilling) {
   const int64_t vocab = model_->spec().vocab;
   last_reuse_ = {};
   std::vector<Sequence*> batch;
@@ -220,11 +221,12 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
     batch.push_back(s.get());
     seqs_[n.id] = std::move(s);
   }
-  if (!batch.empty()) Run(batch, /*prefill=*/true, out);
+  if (!batch.empty()) RunStep(batch, /*prefill=*/true, prompt_budget, out, prefilling);
 }
 
 void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* out,
-                    std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted) {
+                    std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted,
+                    size_t prompt_budget, std::vector<uint64_t>* prefilling) {
   std::vector<Sequence*> batch;
   for (uint64_t id : ids) {
     auto it = seqs_.find(id);
@@ -246,7 +248,7 @@ void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* o
     batch.push_back(s);
   }
   batch = ReserveOrPreempt(batch, errors, can_preempt_ ? preempted : nullptr);
-  if (!batch.empty()) Run(batch, /*prefill=*/false, out);
+  if (!batch.empty()) RunStep(batch, /*prefill=*/false, prompt_budget, out, prefilling);
 }
 
 void Engine::Preempt(Sequence* s) {
@@ -293,7 +295,52 @@ std::vector<Engine::Sequence*> Engine::ReserveOrPreempt(const std::vector<Sequen
   return kept;
 }
 
-void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<StepOutput>* out) {
+bool Engine::Chunkable(const Sequence& s) const {
+  // Prompt logprobs need every prompt row's logits in one pass; an encoder-decoder model's
+  // prompt is its encoder's; length-dependent rotary computes a chunk's keys at its length.
+  return !s.input_logprobs && !model_->encoder_decoder() && can_preempt_;
+}
+
+void Engine::RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t prompt_budget,
+                     std::vector<StepOutput>* out, std::vector<uint64_t>* prefilling) {
+  if (prompt_budget == 0 || prefilling == nullptr) {
+    std::vector<size_t> ends;
+    for (const Sequence* s : seqs) ends.push_back(s->tokens.size());
+    Run(seqs, ends, prefill, out);
+    return;
+  }
+  // The budget goes to the oldest sequences first; a decode row (one token) is never held up.
+  std::vector<size_t> by_age(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) by_age[i] = i;
+  std::sort(by_age.begin(), by_age.end(),
+            [&](size_t a, size_t b) { return seqs[a]->order < seqs[b]->order; });
+  std::vector<size_t> end_of(seqs.size());
+  size_t left = prompt_budget;
+  for (size_t i : by_age) {
+    const Sequence* s = seqs[i];
+    const size_t remaining = s->tokens.size() - s->cached;
+    if (remaining <= 1 || !Chunkable(*s)) {
+      end_of[i] = s->tokens.size();
+    } else {
+      end_of[i] = s->cached + std::min(remaining, left);
+      left -= end_of[i] - s->cached;
+    }
+  }
+  std::vector<Sequence*> step;
+  std::vector<size_t> ends;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    // Short of its last token: no new token this step (even when one prompt token is left).
+    if (end_of[i] < seqs[i]->tokens.size()) prefilling->push_back(seqs[i]->id);
+    if (end_of[i] > seqs[i]->cached) {
+      step.push_back(seqs[i]);
+      ends.push_back(end_of[i]);
+    }
+  }
+  if (!step.empty()) Run(step, ends, prefill, out);
+}
+
+void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& ends, bool prefill,
+                 std::vector<StepOutput>* out) {
   const int bs = cache_->block_size();
   std::vector<int32_t> ids, positions, slots, query_start{0}, context_lens;
   size_t max_blocks = 0;
@@ -305,7 +352,8 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
   std::vector<bool> details;                          // prompt details requested
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence* s = seqs[i];
-    const size_t begin = s->cached, end = s->tokens.size();
+    const size_t begin = s->cached, end = ends[i];
+    const bool complete = end == s->tokens.size();  // else a prompt chunk: no logits
     const int32_t row0 = static_cast<int32_t>(ids.size());
     for (size_t p = begin; p < end; ++p) {
       ids.push_back(s->tokens[p]);
@@ -317,6 +365,11 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
     std::copy(s->blocks.begin(), s->blocks.end(),
               tables.begin() + i * std::max<size_t>(max_blocks, 1));
     const int32_t n = static_cast<int32_t>(end - begin);
+    if (!complete) {
+      seq_rows.emplace_back(static_cast<int32_t>(logit_rows.size()), 0);
+      details.push_back(false);
+      continue;
+    }
     // Prompt logprobs come from the logits of every prompt row (decoder-only models; an
     // encoder-decoder model's input tokens have none).
     const bool all_rows = prefill && s->input_logprobs && !model_->encoder_decoder();
@@ -359,10 +412,12 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
     in.cross_attn = CrossBatch(seqs, in.host_query_start, /*causal=*/false);
   }
   std::vector<PrefixSpan> spans;
-  for (const Sequence* s : seqs) {
-    spans.push_back({s->prefix.get(), s->prefix_len, s->cached, s->tokens.size()});
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    spans.push_back({seqs[i]->prefix.get(), seqs[i]->prefix_len, seqs[i]->cached, ends[i]});
   }
   AddPrefixRows(spans, &in);
+  // A step of prompt chunks only still asks for one row (unused): no op sees zero rows.
+  if (logit_rows.empty()) logit_rows.push_back(static_cast<int32_t>(t - 1));
   const auto t0 = std::chrono::steady_clock::now();
   Tensor logits = model_->Forward(in, cache_->layers(), logit_rows);
   // Plain greedy rows pick where the logits are (on CUDA only their ids and logprobs come
@@ -375,6 +430,11 @@ void Engine::Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<S
   std::vector<float> lp;
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence* s = seqs[i];
+    if (seq_rows[i].second == 0) {  // a prompt chunk: its keys and values are in the cache
+      s->cached = ends[i];
+      RegisterFullBlocks(s);
+      continue;
+    }
     if (picked[i].has_value()) {
       Append(s, std::move(*picked[i]), out);
       continue;
@@ -549,7 +609,7 @@ std::vector<std::optional<TokenInfo>> Engine::PickGreedy(
   bool any = false;
   for (size_t i = 0; i < seqs.size(); ++i) {
     bool mask_eos = false;
-    greedy[i] = !details[i] && seqs[i]->top_n == 0 &&
+    greedy[i] = seq_rows[i].second > 0 && !details[i] && seqs[i]->top_n == 0 &&
                 seqs[i]->sampler->PlainGreedy(seqs[i]->generated, &mask_eos);
     any = any || greedy[i];
     if (greedy[i] && mask_eos) {

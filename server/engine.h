@@ -76,15 +76,24 @@ class Engine {
   // one its next). Bad or unservable sequences come back as errors and are not kept; a resumed
   // one whose blocks do not fit stays preempted and is listed in `preempted` (when given;
   // else it fails).
+  //
+  // Chunked prefill: with `prompt_budget` > 0 (and `prefilling` given), a step computes at most
+  // that many prompt tokens, oldest sequences first; a sequence whose prompt is not done gets
+  // no token yet, is listed in `prefilling`, and goes on in the next Prefill or Decode that
+  // lists it (beside decoding sequences, in the same forward pass). Prompts asking for prompt
+  // logprobs, encoder-decoder models and length-dependent rotary are never chunked.
   void Prefill(std::vector<NewSequence> seqs, std::vector<StepOutput>* out,
-               std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted = nullptr);
+               std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted = nullptr,
+               size_t prompt_budget = 0, std::vector<uint64_t>* prefilling = nullptr);
   // One more token for each listed live sequence. When the KV cache cannot hold them all, the
   // newest are preempted until the rest fit (when `preempted` is given): their blocks are
   // freed, their tokens and sampler kept, and they are listed there, to be resumed later by a
   // Prefill. A sequence that cannot fit even alone (or any, without `preempted`) is dropped
   // with an error; the others proceed. Models that cannot preempt (can_preempt) never do.
+  // Sequences still prefilling go on with their prompts (see Prefill's `prompt_budget`).
   void Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* out,
-              std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted = nullptr);
+              std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted = nullptr,
+              size_t prompt_budget = 0, std::vector<uint64_t>* prefilling = nullptr);
   void Release(uint64_t id);
   void ReleaseAll();
   bool Has(uint64_t id) const { return seqs_.count(id) > 0; }
@@ -151,7 +160,16 @@ class Engine {
   void ReuseCachedPrefix(Sequence* s);
   // Registers s's blocks that are full and computed, for later sequences to share.
   void RegisterFullBlocks(Sequence* s);
-  void Run(const std::vector<Sequence*>& seqs, bool prefill, std::vector<StepOutput>* out);
+  // Runs one forward pass over seqs[i]'s tokens [cached, ends[i]); a sequence whose end is its
+  // last token gets its next token, the others only advance `cached`.
+  void Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& ends, bool prefill,
+           std::vector<StepOutput>* out);
+  // Plans a step: each sequence's end under the prompt budget (0: everything), and the
+  // sequences with tokens to compute in it; those still short of their last token after it
+  // are listed in `prefilling`.
+  void RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t prompt_budget,
+               std::vector<StepOutput>* out, std::vector<uint64_t>* prefilling);
+  bool Chunkable(const Sequence& s) const;
   // Encoder-decoder models: encodes the new sequences' inputs into their cross blocks.
   void Encode(const std::vector<Sequence*>& seqs);
   // The attention batch of each sequence's cross blocks (context: its input's length), for

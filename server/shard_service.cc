@@ -284,13 +284,16 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
     news.push_back(std::move(n));
   }
   std::vector<StepOutput> outs;
-  std::vector<uint64_t> preempted;
-  engine_->Prefill(std::move(news), &outs, &errors, &preempted);
+  std::vector<uint64_t> preempted, prefilling;
+  engine_->Prefill(std::move(news), &outs, &errors, &preempted, req->max_prompt_tokens(),
+                   &prefilling);
   AddResults(outs, errors, resp);
   resp->mutable_preempted_request_ids()->Add(preempted.begin(), preempted.end());
-  if (!outs.empty()) {
+  resp->mutable_prefilling_request_ids()->Add(prefilling.begin(), prefilling.end());
+  if (!outs.empty() || !prefilling.empty()) {
     auto& ids = batches_[batch.id()];
     for (const StepOutput& o : outs) ids.push_back(o.id);
+    ids.insert(ids.end(), prefilling.begin(), prefilling.end());
     *resp->mutable_batch() = Describe(batch.id());
   }
   resp->set_forward_ns(engine_->last_forward_ns());
@@ -335,16 +338,20 @@ grpc::Status ShardService::Decode(grpc::ServerContext*, const pb::DecodeRequest*
   }
   std::vector<StepOutput> outs;
   std::vector<SequenceError> errors;
-  std::vector<uint64_t> preempted;
-  if (!ids.empty()) engine_->Decode(ids, &outs, &errors, &preempted);
+  std::vector<uint64_t> preempted, prefilling;
+  if (!ids.empty()) {
+    engine_->Decode(ids, &outs, &errors, &preempted, req->max_prompt_tokens(), &prefilling);
+  }
   AddResults(outs, errors, resp);
   resp->mutable_preempted_request_ids()->Add(preempted.begin(), preempted.end());
+  resp->mutable_prefilling_request_ids()->Add(prefilling.begin(), prefilling.end());
   if (!preempted.empty()) {
     LOG(INFO) << "KV cache full: preempted " << preempted.size() << " request(s)";
   }
-  if (!outs.empty()) {
+  if (!outs.empty() || !prefilling.empty()) {
     auto& kept = batches_[merged_id];
     for (const StepOutput& o : outs) kept.push_back(o.id);
+    kept.insert(kept.end(), prefilling.begin(), prefilling.end());
     *resp->mutable_batch() = Describe(merged_id);
   }
   resp->set_forward_ns(engine_->last_forward_ns());

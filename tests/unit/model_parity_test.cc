@@ -626,6 +626,69 @@ TEST_P(ParityTest, PreemptedSequencesResumeWithTheSameTokens) {
   }
 }
 
+// Chunked prefill: the other prompts arrive while the first sequence decodes and are computed
+// three tokens per step, in the same forward passes as its tokens; everyone still gets
+// transformers' tokens and logprobs.
+TEST_P(ParityTest, ChunkedPromptsBesideADecodingSequence) {
+  if (goldens_.size() < 2) GTEST_SKIP() << "needs two prompts";
+  constexpr size_t kBudget = 3;
+  OnEveryRank([&](Engine& engine) {
+    Continuations got;
+    std::set<uint64_t> live;
+    auto record = [&](const std::vector<StepOutput>& out) {
+      for (const StepOutput& o : out) {
+        got[o.id].first.push_back(o.token.id);
+        got[o.id].second.push_back(o.token.logprob);
+        if (got[o.id].first.size() >= goldens_[o.id].generated.size()) {
+          engine.Release(o.id);
+          live.erase(o.id);
+        }
+      }
+    };
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    engine.Prefill({Seq(0, goldens_[0])}, &out, &errors);
+    live.insert(0);
+    record(out);
+    std::vector<NewSequence> rest;
+    for (size_t i = 1; i < goldens_.size(); ++i) {
+      rest.push_back(Seq(i, goldens_[i]));
+      live.insert(i);
+    }
+    out.clear();
+    std::vector<uint64_t> prefilling;
+    engine.Prefill(std::move(rest), &out, &errors, nullptr, kBudget, &prefilling);
+    ASSERT_TRUE(errors.empty()) << errors[0].status;
+    record(out);
+    size_t most_prefilling = prefilling.size(), mixed_steps = 0;
+    while (!live.empty()) {
+      out.clear();
+      prefilling.clear();
+      engine.Decode(std::vector<uint64_t>(live.begin(), live.end()), &out, &errors, nullptr,
+                    kBudget, &prefilling);
+      ASSERT_TRUE(errors.empty()) << errors[0].status;
+      most_prefilling = std::max(most_prefilling, prefilling.size());
+      if (!prefilling.empty() && !out.empty()) ++mixed_steps;
+      // Every sequence either got its token or is listed as still prefilling (the shard keeps
+      // exactly those in its batch).
+      std::set<uint64_t> accounted(prefilling.begin(), prefilling.end());
+      for (const StepOutput& o : out) accounted.insert(o.id);
+      EXPECT_EQ(accounted, live);
+      record(out);
+    }
+    size_t longest = 0;
+    for (const Golden& g : goldens_) longest = std::max(longest, g.input.size());
+    if (engine.can_preempt() && longest > kBudget + 1) {
+      EXPECT_GT(most_prefilling, 0u) << "no prompt was chunked";
+      EXPECT_GT(mixed_steps, 0u) << "no step mixed prompt chunks and new tokens";
+    }
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      ExpectGolden(got, i, goldens_[i], "prompt " + std::to_string(i));
+    }
+    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+  });
+}
+
 TEST_P(ParityTest, OutOfBlocksIsReportedNotFatal) {
   const Golden& longest = *std::max_element(
       goldens_.begin(), goldens_.end(),
