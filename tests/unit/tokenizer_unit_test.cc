@@ -104,6 +104,31 @@ TEST(TokenizerLoad, WrongFieldTypeNamesTheField) {
       << t.status();
 }
 
+// Found by fuzzing: an id beyond int32 wrapped to a negative index (undefined behaviour), and a
+// huge one would size the vocabulary array by it. Every token id is bounded and named.
+TEST(TokenizerLoad, TokenIdsBeyondTheLimitNameTheField) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"("Ã©": 5})", R"("Ã©": 2147483653})"},
+      {R"("Ã©": 5})", R"("Ã©": 18446744073709551615})"},
+      {R"("Ã©": 5})", R"("Ã©": 16777216})"},
+      {R"({"id": 6,)", R"({"id": 4294967302,)"},
+  };
+  for (const auto& [from, to] : cases) {
+    TempDir d;
+    std::string json = ByteLevelJson();
+    json.replace(json.find(from), from.size(), to);
+    d.Write("tokenizer.json", json);
+    auto t = tgis::Tokenizer::FromDirectory(d.str());
+    ASSERT_FALSE(t.ok()) << to;
+    EXPECT_NE(t.status().message().find("is not in [0, 16777216)"), std::string::npos)
+        << t.status();
+    EXPECT_NE(t.status().message().find(to.find("id") != std::string::npos ? "added_tokens[0].id"
+                                                                           : "model.vocab"),
+              std::string::npos)
+        << t.status();
+  }
+}
+
 TEST(TokenizerLoad, UnsupportedComponentIsAnErrorNamingIt) {
   TempDir d;
   std::string json = ByteLevelJson();

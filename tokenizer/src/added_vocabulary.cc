@@ -39,10 +39,9 @@ absl::Status AddedVocabulary::Load(
     if (!content.ok()) return content.status();
     auto id = Field(e, p, "id");
     if (!id.ok()) return id.status();
-    if (!(*id)->is_number_integer() || (*id)->get<int64_t>() < 0) {
-      return absl::InvalidArgumentError(p + ".id: expected a non-negative integer");
-    }
-    t.id = (*id)->get<int32_t>();
+    auto checked = TokenId(**id, p + ".id");
+    if (!checked.ok()) return checked.status();
+    t.id = *checked;
     t.content = *content;
     auto flag = [&](const char* key, bool def, bool* out) -> absl::Status {
       auto v = BoolField(e, p, key, def);

@@ -40,4 +40,18 @@ absl::Status Unsupported(const std::string& path, std::string_view what) {
   return absl::UnimplementedError(absl::StrCat(path, ": unsupported ", std::string(what)));
 }
 
+absl::StatusOr<int32_t> TokenId(const Json& value, const std::string& where) {
+  if (!value.is_number_integer()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": expected an integer token id"));
+  }
+  // Unsigned first: a uint64 beyond int64's range must not wrap to a small id.
+  if (value.is_number_unsigned()
+          ? value.get<uint64_t>() >= uint64_t{kMaxTokenIds}
+          : (value.get<int64_t>() < 0 || value.get<int64_t>() >= kMaxTokenIds)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": token id ", value.dump(), " is not in [0, ", kMaxTokenIds, ")"));
+  }
+  return static_cast<int32_t>(value.get<int64_t>());
+}
+
 }  // namespace tgis::tok

@@ -46,11 +46,9 @@ absl::Status ReadVocabObject(const Json& j, const std::string& path, Vocab* voca
     return absl::InvalidArgumentError(absl::StrCat(path, ".vocab: expected an object"));
   }
   for (auto it = (*v)->begin(); it != (*v)->end(); ++it) {
-    if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ".vocab[\"", it.key(), "\"]: expected a non-negative integer id"));
-    }
-    vocab->Add(it.key(), it.value().get<int32_t>());
+    auto id = TokenId(it.value(), absl::StrCat(path, ".vocab[\"", it.key(), "\"]"));
+    if (!id.ok()) return id.status();
+    vocab->Add(it.key(), *id);
   }
   return absl::OkStatus();
 }

@@ -120,5 +120,10 @@ absl::StatusOr<std::string> StringField(const Json& j, const std::string& path, 
 absl::StatusOr<bool> BoolField(const Json& j, const std::string& path, const char* key,
                                std::optional<bool> default_value = std::nullopt);
 absl::Status Unsupported(const std::string& path, std::string_view what);
+// The most token ids a tokenizer may use: vocabularies are dense arrays here (HF's are hash
+// maps), so an id is also a size; 2^24 is far beyond any real vocabulary.
+inline constexpr int64_t kMaxTokenIds = int64_t{1} << 24;
+// A token id: an integer in [0, kMaxTokenIds), else an error naming `where`.
+absl::StatusOr<int32_t> TokenId(const Json& value, const std::string& where);
 
 }  // namespace tgis::tok

@@ -144,7 +144,9 @@ absl::StatusOr<SpecialPiece> TokenIdPair(const Json& j, const std::string& path,
   if (!v.is_array() || v.size() != 2 || !v[0].is_string() || !v[1].is_number_integer()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ".", key, ": expected [token, id]"));
   }
-  return SpecialPiece{{v[1].get<int32_t>()}, {v[0].get<std::string>()}};
+  auto id = TokenId(v[1], absl::StrCat(path, ".", key, "[1]"));
+  if (!id.ok()) return id.status();
+  return SpecialPiece{{*id}, {v[0].get<std::string>()}};
 }
 
 }  // namespace
@@ -184,7 +186,11 @@ absl::StatusOr<std::unique_ptr<PostProcessor>> MakePostProcessor(const Json& j,
             absl::StrCat(path, ".special_tokens: missing '", id, "' used by the template"));
       }
       SpecialPiece sp;
-      for (const Json& x : (*it)["ids"]) sp.ids.push_back(x.get<int32_t>());
+      for (const Json& x : (*it)["ids"]) {
+        auto checked = TokenId(x, absl::StrCat(path, ".special_tokens[\"", id, "\"].ids"));
+        if (!checked.ok()) return checked.status();
+        sp.ids.push_back(*checked);
+      }
       for (const Json& x : (*it)["tokens"]) sp.tokens.push_back(x.get<std::string>());
       if (sp.ids.size() != sp.tokens.size()) {
         return absl::InvalidArgumentError(
