@@ -11,6 +11,10 @@ preemption: admission by the next block's need with preemption (PREEMPTION) agai
   text (so lengths vary as real ones do, mostly far below max_new_tokens). Printed per mode:
   requests/s, generated tokens/s, the mean decode batch size (requests served at once),
   preemptions, and the ratios.
+chunked: chunked prefill (PREFILL_CHUNK_TOKENS=128) against whole prompts. Four streams run;
+  then a 4,000-token prompt arrives. Printed per mode: the streams' inter-token latency while
+  that prompt is prefilled (p50, p99, max), their tokens/s then, and the long prompt's time to
+  first token.
 
 Clients send the requests through the public GenerateStream API at a fixed concurrency, back to
 back.
@@ -19,7 +23,7 @@ The model is Llama-shaped with random weights (hidden 768, 12 layers; ~78M param
 written with numpy under benchmarks/data/, nothing downloaded) and the Llama-2-style fixture
 tokenizer (its 1,500-token vocabulary sizes the model's).
 
-    python3 benchmarks/scheduling_bench.py [--only prefix|preemption] [--build-dir build]
+    python3 benchmarks/scheduling_bench.py [--only prefix|preemption|chunked] [--build-dir build]
 """
 
 from __future__ import annotations
@@ -50,10 +54,10 @@ WORDS = ("install upgrade backup restore the server client manual command line o
          "token model batch queue shard cache block prefix stream request answer").split()
 
 
-def checkpoint() -> Path:
+def checkpoint(positions: int = CONFIG["max_position_embeddings"]) -> Path:
     vocab = len(json.loads((TOKENIZER / "tokenizer.json").read_text())["model"]["vocab"])
-    folder = REPO / "benchmarks" / "data" / f"llama-78m-v{vocab}"
-    make_checkpoint(folder, {**CONFIG, "vocab_size": vocab})
+    folder = REPO / "benchmarks" / "data" / f"llama-78m-v{vocab}-p{positions}"
+    make_checkpoint(folder, {**CONFIG, "vocab_size": vocab, "max_position_embeddings": positions})
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(TOKENIZER / f, folder / f)
     return folder
@@ -178,9 +182,9 @@ def run(launcher: Launcher, prompts: list[str], concurrency: int, make_params,
     return {"requests_per_s": len(ttft) / wall, "tokens_per_s": tokens[0] / wall,
             "ttft_p50": statistics.median(ttft), "ttft_p90": ttft[int(0.9 * (len(ttft) - 1))],
             "wall": wall, "errors": len(errors), "tokens": tokens[0],
-            "hits": launcher.metric("tgis_prefix_cache_hits"),
-            "reused": launcher.metric("tgis_prefix_cache_reused_tokens"),
-            "preemptions": launcher.metric("tgis_preemptions"),
+            "hits": launcher.metric("tgis_prefix_cache_hits_total"),
+            "reused": launcher.metric("tgis_prefix_cache_reused_tokens_total"),
+            "preemptions": launcher.metric("tgis_preemptions_total"),
             "batch_mean": launcher.batch_size_mean()}
 
 
@@ -244,10 +248,87 @@ def bench_preemption(build: Path, model: Path, args) -> None:
           f"at once x{on['batch_mean'] / off['batch_mean']:.2f}")
 
 
+def bench_chunked(build: Path, args) -> None:
+    import grpc
+
+    model = checkpoint(positions=4608)
+    rng = random.Random(2)
+    long_text = "Document: " + text(rng, 1600)  # over 4,000 tokens: truncated to exactly 4,000
+    results = {}
+    for chunk in (128, 0):
+        name = f"chunks of {chunk}" if chunk else "whole prompts"
+        print(f"== {name}: 4 streams running, then a 4,000-token prompt", flush=True)
+        launcher = Launcher(build, model, {"PREFILL_CHUNK_TOKENS": str(chunk),
+                                           "MAX_SEQUENCE_LENGTH": "4500",
+                                           "MAX_NEW_TOKENS": "3000"})
+        try:
+            pb, pb_grpc = proto_module("generation")
+            channel = grpc.insecure_channel(f"localhost:{launcher.grpc_port}")
+            stub = pb_grpc.GenerationServiceStub(channel)
+            arrivals: list[list[float]] = [[] for _ in range(4)]
+            calls = []
+            for i in range(4):
+                calls.append(stub.GenerateStream(pb.SingleGenerationRequest(
+                    request=pb.GenerationRequest(text=f"Stream {i}: " + text(rng, 10)),
+                    params=pb.Parameters(stopping=pb.StoppingCriteria(
+                        max_new_tokens=3000, min_new_tokens=3000))), timeout=900))
+
+            def read(i):
+                try:
+                    for m in calls[i]:
+                        if m.generated_token_count > 0:
+                            arrivals[i].append(time.perf_counter())
+                except grpc.RpcError:
+                    pass  # cancelled at the end
+
+            readers = [threading.Thread(target=read, args=(i,)) for i in range(4)]
+            for t in readers:
+                t.start()
+            while min(len(a) for a in arrivals) < 20:
+                time.sleep(0.05)
+            sent = time.perf_counter()
+            first = None
+            for m in stub.GenerateStream(pb.SingleGenerationRequest(
+                    request=pb.GenerationRequest(text=long_text),
+                    params=pb.Parameters(truncate_input_tokens=4000,
+                                         stopping=pb.StoppingCriteria(max_new_tokens=4))),
+                    timeout=900):
+                if first is None and m.generated_token_count > 0:
+                    first = time.perf_counter()
+                if m.input_token_count:
+                    assert m.input_token_count == 4000, m.input_token_count
+            for c in calls:
+                c.cancel()
+            for t in readers:
+                t.join()
+            channel.close()
+        finally:
+            launcher.close()
+        gaps, tokens = [], 0
+        for a in arrivals:
+            window = [t for t in a if sent <= t <= first]
+            tokens += len(window)
+            prev = [t for t in a if t < sent][-1:]
+            seq = prev + window
+            gaps += [y - x for x, y in zip(seq, seq[1:])]
+        gaps.sort()
+        r = {"ttft": first - sent, "p50": statistics.median(gaps),
+             "p99": gaps[int(0.99 * (len(gaps) - 1))], "max": gaps[-1],
+             "tok_s": tokens / (first - sent)}
+        results[chunk] = r
+        print(f"   streams' ITL during the prefill: p50 {r['p50'] * 1e3:.0f} ms, p99 "
+              f"{r['p99'] * 1e3:.0f} ms, max {r['max'] * 1e3:.0f} ms; their tokens/s "
+              f"{r['tok_s']:.1f}; the long prompt's TTFT {r['ttft']:.1f} s", flush=True)
+    on, off = results[128], results[0]
+    print(f"== chunked/whole: ITL max x{off['max'] / on['max']:.1f} lower, streams' tokens/s "
+          f"x{on['tok_s'] / max(off['tok_s'], 1e-9):.1f}, long prompt TTFT "
+          f"x{on['ttft'] / off['ttft']:.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--build-dir", default="build")
-    ap.add_argument("--only", choices=["prefix", "preemption"])
+    ap.add_argument("--only", choices=["prefix", "preemption", "chunked"])
     ap.add_argument("--requests", type=int, default=40, help="prefix: requests")
     ap.add_argument("--concurrency", type=int, default=4, help="prefix: clients")
     args = ap.parse_args()
@@ -258,6 +339,8 @@ def main() -> int:
         bench_prefix(build, model, args)
     if args.only in (None, "preemption"):
         bench_preemption(build, model, args)
+    if args.only in (None, "chunked"):
+        bench_chunked(build, args)
     return 0
 
 

@@ -190,7 +190,9 @@ std::string Registry::Render() const {
   std::string out;
   for (const auto& f : families_) {
     f->Render(f->name(), &out);
-    if (f->kind() == Kind::kCounter) f->Render(f->name() + "_total", &out);
+    // Ours are named as Prometheus wants (…_total) and need no second spelling.
+    const bool has_total = f->name().ends_with("_total");
+    if (f->kind() == Kind::kCounter && !has_total) f->Render(f->name() + "_total", &out);
   }
   return out;
 }

@@ -70,7 +70,7 @@ class Registry {
   Family* Summary(const std::string& name, const std::string& help,
                   std::vector<std::string> labels = {});
   // Every family in registration order; counters also once more with the _total suffix (TGIS
-  // dashboards query both spellings).
+  // dashboards query both spellings), unless their name ends in _total already.
   std::string Render() const;
 
  private:

@@ -128,12 +128,12 @@ TgiMetrics::TgiMetrics(Registry* r, const MetricShape& shape) {
   tokenize_request_duration = r->Histogram("tgi_tokenize_request_duration",
                                            "Tokenize request duration (in seconds)", seconds);
   prefix_cache_hits = r->Counter(
-      "tgis_prefix_cache_hits",
+      "tgis_prefix_cache_hits_total",
       "Count of requests whose prompt started with KV cache blocks cached by earlier requests");
   prefix_cache_reused_tokens =
-      r->Counter("tgis_prefix_cache_reused_tokens",
+      r->Counter("tgis_prefix_cache_reused_tokens_total",
                  "Count of prompt tokens whose keys and values came from the prefix cache");
-  preemptions = r->Counter("tgis_preemptions",
+  preemptions = r->Counter("tgis_preemptions_total",
                            "Count of requests preempted because the KV cache was full (their "
                            "tokens are computed again when they resume)");
 }

@@ -60,7 +60,7 @@ def test_preempted_requests_finish_with_their_own_tokens(caching):
         status, body = server.http_get("/metrics")
         metrics = Exposition(body)
         # 12 requests of 100+ tokens in a 256-token cache: some were preempted, none failed.
-        assert metrics.count("tgis_preemptions") > 0, server.log()[-3000:]
+        assert metrics.count("tgis_preemptions_total") > 0, server.log()[-3000:]
         assert "preempted after" in server.log()
         assert sum(v for (name, _), v in metrics.samples.items()
                    if name == "tgi_request_failure") == 0

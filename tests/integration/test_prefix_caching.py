@@ -78,11 +78,11 @@ def test_outputs_are_the_same_with_the_cache_on_and_off(model):
         assert a[2] == pytest.approx(b[2], abs=1e-4)
     # Every request after the first shared the system prompt's whole blocks with one before.
     requests = len(on_greedy) + len(on_sampled)
-    assert on.count("tgis_prefix_cache_hits") == requests - 1
+    assert on.count("tgis_prefix_cache_hits_total") == requests - 1
     shortest = min(r[3] for r in on_greedy)
-    assert on.count("tgis_prefix_cache_reused_tokens") >= (requests - 1) * (shortest // 2)
-    assert off.count("tgis_prefix_cache_hits") == 0
-    assert off.count("tgis_prefix_cache_reused_tokens") == 0
+    assert on.count("tgis_prefix_cache_reused_tokens_total") >= (requests - 1) * (shortest // 2)
+    assert off.count("tgis_prefix_cache_hits_total") == 0
+    assert off.count("tgis_prefix_cache_reused_tokens_total") == 0
 
 
 def test_golden_prompts_match_transformers_with_a_warm_cache(model):
@@ -101,6 +101,6 @@ def test_golden_prompts_match_transformers_with_a_warm_cache(model):
                 assert [t.logprob for t in r.tokens] == pytest.approx(prompt["logprobs"], abs=1e-3)
         # The second round found every prompt with a whole block before its last token cached.
         reusable = sum(1 for prompt in oracle.prompts if len(prompt["input_ids"]) > 4)
-        assert metrics(server).count("tgis_prefix_cache_hits") >= reusable > 0
+        assert metrics(server).count("tgis_prefix_cache_hits_total") >= reusable > 0
     finally:
         server.close()
