@@ -110,6 +110,26 @@ class Launcher:
                 return float(line.split()[1])
         return 0.0
 
+    def steps_over(self, seconds: float) -> dict:
+        """How many prefill and next_token steps took longer than `seconds` (from the
+        tgi_batch_inference_duration buckets, at the first bound above it)."""
+        body = urllib.request.urlopen(f"http://localhost:{self.http_port}/metrics").read().decode()
+        counts: dict = {}
+        for method in ("prefill", "next_token"):
+            total, below = 0.0, None
+            for line in body.splitlines():
+                if not line.startswith("tgi_batch_inference_duration_") or f'method="{method}"' not in line:
+                    continue
+                value = float(line.split()[-1])
+                if line.startswith("tgi_batch_inference_duration_count"):
+                    total = value
+                elif 'le="' in line and below is None:
+                    bound = line.split('le="')[1].split('"')[0]
+                    if bound != "+Inf" and float(bound) >= seconds:
+                        below = value
+            counts[method] = int(total - (below or 0))
+        return counts
+
     def batch_size_mean(self) -> float:
         """The mean size of the decode (next_token) batches so far."""
         body = urllib.request.urlopen(f"http://localhost:{self.http_port}/metrics").read().decode()
@@ -270,8 +290,11 @@ def bench_chunked(build: Path, args) -> None:
             for i in range(4):
                 calls.append(stub.GenerateStream(pb.SingleGenerationRequest(
                     request=pb.GenerationRequest(text=f"Stream {i}: " + text(rng, 10)),
-                    params=pb.Parameters(stopping=pb.StoppingCriteria(
-                        max_new_tokens=3000, min_new_tokens=3000))), timeout=900))
+                    # generated_tokens: a message for every token (none is sent for a token
+                    # whose text is empty otherwise, which would look like a stall).
+                    params=pb.Parameters(
+                        stopping=pb.StoppingCriteria(max_new_tokens=3000, min_new_tokens=3000),
+                        response=pb.ResponseOptions(generated_tokens=True))), timeout=900))
 
             def read(i):
                 try:
@@ -302,16 +325,22 @@ def bench_chunked(build: Path, args) -> None:
             for t in readers:
                 t.join()
             channel.close()
+            slow = launcher.steps_over(5.0)
         finally:
             launcher.close()
-        gaps, tokens = [], 0
+        # Each stream's gaps from its last token before the long prompt was sent to its first
+        # token after that prompt's first token: the whole time the prefill could hold it up.
+        gaps, tokens, where = [], 0, []
         for a in arrivals:
             window = [t for t in a if sent <= t <= first]
             tokens += len(window)
-            prev = [t for t in a if t < sent][-1:]
-            seq = prev + window
+            seq = [t for t in a if t < sent][-1:] + window + [t for t in a if t > first][:1]
             gaps += [y - x for x, y in zip(seq, seq[1:])]
+            where += [(y - x, x - sent) for x, y in zip(seq, seq[1:])]
         gaps.sort()
+        worst = max(where)
+        print(f"   (longest gap {worst[0]:.1f} s, starting {worst[1]:.1f} s after the prompt was "
+              f"sent; server steps over 5 s: {slow})", flush=True)
         r = {"ttft": first - sent, "p50": statistics.median(gaps),
              "p99": gaps[int(0.99 * (len(gaps) - 1))], "max": gaps[-1],
              "tok_s": tokens / (first - sent)}
