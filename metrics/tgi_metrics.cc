@@ -136,6 +136,12 @@ TgiMetrics::TgiMetrics(Registry* r, const MetricShape& shape) {
   preemptions = r->Counter("tgis_preemptions_total",
                            "Count of requests preempted because the KV cache was full (their "
                            "tokens are computed again when they resume)");
+  draft_tokens =
+      r->Counter("tgis_draft_tokens_total",
+                 "Count of draft tokens verified by speculative decoding (prompt lookup)");
+  accepted_draft_tokens =
+      r->Counter("tgis_accepted_draft_tokens_total",
+                 "Count of speculative draft tokens accepted: tokens greedy decoding chose anyway");
 }
 
 }  // namespace tgis::metrics

@@ -72,6 +72,8 @@ struct TgiMetrics {
   Family* prefix_cache_hits;           // counter: requests whose prompt started cached
   Family* prefix_cache_reused_tokens;  // counter: prompt tokens taken from the cache
   Family* preemptions;                 // counter: requests preempted (KV cache full)
+  Family* draft_tokens;                // counter: speculative draft tokens verified
+  Family* accepted_draft_tokens;       // counter: of them, accepted
 };
 
 }  // namespace tgis::metrics

@@ -290,7 +290,9 @@ void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
   const Clock::time_point admitted = Clock::now();
   metrics::TgiMetrics* m = config_.metrics;
   for (auto& r : batch) {
-    *b->add_requests() = ToShardRequest(*r);
+    pb::Request* shard_request = b->add_requests();
+    *shard_request = ToShardRequest(*r);
+    if (!r->params.sample) shard_request->set_speculate_tokens(config_.speculate_tokens);
     tokens += r->input_ids.size();
     r->batched = admitted;
     if (m != nullptr && r->kind != RequestKind::kHealthCheck) {
@@ -423,9 +425,16 @@ void Batcher::Decode() {
               << " token(s): the KV cache is full; it resumes when blocks free up";
     if (config_.metrics != nullptr) config_.metrics->preemptions->Add(1);
   }
+  if (config_.metrics != nullptr && response->draft_tokens() > 0) {
+    config_.metrics->draft_tokens->Add(response->draft_tokens());
+    config_.metrics->accepted_draft_tokens->Add(response->accepted_draft_tokens());
+  }
   for (const pb::Generation& g : response->generations()) {
     // A chunked prompt's first token: the request's prefill generation.
     auto it = running_.find(g.request_id());
+    // With speculation a step may bring tokens past a request's end (a stop sequence, EOS):
+    // the request is gone, they are dropped.
+    if (it == running_.end() && config_.speculate_tokens > 0) continue;
     const bool first = it != running_.end() && it->second.prefilling;
     if (first) it->second.prefilling = false;
     OnGeneration(g, /*prefill=*/first);

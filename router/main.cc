@@ -82,6 +82,10 @@ DEFINE_int32(prefill_chunk_tokens, 0,
              "prompt goes on in the next steps beside the running requests' tokens, keeping "
              "their inter-token latency bounded. 0: whole prompts, as TGIS (env "
              "PREFILL_CHUNK_TOKENS)");
+DEFINE_int32(speculate, 0,
+             "Speculative decoding by prompt lookup: draft tokens (copied from where a greedy "
+             "request's last tokens occurred before, in its prompt or output) that one step may "
+             "verify; outputs are unchanged. 0: off (env SPECULATE)");
 DEFINE_int32(shard_connect_timeout, 600,
              "Seconds to wait for the shards to come up (env SHARD_CONNECT_TIMEOUT)");
 DEFINE_int32(shard_step_timeout, 600,
@@ -219,6 +223,7 @@ int main(int argc, char** argv) {
           {"shard_connect_timeout", "SHARD_CONNECT_TIMEOUT"},
           {"preemption", "PREEMPTION"},
           {"prefill_chunk_tokens", "PREFILL_CHUNK_TOKENS"},
+          {"speculate", "SPECULATE"},
           {"shard_step_timeout", "SHARD_STEP_TIMEOUT"},
           {"shutdown_grace_period", "SHUTDOWN_GRACE_PERIOD"},
           {"port", "PORT"},
@@ -367,6 +372,10 @@ int main(int argc, char** argv) {
         absl::StrCat("--prefill-chunk-tokens must be >= 0, not ", FLAGS_prefill_chunk_tokens));
   }
   batcher_config.prefill_chunk_tokens = static_cast<uint32_t>(FLAGS_prefill_chunk_tokens);
+  if (FLAGS_speculate < 0 || FLAGS_speculate > 64) {
+    return Fail(absl::StrCat("--speculate must be in [0, 64], not ", FLAGS_speculate));
+  }
+  batcher_config.speculate_tokens = static_cast<uint32_t>(FLAGS_speculate);
   batcher_config.detokenization.skip_special_tokens = !FLAGS_output_special_tokens;
   for (uint32_t id : info->eos_token_ids()) {
     batcher_config.detokenization.eos_token_ids.push_back(static_cast<int32_t>(id));

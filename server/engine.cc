@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 
@@ -208,6 +209,8 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
     s->sampler = std::make_unique<Sampler>(n.params, eos_);
     s->top_n = n.top_n;
     s->input_logprobs = n.input_logprobs;
+    s->max_new = n.max_new_tokens;
+    s->speculate = n.params.do_sample ? 0 : n.speculate;
     if (prefix_caching_) ReuseCachedPrefix(s.get());
     if (!Reserve(s.get())) {
       FreeBlocks(s.get());
@@ -228,10 +231,16 @@ void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* o
                     std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted,
                     size_t prompt_budget, std::vector<uint64_t>* prefilling) {
   std::vector<Sequence*> batch;
+  std::set<uint64_t> seen;
   for (uint64_t id : ids) {
     auto it = seqs_.find(id);
     if (it == seqs_.end()) {
       errors->push_back({id, absl::NotFoundError(absl::StrCat("request ", id, " is not cached"))});
+      continue;
+    }
+    if (!seen.insert(id).second) {  // one step, one place in it
+      errors->push_back(
+          {id, absl::InvalidArgumentError(absl::StrCat("request ", id, " is listed twice"))});
       continue;
     }
     Sequence* s = it->second.get();
@@ -248,7 +257,79 @@ void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* o
     batch.push_back(s);
   }
   batch = ReserveOrPreempt(batch, errors, can_preempt_ ? preempted : nullptr);
+  last_drafts_ = {};
+  AddDrafts(batch);
   if (!batch.empty()) RunStep(batch, /*prefill=*/false, prompt_budget, out, prefilling);
+}
+
+std::vector<int32_t> Engine::ProposeDraft(const Sequence& s, size_t limit) const {
+  // Only real tokens (not prompt-tuning placeholders) are looked up.
+  const std::span<const int32_t> t = std::span<const int32_t>(s.tokens).subspan(s.prefix_len);
+  for (size_t n = std::min<size_t>(3, t.size() - 1); n >= 1; --n) {
+    const std::span<const int32_t> tail = t.subspan(t.size() - n);
+    // The latest earlier occurrence: its continuation is the likeliest to repeat.
+    for (size_t j = t.size() - n; j-- > 0;) {
+      if (std::equal(tail.begin(), tail.end(), t.begin() + static_cast<std::ptrdiff_t>(j))) {
+        const size_t from = j + n, to = std::min(t.size(), from + limit);
+        return std::vector<int32_t>(t.begin() + static_cast<std::ptrdiff_t>(from),
+                                    t.begin() + static_cast<std::ptrdiff_t>(to));
+      }
+    }
+  }
+  return {};
+}
+
+void Engine::AddDrafts(const std::vector<Sequence*>& seqs) {
+  // A draft's keys are computed at the length the step reaches, which length-dependent rotary
+  // would rotate differently from step-by-step decoding.
+  if (!can_preempt_) return;
+  for (Sequence* s : seqs) {
+    s->draft.clear();
+    // Decoding greedy sequences only (a prompt still being computed has no next token yet),
+    // never past max_new_tokens or the model's positions.
+    if (s->speculate == 0 || s->cached + 1 != s->tokens.size() || s->tokens.size() < 2) continue;
+    const int64_t room =
+        std::min<int64_t>(static_cast<int64_t>(s->max_new) - static_cast<int64_t>(s->generated) - 1,
+                          max_positions_ - static_cast<int64_t>(s->tokens.size()) - 1);
+    if (room <= 0) continue;
+    s->draft = ProposeDraft(*s, std::min<size_t>(s->speculate, static_cast<size_t>(room)));
+    if (s->draft.empty()) continue;
+    const size_t blocks_before = s->blocks.size();
+    s->tokens.insert(s->tokens.end(), s->draft.begin(), s->draft.end());
+    if (!Reserve(s)) {  // no room for the draft: decode plainly
+      s->tokens.resize(s->tokens.size() - s->draft.size());
+      s->draft.clear();
+      while (s->blocks.size() > blocks_before) {
+        cache_->blocks().Release(s->blocks.back());
+        s->blocks.pop_back();
+      }
+      continue;
+    }
+    last_drafts_.proposed += static_cast<uint32_t>(s->draft.size());
+  }
+}
+
+void Engine::VerifyDraft(Sequence* s, const float* rows, int64_t vocab,
+                         std::vector<StepOutput>* out) {
+  const std::vector<int32_t> draft = std::move(s->draft);
+  s->draft.clear();
+  s->tokens.resize(s->tokens.size() - draft.size());
+  for (size_t j = 0; j <= draft.size(); ++j) {
+    std::vector<float> row(rows + j * vocab, rows + (j + 1) * vocab);
+    TokenChoice c = s->sampler->Next(
+        row, std::span<const int32_t>(s->tokens).subspan(s->prefix_len), s->generated, s->top_n);
+    StepOutput o;
+    o.id = s->id;
+    o.token.id = c.id;
+    o.token.logprob = c.logprob;
+    o.token.rank = c.rank;
+    o.token.top = std::move(c.top);
+    // Row j + 1 was computed after draft[j]: it is this sequence's only while they agree.
+    Advance(s, c.id);
+    out->push_back(std::move(o));
+    if (j == draft.size() || c.id != draft[j]) break;
+    last_drafts_.accepted += 1;
+  }
 }
 
 void Engine::Preempt(Sequence* s) {
@@ -298,7 +379,7 @@ std::vector<Engine::Sequence*> Engine::ReserveOrPreempt(const std::vector<Sequen
 bool Engine::Chunkable(const Sequence& s) const {
   // Prompt logprobs need every prompt row's logits in one pass; an encoder-decoder model's
   // prompt is its encoder's; length-dependent rotary computes a chunk's keys at its length.
-  return !s.input_logprobs && !model_->encoder_decoder() && can_preempt_;
+  return !s.input_logprobs && !model_->encoder_decoder() && can_preempt_ && s.draft.empty();
 }
 
 void Engine::RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t prompt_budget,
@@ -371,8 +452,9 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
       continue;
     }
     // Prompt logprobs come from the logits of every prompt row (decoder-only models; an
-    // encoder-decoder model's input tokens have none).
-    const bool all_rows = prefill && s->input_logprobs && !model_->encoder_decoder();
+    // encoder-decoder model's input tokens have none); a draft is verified on every row.
+    const bool all_rows =
+        (prefill && s->input_logprobs && !model_->encoder_decoder()) || !s->draft.empty();
     seq_rows.emplace_back(static_cast<int32_t>(logit_rows.size()), all_rows ? n : 1);
     details.push_back(prefill && s->input_logprobs);
     if (all_rows) {
@@ -442,6 +524,10 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
     auto [first_row, count] = seq_rows[i];
     Tensor rows = logits.Rows(first_row, first_row + count);
     if (rows.device() != kernels::Device::kCpu) rows = rows.ToDevice(kernels::Device::kCpu);
+    if (!s->draft.empty()) {
+      VerifyDraft(s, rows.data<float>(), v, out);
+      continue;
+    }
     StepOutput o;
     o.id = s->id;
     if (details[i] && model_->encoder_decoder()) {
@@ -609,8 +695,8 @@ std::vector<std::optional<TokenInfo>> Engine::PickGreedy(
   bool any = false;
   for (size_t i = 0; i < seqs.size(); ++i) {
     bool mask_eos = false;
-    greedy[i] = seq_rows[i].second > 0 && !details[i] && seqs[i]->top_n == 0 &&
-                seqs[i]->sampler->PlainGreedy(seqs[i]->generated, &mask_eos);
+    greedy[i] = seq_rows[i].second > 0 && !details[i] && seqs[i]->draft.empty() &&
+                seqs[i]->top_n == 0 && seqs[i]->sampler->PlainGreedy(seqs[i]->generated, &mask_eos);
     any = any || greedy[i];
     if (greedy[i] && mask_eos) {
       std::copy(eos_.begin(), eos_.end(), banned.begin() + seq_rows[i].first * m);

@@ -23,6 +23,10 @@ struct NewSequence {
   uint32_t max_new_tokens = 0;
   uint32_t top_n = 0;
   bool input_logprobs = false;
+  // Speculative decoding by prompt lookup (greedy sequences): each Decode step may verify up
+  // to this many draft tokens, copied from where the sequence's last tokens occurred before,
+  // and return every one that greedy decoding would have chosen, plus one.
+  uint32_t speculate = 0;
   // A prompt-tuning prefix [virtual tokens, hidden] (model dtype and device) that goes before
   // the input: its vectors take positions 0..P-1, the input's tokens follow.
   std::shared_ptr<const kernels::Tensor> prefix;
@@ -50,6 +54,12 @@ struct StepOutput {
 struct SequenceError {
   uint64_t id = 0;
   absl::Status status;
+};
+
+// What prompt-lookup speculation did in one Decode call.
+struct DraftStats {
+  uint32_t proposed = 0;  // draft tokens verified
+  uint32_t accepted = 0;  // of them, tokens greedy decoding chose
 };
 
 // What prefix caching saved in one Prefill call.
@@ -114,6 +124,8 @@ class Engine {
   bool can_preempt() const { return can_preempt_; }
   // What prefix caching saved in the last Prefill.
   const PrefillReuse& last_reuse() const { return last_reuse_; }
+  // What speculation did in the last Decode.
+  const DraftStats& last_drafts() const { return last_drafts_; }
 
   // Nanoseconds spent in the last step's forward pass.
   uint64_t last_forward_ns() const { return last_forward_ns_; }
@@ -143,6 +155,10 @@ class Engine {
     uint32_t generated = 0;
     uint32_t top_n = 0;
     bool input_logprobs = false;
+    uint32_t max_new = 0;
+    uint32_t speculate = 0;
+    // This step's draft tokens (appended to `tokens` while the step runs).
+    std::vector<int32_t> draft;
   };
 
   // Reserves blocks for every uncached token of s; false when the cache is full.
@@ -170,6 +186,14 @@ class Engine {
   void RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t prompt_budget,
                std::vector<StepOutput>* out, std::vector<uint64_t>* prefilling);
   bool Chunkable(const Sequence& s) const;
+  // Prompt lookup: the tokens that followed the latest earlier occurrence of s's last 3 (else
+  // 2, else 1) tokens, at most `limit` of them.
+  std::vector<int32_t> ProposeDraft(const Sequence& s, size_t limit) const;
+  // Gives decoding greedy sequences their drafts (appended to their tokens, blocks reserved).
+  void AddDrafts(const std::vector<Sequence*>& seqs);
+  // Verifies s's draft against the step's logits rows for it (host floats, one per draft
+  // token and one more): appends the tokens greedy decoding chooses, as long as they agree.
+  void VerifyDraft(Sequence* s, const float* rows, int64_t vocab, std::vector<StepOutput>* out);
   // Encoder-decoder models: encodes the new sequences' inputs into their cross blocks.
   void Encode(const std::vector<Sequence*>& seqs);
   // The attention batch of each sequence's cross blocks (context: its input's length), for
@@ -205,6 +229,7 @@ class Engine {
   bool prefix_caching_ = false;
   bool can_preempt_ = false;
   PrefillReuse last_reuse_;
+  DraftStats last_drafts_;
   uint64_t next_order_ = 0;
 };
 

@@ -281,6 +281,7 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
     n.max_new_tokens = r.max_new_tokens();
     n.top_n = r.top_n_tokens();
     n.input_logprobs = r.input_logprobs();
+    n.speculate = r.speculate_tokens();
     news.push_back(std::move(n));
   }
   std::vector<StepOutput> outs;
@@ -345,12 +346,17 @@ grpc::Status ShardService::Decode(grpc::ServerContext*, const pb::DecodeRequest*
   AddResults(outs, errors, resp);
   resp->mutable_preempted_request_ids()->Add(preempted.begin(), preempted.end());
   resp->mutable_prefilling_request_ids()->Add(prefilling.begin(), prefilling.end());
+  resp->set_draft_tokens(engine_->last_drafts().proposed);
+  resp->set_accepted_draft_tokens(engine_->last_drafts().accepted);
   if (!preempted.empty()) {
     LOG(INFO) << "KV cache full: preempted " << preempted.size() << " request(s)";
   }
   if (!outs.empty() || !prefilling.empty()) {
     auto& kept = batches_[merged_id];
-    for (const StepOutput& o : outs) kept.push_back(o.id);
+    // A speculating request may have several tokens in `outs`, in order: it is kept once.
+    for (const StepOutput& o : outs) {
+      if (kept.empty() || kept.back() != o.id) kept.push_back(o.id);
+    }
     kept.insert(kept.end(), prefilling.begin(), prefilling.end());
     *resp->mutable_batch() = Describe(merged_id);
   }

@@ -81,7 +81,7 @@ TEST(Metrics, OurCountersEndInTotalOnce) {
   const auto types = Types(r.Render());
   for (const std::string name :
        {"tgis_prefix_cache_hits_total", "tgis_prefix_cache_reused_tokens_total",
-        "tgis_preemptions_total"}) {
+        "tgis_preemptions_total", "tgis_draft_tokens_total", "tgis_accepted_draft_tokens_total"}) {
     EXPECT_TRUE(types.count({name, "counter"})) << name;
     EXPECT_FALSE(types.count({name + "_total", "counter"})) << name;
   }

@@ -689,6 +689,67 @@ TEST_P(ParityTest, ChunkedPromptsBesideADecodingSequence) {
   });
 }
 
+// Speculative decoding by prompt lookup: greedy sequences verify up to four draft tokens a
+// step, copied from where their last tokens occurred before; the tokens and logprobs are still
+// transformers', alone and in a ragged batch.
+TEST_P(ParityTest, PromptLookupSpeculationKeepsTheGoldenTokens) {
+  OnEveryRank([&](Engine& engine) {
+    uint32_t proposed = 0, accepted = 0;
+    std::vector<NewSequence> seqs;
+    std::set<uint64_t> live;
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      NewSequence n = Seq(i, goldens_[i]);
+      n.speculate = 4;
+      seqs.push_back(std::move(n));
+      live.insert(i);
+    }
+    Continuations got;
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    engine.Prefill(std::move(seqs), &out, &errors);
+    ASSERT_TRUE(errors.empty()) << errors[0].status;
+    size_t steps = 0;
+    while (true) {
+      for (const StepOutput& o : out) {
+        got[o.id].first.push_back(o.token.id);
+        got[o.id].second.push_back(o.token.logprob);
+      }
+      for (auto it = live.begin(); it != live.end();) {
+        ASSERT_LE(got[*it].first.size(), goldens_[*it].generated.size()) << "past max_new_tokens";
+        if (got[*it].first.size() == goldens_[*it].generated.size()) {
+          engine.Release(*it);
+          it = live.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      if (live.empty()) break;
+      out.clear();
+      engine.Decode(std::vector<uint64_t>(live.begin(), live.end()), &out, &errors);
+      ASSERT_TRUE(errors.empty()) << errors[0].status;
+      proposed += engine.last_drafts().proposed;
+      accepted += engine.last_drafts().accepted;
+      ++steps;
+    }
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      ExpectGolden(got, i, goldens_[i], "prompt " + std::to_string(i));
+    }
+    // A continuation that repeats a token three times in a row is found by a one-token lookup.
+    bool repeats = false;
+    for (const Golden& g : goldens_) {
+      for (size_t t = 2; t < g.generated.size(); ++t) {
+        repeats = repeats || (g.generated[t] == g.generated[t - 1] &&
+                              g.generated[t - 1] == g.generated[t - 2]);
+      }
+    }
+    if (repeats) {
+      EXPECT_GT(accepted, 0u) << proposed << " draft tokens proposed";
+    }
+    EXPECT_LE(accepted, proposed);
+    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+  });
+}
+
 TEST_P(ParityTest, OutOfBlocksIsReportedNotFatal) {
   const Golden& longest = *std::max_element(
       goldens_.begin(), goldens_.end(),
