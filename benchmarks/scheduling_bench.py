@@ -15,6 +15,10 @@ chunked: chunked prefill (PREFILL_CHUNK_TOKENS=128) against whole prompts. Four 
   then a 4,000-token prompt arrives. Printed per mode: the streams' inter-token latency while
   that prompt is prefilled (p50, p99, max), their tokens/s then, and the long prompt's time to
   first token.
+speculation: prompt-lookup speculative decoding (SPECULATE=4) against plain decoding: one
+  greedy stream at a time, 256 new tokens after a code-like prompt (a function and an edit
+  request), five prompts. Printed per mode: tokens/s of the stream after its first token, and
+  the draft tokens proposed and accepted.
 
 Clients send the requests through the public GenerateStream API at a fixed concurrency, back to
 back.
@@ -23,7 +27,7 @@ The model is Llama-shaped with random weights (hidden 768, 12 layers; ~78M param
 written with numpy under benchmarks/data/, nothing downloaded) and the Llama-2-style fixture
 tokenizer (its 1,500-token vocabulary sizes the model's).
 
-    python3 benchmarks/scheduling_bench.py [--only prefix|preemption|chunked] [--build-dir build]
+    python3 benchmarks/scheduling_bench.py [--only prefix|preemption|chunked|speculation] [--build-dir build]
 """
 
 from __future__ import annotations
@@ -354,10 +358,65 @@ def bench_chunked(build: Path, args) -> None:
           f"x{on['ttft'] / off['ttft']:.2f}")
 
 
+CODE = """def load_config(path):
+    with open(path) as f:
+        data = json.load(f)
+    if "model" not in data:
+        raise ValueError("config has no model")
+    return data
+
+Rename load_config to read_config and data to config in the function above:
+"""
+
+
+def bench_speculation(build: Path, model: Path, args) -> None:
+    import grpc
+
+    prompts = [CODE.replace("config", word) for word in
+               ("config", "settings", "options", "profile", "manifest")]
+    results = {}
+    for speculate in (4, 0):
+        name = f"speculate {speculate}" if speculate else "plain decoding"
+        print(f"== {name}: {len(prompts)} greedy streams one at a time, 256 new tokens",
+              flush=True)
+        launcher = Launcher(build, model, {"SPECULATE": str(speculate), "MAX_NEW_TOKENS": "300"})
+        try:
+            pb, pb_grpc = proto_module("generation")
+            channel = grpc.insecure_channel(f"localhost:{launcher.grpc_port}")
+            stub = pb_grpc.GenerationServiceStub(channel)
+            decode_time, tokens, texts = 0.0, 0, []
+            for p in prompts:
+                first = last = None
+                for m in stub.GenerateStream(pb.SingleGenerationRequest(
+                        request=pb.GenerationRequest(text=p),
+                        params=pb.Parameters(
+                            stopping=pb.StoppingCriteria(max_new_tokens=256, min_new_tokens=256),
+                            response=pb.ResponseOptions(generated_tokens=True))), timeout=600):
+                    if m.generated_token_count > 0:
+                        last = time.perf_counter()
+                        first = first or last
+                    texts.append(m.text)
+                decode_time += last - first
+                tokens += 255
+            channel.close()
+            r = {"tok_s": tokens / decode_time, "text": "".join(texts),
+                 "proposed": launcher.metric("tgis_draft_tokens_total"),
+                 "accepted": launcher.metric("tgis_accepted_draft_tokens_total")}
+        finally:
+            launcher.close()
+        results[speculate] = r
+        rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
+        print(f"   {r['tok_s']:.1f} tok/s after the first token; drafts: {r['proposed']:.0f} "
+              f"proposed, {r['accepted']:.0f} accepted ({rate:.0%})", flush=True)
+    same = results[4]["text"] == results[0]["text"]
+    print(f"== speculate/plain: x{results[4]['tok_s'] / results[0]['tok_s']:.2f} tok/s; "
+          f"outputs {'identical' if same else 'DIFFERENT'}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--build-dir", default="build")
-    ap.add_argument("--only", choices=["prefix", "preemption", "chunked"])
+    ap.add_argument("--only", choices=["prefix", "preemption", "chunked", "speculation"])
     ap.add_argument("--requests", type=int, default=40, help="prefix: requests")
     ap.add_argument("--concurrency", type=int, default=4, help="prefix: clients")
     args = ap.parse_args()
@@ -370,6 +429,8 @@ def main() -> int:
         bench_preemption(build, model, args)
     if args.only in (None, "chunked"):
         bench_chunked(build, args)
+    if args.only in (None, "speculation"):
+        bench_speculation(build, model, args)
     return 0
 
 
