@@ -292,7 +292,7 @@ void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
   for (auto& r : batch) {
     pb::Request* shard_request = b->add_requests();
     *shard_request = ToShardRequest(*r);
-    if (!r->params.sample) shard_request->set_speculate_tokens(config_.speculate_tokens);
+    shard_request->set_speculate_tokens(config_.speculate_tokens);
     tokens += r->input_ids.size();
     r->batched = admitted;
     if (m != nullptr && r->kind != RequestKind::kHealthCheck) {

@@ -35,7 +35,7 @@ struct BatcherConfig {
   // running requests' next tokens, so that their inter-token latency stays bounded.
   uint32_t prefill_chunk_tokens = 0;
   // Speculative decoding by prompt lookup: draft tokens the shards may verify per step for a
-  // greedy request (0: off). A step may then bring several tokens of one request.
+  // request (0: off). A step may then bring several tokens of one request.
   uint32_t speculate_tokens = 0;
   DetokenizationConfig detokenization;
   // Told whether the shards answer (false after a failed Prefill or Decode, true again after

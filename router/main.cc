@@ -83,9 +83,10 @@ DEFINE_int32(prefill_chunk_tokens, 0,
              "their inter-token latency bounded. 0: whole prompts, as TGIS (env "
              "PREFILL_CHUNK_TOKENS)");
 DEFINE_int32(speculate, 0,
-             "Speculative decoding by prompt lookup: draft tokens (copied from where a greedy "
+             "Speculative decoding by prompt lookup: draft tokens (copied from where a "
              "request's last tokens occurred before, in its prompt or output) that one step may "
-             "verify; outputs are unchanged. 0: off (env SPECULATE)");
+             "verify; greedy outputs are unchanged, sampled ones keep their distribution "
+             "(rejection sampling). 0: off (env SPECULATE)");
 DEFINE_int32(shard_connect_timeout, 600,
              "Seconds to wait for the shards to come up (env SHARD_CONNECT_TIMEOUT)");
 DEFINE_int32(shard_step_timeout, 600,

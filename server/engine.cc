@@ -210,7 +210,7 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
     s->top_n = n.top_n;
     s->input_logprobs = n.input_logprobs;
     s->max_new = n.max_new_tokens;
-    s->speculate = n.params.do_sample ? 0 : n.speculate;
+    s->speculate = n.speculate;
     if (prefix_caching_) ReuseCachedPrefix(s.get());
     if (!Reserve(s.get())) {
       FreeBlocks(s.get());
@@ -316,8 +316,13 @@ void Engine::VerifyDraft(Sequence* s, const float* rows, int64_t vocab,
   s->tokens.resize(s->tokens.size() - draft.size());
   for (size_t j = 0; j <= draft.size(); ++j) {
     std::vector<float> row(rows + j * vocab, rows + (j + 1) * vocab);
-    TokenChoice c = s->sampler->Next(
-        row, std::span<const int32_t>(s->tokens).subspan(s->prefix_len), s->generated, s->top_n);
+    // Sampling accepts draft[j] with its probability (else draws another token): the token's
+    // distribution is what decoding without a draft has. Greedy compares below.
+    const std::optional<int32_t> proposed =
+        j < draft.size() ? std::optional<int32_t>(draft[j]) : std::nullopt;
+    TokenChoice c =
+        s->sampler->Next(row, std::span<const int32_t>(s->tokens).subspan(s->prefix_len),
+                         s->generated, s->top_n, proposed);
     StepOutput o;
     o.id = s->id;
     o.token.id = c.id;

@@ -23,9 +23,10 @@ struct NewSequence {
   uint32_t max_new_tokens = 0;
   uint32_t top_n = 0;
   bool input_logprobs = false;
-  // Speculative decoding by prompt lookup (greedy sequences): each Decode step may verify up
-  // to this many draft tokens, copied from where the sequence's last tokens occurred before,
-  // and return every one that greedy decoding would have chosen, plus one.
+  // Speculative decoding by prompt lookup: each Decode step may verify up to this many draft
+  // tokens, copied from where the sequence's last tokens occurred before, and return every one
+  // that decoding accepts (greedy: chooses; sampling: accepts by rejection sampling, which
+  // keeps the distribution), plus one.
   uint32_t speculate = 0;
   // A prompt-tuning prefix [virtual tokens, hidden] (model dtype and device) that goes before
   // the input: its vectors take positions 0..P-1, the input's tokens follow.
@@ -189,10 +190,10 @@ class Engine {
   // Prompt lookup: the tokens that followed the latest earlier occurrence of s's last 3 (else
   // 2, else 1) tokens, at most `limit` of them.
   std::vector<int32_t> ProposeDraft(const Sequence& s, size_t limit) const;
-  // Gives decoding greedy sequences their drafts (appended to their tokens, blocks reserved).
+  // Gives decoding sequences their drafts (appended to their tokens, blocks reserved).
   void AddDrafts(const std::vector<Sequence*>& seqs);
   // Verifies s's draft against the step's logits rows for it (host floats, one per draft
-  // token and one more): appends the tokens greedy decoding chooses, as long as they agree.
+  // token and one more): appends the tokens decoding chooses, as long as they are the draft's.
   void VerifyDraft(Sequence* s, const float* rows, int64_t vocab, std::vector<StepOutput>* out);
   // Encoder-decoder models: encodes the new sequences' inputs into their cross blocks.
   void Encode(const std::vector<Sequence*>& seqs);

@@ -65,7 +65,7 @@ bool Sampler::PlainGreedy(uint32_t generated, bool* mask_eos) const {
 }
 
 TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> context,
-                          uint32_t generated, uint32_t top_n) {
+                          uint32_t generated, uint32_t top_n, std::optional<int32_t> draft) {
   const int64_t v = static_cast<int64_t>(logits.size());
   // Processors.
   if (RepetitionPenalized()) {
@@ -143,14 +143,36 @@ TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> cont
     }
     double total = 0;
     for (size_t i = 0; i < keep; ++i) total += prob[order[i]];
-    std::uniform_real_distribution<double> uni(0.0, total);
-    double r = uni(rng_);
-    choice.id = order[keep - 1];
-    for (size_t i = 0; i < keep; ++i) {
-      r -= prob[order[i]];
-      if (r <= 0) {
-        choice.id = order[i];
-        break;
+    order.resize(keep);
+    bool decided = false;
+    if (draft.has_value()) {
+      // Accept the draft with its probability; else draw among the others.
+      const auto at = std::find(order.begin(), order.end(), *draft);
+      const double p_draft = at == order.end() ? 0.0 : prob[*draft] / total;
+      std::uniform_real_distribution<double> coin(0.0, 1.0);
+      if (coin(rng_) < p_draft) {
+        choice.id = *draft;
+        decided = true;
+      } else if (at != order.end()) {
+        total -= prob[*draft];
+        order.erase(at);
+        // Only the draft was left: a rejection has nothing else to give (p_draft was 1).
+        if (order.empty() || total <= 0) {
+          choice.id = *draft;
+          decided = true;
+        }
+      }
+    }
+    if (!decided) {
+      std::uniform_real_distribution<double> uni(0.0, total);
+      double r = uni(rng_);
+      choice.id = order.back();
+      for (int32_t id : order) {
+        r -= prob[id];
+        if (r <= 0) {
+          choice.id = id;
+          break;
+        }
       }
     }
   }

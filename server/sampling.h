@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <span>
 #include <vector>
@@ -40,8 +41,13 @@ class Sampler {
   Sampler(const SamplingParams& params, std::vector<int32_t> eos_ids);
   // Chooses the next token from `logits` (modified in place). `context` is every token so far
   // (prompt and generated) for the repetition penalty; `generated` counts generated tokens.
+  //
+  // `draft` (speculative decoding): a token proposed with certainty. Greedy choices ignore it
+  // (the caller compares). Sampling accepts it with its probability p(draft) under the warped
+  // distribution and otherwise samples from that distribution without it, renormalized: the
+  // choice is distributed exactly as without a draft (rejection sampling against a point mass).
   TokenChoice Next(std::span<float> logits, std::span<const int32_t> context, uint32_t generated,
-                   uint32_t top_n);
+                   uint32_t top_n, std::optional<int32_t> draft = std::nullopt);
   // True when the next choice is a plain argmax of the logits, with at most the EOS ids masked
   // (`*mask_eos`): no penalties, no sampling. The engine then picks on the device.
   bool PlainGreedy(uint32_t generated, bool* mask_eos) const;

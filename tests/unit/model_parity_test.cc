@@ -747,6 +747,25 @@ TEST_P(ParityTest, PromptLookupSpeculationKeepsTheGoldenTokens) {
     }
     EXPECT_LE(accepted, proposed);
     EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+    // Seeded sampling speculates too (rejection sampling, tests/unit/sampling_test.cc): the
+    // same seed gives the same tokens, all max_new_tokens of them.
+    auto sample = [&](uint64_t id) {
+      NewSequence n = Seq(id, goldens_.back());
+      n.speculate = 4;
+      n.params.do_sample = true;
+      n.params.seed = 99;
+      n.params.top_k = 3;  // a peaked distribution: drafts get accepted
+      std::vector<StepOutput> first;
+      std::vector<SequenceError> errs;
+      engine.Prefill({n}, &first, &errs);
+      EXPECT_TRUE(errs.empty());
+      Continuations c = DecodeTogether(engine, first, {{id, &goldens_.back()}});
+      engine.Release(id);
+      return c[id].first;
+    };
+    const std::vector<int32_t> a = sample(500), b = sample(501);
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(a.size(), goldens_.back().generated.size());
   });
 }
 
