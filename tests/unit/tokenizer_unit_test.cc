@@ -129,6 +129,26 @@ TEST(TokenizerLoad, TokenIdsBeyondTheLimitNameTheField) {
   }
 }
 
+// Found by fuzzing: a template's special token without "ids" was read through nlohmann's
+// const operator[] (undefined behaviour: a read of freed memory under ASan).
+TEST(TokenizerLoad, TemplateSpecialTokenWithoutIdsNamesTheField) {
+  TempDir d;
+  std::string json = ByteLevelJson();
+  json.replace(json.find(R"("post_processor": null)"),
+               std::string(R"("post_processor": null)").size(),
+               R"("post_processor": {"type": "TemplateProcessing",
+                    "single": [{"Sequence": {"id": "A", "type_id": 0}},
+                               {"SpecialToken": {"id": "<|eos|>", "type_id": 0}}],
+                    "pair": [], "special_tokens": {"<|eos|>": {"id": "<|eos|>",
+                                                               "tokens": ["<|eos|>"]}}})");
+  d.Write("tokenizer.json", json);
+  auto t = tgis::Tokenizer::FromDirectory(d.str());
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find(R"(special_tokens["<|eos|>"].ids: missing field)"),
+            std::string::npos)
+      << t.status();
+}
+
 TEST(TokenizerLoad, UnsupportedComponentIsAnErrorNamingIt) {
   TempDir d;
   std::string json = ByteLevelJson();

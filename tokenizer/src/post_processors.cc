@@ -185,13 +185,26 @@ absl::StatusOr<std::unique_ptr<PostProcessor>> MakePostProcessor(const Json& j,
         return absl::InvalidArgumentError(
             absl::StrCat(path, ".special_tokens: missing '", id, "' used by the template"));
       }
+      // Found by fuzzing: (*it)["ids"] on a const object without that key is undefined
+      // behaviour in nlohmann (it read freed memory); every field is looked up and typed.
+      const std::string spath = absl::StrCat(path, ".special_tokens[\"", id, "\"]");
+      auto ids = Field(*it, spath, "ids");
+      if (!ids.ok()) return ids.status();
+      auto tokens = Field(*it, spath, "tokens");
+      if (!tokens.ok()) return tokens.status();
+      if (!(*ids)->is_array() || !(*tokens)->is_array()) {
+        return absl::InvalidArgumentError(spath + ": ids and tokens must be arrays");
+      }
       SpecialPiece sp;
-      for (const Json& x : (*it)["ids"]) {
-        auto checked = TokenId(x, absl::StrCat(path, ".special_tokens[\"", id, "\"].ids"));
+      for (const Json& x : **ids) {
+        auto checked = TokenId(x, spath + ".ids");
         if (!checked.ok()) return checked.status();
         sp.ids.push_back(*checked);
       }
-      for (const Json& x : (*it)["tokens"]) sp.tokens.push_back(x.get<std::string>());
+      for (const Json& x : **tokens) {
+        if (!x.is_string()) return absl::InvalidArgumentError(spath + ".tokens: expected strings");
+        sp.tokens.push_back(x.get<std::string>());
+      }
       if (sp.ids.size() != sp.tokens.size()) {
         return absl::InvalidArgumentError(
             absl::StrCat(path, ".special_tokens[\"", id, "\"]: ids and tokens differ in length"));
