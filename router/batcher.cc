@@ -309,32 +309,16 @@ void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
     m->batch_next_tokens->Observe(static_cast<double>(tokens));
     m->batch_inference_batch_size->Observe(b->requests_size(), {"prefill"});
   }
-  request.set_max_prompt_tokens(config_.prefill_chunk_tokens);
-  const Clock::time_point start = Clock::now();
-  absl::StatusOr<pb::PrefillResponse> response = shards_.Prefill(request);
-  const Clock::time_point end = Clock::now();
+  Clock::time_point start, end;
+  std::optional<pb::PrefillResponse> response = CallPrefill(&request, "prefill", &start, &end);
   next_prefill_after_ = end + (end - start) / 2;
   steps_since_prefill_ = 0;
-  SetShardHealth(response.ok());
-  if (!response.ok()) {
-    OnInferenceDone("prefill", response.status(), end - start, 0, {});
-    LOG(ERROR) << "prefill of batch #" << b->id() << " failed: " << response.status();
-    for (const pb::Request& r : b->requests()) FailRequest(r.id(), response.status());
-    (void)shards_.ClearCache(b->id());
-    return;
-  }
-  for (const pb::RequestError& e : response->errors()) {
-    FailRequest(e.request_id(), absl::Status(static_cast<absl::StatusCode>(e.code()), e.message()));
-  }
+  if (!response.has_value()) return;
   for (const pb::Generation& g : response->generations()) OnGeneration(g, /*prefill=*/true);
   for (uint64_t id : response->prefilling_request_ids()) {
     if (auto it = running_.find(id); it != running_.end()) it->second.prefilling = true;
   }
   if (response->has_batch()) batches_.push_back(response->batch());
-  if (m != nullptr) {
-    m->prefix_cache_hits->Add(response->prefix_cache_hits());
-    m->prefix_cache_reused_tokens->Add(static_cast<double>(response->prefix_cache_reused_tokens()));
-  }
   OnInferenceDone("prefill", absl::OkStatus(), end - start, response->forward_ns(),
                   Clock::now() - end);
   if (m != nullptr && running_before > 0) {
@@ -450,14 +434,13 @@ void Batcher::Decode() {
 void Batcher::FilterFinished() {
   const std::set<uint64_t> done(finished_.begin(), finished_.end());
   // Finished while preempted: in no batch; the next Decode (or ClearCache) releases them.
-  std::set<uint64_t> unbatched = done;
+  std::vector<uint64_t> unbatched = UnbatchedFinished();
   std::vector<pb::CachedBatch> kept;
   for (const pb::CachedBatch& b : batches_) {
     pb::FilterBatchRequest request;
     request.set_batch_id(b.id());
     bool any_done = false;
     for (uint64_t id : b.request_ids()) {
-      unbatched.erase(id);
       if (done.count(id)) {
         any_done = true;
       } else {
@@ -477,7 +460,15 @@ void Batcher::FilterFinished() {
     if (request.request_ids_size() > 0) kept.push_back(response->batch());
   }
   batches_ = std::move(kept);
-  finished_.assign(unbatched.begin(), unbatched.end());
+  finished_ = std::move(unbatched);
+}
+
+std::vector<uint64_t> Batcher::UnbatchedFinished() const {
+  std::set<uint64_t> unbatched(finished_.begin(), finished_.end());
+  for (const pb::CachedBatch& b : batches_) {
+    for (uint64_t id : b.request_ids()) unbatched.erase(id);
+  }
+  return {unbatched.begin(), unbatched.end()};
 }
 
 void Batcher::ReleaseIdleBatches() {
@@ -487,11 +478,7 @@ void Batcher::ReleaseIdleBatches() {
     }
   }
   // Requests that finished while preempted are in no batch: nothing runs, so all can go.
-  std::set<uint64_t> unbatched(finished_.begin(), finished_.end());
-  for (const pb::CachedBatch& b : batches_) {
-    for (uint64_t id : b.request_ids()) unbatched.erase(id);
-  }
-  if (!unbatched.empty()) {
+  if (!UnbatchedFinished().empty()) {
     if (absl::Status s = shards_.ClearCache(std::nullopt); !s.ok()) {
       LOG(WARNING) << "clearing the shards' cache failed: " << s;
     }
@@ -538,21 +525,9 @@ void Batcher::Resume() {
   }
   if (b->requests_size() == 0) return;
   LOG(INFO) << "resuming " << b->requests_size() << " preempted request(s) in batch #" << b->id();
-  request.set_max_prompt_tokens(config_.prefill_chunk_tokens);
-  const Clock::time_point start = Clock::now();
-  absl::StatusOr<pb::PrefillResponse> response = shards_.Prefill(request);
-  const Clock::time_point end = Clock::now();
-  SetShardHealth(response.ok());
-  if (!response.ok()) {
-    OnInferenceDone("prefill", response.status(), end - start, 0, {});
-    LOG(ERROR) << "resuming batch #" << b->id() << " failed: " << response.status();
-    for (const pb::Request& r : b->requests()) FailRequest(r.id(), response.status());
-    (void)shards_.ClearCache(b->id());
-    return;
-  }
-  for (const pb::RequestError& e : response->errors()) {
-    FailRequest(e.request_id(), absl::Status(static_cast<absl::StatusCode>(e.code()), e.message()));
-  }
+  Clock::time_point start, end;
+  std::optional<pb::PrefillResponse> response = CallPrefill(&request, "resuming", &start, &end);
+  if (!response.has_value()) return;
   // Resumed: all but those still preempted (a chunked one may have no token yet).
   const std::set<uint64_t> still(response->preempted_request_ids().begin(),
                                  response->preempted_request_ids().end());
@@ -568,13 +543,34 @@ void Batcher::Resume() {
     FailRequest(b->requests(0).id(), absl::ResourceExhaustedError(
                                          "the request does not fit in the KV cache even alone"));
   }
-  metrics::TgiMetrics* m = config_.metrics;
-  if (m != nullptr) {
+  OnInferenceDone("prefill", absl::OkStatus(), end - start, response->forward_ns(),
+                  Clock::now() - end);
+}
+
+std::optional<pb::PrefillResponse> Batcher::CallPrefill(pb::PrefillRequest* request,
+                                                        const char* what, Clock::time_point* start,
+                                                        Clock::time_point* end) {
+  request->set_max_prompt_tokens(config_.prefill_chunk_tokens);
+  *start = Clock::now();
+  absl::StatusOr<pb::PrefillResponse> response = shards_.Prefill(*request);
+  *end = Clock::now();
+  SetShardHealth(response.ok());
+  const pb::Batch& b = request->batch();
+  if (!response.ok()) {
+    OnInferenceDone("prefill", response.status(), *end - *start, 0, {});
+    LOG(ERROR) << what << " of batch #" << b.id() << " failed: " << response.status();
+    for (const pb::Request& r : b.requests()) FailRequest(r.id(), response.status());
+    (void)shards_.ClearCache(b.id());
+    return std::nullopt;
+  }
+  for (const pb::RequestError& e : response->errors()) {
+    FailRequest(e.request_id(), absl::Status(static_cast<absl::StatusCode>(e.code()), e.message()));
+  }
+  if (metrics::TgiMetrics* m = config_.metrics; m != nullptr) {
     m->prefix_cache_hits->Add(response->prefix_cache_hits());
     m->prefix_cache_reused_tokens->Add(static_cast<double>(response->prefix_cache_reused_tokens()));
   }
-  OnInferenceDone("prefill", absl::OkStatus(), end - start, response->forward_ns(),
-                  Clock::now() - end);
+  return *std::move(response);
 }
 
 void Batcher::OnGeneration(const pb::Generation& generation, bool prefill) {

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -84,6 +85,15 @@ class Batcher {
   void AnswerRemoved(RequestQueue::Removed removed);
   void DropCancelled();
   void Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch);
+  // Sends a Prefill of new or resumed requests (`what` names it in the log) with the chunk
+  // budget. Failed: its requests fail, its batch is cleared, nullopt. Answered: the requests
+  // the shards refused fail and prefix-cache reuse is counted; the rest is the caller's.
+  std::optional<generate::v1::PrefillResponse> CallPrefill(generate::v1::PrefillRequest* request,
+                                                           const char* what,
+                                                           Clock::time_point* start,
+                                                           Clock::time_point* end);
+  // Finished requests in none of the cached batches (they finished while preempted).
+  std::vector<uint64_t> UnbatchedFinished() const;
   void Decode();
   // Resumes preempted requests, oldest first, as many as the KV cache holds again (at least
   // one when nothing else runs): a Prefill of resume requests.

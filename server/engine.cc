@@ -37,7 +37,7 @@ Engine::Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64
                int num_blocks, int block_size, bool prefix_caching)
     : model_(std::move(model)), eos_(std::move(eos_ids)), max_positions_(max_positions) {
   prefix_caching_ = prefix_caching && PrefixCachingApplies(*model_);
-  can_preempt_ = KeysIndependentOfLength(*model_);
+  keys_independent_of_length_ = KeysIndependentOfLength(*model_);
   const DecoderSpec& s = model_->spec();
   max_positions_ = s.ServedPositions(max_positions);
   // No limit of the model's own (ALiBi models without one in the config, relative positions):
@@ -105,6 +105,12 @@ void Engine::ReuseCachedPrefix(Sequence* s) {
   s->cached = s->blocks.size() * static_cast<size_t>(cache.block_size());
 }
 
+void Engine::CountReuse(const Sequence& s) {
+  if (s.cached == 0) return;
+  last_reuse_.sequences += 1;
+  last_reuse_.reused_tokens += s.cached;
+}
+
 void Engine::RegisterFullBlocks(Sequence* s) {
   if (s->chain == 0) return;
   BlockCache& cache = cache_->blocks();
@@ -156,10 +162,7 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
         continue;
       }
       s->preempted = false;
-      if (s->cached > 0) {
-        last_reuse_.sequences += 1;
-        last_reuse_.reused_tokens += s->cached;
-      }
+      CountReuse(*s);
       batch.push_back(s);
       continue;
     }
@@ -217,10 +220,7 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
       fail(absl::ResourceExhaustedError("not enough KV cache blocks for the prompt"));
       continue;
     }
-    if (s->cached > 0) {
-      last_reuse_.sequences += 1;
-      last_reuse_.reused_tokens += s->cached;
-    }
+    CountReuse(*s);
     batch.push_back(s.get());
     seqs_[n.id] = std::move(s);
   }
@@ -256,7 +256,7 @@ void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* o
     }
     batch.push_back(s);
   }
-  batch = ReserveOrPreempt(batch, errors, can_preempt_ ? preempted : nullptr);
+  batch = ReserveOrPreempt(batch, errors, keys_independent_of_length_ ? preempted : nullptr);
   last_drafts_ = {};
   AddDrafts(batch);
   if (!batch.empty()) RunStep(batch, /*prefill=*/false, prompt_budget, out, prefilling);
@@ -282,7 +282,7 @@ std::vector<int32_t> Engine::ProposeDraft(const Sequence& s, size_t limit) const
 void Engine::AddDrafts(const std::vector<Sequence*>& seqs) {
   // A draft's keys are computed at the length the step reaches, which length-dependent rotary
   // would rotate differently from step-by-step decoding.
-  if (!can_preempt_) return;
+  if (!keys_independent_of_length_) return;
   for (Sequence* s : seqs) {
     s->draft.clear();
     // Decoding greedy sequences only (a prompt still being computed has no next token yet),
@@ -384,7 +384,8 @@ std::vector<Engine::Sequence*> Engine::ReserveOrPreempt(const std::vector<Sequen
 bool Engine::Chunkable(const Sequence& s) const {
   // Prompt logprobs need every prompt row's logits in one pass; an encoder-decoder model's
   // prompt is its encoder's; length-dependent rotary computes a chunk's keys at its length.
-  return !s.input_logprobs && !model_->encoder_decoder() && can_preempt_ && s.draft.empty();
+  return !s.input_logprobs && !model_->encoder_decoder() && keys_independent_of_length_ &&
+         s.draft.empty();
 }
 
 void Engine::RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t prompt_budget,

@@ -122,7 +122,7 @@ class Engine {
   bool prefix_caching() const { return prefix_caching_; }
   // Whether Decode may preempt (a model whose keys depend on the sequence's length cannot
   // compute a preempted sequence's tokens again exactly: see engine.cc).
-  bool can_preempt() const { return can_preempt_; }
+  bool can_preempt() const { return keys_independent_of_length_; }
   // What prefix caching saved in the last Prefill.
   const PrefillReuse& last_reuse() const { return last_reuse_; }
   // What speculation did in the last Decode.
@@ -175,6 +175,8 @@ class Engine {
                                           std::vector<uint64_t>* preempted);
   // Takes the longest cached run of s's prompt, leaving at least its last token to compute.
   void ReuseCachedPrefix(Sequence* s);
+  // Adds s's prompt tokens taken from the cache (if any) to last_reuse_.
+  void CountReuse(const Sequence& s);
   // Registers s's blocks that are full and computed, for later sequences to share.
   void RegisterFullBlocks(Sequence* s);
   // Runs one forward pass over seqs[i]'s tokens [cached, ends[i]); a sequence whose end is its
@@ -228,7 +230,8 @@ class Engine {
   std::map<uint64_t, std::unique_ptr<Sequence>> seqs_;
   uint64_t last_forward_ns_ = 0;
   bool prefix_caching_ = false;
-  bool can_preempt_ = false;
+  // KeysIndependentOfLength(model): preemption, chunking and speculation all rely on it.
+  bool keys_independent_of_length_ = false;
   PrefillReuse last_reuse_;
   DraftStats last_drafts_;
   uint64_t next_order_ = 0;

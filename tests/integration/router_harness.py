@@ -4,6 +4,7 @@ oracle for what the router should answer (golden.json ids decoded with HF `token
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -94,6 +95,21 @@ class RouterServer:
             self.router.close()
         for shard in self.shards:
             shard.close()
+
+
+@contextlib.contextmanager
+def with_and_without(model: str, router_args: list[str]):
+    """A router + shard with `router_args` and a plain one on the same model, and its Oracle:
+    (feature, plain, oracle), for tests that a feature leaves outputs as they were."""
+    feature = RouterServer(model, router_args=router_args)
+    try:
+        plain = RouterServer(model)
+        try:
+            yield feature, plain, Oracle(model)
+        finally:
+            plain.close()
+    finally:
+        feature.close()
 
 
 class Oracle:

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from router_harness import Oracle, RouterServer, binaries_missing  # noqa: E402
+from router_harness import binaries_missing, with_and_without  # noqa: E402
 from test_router_generation import assert_stream_equals_unary, generate, params, stream  # noqa: E402
 
 grpc = pytest.importorskip("grpc")
@@ -26,11 +26,8 @@ def servers(request):
     missing = binaries_missing()
     if missing:
         pytest.skip(missing)
-    chunked = RouterServer(request.param, router_args=["--prefill-chunk-tokens", "5"])
-    plain = RouterServer(request.param)
-    yield chunked, plain, Oracle(request.param)
-    chunked.close()
-    plain.close()
+    with with_and_without(request.param, ["--prefill-chunk-tokens", "5"]) as servers:
+        yield servers
 
 
 def test_golden_prompts_in_one_batch(servers):

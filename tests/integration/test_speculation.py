@@ -12,7 +12,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from router_harness import Oracle, RouterServer, binaries_missing  # noqa: E402
+from router_harness import binaries_missing, with_and_without  # noqa: E402
 from test_metrics_health import Exposition  # noqa: E402
 from test_router_generation import assert_stream_equals_unary, generate, params, stream  # noqa: E402
 
@@ -24,11 +24,8 @@ def servers(request):
     missing = binaries_missing()
     if missing:
         pytest.skip(missing)
-    speculating = RouterServer(request.param, router_args=["--speculate", "4"])
-    plain = RouterServer(request.param)
-    yield speculating, plain, Oracle(request.param)
-    speculating.close()
-    plain.close()
+    with with_and_without(request.param, ["--speculate", "4"]) as servers:
+        yield servers
 
 
 def test_golden_prompts_and_acceptance(servers):
