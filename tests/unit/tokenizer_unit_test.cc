@@ -149,6 +149,32 @@ TEST(TokenizerLoad, TemplateSpecialTokenWithoutIdsNamesTheField) {
       << t.status();
 }
 
+// Fuzz finding (UBSan): a float count such as 2e32 was converted to an integer.
+TEST(TokenizerLoad, CountFieldsThatAreNotNonNegativeIntegersNameTheField) {
+  const std::pair<std::string, std::string> cases[] = {
+      {R"("decoder": {"type": "Strip", "content": " ", "start": 2e32, "stop": 0})",
+       "decoder.start: 2e+32 is not an integer"},
+      {R"("decoder": {"type": "Strip", "content": " ", "start": 1, "stop": -1})",
+       "decoder.stop: -1 is not an integer"},
+      {R"("normalizer": {"type": "Precompiled", "precompiled_charsmap": [1, 2.5]})",
+       "precompiled_charsmap: 2.5 is not a byte"},
+  };
+  for (const auto& [component, message] : cases) {
+    TempDir d;
+    std::string json = ByteLevelJson();
+    const std::string key = component.substr(0, component.find(':'));
+    const size_t at = json.find(key + ": ");
+    ASSERT_NE(at, std::string::npos) << key;
+    // Replace the component's whole value: up to the next top-level key.
+    const size_t end = json.find(",\n    \"", at);
+    json.replace(at, end - at, component);
+    d.Write("tokenizer.json", json);
+    auto t = tgis::Tokenizer::FromDirectory(d.str());
+    ASSERT_FALSE(t.ok()) << component;
+    EXPECT_NE(t.status().message().find(message), std::string::npos) << t.status();
+  }
+}
+
 TEST(TokenizerLoad, UnsupportedComponentIsAnErrorNamingIt) {
   TempDir d;
   std::string json = ByteLevelJson();

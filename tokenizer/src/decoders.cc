@@ -1,4 +1,5 @@
 // Decoders of tokenizer.json: each turns token strings back into text pieces.
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -279,8 +280,13 @@ absl::StatusOr<std::unique_ptr<Decoder>> MakeDecoder(const Json& j, const std::s
   if (t == "Strip") {
     auto c = OneChar(j, path, "content");
     if (!c.ok()) return c.status();
-    size_t start = j.value("start", 0), stop = j.value("stop", 0);
-    return std::make_unique<StripDecoder>(*c, start, stop);
+    constexpr int64_t kAny = std::numeric_limits<int64_t>::max();
+    auto start = CountField(j, path, "start", 0, kAny);
+    if (!start.ok()) return start.status();
+    auto stop = CountField(j, path, "stop", 0, kAny);
+    if (!stop.ok()) return stop.status();
+    return std::make_unique<StripDecoder>(*c, static_cast<size_t>(*start),
+                                          static_cast<size_t>(*stop));
   }
   if (t == "WordPiece") {
     std::string prefix = j.value("prefix", std::string("##"));

@@ -54,4 +54,19 @@ absl::StatusOr<int32_t> TokenId(const Json& value, const std::string& where) {
   return static_cast<int32_t>(value.get<int64_t>());
 }
 
+absl::StatusOr<int64_t> CountField(const Json& j, const std::string& path, const char* key,
+                                   int64_t default_value, int64_t max) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return default_value;
+  const bool in_range =
+      it->is_number_unsigned()
+          ? it->get<uint64_t>() <= static_cast<uint64_t>(max)
+          : it->is_number_integer() && it->get<int64_t>() >= 0 && it->get<int64_t>() <= max;
+  if (!in_range) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ".", key, ": ", it->dump(), " is not an integer in [0, ", max, "]"));
+  }
+  return it->get<int64_t>();
+}
+
 }  // namespace tgis::tok

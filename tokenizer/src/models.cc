@@ -368,9 +368,11 @@ absl::StatusOr<std::unique_ptr<Model>> UnigramModel::Load(const Json& j, const s
     m->min_score_ = std::min(m->min_score_, score);
     ++id;
   }
-  if (auto it = j.find("unk_id"); it != j.end() && it->is_number_integer()) {
-    m->unk_id_ = it->get<int32_t>();
-    if (*m->unk_id_ < 0 || *m->unk_id_ >= id) {
+  if (auto it = j.find("unk_id"); it != j.end() && !it->is_null()) {
+    auto unk = TokenId(*it, path + ".unk_id");
+    if (!unk.ok()) return unk.status();
+    m->unk_id_ = *unk;
+    if (*m->unk_id_ >= id) {
       return absl::InvalidArgumentError(absl::StrCat(path, ".unk_id: out of the vocab range"));
     }
   }
@@ -486,9 +488,10 @@ class WordPieceModel : public Model {
       return absl::InvalidArgumentError(absl::StrCat(path, ".unk_token: not in the vocab"));
     }
     m->prefix_ = OptionalString(j, "continuing_subword_prefix").value_or("##");
-    if (auto it = j.find("max_input_chars_per_word"); it != j.end() && it->is_number_integer()) {
-      m->max_chars_ = it->get<size_t>();
-    }
+    auto max_chars =
+        CountField(j, path, "max_input_chars_per_word", 100, std::numeric_limits<int64_t>::max());
+    if (!max_chars.ok()) return max_chars.status();
+    m->max_chars_ = static_cast<size_t>(*max_chars);
     return std::unique_ptr<Model>(std::move(m));
   }
   absl::Status Tokenize(std::string_view s, std::vector<Token>* out) const override {

@@ -303,7 +303,13 @@ absl::StatusOr<std::unique_ptr<Normalizer>> MakeNormalizer(const Json& j, const 
       }
       blob = std::move(*decoded);
     } else if ((*f)->is_array()) {
-      for (const auto& b : **f) blob.push_back(static_cast<char>(b.get<int>()));
+      for (const auto& b : **f) {
+        if (!b.is_number_integer() || b.get<int64_t>() < 0 || b.get<int64_t>() > 255) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(path, ".precompiled_charsmap: ", b.dump(), " is not a byte"));
+        }
+        blob.push_back(static_cast<char>(b.get<int64_t>()));
+      }
     } else if (!(*f)->is_null()) {
       return absl::InvalidArgumentError(
           absl::StrCat(path, ".precompiled_charsmap: expected a base64 string"));

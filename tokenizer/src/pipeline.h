@@ -125,5 +125,10 @@ absl::Status Unsupported(const std::string& path, std::string_view what);
 inline constexpr int64_t kMaxTokenIds = int64_t{1} << 24;
 // A token id: an integer in [0, kMaxTokenIds), else an error naming `where`.
 absl::StatusOr<int32_t> TokenId(const Json& value, const std::string& where);
+// A count or position field (HF's usize): missing or null gives `default_value`; otherwise an
+// integer in [0, max], else an error naming the field. A float such as 2e32 is an error, never
+// converted (that conversion is undefined behaviour).
+absl::StatusOr<int64_t> CountField(const Json& j, const std::string& path, const char* key,
+                                   int64_t default_value, int64_t max);
 
 }  // namespace tgis::tok
