@@ -8,6 +8,7 @@
 
 #include "kernels/check.h"
 #include "kernels/cuda_ops.h"
+#include "kernels/quantized.h"
 
 namespace tgis::kernels {
 
@@ -223,8 +224,19 @@ Tensor Tensor::View(void* data, const Shape& shape, DType dtype, Device device,
   return t;
 }
 
+Tensor Tensor::Quantized(std::shared_ptr<const QuantizedWeight> q) {
+  TGIS_CHECK(q != nullptr, "Tensor::Quantized of nothing");
+  Tensor t;
+  t.shape_ = {q->out, q->in};
+  t.dtype_ = DType::kI8;
+  t.device_ = q->codes.device();
+  t.quant_ = std::move(q);
+  return t;
+}
+
 Tensor Tensor::Rows(int64_t begin, int64_t end) const {
   TGIS_CHECK(defined(), "Rows of an undefined tensor");
+  TGIS_CHECK(!quant_, "Rows of a quantized weight");
   TGIS_CHECK(0 <= begin && begin <= end && end <= shape_[0], "Rows [%lld, %lld) out of %s",
              static_cast<long long>(begin), static_cast<long long>(end),
              ShapeString(shape_).c_str());
@@ -237,6 +249,7 @@ Tensor Tensor::Rows(int64_t begin, int64_t end) const {
 
 Tensor Tensor::Reshape(const Shape& shape) const {
   TGIS_CHECK(defined(), "Reshape of an undefined tensor");
+  TGIS_CHECK(!quant_, "Reshape of a quantized weight");
   Shape s = shape;
   int infer = -1;
   int64_t known = 1;
@@ -265,6 +278,7 @@ Tensor Tensor::Reshape(const Shape& shape) const {
 Tensor Tensor::To(DType dtype) const {
   TGIS_CHECK(defined(), "To of an undefined tensor");
   TGIS_CHECK(device_ == Device::kCpu, "Tensor::To(dtype) runs on the CPU only");
+  TGIS_CHECK(!quant_, "Tensor::To(dtype) of a quantized weight (Dequantize it)");
   Tensor out = Empty(shape_, dtype, device_);
   const int64_t n = numel();
   if (dtype == dtype_) {
@@ -314,6 +328,9 @@ Tensor Tensor::To(DType dtype) const {
 
 Tensor Tensor::ToDevice(Device device) const {
   TGIS_CHECK(defined(), "ToDevice of an undefined tensor");
+  if (quant_) {
+    return Quantized(std::make_shared<const QuantizedWeight>(QuantizedToDevice(*quant_, device)));
+  }
   if (device_ == Device::kCpu && device == Device::kCpu) return To(dtype_);
 #ifdef TGIS_WITH_CUDA
   Tensor out = Empty(shape_, dtype_, device);
@@ -329,6 +346,7 @@ std::string Tensor::DebugString() const {
   std::ostringstream os;
   os << "Tensor(" << DTypeName(dtype_) << ", " << (device_ == Device::kCpu ? "cpu" : "cuda") << ", "
      << ShapeString(shape_) << ")";
+  if (quant_) return os.str() + " quantized";
   if (device_ == Device::kCpu) {
     const int64_t n = numel();
     const int64_t show = n < 8 ? n : 8;

@@ -20,6 +20,8 @@ const char* DTypeName(DType t);
 
 using Shape = std::vector<int64_t>;
 
+struct QuantizedWeight;  // kernels/quantized.h
+
 class Tensor {
  public:
   Tensor() = default;
@@ -33,6 +35,10 @@ class Tensor {
   // A view of external memory; `keepalive` owns it.
   static Tensor View(void* data, const Shape& shape, DType dtype, Device device,
                      std::shared_ptr<void> keepalive);
+  // A linear weight stored quantized: it has the dense weight's shape [out, in] and no data of
+  // its own (raw() is null); only Linear, ToDevice and quantized() read it.
+  static Tensor Quantized(std::shared_ptr<const QuantizedWeight> q);
+  const QuantizedWeight* quantized() const { return quant_.get(); }
 
   bool defined() const { return !shape_.empty(); }
   const Shape& shape() const { return shape_; }
@@ -65,6 +71,7 @@ class Tensor {
   Shape shape_;
   DType dtype_ = DType::kF32;
   Device device_ = Device::kCpu;
+  std::shared_ptr<const QuantizedWeight> quant_;
 };
 
 // GPUs this process can use: 0 in a build without CUDA or on a machine without a GPU.

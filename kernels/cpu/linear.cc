@@ -11,6 +11,9 @@
 //    batch, or on the number of threads.
 //  - Large T (prefill): OpenBLAS sgemm, one single-threaded call per block of output rows on
 //    our pool (bf16/f16 weight blocks are converted to f32 into a per-thread scratch first).
+// Quantized weights (kernels/quantized.h) take both paths too: their codes are dequantized
+// where bf16 would be converted ((code - zero) * scale, exactly the f32 weight transformers
+// would multiply by), over the stored columns, against x gathered into the stored order.
 #include <cblas.h>
 #include <cpuid.h>
 #include <immintrin.h>
@@ -24,6 +27,7 @@
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/thread_pool.h"
+#include "kernels/quantized.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);
 
@@ -61,23 +65,34 @@ bool UseAvx2() {
   return CpuHasAvx2();
 }
 
-template <DType W>
-inline float LoadScalar(const void* base, int64_t i) {
-  if constexpr (W == DType::kF32) {
-    return static_cast<const float*>(base)[i];
-  } else if constexpr (W == DType::kBF16) {
-    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(base)[i]) << 16;
+// How a weight row is stored: a float dtype, or quantized codes of 8 or 4 bits.
+enum class WFmt { kF32, kBF16, kF16, kQ8, kQ4 };
+
+// One weight row: its values (or codes) and, quantized, its per-run scales and zeros.
+struct WRow {
+  const void* p = nullptr;
+  const float* scale = nullptr;
+  const float* zero = nullptr;
+  const int32_t* block_run = nullptr;  // shared by all rows: the run of each 8-column block
+};
+
+template <WFmt W>
+inline float LoadScalar(const WRow& row, int64_t i) {
+  if constexpr (W == WFmt::kF32) {
+    return static_cast<const float*>(row.p)[i];
+  } else if constexpr (W == WFmt::kBF16) {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(row.p)[i]) << 16;
     float f;
     std::memcpy(&f, &bits, sizeof(f));
     return f;
+  } else if constexpr (W == WFmt::kF16) {
+    return F16ToF32(static_cast<const uint16_t*>(row.p)[i]);
   } else {
-    return F16ToF32(static_cast<const uint16_t*>(base)[i]);
+    const uint8_t* c = static_cast<const uint8_t*>(row.p);
+    const int code = W == WFmt::kQ8 ? c[i] : (c[i / 2] >> (4 * (i % 2))) & 0xF;
+    const int32_t r = row.block_run[i / 8];
+    return (static_cast<float>(code) - row.zero[r]) * row.scale[r];
   }
-}
-
-template <DType W>
-const void* RowPtr(const void* w, int64_t row, int64_t k) {
-  return static_cast<const char*>(w) + row * k * static_cast<int64_t>(DTypeSize(W));
 }
 
 // Arguments of one streaming-kernel call over output rows [n0, n1).
@@ -85,20 +100,40 @@ struct SmallArgs {
   const float* x;  // [T, K]
   int64_t t;
   int64_t k;
-  const void* w;  // [N, K] of the weight dtype
+  const void* w;             // [N, K] of the weight dtype, or the codes of `q`
+  const QuantizedWeight* q;  // quantized weights, else null
   int64_t n;
   const float* bias;  // [N] or null
   float* out;         // [T, N]
 };
 
+template <WFmt W>
+WRow RowOf(const SmallArgs& a, int64_t n) {
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
+    const int64_t runs = a.q->runs();
+    return {static_cast<const char*>(a.w) + n * a.q->codes.dim(1),
+            a.q->scales.data<float>() + n * runs, a.q->zeros.data<float>() + n * runs,
+            a.q->block_run.data<int32_t>()};
+  } else {
+    constexpr size_t kSize = W == WFmt::kF32 ? 4 : 2;
+    return {static_cast<const char*>(a.w) + n * a.k * static_cast<int64_t>(kSize)};
+  }
+}
+
+// Bytes one weight takes (for work splitting).
+template <WFmt W>
+constexpr double BytesPerWeight() {
+  return W == WFmt::kF32 ? 4 : W == WFmt::kQ8 ? 1 : W == WFmt::kQ4 ? 0.5 : 2;
+}
+
 // ---- scalar fallback ---------------------------------------------------------------------
 
-template <DType W>
+template <WFmt W>
 void SmallScalar(const SmallArgs& a, int64_t n0, int64_t n1) {
   thread_local std::vector<float> row;
   row.resize(a.k);
   for (int64_t n = n0; n < n1; ++n) {
-    const void* wr = RowPtr<W>(a.w, n, a.k);
+    const WRow wr = RowOf<W>(a, n);
     for (int64_t i = 0; i < a.k; ++i) row[i] = LoadScalar<W>(wr, i);
     for (int64_t t = 0; t < a.t; ++t) {
       const float* xr = a.x + t * a.k;
@@ -122,17 +157,35 @@ void SmallScalar(const SmallArgs& a, int64_t n0, int64_t n1) {
 
 #define TGIS_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-template <DType W>
-TGIS_AVX2 inline __m256 Load8(const void* base, int64_t i) {
-  if constexpr (W == DType::kF32) {
-    return _mm256_loadu_ps(static_cast<const float*>(base) + i);
-  } else if constexpr (W == DType::kBF16) {
+// Weights [i, i + 8) of a row as f32; i is a multiple of 8 for quantized rows.
+template <WFmt W>
+TGIS_AVX2 inline __m256 Load8(const WRow& row, int64_t i) {
+  if constexpr (W == WFmt::kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(row.p) + i);
+  } else if constexpr (W == WFmt::kBF16) {
     const __m128i h =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row.p) + i));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  } else {
+  } else if constexpr (W == WFmt::kF16) {
     return _mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row.p) + i)));
+  } else {
+    __m256i codes;
+    if constexpr (W == WFmt::kQ8) {
+      int64_t eight;
+      std::memcpy(&eight, static_cast<const uint8_t*>(row.p) + i, 8);
+      codes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
+    } else {
+      uint32_t packed;
+      std::memcpy(&packed, static_cast<const uint8_t*>(row.p) + i / 2, 4);
+      const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+      codes =
+          _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(packed)), shifts),
+                           _mm256_set1_epi32(0xF));
+    }
+    const int32_t r = row.block_run[i / 8];
+    return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(row.zero[r])),
+                         _mm256_set1_ps(row.scale[r]));
   }
 }
 
@@ -144,9 +197,9 @@ TGIS_AVX2 inline float HSum(__m256 v) {
 }
 
 // acc[r * acc_stride + t] += sum over k in [0, len) of w_r[k0 + k] * x[t * ldx + k], per lane.
-template <int R, int TT, DType W>
-TGIS_AVX2 inline void Micro(const void* const* wrows, int64_t k0, const float* x, int64_t ldx,
-                            int64_t len, __m256* acc, int64_t acc_stride) {
+template <int R, int TT, WFmt W>
+TGIS_AVX2 inline void Micro(const WRow* wrows, int64_t k0, const float* x, int64_t ldx, int64_t len,
+                            __m256* acc, int64_t acc_stride) {
   __m256 a[R][TT];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -179,7 +232,7 @@ TGIS_AVX2 inline void Micro(const void* const* wrows, int64_t k0, const float* x
 }
 
 // All T rows against weight rows [n, n + R), over K in chunks.
-template <int R, DType Wt>
+template <int R, WFmt Wt>
 TGIS_AVX2 void TileAvx2(const SmallArgs& a, int64_t n) {
   const int64_t k8 = a.k & ~int64_t{7};
   const int64_t t_count = a.t;
@@ -187,13 +240,13 @@ TGIS_AVX2 void TileAvx2(const SmallArgs& a, int64_t n) {
   alignas(32) __m256 acc[kTileRows * kSmallT];  // R * T <= 8 * 1 or 4 * 16
   for (int64_t i = 0; i < R * t_count; ++i) acc[i] = _mm256_setzero_ps();
   alignas(64) static thread_local float scratch[2 * kTileRows * kChunk];
-  const void* wr[R];
-  for (int r = 0; r < R; ++r) wr[r] = RowPtr<Wt>(a.w, n + r, a.k);
+  WRow wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = RowOf<Wt>(a, n + r);
 
   // With T <= 2 every weight vector is used once per row: convert it in registers. Otherwise
   // f32 weights are read directly (from L1 after the first t pair) and bf16/f16 chunks are
   // converted once into scratch.
-  const bool direct = t_count <= 2 || Wt == DType::kF32;
+  const bool direct = t_count <= 2 || Wt == WFmt::kF32;
   for (int64_t c0 = 0; c0 < k8; c0 += kChunk) {
     const int64_t len = std::min(kChunk, k8 - c0);
     if (direct) {
@@ -202,17 +255,17 @@ TGIS_AVX2 void TileAvx2(const SmallArgs& a, int64_t n) {
         Micro<R, 2, Wt>(wr, c0, a.x + t0 * a.k + c0, a.k, len, acc + t0, t_count);
       if (t0 < t_count) Micro<R, 1, Wt>(wr, c0, a.x + t0 * a.k + c0, a.k, len, acc + t0, t_count);
     } else {
-      const void* sr[R];
+      WRow sr[R];
       for (int r = 0; r < R; ++r) {
         float* dst = scratch + r * kChunk;
         for (int64_t k = 0; k < len; k += 8) _mm256_store_ps(dst + k, Load8<Wt>(wr[r], c0 + k));
-        sr[r] = dst;
+        sr[r].p = dst;
       }
       int64_t t0 = 0;
       for (; t0 + 2 <= t_count; t0 += 2)
-        Micro<R, 2, DType::kF32>(sr, 0, a.x + t0 * a.k + c0, a.k, len, acc + t0, t_count);
+        Micro<R, 2, WFmt::kF32>(sr, 0, a.x + t0 * a.k + c0, a.k, len, acc + t0, t_count);
       if (t0 < t_count)
-        Micro<R, 1, DType::kF32>(sr, 0, a.x + t0 * a.k + c0, a.k, len, acc + t0, t_count);
+        Micro<R, 1, WFmt::kF32>(sr, 0, a.x + t0 * a.k + c0, a.k, len, acc + t0, t_count);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -226,7 +279,7 @@ TGIS_AVX2 void TileAvx2(const SmallArgs& a, int64_t n) {
   }
 }
 
-template <DType W>
+template <WFmt W>
 TGIS_AVX2 void SmallAvx2(const SmallArgs& a, int64_t n0, int64_t n1) {
   // The tile height changes which rows share a pass, never how a row is summed.
   int64_t n = n0;
@@ -237,12 +290,13 @@ TGIS_AVX2 void SmallAvx2(const SmallArgs& a, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) TileAvx2<1, W>(a, n);
 }
 
-template <DType W>
+template <WFmt W>
 void SmallT(const SmallArgs& a) {
   const bool avx2 = UseAvx2();
   const int64_t tiles = (a.n + kTileRows - 1) / kTileRows;
   // At least ~64 KB of weights per parallel chunk.
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kTileRows * a.k * DTypeSize(W) + 1));
+  const int64_t grain = std::max<int64_t>(
+      1, static_cast<int64_t>((64 << 10) / (kTileRows * a.k * BytesPerWeight<W>() + 1)));
   ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
     const int64_t n0 = b * kTileRows;
     const int64_t n1 = std::min(a.n, e * kTileRows);
@@ -262,25 +316,33 @@ void BlasSingleThreaded() {
   std::call_once(once, [] { openblas_set_num_threads(1); });
 }
 
-template <DType W>
-TGIS_AVX2 void ConvertToF32Avx2(const void* src, int64_t n, float* dst) {
+template <WFmt W>
+TGIS_AVX2 void ConvertRowAvx2(const WRow& src, int64_t n, float* dst) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, Load8<W>(src, i));
   for (; i < n; ++i) dst[i] = LoadScalar<W>(src, i);
 }
 
-template <DType W>
-void ConvertToF32(const void* src, int64_t n, float* dst, bool avx2) {
-  if (avx2) return ConvertToF32Avx2<W>(src, n, dst);
-  for (int64_t i = 0; i < n; ++i) dst[i] = LoadScalar<W>(src, i);
+// Rows [r0, r0 + rows) of the weight as f32 into dst [rows, K].
+template <WFmt W>
+void ConvertRows(const SmallArgs& a, int64_t r0, int64_t rows, float* dst, bool avx2) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const WRow src = RowOf<W>(a, r0 + r);
+    float* d = dst + r * a.k;
+    if (avx2) {
+      ConvertRowAvx2<W>(src, a.k, d);
+    } else {
+      for (int64_t i = 0; i < a.k; ++i) d[i] = LoadScalar<W>(src, i);
+    }
+  }
 }
 
-template <DType W>
+template <WFmt W>
 void LargeT(const SmallArgs& a) {
   BlasSingleThreaded();
   [[maybe_unused]] const bool avx2 = UseAvx2();
   const int64_t threads = ThreadPool::Global().size();
-  if constexpr (W == DType::kF32) {
+  if constexpr (W == WFmt::kF32) {
     const int64_t grain = std::max<int64_t>(16, (a.n + threads - 1) / threads);
     ParallelFor(a.n, grain, [&](int64_t b, int64_t e) {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(a.t),
@@ -298,8 +360,7 @@ void LargeT(const SmallArgs& a) {
       buf.resize(block * a.k);
       for (int64_t r0 = b; r0 < e; r0 += block) {
         const int64_t rows = std::min(block, e - r0);
-        const void* src = RowPtr<W>(a.w, r0, a.k);
-        ConvertToF32<W>(src, rows * a.k, buf.data(), avx2);
+        ConvertRows<W>(a, r0, rows, buf.data(), avx2);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(a.t),
                     static_cast<int>(rows), static_cast<int>(a.k), 1.0f, a.x, static_cast<int>(a.k),
                     buf.data(), static_cast<int>(a.k), 0.0f, a.out + r0, static_cast<int>(a.n));
@@ -314,7 +375,7 @@ void LargeT(const SmallArgs& a) {
   }
 }
 
-template <DType W>
+template <WFmt W>
 void Dispatch(const SmallArgs& a) {
   if (a.t <= kSmallT) {
     SmallT<W>(a);
@@ -332,8 +393,10 @@ const char* ActiveIsaName() { return UseAvx2() ? "avx2+fma" : "scalar"; }
 void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
   const char* op = "Linear";
   CheckF32(x, op, "x");
-  TGIS_CHECK(w.defined() && w.rank() == 2 && IsFloatDType(w.dtype()) && w.device() == Device::kCpu,
-             "Linear: w must be a [out, in] f32/bf16/f16 CPU tensor");
+  const QuantizedWeight* q = w.quantized();
+  TGIS_CHECK(
+      w.defined() && w.rank() == 2 && (q || IsFloatDType(w.dtype())) && w.device() == Device::kCpu,
+      "Linear: w must be a [out, in] f32/bf16/f16 or quantized CPU tensor");
   const int64_t n = w.dim(0);
   const int64_t k = w.dim(1);
   TGIS_CHECK(x.dim(-1) == k, "Linear: x has %lld features, w expects %lld",
@@ -361,14 +424,34 @@ void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
       for (int64_t j = 0; j < n; ++j) out->data<float>()[t * n + j] = bias_p ? bias_p[j] : 0.f;
     return;
   }
-  const SmallArgs a{x.data<float>(), t_count, k, w.raw(), n, bias_p, out->data<float>()};
+  if (q != nullptr) {
+    // x in the stored column order (padding reads 0), when that is not x's own order.
+    thread_local std::vector<float> gathered;
+    const float* xs = x.data<float>();
+    if (q->gather.defined()) {
+      const int32_t* src = q->gather.data<int32_t>();
+      gathered.resize(t_count * q->stored_in);
+      float* const to = gathered.data();  // this thread's buffer (workers have their own)
+      ParallelFor(t_count, 1, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+          float* dst = to + t * q->stored_in;
+          const float* row = xs + t * k;
+          for (int64_t j = 0; j < q->stored_in; ++j) dst[j] = src[j] < 0 ? 0.f : row[src[j]];
+        }
+      });
+      xs = to;
+    }
+    const SmallArgs a{xs, t_count, q->stored_in, q->codes.raw(), q, n, bias_p, out->data<float>()};
+    return q->bits == 8 ? Dispatch<WFmt::kQ8>(a) : Dispatch<WFmt::kQ4>(a);
+  }
+  const SmallArgs a{x.data<float>(), t_count, k, w.raw(), nullptr, n, bias_p, out->data<float>()};
   switch (w.dtype()) {
     case DType::kF32:
-      return Dispatch<DType::kF32>(a);
+      return Dispatch<WFmt::kF32>(a);
     case DType::kBF16:
-      return Dispatch<DType::kBF16>(a);
+      return Dispatch<WFmt::kBF16>(a);
     case DType::kF16:
-      return Dispatch<DType::kF16>(a);
+      return Dispatch<WFmt::kF16>(a);
     default:
       TGIS_FATAL("Linear: unsupported weight dtype %s", DTypeName(w.dtype()));
   }

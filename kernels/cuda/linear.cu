@@ -11,6 +11,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda_ops.h"
+#include "kernels/quantized.h"
 
 #define TGIS_CUBLAS_CHECK(expr)                                                  \
   do {                                                                           \
@@ -143,11 +144,48 @@ uint32_t Alignment(std::initializer_list<const void*> ptrs) {
   return static_cast<uint32_t>(bits & (~bits + 1));
 }
 
+// dense[n, gather(j)] = (code[n, j] - zero[n, run(j)]) * scale[n, run(j)], one thread per stored
+// code (kernels/quantized.h's layout).
+template <typename T>
+__global__ void DequantizeKernel(const uint8_t* codes, int64_t code_row, int bits,
+                                 const float* scales, const float* zeros, int64_t runs,
+                                 const int32_t* block_run, const int32_t* gather, int64_t out,
+                                 int64_t in, int64_t stored_in, T* dense) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= out * stored_in) return;
+  const int64_t n = i / stored_in, j = i % stored_in;
+  const int64_t col = gather != nullptr ? gather[j] : j;
+  if (col < 0) return;
+  const uint8_t* row = codes + n * code_row;
+  const int code = bits == 8 ? row[j] : (row[j / 2] >> (4 * (j % 2))) & 0xF;
+  const int64_t r = n * runs + block_run[j / 8];
+  dense[n * in + col] = FromF32<T>((static_cast<float>(code) - zeros[r]) * scales[r]);
+}
+
+// The dense weight of x's dtype that a quantized one stands for.
+// TODO(issue 14): a fused int4/int8 GEMM (Marlin/ExLlama style) in place of this
+// dequantize-then-GEMM, which reads the weight three times and allocates per call.
+Tensor DequantizeOnDevice(const QuantizedWeight& q, DType dtype) {
+  Tensor dense = Tensor::Empty({q.out, q.in}, dtype, Device::kCuda);
+  const int64_t total = q.out * q.stored_in;
+  if (total == 0) return dense;
+  const int threads = 256;
+  TGIS_DISPATCH_FLOAT(dtype, "Linear",
+                      DequantizeKernel<T><<<Blocks(total, threads), threads, 0, Stream()>>>(
+                          q.codes.data<uint8_t>(), q.codes.dim(1), q.bits, q.scales.data<float>(),
+                          q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(),
+                          q.gather.defined() ? q.gather.data<int32_t>() : nullptr, q.out, q.in,
+                          q.stored_in, dense.data<T>()));
+  TGIS_CUDA_LAUNCHED();
+  return dense;
+}
+
 }  // namespace
 
-void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
+void Linear(const Tensor& x, const Tensor& w_in, const Tensor* bias, Tensor* out) {
   const char* op = "Linear";
   CheckCudaFloat(x, op, "x");
+  const Tensor w = w_in.quantized() ? DequantizeOnDevice(*w_in.quantized(), x.dtype()) : w_in;
   CheckCudaFloat(w, op, "w");
   TGIS_CHECK(w.rank() == 2 && w.dtype() == x.dtype(), "%s: w must be [out, in] of x's dtype (%s)",
              op, DTypeName(x.dtype()));

@@ -21,6 +21,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/ops.h"
+#include "kernels/quantized.h"
 #include "kernels/relative_position.h"
 #include "kernels/tensor.h"
 #ifdef TGIS_WITH_CUDA
@@ -285,6 +286,139 @@ TEST_P(OpsTest, LinearSmallBatchIsBatchInvariant) {
   Linear(x.Rows(4, 7), w, nullptr, &three);
   for (int64_t i = 0; i < 3 * out_f; ++i)
     ASSERT_EQ(three.data<float>()[i], all.data<float>()[4 * out_f + i]);
+}
+
+// ---- Quantized Linear ----------------------------------------------------------------------
+
+// A random quantized weight in the dense layout: codes, a group per column, scales, zeros.
+struct DenseQuant {
+  int bits;
+  int64_t out, in, groups;
+  std::vector<uint8_t> codes;
+  std::vector<int32_t> group;
+  std::vector<float> scales, zeros;
+
+  // (code - zero) * scale in f32, as transformers computes the weight it multiplies by.
+  std::vector<float> Weights() const {
+    std::vector<float> w(out * in);
+    for (int64_t n = 0; n < out; ++n) {
+      for (int64_t k = 0; k < in; ++k) {
+        const int64_t g = n * groups + group[k];
+        w[n * in + k] = (static_cast<float>(codes[n * in + k]) - zeros[g]) * scales[g];
+      }
+    }
+    return w;
+  }
+  QuantizedWeight Build() const {
+    return BuildQuantized(bits, out, in, codes, group, groups, scales, zeros);
+  }
+};
+
+// Groups: "channel" (one group), contiguous groups of `size`, or act-order (a seeded shuffle
+// of contiguous groups, as GPTQ's g_idx with desc_act).
+DenseQuant RandomQuant(int bits, int64_t out, int64_t in, int64_t group_size, bool act_order,
+                       uint32_t seed) {
+  DenseQuant q{bits, out, in, (in + group_size - 1) / group_size, {}, {}, {}, {}};
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> code(0, (1 << bits) - 1);
+  std::uniform_real_distribution<float> scale(0.001f, 0.02f);
+  q.codes.resize(out * in);
+  for (uint8_t& c : q.codes) c = static_cast<uint8_t>(code(rng));
+  for (int64_t k = 0; k < in; ++k) q.group.push_back(static_cast<int32_t>(k / group_size));
+  if (act_order) std::shuffle(q.group.begin(), q.group.end(), rng);
+  for (int64_t i = 0; i < out * q.groups; ++i) {
+    q.scales.push_back(scale(rng));
+    q.zeros.push_back(static_cast<float>(code(rng) + (bits == 4 && i % 7 == 0 ? 1 : 0)));
+  }
+  return q;
+}
+
+TEST_P(OpsTest, QuantizedLinearEqualsLinearOnTheDequantizedWeight) {
+  if (device() == Device::kCpu && dtype() != DType::kF32) GTEST_SKIP() << "same as Cpu_F32";
+  struct Case {
+    int bits;
+    int64_t in, out, group_size;
+    bool act_order;
+  };
+  // Per-channel, groups of 32 and 128, act-order shuffles, and odd sizes whose runs pad.
+  const Case cases[] = {{8, 64, 16, 64, false},   {4, 64, 16, 64, false},   {4, 256, 35, 32, false},
+                        {8, 1030, 45, 128, true}, {4, 1030, 45, 128, true}, {4, 67, 21, 3, false},
+                        {4, 96, 9, 32, true}};
+  std::vector<cpu::Isa> isas = {cpu::Isa::kAuto};
+  if (device() == Device::kCpu) isas.push_back(cpu::Isa::kScalar);
+  uint32_t seed = 40;
+  for (cpu::Isa isa : isas) {
+    cpu::SetIsaForTesting(isa);
+    for (const Case& c : cases) {
+      const DenseQuant dq = RandomQuant(c.bits, c.out, c.in, c.group_size, c.act_order, ++seed);
+      std::vector<float> ws = dq.Weights();
+      const QuantizedWeight q = dq.Build();
+      // The stored layout dequantizes to the same weights, bit for bit.
+      const Tensor back = Dequantize(q);
+      ASSERT_EQ(0, std::memcmp(back.raw(), ws.data(), ws.size() * sizeof(float)));
+      if (device() != Device::kCpu) {
+        for (float& v : ws) v = RoundTo(dtype(), v);  // CUDA multiplies by x's dtype
+      }
+      const Tensor w =
+          Tensor::Quantized(std::make_shared<const QuantizedWeight>(q)).ToDevice(device());
+      std::vector<float> bs;
+      const Tensor b = Weight(Random(c.out, ++seed), {c.out}, &bs);
+      for (int64_t t : {1, 3, 17, 64}) {
+        const Tensor x = Act(Random(t * c.in, ++seed), {t, c.in});
+        const std::string what = std::string(isa == cpu::Isa::kScalar ? "scalar" : "auto") +
+                                 " bits=" + std::to_string(c.bits) + " T=" + std::to_string(t) +
+                                 " in=" + std::to_string(c.in) +
+                                 " group=" + std::to_string(c.group_size) +
+                                 (c.act_order ? " act-order" : "");
+        LinearCase(x, Host(x), w, ws, &b, bs, t, c.in, c.out, tol(), what);
+      }
+    }
+  }
+}
+
+// Without act-order or padding the quantized path sums like the dense f32 one: the same bits
+// as Linear on the dequantized weight (the decode path, T <= 16).
+TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {
+  if (device() != Device::kCpu || dtype() != DType::kF32) GTEST_SKIP() << "CPU property";
+  const DenseQuant dq = RandomQuant(4, 37, 1024, 128, false, 7);
+  const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(dq.Build()));
+  const Tensor dense = Tensor::FromVector(dq.Weights(), {37, 1024});
+  const Tensor x = Act(Random(5 * 1024, 8), {5, 1024});
+  Tensor got, want;
+  Linear(x, w, nullptr, &got);
+  Linear(x, dense, nullptr, &want);
+  ASSERT_EQ(0, std::memcmp(got.raw(), want.raw(), want.nbytes()));
+}
+
+TEST(QuantizedWeight, Int8RowsRoundToTheNearestStepOfTheRowAbsmax) {
+  const std::vector<float> v = Random(6 * 50, 3, -2, 2);
+  const QuantizedWeight q = QuantizeInt8Rows(Tensor::FromVector(v, {6, 50}));
+  const Tensor back = Dequantize(q);
+  for (int64_t n = 0; n < 6; ++n) {
+    float absmax = 0;
+    for (int64_t k = 0; k < 50; ++k) absmax = std::max(absmax, std::fabs(v[n * 50 + k]));
+    for (int64_t k = 0; k < 50; ++k) {
+      EXPECT_LE(std::fabs(back.data<float>()[n * 50 + k] - v[n * 50 + k]),
+                absmax / 127 / 2 * (1 + 1e-5))
+          << n << " " << k;
+    }
+  }
+}
+
+TEST(QuantizedWeight, ConcatenatedRowsDequantizeToTheStackedWeights) {
+  DenseQuant a = RandomQuant(4, 5, 96, 32, true, 1), b = RandomQuant(4, 3, 96, 32, true, 1);
+  b = RandomQuant(4, 3, 96, 32, true, 2);
+  b.group = a.group;  // parts of one fused projection share g_idx
+  const QuantizedWeight qa = a.Build(), qb = b.Build();
+  ASSERT_TRUE(QuantizedCompatible(qa, qb));
+  const Tensor both = Dequantize(ConcatQuantizedRows({&qa, &qb}));
+  std::vector<float> want = a.Weights();
+  const std::vector<float> wb = b.Weights();
+  want.insert(want.end(), wb.begin(), wb.end());
+  ASSERT_EQ(both.numel(), static_cast<int64_t>(want.size()));
+  EXPECT_EQ(0, std::memcmp(both.raw(), want.data(), want.size() * sizeof(float)));
+  const QuantizedWeight other = RandomQuant(4, 3, 96, 32, true, 3).Build();
+  EXPECT_FALSE(QuantizedCompatible(qa, other));  // another column order
 }
 
 // ---- Norms and elementwise ----------------------------------------------------------------

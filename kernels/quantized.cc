@@ -1,0 +1,173 @@
+#include "kernels/quantized.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "kernels/check.h"
+
+namespace tgis::kernels {
+
+namespace {
+
+constexpr int64_t kBlock = 8;  // stored columns per block: one scale and zero per row
+
+uint8_t CodeAt(const QuantizedWeight& q, const uint8_t* row, int64_t j) {
+  if (q.bits == 8) return row[j];
+  return (row[j / 2] >> (4 * (j % 2))) & 0xF;
+}
+
+}  // namespace
+
+QuantizedWeight BuildQuantized(int bits, int64_t out, int64_t in, const std::vector<uint8_t>& codes,
+                               const std::vector<int32_t>& group, int64_t groups,
+                               const std::vector<float>& scales, const std::vector<float>& zeros) {
+  TGIS_CHECK(bits == 4 || bits == 8, "BuildQuantized: %d bits (4 or 8)", bits);
+  TGIS_CHECK(static_cast<int64_t>(codes.size()) == out * in &&
+                 static_cast<int64_t>(group.size()) == in &&
+                 static_cast<int64_t>(scales.size()) == out * groups &&
+                 static_cast<int64_t>(zeros.size()) == out * groups,
+             "BuildQuantized: sizes disagree");
+  std::vector<int32_t> order(in);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return group[a] < group[b]; });
+  // Stored columns, run by run, each run padded to a whole number of blocks.
+  std::vector<int32_t> stored;
+  std::vector<int32_t> run_group;
+  std::vector<int32_t> block_run;
+  for (int64_t i = 0; i < in;) {
+    const int32_t g = group[order[i]];
+    TGIS_CHECK(g >= 0 && g < groups, "BuildQuantized: column %d has group %d of %lld", order[i], g,
+               static_cast<long long>(groups));
+    int64_t j = i;
+    while (j < in && group[order[j]] == g) stored.push_back(order[j++]);
+    while (stored.size() % kBlock != 0) stored.push_back(-1);
+    const int32_t run = static_cast<int32_t>(run_group.size());
+    run_group.push_back(g);
+    block_run.resize(stored.size() / kBlock, run);
+    i = j;
+  }
+  QuantizedWeight q;
+  q.bits = bits;
+  q.out = out;
+  q.in = in;
+  q.stored_in = static_cast<int64_t>(stored.size());
+  bool identity = q.stored_in == in;
+  for (int64_t j = 0; identity && j < in; ++j) identity = stored[j] == j;
+  if (!identity) q.gather = Tensor::FromVector(stored, {q.stored_in});
+  if (q.stored_in > 0) q.block_run = Tensor::FromVector(block_run, {q.stored_in / kBlock});
+
+  const int64_t runs = static_cast<int64_t>(run_group.size());
+  std::vector<float> s(out * runs), z(out * runs);
+  for (int64_t n = 0; n < out; ++n) {
+    for (int64_t r = 0; r < runs; ++r) {
+      s[n * runs + r] = scales[n * groups + run_group[r]];
+      z[n * runs + r] = zeros[n * groups + run_group[r]];
+    }
+  }
+  q.scales = Tensor::FromVector(s, {out, runs});
+  q.zeros = Tensor::FromVector(z, {out, runs});
+  q.codes = Tensor::Zeros({out, std::max<int64_t>(q.code_bytes_per_row(), 1)}, DType::kI8);
+  for (int64_t n = 0; n < out; ++n) {
+    uint8_t* row = q.codes.data<uint8_t>() + n * q.codes.dim(1);
+    for (int64_t j = 0; j < q.stored_in; ++j) {
+      if (stored[j] < 0) continue;  // padding: x reads 0 there
+      const uint8_t c = codes[n * in + stored[j]];
+      TGIS_CHECK(c < (1 << bits), "BuildQuantized: code %d does not fit %d bits", c, bits);
+      if (bits == 8) {
+        row[j] = c;
+      } else {
+        row[j / 2] |= static_cast<uint8_t>(c << (4 * (j % 2)));
+      }
+    }
+  }
+  return q;
+}
+
+bool QuantizedCompatible(const QuantizedWeight& a, const QuantizedWeight& b) {
+  auto same = [](const Tensor& x, const Tensor& y) {
+    if (x.defined() != y.defined()) return false;
+    return !x.defined() ||
+           (x.numel() == y.numel() && std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0);
+  };
+  return a.bits == b.bits && a.in == b.in && a.stored_in == b.stored_in && a.runs() == b.runs() &&
+         same(a.gather, b.gather) && same(a.block_run, b.block_run);
+}
+
+QuantizedWeight ConcatQuantizedRows(const std::vector<const QuantizedWeight*>& parts) {
+  TGIS_CHECK(!parts.empty(), "ConcatQuantizedRows: no parts");
+  QuantizedWeight q = *parts[0];
+  int64_t out = 0;
+  for (const QuantizedWeight* p : parts) {
+    TGIS_CHECK(QuantizedCompatible(*parts[0], *p), "ConcatQuantizedRows: incompatible parts");
+    TGIS_CHECK(p->codes.device() == Device::kCpu, "ConcatQuantizedRows runs on the CPU");
+    out += p->out;
+  }
+  auto stack = [&](auto member) {
+    const Tensor& first = parts[0]->*member;
+    Tensor t = Tensor::Empty({out, first.dim(1)}, first.dtype());
+    char* dst = static_cast<char*>(t.raw());
+    for (const QuantizedWeight* p : parts) {
+      const Tensor& src = p->*member;
+      std::memcpy(dst, src.raw(), src.nbytes());
+      dst += src.nbytes();
+    }
+    return t;
+  };
+  q.out = out;
+  q.codes = stack(&QuantizedWeight::codes);
+  q.scales = stack(&QuantizedWeight::scales);
+  q.zeros = stack(&QuantizedWeight::zeros);
+  return q;
+}
+
+Tensor Dequantize(const QuantizedWeight& q) {
+  TGIS_CHECK(q.codes.device() == Device::kCpu, "Dequantize runs on the CPU");
+  Tensor w = Tensor::Zeros({q.out, q.in}, DType::kF32);
+  const int64_t runs = q.runs();
+  for (int64_t n = 0; n < q.out; ++n) {
+    const uint8_t* row = q.codes.data<uint8_t>() + n * q.codes.dim(1);
+    for (int64_t j = 0; j < q.stored_in; ++j) {
+      const int64_t col = q.gather.defined() ? q.gather.data<int32_t>()[j] : j;
+      if (col < 0) continue;
+      const int64_t r = q.block_run.data<int32_t>()[j / kBlock];
+      const float code = static_cast<float>(CodeAt(q, row, j));
+      w.data<float>()[n * q.in + col] =
+          (code - q.zeros.data<float>()[n * runs + r]) * q.scales.data<float>()[n * runs + r];
+    }
+  }
+  return w;
+}
+
+QuantizedWeight QuantizeInt8Rows(const Tensor& w) {
+  TGIS_CHECK(w.rank() == 2 && w.device() == Device::kCpu && !w.quantized(),
+             "QuantizeInt8Rows: w must be a dense [out, in] CPU tensor");
+  const Tensor f = w.dtype() == DType::kF32 ? w : w.To(DType::kF32);
+  const int64_t out = f.dim(0), in = f.dim(1);
+  std::vector<uint8_t> codes(out * in);
+  std::vector<float> scales(out), zeros(out, 128.f);
+  for (int64_t n = 0; n < out; ++n) {
+    const float* row = f.data<float>() + n * in;
+    float absmax = 0.f;
+    for (int64_t k = 0; k < in; ++k) absmax = std::max(absmax, std::fabs(row[k]));
+    const float scale = absmax / 127.f;
+    scales[n] = scale;
+    for (int64_t k = 0; k < in; ++k) {
+      const float c = scale > 0.f ? std::nearbyint(row[k] / scale) : 0.f;
+      codes[n * in + k] = static_cast<uint8_t>(std::clamp(c, -127.f, 127.f) + 128.f);
+    }
+  }
+  return BuildQuantized(8, out, in, codes, std::vector<int32_t>(in, 0), 1, scales, zeros);
+}
+
+QuantizedWeight QuantizedToDevice(const QuantizedWeight& q, Device device) {
+  QuantizedWeight d = q;
+  for (Tensor* t : {&d.codes, &d.scales, &d.zeros, &d.block_run, &d.gather}) {
+    if (t->defined()) *t = t->ToDevice(device);
+  }
+  return d;
+}
+
+}  // namespace tgis::kernels

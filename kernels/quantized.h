@@ -1,0 +1,62 @@
+// Linear weights quantized along their input dimension: GPTQ, AWQ and int8 absmax all reduce
+// to unsigned integer codes with a scale and an integer zero point per (output row, group of
+// input columns): w[n, k] = (code[n, k] - zero[n, g(k)]) * scale[n, g(k)].
+//
+// One stored layout serves every format, chosen so that kernels stream rows as they stream a
+// dense [out, in] weight: codes are row-major [out, stored_in]; the input columns are stored
+// group by group ("runs"), each run padded to a multiple of 8 columns, so every block of 8
+// stored columns has one scale and one zero per row. When the groups are not contiguous
+// ranges of columns (GPTQ act-order, or a tensor-parallel slice of one), `gather` says which
+// input column each stored column reads; Linear gathers x accordingly (padding reads 0).
+//
+// The kernels dequantize in registers and sum in f32, so a quantized Linear equals, up to
+// summation order, a dense f32 Linear on Dequantize(w): the reference that transformers runs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kernels/tensor.h"
+
+namespace tgis::kernels {
+
+struct QuantizedWeight {
+  int bits = 8;           // 4 or 8: codes are in [0, 2^bits)
+  int64_t out = 0;        // the dense weight's rows
+  int64_t in = 0;         // the dense weight's columns (x's features)
+  int64_t stored_in = 0;  // stored columns: runs padded to multiples of 8
+  Tensor codes;           // [out, stored_in * bits / 8] kI8 (bytes); 4-bit: low nibble first
+  Tensor scales;          // [out, runs] f32
+  Tensor zeros;           // [out, runs] f32, integer-valued
+  Tensor block_run;       // [stored_in / 8] kI32: the run of each block of 8 stored columns
+  Tensor gather;          // [stored_in] kI32 input column or -1 (padding); undefined: identity
+
+  int64_t runs() const { return scales.defined() ? scales.dim(1) : 0; }
+  int64_t code_bytes_per_row() const { return stored_in * bits / 8; }
+};
+
+// Builds the stored layout from codes in the dense layout: `codes` [out * in] (one code per
+// byte, row-major), `group` [in] (the group of each input column, any order), `scales` and
+// `zeros` [out * groups] (row-major, f32). Columns keep their order within a group; groups
+// are stored in increasing index order (empty groups are dropped).
+QuantizedWeight BuildQuantized(int bits, int64_t out, int64_t in, const std::vector<uint8_t>& codes,
+                               const std::vector<int32_t>& group, int64_t groups,
+                               const std::vector<float>& scales, const std::vector<float>& zeros);
+
+// Rows stacked in order (q | k | v, gate | up): every part must have the same bits, columns,
+// runs and gather (the same groups), else it fails naming nothing: callers check Compatible.
+bool QuantizedCompatible(const QuantizedWeight& a, const QuantizedWeight& b);
+QuantizedWeight ConcatQuantizedRows(const std::vector<const QuantizedWeight*>& parts);
+
+// The dense f32 [out, in] weight the codes stand for (CPU; tests and references).
+Tensor Dequantize(const QuantizedWeight& q);
+
+// Weight-only int8 as `--quantize bitsandbytes` asks: per output row, scale = absmax / 127 and
+// code = round(w / scale) + 128 with zero 128 (symmetric). `w` is a dense [out, in] CPU weight.
+QuantizedWeight QuantizeInt8Rows(const Tensor& w);
+
+// The same weight on `device` (every component copied).
+QuantizedWeight QuantizedToDevice(const QuantizedWeight& q, Device device);
+
+}  // namespace tgis::kernels
