@@ -141,7 +141,7 @@ Tensor Dequantize(const QuantizedWeight& q) {
   return w;
 }
 
-QuantizedWeight QuantizeInt8Rows(const Tensor& w) {
+QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_absmax) {
   TGIS_CHECK(w.rank() == 2 && w.device() == Device::kCpu && !w.quantized(),
              "QuantizeInt8Rows: w must be a dense [out, in] CPU tensor");
   const Tensor f = w.dtype() == DType::kF32 ? w : w.To(DType::kF32);
@@ -152,6 +152,11 @@ QuantizedWeight QuantizeInt8Rows(const Tensor& w) {
     const float* row = f.data<float>() + n * in;
     float absmax = 0.f;
     for (int64_t k = 0; k < in; ++k) absmax = std::max(absmax, std::fabs(row[k]));
+    if (row_absmax != nullptr) {
+      TGIS_CHECK(static_cast<int64_t>(row_absmax->size()) == out && (*row_absmax)[n] >= absmax,
+                 "QuantizeInt8Rows: row_absmax does not cover the rows");
+      absmax = (*row_absmax)[n];
+    }
     const float scale = absmax / 127.f;
     scales[n] = scale;
     for (int64_t k = 0; k < in; ++k) {

@@ -53,8 +53,10 @@ QuantizedWeight ConcatQuantizedRows(const std::vector<const QuantizedWeight*>& p
 Tensor Dequantize(const QuantizedWeight& q);
 
 // Weight-only int8 as `--quantize bitsandbytes` asks: per output row, scale = absmax / 127 and
-// code = round(w / scale) + 128 with zero 128 (symmetric). `w` is a dense [out, in] CPU weight.
-QuantizedWeight QuantizeInt8Rows(const Tensor& w);
+// code = round(w / scale) + 128 with zero 128 (symmetric). `w` is a dense [out, in] CPU weight;
+// `row_absmax` (one per row), when given, is of the whole row that `w` is columns of, so that a
+// tensor-parallel slice is quantized as the whole row is.
+QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_absmax = nullptr);
 
 // The same weight on `device` (every component copied).
 QuantizedWeight QuantizedToDevice(const QuantizedWeight& q, Device device);

@@ -94,8 +94,8 @@ const std::vector<FlagSpec>& Specs() {
        .env = "QUANTIZE",
        .group = Group::kModel,
        .field = &L::quantize,
-       .help = "Quantization method. No quantization methods are available in this build: any "
-               "value fails at start (TGIS's gptq and bitsandbytes: not supported yet)"},
+       .help = "Quantization: gptq or awq (a checkpoint quantized so; detected without the "
+               "flag), or bitsandbytes (int8 weights quantized at load)"},
       {.name = "num_shard",
        .env = "NUM_SHARD",
        .group = Group::kModel,
@@ -642,12 +642,16 @@ absl::StatusOr<LaunchSettings> CheckLauncherFlags(const LauncherFlags& flags,
         " (or hf_custom_tp); it chooses TGIS's Python engine and has no effect here"));
   }
 
-  constexpr absl::string_view kNoQuantization =
-      "no quantization methods are available in this build (TGIS's gptq and bitsandbytes are "
-      "not supported yet); leave --quantize / QUANTIZE unset";
+  // TGIS's values (gptq, bitsandbytes) and ours; the shard checks them against the checkpoint
+  // (server/quantization.h).
+  static const std::vector<std::string> kQuantize = {"gptq", "bitsandbytes", "awq"};
   if (flags.quantize) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--quantize (env QUANTIZE) '", *flags.quantize, "': ", kNoQuantization));
+    if (std::find(kQuantize.begin(), kQuantize.end(), *flags.quantize) == kQuantize.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--quantize (env QUANTIZE) '", *flags.quantize,
+          "' is not a quantization method; accepted values: ", absl::StrJoin(kQuantize, ", ")));
+    }
+    settings.quantize = *flags.quantize;
   }
 
   // TGIS takes any torch dtype name; these are the ones the shards have, with torch's aliases.
@@ -664,9 +668,8 @@ absl::StatusOr<LaunchSettings> CheckLauncherFlags(const LauncherFlags& flags,
     if (auto it = kDtypes.find(*dtype); it != kDtypes.end()) {
       settings.dtype = it->second;
     } else if (*dtype == "int8") {
-      // TGIS reads dtype int8 as quantize=bitsandbytes.
-      return absl::InvalidArgumentError(
-          absl::StrCat(flag, " 'int8' asks for bitsandbytes quantization: ", kNoQuantization));
+      // TGIS reads dtype int8 as quantize=bitsandbytes (when --quantize is unset).
+      if (settings.quantize.empty()) settings.quantize = "bitsandbytes";
     } else {
       return absl::InvalidArgumentError(
           absl::StrCat(flag, " '", *dtype,

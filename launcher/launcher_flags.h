@@ -87,13 +87,14 @@ std::string FormatNumber(double value);
 struct LaunchSettings {
   int num_shard = 1;
   std::string dtype;              // canonical name for the shard; empty: the shard picks by device
+  std::string quantize;           // --quantize for the shards; empty: the checkpoint decides
   std::vector<std::string> info;  // to log, e.g. how num_shard was found
   std::vector<std::string> warnings;  // to log, e.g. a deprecated deployment framework name
 };
 
 // TGIS's checks, with TGIS's messages where it has one: cuda_process_memory_fraction range,
 // --dtype vs --dtype-str, the number of shards; and ours for values this server cannot
-// honour (--quantize, --deployment-framework, --dtype values).
+// honour (--quantize values, --deployment-framework, --dtype values).
 absl::StatusOr<LaunchSettings> CheckLauncherFlags(const LauncherFlags& flags, const EnvLookup& env);
 
 // TGIS's find_num_shards: --num-shard / NUM_SHARD, else NUM_GPUS, else the number of

@@ -153,6 +153,7 @@ int main(int argc, char** argv) {
     if (!settings->dtype.empty()) {  // else the shard picks by device
       args.insert(args.end(), {"--dtype", settings->dtype});
     }
+    if (!settings->quantize.empty()) args.insert(args.end(), {"--quantize", settings->quantize});
     if (!child->Start("shard-" + std::to_string(rank), args, shard_env, sink, &error)) {
       return fatal("cannot start shard " + std::to_string(rank) + ": " + error);
     }

@@ -160,7 +160,10 @@ void CausalLM::MoveTo(kernels::Device device) {
   if (device == device_) return;
   // The activations take the linear weights' dtype; small tensors (norms, biases, loaded f32)
   // follow, since the CUDA kernels want one dtype per op.
-  const DType dtype = w_.layers.empty() ? w_.embed.dtype() : w_.layers[0].qkv_w.dtype();
+  // Quantized linears: the embedding's dtype.
+  const DType dtype = w_.layers.empty() || w_.layers[0].qkv_w.quantized()
+                          ? w_.embed.dtype()
+                          : w_.layers[0].qkv_w.dtype();
   auto move = [&](Tensor* t) { MoveWeight(t, dtype, device); };
   const bool tied = w_.lm_head.raw() == w_.embed.raw();
   move(&w_.embed);
@@ -205,6 +208,10 @@ Tensor SelectRows(const Tensor& x, const std::vector<int32_t>& rows) {
 
 void MoveWeight(Tensor* t, DType dtype, kernels::Device device) {
   if (!t->defined()) return;
+  if (t->quantized()) {  // stays quantized; CUDA dequantizes to the activations' dtype
+    *t = t->ToDevice(device);
+    return;
+  }
   Tensor host = t->dtype() == dtype ? *t : t->To(dtype);
   *t = host.ToDevice(device);
 }

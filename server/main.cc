@@ -21,6 +21,7 @@
 #include "server/gloo_communicator.h"
 #include "server/model_registry.h"
 #include "server/nccl_communicator.h"
+#include "server/quantization.h"
 #include "server/shard_service.h"
 
 DEFINE_string(uds_path, "/tmp/text-generation-server",
@@ -62,6 +63,10 @@ DEFINE_bool(prefix_caching, true,
             "Keep the keys and values of full KV cache blocks after a request ends and share them "
             "with later prompts that start with the same tokens, which then compute only the "
             "rest; outputs are unchanged (env PREFIX_CACHING)");
+DEFINE_string(quantize, "",
+              "Quantization: gptq or awq (the checkpoint's own; detected without the flag), or "
+              "bitsandbytes (int8 weights quantized at load, per output row); empty: what the "
+              "checkpoint says (env QUANTIZE)");
 DEFINE_string(device, "auto",
               "Where the model runs: cpu, cuda (GPU number = rank), or auto: cuda when this "
               "build has CUDA and a GPU is present (env TGIS_DEVICE)");
@@ -110,7 +115,8 @@ int main(int argc, char** argv) {
                                    {"batch_safety_margin", "BATCH_SAFETY_MARGIN"},
                                    {"prefix_store_path", "PREFIX_STORE_PATH"},
                                    {"prompt_cache_size_mb", "PROMPT_CACHE_SIZE_MB"},
-                                   {"prefix_caching", "PREFIX_CACHING"}});
+                                   {"prefix_caching", "PREFIX_CACHING"},
+                                   {"quantize", "QUANTIZE"}});
       !err.empty()) {
     return Fail(err);
   }
@@ -166,6 +172,11 @@ int main(int argc, char** argv) {
   if (!config.ok()) return Fail(std::string(config.status().message()));
   auto weights = tgis::server::WeightStore::Open(model_dir);
   if (!weights.ok()) return Fail(std::string(weights.status().message()));
+  auto quant = tgis::server::ReadQuantConfig(
+      model_dir, *config,
+      FLAGS_quantize.empty() ? std::nullopt : std::optional<std::string>(FLAGS_quantize));
+  if (!quant.ok()) return Fail(std::string(quant.status().message()));
+  (*weights)->set_quantization(*quant);
   std::shared_ptr<tgis::server::Communicator> comm;
   if (FLAGS_world_size > 1) {
     tgis::server::GlooOptions gloo;

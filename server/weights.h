@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/tensor.h"
+#include "server/quantization.h"
 
 namespace tgis::server {
 
@@ -44,12 +45,17 @@ class WeightStore {
   // Tensors nobody has read, in name order.
   std::vector<std::string> Unread() const;
 
+  // How the checkpoint's linear weights are quantized (ReadQuantConfig; default: not).
+  void set_quantization(QuantConfig q) { quant_ = std::move(q); }
+  const QuantConfig& quantization() const { return quant_; }
+
  private:
   struct Entry {
     kernels::Tensor view;
     std::string file;
   };
   std::string dir_;
+  QuantConfig quant_;
   std::map<std::string, Entry> tensors_;
   mutable std::mutex read_mu_;
   mutable std::set<std::string> read_;

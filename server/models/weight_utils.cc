@@ -1,15 +1,31 @@
 #include "server/models/weight_utils.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/quantized.h"
 
 namespace tgis::server {
 
 using kernels::DType;
 using kernels::Tensor;
 
-Tensor ConcatRows(const std::vector<Tensor>& parts) {
+absl::StatusOr<Tensor> ConcatRows(const std::vector<Tensor>& parts, const std::string& what) {
+  if (parts[0].quantized() != nullptr) {
+    std::vector<const kernels::QuantizedWeight*> qs;
+    for (const Tensor& p : parts) {
+      if (p.quantized() == nullptr ||
+          !kernels::QuantizedCompatible(*parts[0].quantized(), *p.quantized())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": the fused parts are quantized differently (bits, group order or g_idx)"));
+      }
+      qs.push_back(p.quantized());
+    }
+    return Tensor::Quantized(
+        std::make_shared<const kernels::QuantizedWeight>(kernels::ConcatQuantizedRows(qs)));
+  }
   int64_t rows = 0;
   for (const Tensor& p : parts) rows += p.dim(0);
   kernels::Shape shape = parts[0].shape();
@@ -115,6 +131,40 @@ absl::StatusOr<Tensor> ShardedLoader::Raw(const std::string& name) const {
   return t;
 }
 
+std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string& name,
+                                                               const std::vector<Range>& rows,
+                                                               std::optional<Range> cols) const {
+  const QuantConfig& q = w_.quantization();
+  if (q.method != QuantMethod::kGptq && q.method != QuantMethod::kAwq) return std::nullopt;
+  constexpr std::string_view kSuffix = ".weight";
+  if (name.size() <= kSuffix.size() ||
+      name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0) {
+    return std::nullopt;
+  }
+  const std::string prefix = name.substr(0, name.size() - kSuffix.size());
+  if (w_.Has(name) || !w_.Has(prefix + ".qweight")) return std::nullopt;  // a dense linear
+  return LoadQuantizedLinear(w_, q, prefix, rows, cols);
+}
+
+absl::StatusOr<Tensor> ShardedLoader::MaybeInt8(absl::StatusOr<Tensor> dense,
+                                                const Tensor* whole) const {
+  if (!dense.ok() || w_.quantization().method != QuantMethod::kInt8AtLoad || dense->rank() != 2) {
+    return dense;
+  }
+  std::vector<float> absmax;
+  if (whole != nullptr) {  // [out, in] in the run dtype, as a world size of 1 would load it
+    const Tensor f = whole->dtype() == DType::kF32 ? *whole : whole->To(DType::kF32);
+    absmax.assign(f.dim(0), 0.f);
+    for (int64_t n = 0; n < f.dim(0); ++n) {
+      for (int64_t k = 0; k < f.dim(1); ++k) {
+        absmax[n] = std::max(absmax[n], std::fabs(f.data<float>()[n * f.dim(1) + k]));
+      }
+    }
+  }
+  return Tensor::Quantized(std::make_shared<const kernels::QuantizedWeight>(
+      kernels::QuantizeInt8Rows(*dense, whole != nullptr ? &absmax : nullptr)));
+}
+
 absl::StatusOr<Tensor> ShardedLoader::Whole(const std::string& name, bool conv1d) const {
   auto t = Raw(name);
   if (!t.ok()) return t.status();
@@ -124,6 +174,7 @@ absl::StatusOr<Tensor> ShardedLoader::Whole(const std::string& name, bool conv1d
 absl::StatusOr<Tensor> ShardedLoader::OutputRows(const std::string& name,
                                                  const std::vector<Range>& ranges,
                                                  bool conv1d) const {
+  if (auto q = Quantized(name, ranges, std::nullopt)) return *q;
   auto t = Raw(name);
   if (!t.ok()) return t.status();
   const bool matrix = t->rank() == 2;
@@ -134,7 +185,7 @@ absl::StatusOr<Tensor> ShardedLoader::OutputRows(const std::string& name,
                                                      ") of ", t->dim(dim), " do not exist"));
     }
   }
-  return Select(*t, dim, ranges, matrix && conv1d, matrix ? dtype_ : DType::kF32);
+  return MaybeInt8(Select(*t, dim, ranges, matrix && conv1d, matrix ? dtype_ : DType::kF32));
 }
 
 absl::StatusOr<Tensor> ShardedLoader::StackOutputRows(
@@ -145,11 +196,12 @@ absl::StatusOr<Tensor> ShardedLoader::StackOutputRows(
     if (!t.ok()) return t.status();
     got.push_back(*t);
   }
-  return got.size() == 1 ? got[0] : ConcatRows(got);
+  return got.size() == 1 ? got[0] : ConcatRows(got, parts[0].first);
 }
 
 absl::StatusOr<Tensor> ShardedLoader::InputColumns(const std::string& name, Range range,
                                                    bool conv1d) const {
+  if (auto q = Quantized(name, {}, range)) return *q;
   auto t = Raw(name);
   if (!t.ok()) return t.status();
   if (t->rank() != 2) return absl::InvalidArgumentError(absl::StrCat(name, ": expected 2-D"));
@@ -159,7 +211,13 @@ absl::StatusOr<Tensor> ShardedLoader::InputColumns(const std::string& name, Rang
         name, ": columns [", range.begin, ", ", range.end, ") of ", t->dim(dim), " do not exist"));
   }
   if (!conv1d && range.begin == 0 && range.end == t->dim(1)) {
-    return Select(*t, 0, {{0, t->dim(0)}}, false, dtype_);  // whole: a view when the dtype matches
+    // Whole: a view when the dtype matches.
+    return MaybeInt8(Select(*t, 0, {{0, t->dim(0)}}, false, dtype_));
+  }
+  if (w_.quantization().method == QuantMethod::kInt8AtLoad) {
+    // Row scales from the whole rows, so that every world size quantizes alike.
+    const Tensor whole = Select(*t, 0, {{0, t->dim(0)}}, conv1d, dtype_);
+    return MaybeInt8(Select(*t, dim, {range}, conv1d, dtype_), &whole);
   }
   return Select(*t, dim, {range}, conv1d, dtype_);
 }

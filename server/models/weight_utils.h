@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,8 +24,10 @@ DecoderSpec MultiHeadSpec(const ModelConfig& c);
 // Checkpoint tensors and where each goes once loaded (AssignLoads).
 using TensorLoads = std::vector<std::pair<kernels::Tensor*, absl::StatusOr<kernels::Tensor>>>;
 
-// Stacks 2-D tensors (same column count and dtype) or 1-D tensors along dim 0.
-kernels::Tensor ConcatRows(const std::vector<kernels::Tensor>& parts);
+// Stacks 2-D tensors (same column count and dtype) or 1-D tensors along dim 0; quantized
+// weights must share their column layout (the same g_idx), else the error names `what`.
+absl::StatusOr<kernels::Tensor> ConcatRows(const std::vector<kernels::Tensor>& parts,
+                                           const std::string& what = "");
 // transformers' ACT2FN names: "gelu" -> erf GELU; "gelu_new", "gelu_pytorch_tanh", "gelu_fast"
 // -> tanh GELU; "relu". Others fail naming config.json's key `key` and the value.
 absl::StatusOr<kernels::Activation> ActivationFromName(const std::string& act,
@@ -75,6 +78,15 @@ class ShardedLoader {
 
  private:
   absl::StatusOr<kernels::Tensor> Raw(const std::string& name) const;
+  // The quantized form of linear weight `name` (rows and columns of it), or nullopt when the
+  // weight is stored dense and not to be quantized at load.
+  std::optional<absl::StatusOr<kernels::Tensor>> Quantized(const std::string& name,
+                                                           const std::vector<Range>& rows,
+                                                           std::optional<Range> cols) const;
+  // Int8 at load of a dense linear weight just read (the result as is otherwise); `whole`,
+  // when `dense` is some columns of it, gives the rows' scales (TP-invariant quantization).
+  absl::StatusOr<kernels::Tensor> MaybeInt8(absl::StatusOr<kernels::Tensor> dense,
+                                            const kernels::Tensor* whole = nullptr) const;
 
   const WeightStore& w_;
   const DecoderSpec& spec_;

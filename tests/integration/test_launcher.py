@@ -245,8 +245,8 @@ def test_help_lists_every_tgis_flag_with_its_variable():
 
 
 @pytest.mark.parametrize("args,env,expected", [
-    (["--quantize", "gptq"], {}, ["--quantize", "gptq", "no quantization methods are available"]),
-    ([], {"QUANTIZE": "bitsandbytes"}, ["QUANTIZE", "no quantization methods are available"]),
+    (["--quantize", "nf4"], {}, ["--quantize", "nf4", "gptq, bitsandbytes, awq"]),
+    ([], {"QUANTIZE": "fp4"}, ["QUANTIZE", "is not a quantization method"]),
     (["--dtype-str", "float64"], {}, ["--dtype-str", "float16", "bfloat16", "float32"]),
     (["--dtype", "float16", "--dtype-str", "float32"], {},
      ["dtype and dtype_str args both provided with different values"]),

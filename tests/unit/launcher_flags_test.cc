@@ -212,12 +212,10 @@ TEST(LauncherFlagsTest, TgisChecks) {
              "--dtype (env DTYPE) 'float64' is not a supported dtype; accepted values: "
              "float16 (or half), bfloat16, float32 (or float)");
   EXPECT_HAS(CheckError({}, {{"DTYPE_STR", "fp16"}}), "--dtype-str (env DTYPE_STR)");
-  EXPECT_HAS(CheckError({"--dtype-str", "int8"}), "bitsandbytes");
-  const std::string quantize = CheckError({"--quantize", "gptq"});
-  EXPECT_HAS(quantize, "--quantize");
-  EXPECT_HAS(quantize, "no quantization methods are available in this build");
-  EXPECT_HAS(quantize, "gptq and bitsandbytes are not supported yet");
-  EXPECT_HAS(CheckError({}, {{"QUANTIZE", "bitsandbytes"}}), "(env QUANTIZE)");
+  EXPECT_HAS(CheckError({"--quantize", "gptq-v9"}),
+             "--quantize (env QUANTIZE) 'gptq-v9' is not a quantization method; accepted "
+             "values: gptq, bitsandbytes, awq");
+  EXPECT_HAS(CheckError({}, {{"QUANTIZE", "fp4"}}), "(env QUANTIZE)");
   EXPECT_HAS(CheckError({"--deployment-framework", "vllm"}),
              "--deployment-framework (env DEPLOYMENT_FRAMEWORK) 'vllm' is not one of "
              "TGIS's: hf_transformers, tgis_native");
@@ -230,6 +228,14 @@ TEST(LauncherFlagsTest, TgisChecks) {
   EXPECT_EQ(ok->num_shard, 1);
   ASSERT_EQ(ok->warnings.size(), 1u);
   EXPECT_HAS(ok->warnings[0], "deprecated");
+  // TGIS reads --dtype-str int8 as --quantize bitsandbytes; an explicit --quantize wins.
+  auto int8 = CheckLauncherFlags(Parse({"--dtype-str", "int8"}), Env({}));
+  ASSERT_TRUE(int8.ok()) << int8.status();
+  EXPECT_EQ(int8->quantize, "bitsandbytes");
+  EXPECT_EQ(int8->dtype, "");
+  auto gptq = CheckLauncherFlags(Parse({}), Env({{"QUANTIZE", "gptq"}}));
+  ASSERT_TRUE(gptq.ok()) << gptq.status();
+  EXPECT_EQ(gptq->quantize, "gptq");
   auto unset = CheckLauncherFlags(Parse({}), Env({}));
   ASSERT_TRUE(unset.ok());
   EXPECT_EQ(unset->dtype, "");  // the shard picks by device

@@ -8,10 +8,12 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "server/model_config.h"
 #include "server/model_registry.h"
+#include "server/quantization.h"
 #include "server/weights.h"
 
 namespace {
@@ -121,6 +123,43 @@ TEST_F(LoaderTest, AnnouncedBiasesMustBeThere) {
   const absl::Status st = Build();
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("mlp.gate_proj.bias"), std::string::npos) << st;
+}
+
+// Quantization configs: what the server cannot honour is an error naming the file and key.
+TEST_F(LoaderTest, QuantizationConfigsAreCheckedAgainstTheFlag) {
+  auto read = [&](std::optional<std::string> flag) {
+    auto config = tgis::server::ModelConfig::Load(dir_.string());
+    EXPECT_TRUE(config.ok()) << config.status();
+    return tgis::server::ReadQuantConfig(dir_.string(), *config, flag).status();
+  };
+  auto expect_error = [&](std::optional<std::string> flag, const std::string& text) {
+    const absl::Status st = read(flag);
+    EXPECT_FALSE(st.ok()) << text;
+    EXPECT_NE(st.message().find(text), std::string::npos) << st;
+  };
+  EXPECT_TRUE(read(std::nullopt).ok());
+  EXPECT_TRUE(read("bitsandbytes").ok());
+  expect_error("gptq", "has no quantization config");
+  expect_error("nf4", "--quantize 'nf4': expected one of gptq, bitsandbytes, awq");
+  const Json gptq = {{"quant_method", "gptq"},
+                     {"bits", 4},
+                     {"group_size", 128},
+                     {"desc_act", false},
+                     {"sym", true}};
+  EditConfig([&](Json& c) { c["quantization_config"] = gptq; });
+  EXPECT_TRUE(read(std::nullopt).ok());
+  EXPECT_TRUE(read("gptq").ok());
+  expect_error("bitsandbytes", "already quantized");
+  expect_error("awq", "is quantized otherwise");
+  EditConfig([&](Json& c) { c["quantization_config"]["bits"] = 3; });
+  expect_error(std::nullopt, "quantization_config: bits = 3");
+  EditConfig([&](Json& c) {
+    c["quantization_config"] = gptq;
+    c["quantization_config"]["act_scale"] = 2;
+  });
+  expect_error(std::nullopt, "key 'act_scale' is not understood");
+  EditConfig([&](Json& c) { c["quantization_config"] = {{"quant_method", "fp8"}}; });
+  expect_error(std::nullopt, "quant_method 'fp8' is not supported");
 }
 
 TEST_F(LoaderTest, AnUnservableConfigNamesTheKeyAndValue) {

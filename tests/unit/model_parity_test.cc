@@ -17,6 +17,7 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -26,6 +27,7 @@
 #include "server/gloo_communicator.h"
 #include "server/model_config.h"
 #include "server/model_registry.h"
+#include "server/quantization.h"
 #include "server/weights.h"
 
 namespace {
@@ -75,6 +77,8 @@ class ParityFixture {
     buf << in.rdbuf();
     Json j = Json::parse(buf.str());
     rope_stepwise_ = j.value("rope_stepwise", false);
+    // A dense checkpoint whose goldens are of it quantized at load (--quantize).
+    if (j.contains("quantize")) quantize_ = j["quantize"].get<std::string>();
     for (const Json& p : j["prompts"]) {
       Golden g;
       g.input = p["input_ids"].get<std::vector<int32_t>>();
@@ -94,6 +98,9 @@ class ParityFixture {
     ASSERT_TRUE(config.ok()) << config.status();
     auto weights = tgis::server::WeightStore::Open(dir_);
     ASSERT_TRUE(weights.ok()) << weights.status();
+    auto quant = tgis::server::ReadQuantConfig(dir_, *config, quantize_);
+    ASSERT_TRUE(quant.ok()) << quant.status();
+    (*weights)->set_quantization(*quant);
     auto run = [&](std::shared_ptr<tgis::server::Communicator> comm) {
       auto model = tgis::server::ModelRegistry::Get().Build(*config, **weights, dtype_, comm);
       ASSERT_TRUE(model.ok()) << model.status();
@@ -157,6 +164,7 @@ class ParityFixture {
 
   std::string dir_;
   int world_ = 1;
+  std::optional<std::string> quantize_;
   bool prefix_caching_ = true;  // as the shard runs by default
   tgis::kernels::Device device_ = tgis::kernels::Device::kCpu;
   tgis::kernels::DType dtype_ = tgis::kernels::DType::kF32;

@@ -1,0 +1,370 @@
+#include "server/quantization.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/quantized.h"
+#include "server/weights.h"
+
+namespace tgis::server {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+using kernels::DType;
+using kernels::Tensor;
+
+namespace {
+
+// Keys of a GPTQ config that only steer how the checkpoint was made (calibration, kernels the
+// quantizer's own runtime picks): nothing a server reads. Keys not here and not read below
+// are errors, so a new meaning cannot pass unnoticed.
+const std::set<std::string> kGptqIgnoredKeys = {
+    "quant_method",         // read: "gptq"
+    "damp_percent",         // calibration dampening
+    "damp_auto_increment",  // calibration
+    "true_sequential",      // calibration order
+    "static_groups",        // how groups were chosen; g_idx records the result
+    "model_name_or_path",   // bookkeeping
+    "model_file_base_name",
+    "meta",  // quantizer name and version
+    "mse",   // calibration search
+    "dataset", "tokenizer", "batch_size", "cache_block_outputs", "max_input_length",
+    "module_name_preceding_first_block", "modules_in_block_to_quantize",  // which modules got
+    // quantized: we read each linear by what its tensors are (qweight, or a dense weight)
+    "pad_token_id", "use_cuda_fp16", "use_exllama", "disable_exllama", "exllama_config", "backend",
+    "quantizer", "pack_dtype", "device", "adapter",  // the quantizer's runtime
+};
+const std::set<std::string> kAwqIgnoredKeys = {
+    "quant_method",            // read: "awq"
+    "zero_point",              // read
+    "modules_to_not_convert",  // dense modules: read as dense by their tensors
+    "backend",
+    "do_fuse",
+    "fuse_max_seq_len",
+    "exllama_config",  // AutoAWQ's runtime choices
+};
+
+absl::StatusOr<Json> ReadJsonFile(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(p.string(), ": cannot open"));
+  std::stringstream buf;
+  buf << in.rdbuf();
+  Json j = Json::parse(buf.str(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(p.string(), ": not a JSON object"));
+  }
+  return j;
+}
+
+absl::StatusOr<int64_t> IntKey(const Json& j, const std::string& where, const char* key,
+                               std::optional<int64_t> default_value) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) {
+    if (default_value) return *default_value;
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", key, ": missing"));
+  }
+  if (!it->is_number_integer()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": ", key, " = ", it->dump(), ": expected an integer"));
+  }
+  return it->get<int64_t>();
+}
+
+absl::StatusOr<bool> BoolKey(const Json& j, const std::string& where, const char* key,
+                             bool default_value) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return default_value;
+  if (!it->is_boolean()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": ", key, " = ", it->dump(), ": expected true or false"));
+  }
+  return it->get<bool>();
+}
+
+absl::Status CheckKeys(const Json& j, const std::string& where, const std::set<std::string>& read,
+                       const std::set<std::string>& ignored) {
+  for (const auto& [key, value] : j.items()) {
+    if (read.count(key) == 0 && ignored.count(key) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": key '", key, "' is not understood by this server"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<QuantConfig> ParseGptq(const Json& j, const std::string& where) {
+  QuantConfig q;
+  q.method = QuantMethod::kGptq;
+  q.source = where;
+  auto bits = IntKey(j, where, "bits", std::nullopt);
+  if (!bits.ok()) return bits.status();
+  if (*bits != 4 && *bits != 8) {
+    return absl::UnimplementedError(
+        absl::StrCat(where, ": bits = ", *bits, ": GPTQ with 4 or 8 bits is supported"));
+  }
+  q.bits = static_cast<int>(*bits);
+  auto group = IntKey(j, where, "group_size", std::nullopt);
+  if (!group.ok()) return group.status();
+  if (*group != -1 && *group <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": group_size = ", *group));
+  }
+  q.group_size = *group;
+  // desc_act and sym change the tensors (g_idx order, zero points), not how they are read:
+  // the tensors say it all. They are still checked for type.
+  for (const char* key : {"desc_act", "sym"}) {
+    if (auto b = BoolKey(j, where, key, false); !b.ok()) return b.status();
+  }
+  std::string format = "gptq";
+  if (auto it = j.find("checkpoint_format"); it != j.end() && !it->is_null()) {
+    if (!it->is_string())
+      return absl::InvalidArgumentError(absl::StrCat(where, ": checkpoint_format"));
+    format = it->get<std::string>();
+  }
+  if (format != "gptq" && format != "gptq_v2") {
+    return absl::UnimplementedError(
+        absl::StrCat(where, ": checkpoint_format '", format, "' (gptq and gptq_v2 are supported)"));
+  }
+  q.zero_minus_one = format == "gptq";
+  if (auto m = BoolKey(j, where, "is_marlin_format", false); !m.ok() || *m) {
+    return m.ok()
+               ? absl::UnimplementedError(absl::StrCat(where,
+                                                       ": is_marlin_format: Marlin-repacked GPTQ "
+                                                       "checkpoints are not supported"))
+               : m.status();
+  }
+  if (auto lm = BoolKey(j, where, "lm_head", false); !lm.ok() || *lm) {
+    return lm.ok() ? absl::UnimplementedError(
+                         absl::StrCat(where, ": lm_head: a quantized lm_head is not supported"))
+                   : lm.status();
+  }
+  if (auto st = CheckKeys(j, where,
+                          {"bits", "group_size", "desc_act", "sym", "checkpoint_format",
+                           "is_marlin_format", "lm_head"},
+                          kGptqIgnoredKeys);
+      !st.ok()) {
+    return st;
+  }
+  return q;
+}
+
+absl::StatusOr<QuantConfig> ParseAwq(const Json& j, const std::string& where) {
+  QuantConfig q;
+  q.method = QuantMethod::kAwq;
+  q.source = where;
+  auto bits = IntKey(j, where, j.contains("w_bit") ? "w_bit" : "bits", std::nullopt);
+  if (!bits.ok()) return bits.status();
+  if (*bits != 4) {
+    return absl::UnimplementedError(absl::StrCat(where, ": bits = ", *bits, ": AWQ is 4-bit"));
+  }
+  q.bits = 4;
+  auto group =
+      IntKey(j, where, j.contains("q_group_size") ? "q_group_size" : "group_size", std::nullopt);
+  if (!group.ok()) return group.status();
+  if (*group <= 0 && *group != -1) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": group_size = ", *group));
+  }
+  q.group_size = *group;
+  auto zero = BoolKey(j, where, "zero_point", true);
+  if (!zero.ok()) return zero.status();
+  if (!*zero) {
+    return absl::UnimplementedError(absl::StrCat(where, ": zero_point = false is not supported"));
+  }
+  std::string version = "gemm";
+  if (auto it = j.find("version"); it != j.end() && !it->is_null()) {
+    if (!it->is_string()) return absl::InvalidArgumentError(absl::StrCat(where, ": version"));
+    version = it->get<std::string>();
+    std::transform(version.begin(), version.end(), version.begin(), ::tolower);
+  }
+  if (version != "gemm") {
+    return absl::UnimplementedError(
+        absl::StrCat(where, ": version '", version, "': only AutoAWQ's GEMM packing is supported"));
+  }
+  if (auto st = CheckKeys(j, where,
+                          {"bits", "w_bit", "group_size", "q_group_size", "zero_point", "version"},
+                          kAwqIgnoredKeys);
+      !st.ok()) {
+    return st;
+  }
+  return q;
+}
+
+// Reads `count` elements of the rank's slice: i32 tensor `t` at flat index i.
+int32_t I32At(const Tensor& t, int64_t i) { return t.data<int32_t>()[i]; }
+
+absl::StatusOr<Tensor> Tensor2D(const WeightStore& w, const std::string& name, DType want) {
+  auto t = w.View(name);
+  if (!t.ok()) return t.status();
+  if (t->rank() != 2) return absl::InvalidArgumentError(absl::StrCat(name, ": expected 2-D"));
+  if (want == DType::kI32) {
+    if (t->dtype() != DType::kI32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected int32, got ", kernels::DTypeName(t->dtype())));
+    }
+    return t;
+  }
+  return w.Get(name, want);
+}
+
+}  // namespace
+
+const std::vector<std::string>& QuantizeFlagValues() {
+  static const std::vector<std::string> v = {"gptq", "bitsandbytes", "awq"};
+  return v;
+}
+
+absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const ModelConfig& c,
+                                            const std::optional<std::string>& flag) {
+  if (flag && std::find(QuantizeFlagValues().begin(), QuantizeFlagValues().end(), *flag) ==
+                  QuantizeFlagValues().end()) {
+    return absl::InvalidArgumentError(absl::StrCat("--quantize '", *flag, "': expected one of ",
+                                                   absl::StrJoin(QuantizeFlagValues(), ", ")));
+  }
+  QuantConfig found;
+  const std::string config_file = (fs::path(model_dir) / "config.json").string();
+  const fs::path gptq_file = fs::path(model_dir) / "quantize_config.json";
+  if (auto it = c.raw.find("quantization_config"); it != c.raw.end() && !it->is_null()) {
+    const std::string where = config_file + ": quantization_config";
+    if (!it->is_object()) return absl::InvalidArgumentError(where + ": expected an object");
+    const std::string method = it->value("quant_method", std::string("gptq"));
+    absl::StatusOr<QuantConfig> q;
+    if (method == "gptq") {
+      q = ParseGptq(*it, where);
+    } else if (method == "awq") {
+      q = ParseAwq(*it, where);
+    } else {
+      return absl::UnimplementedError(
+          absl::StrCat(where, ": quant_method '", method, "' is not supported (gptq and awq are)"));
+    }
+    if (!q.ok()) return q.status();
+    found = *q;
+  } else if (std::error_code ec; fs::exists(gptq_file, ec)) {
+    auto j = ReadJsonFile(gptq_file);
+    if (!j.ok()) return j.status();
+    const std::string method = j->value("quant_method", std::string("gptq"));
+    auto q = method == "awq" ? ParseAwq(*j, gptq_file.string()) : ParseGptq(*j, gptq_file.string());
+    if (!q.ok()) return q.status();
+    found = *q;
+  }
+  if (!flag) return found;
+  const bool prequantized = found.method != QuantMethod::kNone;
+  if (*flag == "bitsandbytes") {
+    if (prequantized) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--quantize bitsandbytes: the checkpoint is already quantized (", found.source, ")"));
+    }
+    QuantConfig q;
+    q.method = QuantMethod::kInt8AtLoad;
+    q.bits = 8;
+    q.source = "--quantize bitsandbytes";
+    return q;
+  }
+  const QuantMethod want = *flag == "gptq" ? QuantMethod::kGptq : QuantMethod::kAwq;
+  if (found.method != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--quantize ", *flag, ": ", model_dir,
+        prequantized ? absl::StrCat(" is quantized otherwise (", found.source, ")")
+                     : " has no quantization config (config.json quantization_config or "
+                       "quantize_config.json): quantize the checkpoint first"));
+  }
+  return found;
+}
+
+absl::StatusOr<Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConfig& q,
+                                           const std::string& prefix,
+                                           const std::vector<Range>& rows,
+                                           std::optional<Range> cols) {
+  const bool awq = q.method == QuantMethod::kAwq;
+  const int bits = q.bits, pack = 32 / bits;
+  const uint32_t mask = (1u << bits) - 1;
+  auto qweight = Tensor2D(w, prefix + ".qweight", DType::kI32);
+  auto qzeros = Tensor2D(w, prefix + ".qzeros", DType::kI32);
+  auto scales = Tensor2D(w, prefix + ".scales", DType::kF32);
+  if (!qweight.ok()) return qweight.status();
+  if (!qzeros.ok()) return qzeros.status();
+  if (!scales.ok()) return scales.status();
+  const int64_t in = awq ? qweight->dim(0) : qweight->dim(0) * pack;
+  const int64_t out = awq ? qweight->dim(1) * pack : qweight->dim(1);
+  const int64_t groups = scales->dim(0);
+  const int64_t group_size = q.group_size == -1 ? in : q.group_size;
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, ": ", what, " (", q.source, ")"));
+  };
+  if (scales->dim(1) != out)
+    return bad(absl::StrCat("scales has ", scales->dim(1), " columns, qweight ", out));
+  if (qzeros->dim(0) != groups || qzeros->dim(1) * pack < out) {
+    return bad(absl::StrCat("qzeros is ", qzeros->DebugString(), " for ", groups, " groups of ",
+                            out, " outputs"));
+  }
+  if (groups != (in + group_size - 1) / group_size) {
+    return bad(
+        absl::StrCat(groups, " groups of scales for ", in, " inputs in groups of ", group_size));
+  }
+  std::vector<int32_t> g_idx(in);
+  if (!awq && w.Has(prefix + ".g_idx")) {
+    auto g = w.View(prefix + ".g_idx");
+    if (!g.ok()) return g.status();
+    if (g->dtype() != DType::kI32 || g->numel() != in) {
+      return bad(absl::StrCat("g_idx must be int32 [", in, "], got ", g->DebugString()));
+    }
+    for (int64_t k = 0; k < in; ++k) {
+      g_idx[k] = I32At(*g, k);
+      if (g_idx[k] < 0 || g_idx[k] >= groups) {
+        return bad(absl::StrCat("g_idx[", k, "] = ", g_idx[k], " is not a group of ", groups));
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < in; ++k) g_idx[k] = static_cast<int32_t>(k / group_size);
+  }
+  const Range c = cols.value_or(Range{0, in});
+  if (c.begin < 0 || c.begin > c.end || c.end > in) {
+    return bad(absl::StrCat("columns [", c.begin, ", ", c.end, ") of ", in, " do not exist"));
+  }
+  std::vector<int64_t> picked;
+  for (const Range& r : rows.empty() ? std::vector<Range>{{0, out}} : rows) {
+    if (r.begin < 0 || r.begin > r.end || r.end > out) {
+      return bad(absl::StrCat("rows [", r.begin, ", ", r.end, ") of ", out, " do not exist"));
+    }
+    for (int64_t n = r.begin; n < r.end; ++n) picked.push_back(n);
+  }
+  // AWQ packs eight outputs per int32 in the order 0 2 4 6 1 3 5 7: output 8j + o sits in
+  // nibble kAwqNibble[o].
+  static constexpr int kAwqNibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  auto packed_along_out = [&](const Tensor& t, int64_t row, int64_t n) -> uint32_t {
+    const uint32_t word = static_cast<uint32_t>(I32At(t, row * t.dim(1) + n / pack));
+    const int slot = awq ? kAwqNibble[n % pack] : static_cast<int>(n % pack);
+    return (word >> (bits * slot)) & mask;
+  };
+  const int64_t nsel = static_cast<int64_t>(picked.size()), kc = c.size();
+  std::vector<uint8_t> codes(nsel * kc);
+  std::vector<int32_t> group(g_idx.begin() + c.begin, g_idx.begin() + c.end);
+  std::vector<float> sc(nsel * groups), zs(nsel * groups);
+  for (int64_t i = 0; i < nsel; ++i) {
+    const int64_t n = picked[i];
+    for (int64_t k = c.begin; k < c.end; ++k) {
+      uint32_t code;
+      if (awq) {
+        code = packed_along_out(*qweight, k, n);
+      } else {
+        const uint32_t word = static_cast<uint32_t>(I32At(*qweight, (k / pack) * out + n));
+        code = (word >> (bits * (k % pack))) & mask;
+      }
+      codes[i * kc + (k - c.begin)] = static_cast<uint8_t>(code);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      sc[i * groups + g] = scales->data<float>()[g * out + n];
+      zs[i * groups + g] =
+          static_cast<float>(packed_along_out(*qzeros, g, n) + (q.zero_minus_one ? 1 : 0));
+    }
+  }
+  auto built = std::make_shared<const kernels::QuantizedWeight>(
+      kernels::BuildQuantized(bits, nsel, kc, codes, group, groups, sc, zs));
+  return Tensor::Quantized(std::move(built));
+}
+
+}  // namespace tgis::server

@@ -1,0 +1,59 @@
+// Quantized checkpoints and load-time quantization: which method a model folder uses (its
+// quantization config, or the --quantize flag), and its linear weights read into the stored
+// layout of kernels/quantized.h.
+//
+//  - GPTQ (AutoGPTQ / GPTQModel): per linear `qweight` [in * bits / 32, out] int32 packed
+//    along the input dimension, `qzeros` [groups, out * bits / 32] packed along the output one
+//    (stored as zero - 1 unless checkpoint_format is gptq_v2), `scales` [groups, out], `g_idx`
+//    [in] (each input column's group; act-order permutes it). 4 and 8 bits.
+//  - AWQ (AutoAWQ GEMM): `qweight` [in, out / 8] and `qzeros` [groups, out / 8] packed along
+//    the output dimension in the order 0 2 4 6 1 3 5 7, `scales` [groups, out]. 4 bits.
+//  - bitsandbytes (TGIS's --quantize value): a dense checkpoint quantized at load, int8 per
+//    output row with absmax scales (kernels::QuantizeInt8Rows). Unlike bitsandbytes'
+//    LLM.int8 the activations stay f32 (no int8 activations, so no outlier decomposition is
+//    needed): more exact than LLM.int8, never less.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/tensor.h"
+#include "server/model.h"
+#include "server/model_config.h"
+
+namespace tgis::server {
+
+class WeightStore;
+
+enum class QuantMethod { kNone, kGptq, kAwq, kInt8AtLoad };
+
+struct QuantConfig {
+  QuantMethod method = QuantMethod::kNone;
+  int bits = 0;
+  int64_t group_size = -1;      // -1: one group per output row (per channel)
+  bool zero_minus_one = false;  // GPTQ v1 stores zero - 1
+  std::string source;           // the file the config came from, for errors
+};
+
+// TGIS's --quantize values (gptq, bitsandbytes) and ours (awq).
+const std::vector<std::string>& QuantizeFlagValues();
+
+// The folder's quantization: config.json's `quantization_config` or AutoGPTQ's
+// quantize_config.json, checked against `flag` (--quantize; unset: what the checkpoint says).
+// Unknown methods, keys and values are errors naming the file and the key.
+absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const ModelConfig& c,
+                                            const std::optional<std::string>& flag);
+
+// The quantized linear `prefix` (its qweight, qzeros, scales, g_idx), rows `rows` of its
+// output dimension (concatenated in order; none: all) and columns `cols` of its input
+// dimension (unset: all), as a
+// quantized Tensor. Errors name the tensor.
+absl::StatusOr<kernels::Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConfig& q,
+                                                    const std::string& prefix,
+                                                    const std::vector<Range>& rows,
+                                                    std::optional<Range> cols);
+
+}  // namespace tgis::server
