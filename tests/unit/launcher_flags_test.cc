@@ -233,7 +233,7 @@ TEST(LauncherFlagsTest, TgisChecks) {
   ASSERT_TRUE(int8.ok()) << int8.status();
   EXPECT_EQ(int8->quantize, "bitsandbytes");
   EXPECT_EQ(int8->dtype, "");
-  auto gptq = CheckLauncherFlags(Parse({}), Env({{"QUANTIZE", "gptq"}}));
+  auto gptq = CheckLauncherFlags(Parse({"--quantize", "gptq"}), Env({}));
   ASSERT_TRUE(gptq.ok()) << gptq.status();
   EXPECT_EQ(gptq->quantize, "gptq");
   auto unset = CheckLauncherFlags(Parse({}), Env({}));
