@@ -33,7 +33,7 @@ def rendezvous_dir(port: int) -> Path:
 
 
 class Launcher:
-    def __init__(self, tmp: Path, model: str, num_shard: int):
+    def __init__(self, tmp: Path, model: str, num_shard: int, extra_env: dict | None = None):
         self.grpc_port = free_port()
         self.master_port = free_port()
         self.termination_log = tmp / "termination-log"
@@ -41,7 +41,7 @@ class Launcher:
                "GRPC_PORT": str(self.grpc_port), "PORT": str(free_port()),
                "MASTER_PORT": str(self.master_port), "SHARD_UDS_PATH": str(tmp / "shard"),
                "TERMINATION_LOG": str(self.termination_log), "KV_CACHE_BLOCKS": "64",
-               "KV_CACHE_BLOCK_SIZE": "4", "SHUTDOWN_GRACE_PERIOD": "5"}
+               "KV_CACHE_BLOCK_SIZE": "4", "SHUTDOWN_GRACE_PERIOD": "5", **(extra_env or {})}
         self.proc = Process([binary("launcher/text-generation-launcher")], env=env)
 
     def wait_serving(self, timeout=60):
@@ -59,9 +59,13 @@ def test_two_shards_match_the_goldens(model, tmp_path):
     from tokenizers import Tokenizer
 
     model_dir = FIXTURES / "models" / model
-    prompts = json.loads((model_dir / "golden.json").read_text())["prompts"]
+    golden = json.loads((model_dir / "golden.json").read_text())
+    prompts = golden["prompts"]
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    launcher = Launcher(tmp_path, model, num_shard=2)
+    # A dense checkpoint whose goldens are of it quantized at load: QUANTIZE through the
+    # launcher to both shards.
+    quantize = {"QUANTIZE": golden["quantize"]} if "quantize" in golden else {}
+    launcher = Launcher(tmp_path, model, num_shard=2, extra_env=quantize)
     try:
         pb, stub = launcher.wait_serving()
         steps = len(prompts[0]["generated_ids"])
