@@ -8,12 +8,11 @@
 #include "absl/strings/str_cat.h"
 
 namespace tgis::server {
-namespace {
 
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
 
-absl::StatusOr<Json> ReadJson(const fs::path& p, bool required) {
+absl::StatusOr<Json> ReadJsonObject(const fs::path& p, bool required) {
   std::error_code ec;
   if (!fs::exists(p, ec)) {
     if (required) return absl::NotFoundError(absl::StrCat(p.string(), ": not found"));
@@ -32,6 +31,8 @@ absl::StatusOr<Json> ReadJson(const fs::path& p, bool required) {
     return absl::InvalidArgumentError(absl::StrCat(p.string(), ": invalid JSON: ", e.what()));
   }
 }
+
+namespace {
 
 // eos_token_id may be a number or a list of numbers.
 absl::StatusOr<std::vector<int32_t>> EosIds(const Json& j, const std::string& file) {
@@ -102,9 +103,9 @@ template absl::StatusOr<std::string> ModelConfig::Get(const char*,
 absl::StatusOr<ModelConfig> ModelConfig::Load(const std::string& model_dir) {
   const fs::path dir(model_dir);
   const std::string config_file = (dir / "config.json").string();
-  auto raw = ReadJson(dir / "config.json", /*required=*/true);
+  auto raw = ReadJsonObject(dir / "config.json", /*required=*/true);
   if (!raw.ok()) return raw.status();
-  auto gen = ReadJson(dir / "generation_config.json", /*required=*/false);
+  auto gen = ReadJsonObject(dir / "generation_config.json", /*required=*/false);
   if (!gen.ok()) return gen.status();
   ModelConfig c;
   c.raw = std::move(*raw);

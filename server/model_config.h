@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -11,6 +12,10 @@
 #include "absl/status/statusor.h"
 
 namespace tgis::server {
+
+// A JSON file that must hold an object; a missing one is an error when `required`, else an
+// empty Json. Errors name the file (and the parse position).
+absl::StatusOr<nlohmann::json> ReadJsonObject(const std::filesystem::path& p, bool required);
 
 struct ModelConfig {
   std::string model_type;

@@ -2,10 +2,8 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <memory>
 #include <set>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -50,18 +48,6 @@ const std::set<std::string> kAwqIgnoredKeys = {
     "exllama_config",  // AutoAWQ's runtime choices
 };
 
-absl::StatusOr<Json> ReadJsonFile(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(p.string(), ": cannot open"));
-  std::stringstream buf;
-  buf << in.rdbuf();
-  Json j = Json::parse(buf.str(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(p.string(), ": not a JSON object"));
-  }
-  return j;
-}
-
 absl::StatusOr<int64_t> IntKey(const Json& j, const std::string& where, const char* key,
                                std::optional<int64_t> default_value) {
   auto it = j.find(key);
@@ -76,6 +62,17 @@ absl::StatusOr<int64_t> IntKey(const Json& j, const std::string& where, const ch
   return it->get<int64_t>();
 }
 
+absl::StatusOr<std::string> StringKey(const Json& j, const std::string& where, const char* key,
+                                      const std::string& default_value) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return default_value;
+  if (!it->is_string()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": ", key, " = ", it->dump(), ": expected a string"));
+  }
+  return it->get<std::string>();
+}
+
 absl::StatusOr<bool> BoolKey(const Json& j, const std::string& where, const char* key,
                              bool default_value) {
   auto it = j.find(key);
@@ -85,6 +82,15 @@ absl::StatusOr<bool> BoolKey(const Json& j, const std::string& where, const char
         absl::StrCat(where, ": ", key, " = ", it->dump(), ": expected true or false"));
   }
   return it->get<bool>();
+}
+
+// A boolean key that must not be true: `what` says why.
+absl::Status RejectIfTrue(const Json& j, const std::string& where, const char* key,
+                          const std::string& what) {
+  auto b = BoolKey(j, where, key, false);
+  if (!b.ok()) return b.status();
+  if (*b) return absl::UnimplementedError(absl::StrCat(where, ": ", key, ": ", what));
+  return absl::OkStatus();
 }
 
 absl::Status CheckKeys(const Json& j, const std::string& where, const std::set<std::string>& read,
@@ -120,28 +126,21 @@ absl::StatusOr<QuantConfig> ParseGptq(const Json& j, const std::string& where) {
   for (const char* key : {"desc_act", "sym"}) {
     if (auto b = BoolKey(j, where, key, false); !b.ok()) return b.status();
   }
-  std::string format = "gptq";
-  if (auto it = j.find("checkpoint_format"); it != j.end() && !it->is_null()) {
-    if (!it->is_string())
-      return absl::InvalidArgumentError(absl::StrCat(where, ": checkpoint_format"));
-    format = it->get<std::string>();
+  auto format = StringKey(j, where, "checkpoint_format", "gptq");
+  if (!format.ok()) return format.status();
+  if (*format != "gptq" && *format != "gptq_v2") {
+    return absl::UnimplementedError(absl::StrCat(where, ": checkpoint_format '", *format,
+                                                 "' (gptq and gptq_v2 are supported)"));
   }
-  if (format != "gptq" && format != "gptq_v2") {
-    return absl::UnimplementedError(
-        absl::StrCat(where, ": checkpoint_format '", format, "' (gptq and gptq_v2 are supported)"));
+  q.zero_minus_one = *format == "gptq";
+  if (auto st = RejectIfTrue(j, where, "is_marlin_format",
+                             "Marlin-repacked GPTQ checkpoints are not supported");
+      !st.ok()) {
+    return st;
   }
-  q.zero_minus_one = format == "gptq";
-  if (auto m = BoolKey(j, where, "is_marlin_format", false); !m.ok() || *m) {
-    return m.ok()
-               ? absl::UnimplementedError(absl::StrCat(where,
-                                                       ": is_marlin_format: Marlin-repacked GPTQ "
-                                                       "checkpoints are not supported"))
-               : m.status();
-  }
-  if (auto lm = BoolKey(j, where, "lm_head", false); !lm.ok() || *lm) {
-    return lm.ok() ? absl::UnimplementedError(
-                         absl::StrCat(where, ": lm_head: a quantized lm_head is not supported"))
-                   : lm.status();
+  if (auto st = RejectIfTrue(j, where, "lm_head", "a quantized lm_head is not supported");
+      !st.ok()) {
+    return st;
   }
   if (auto st = CheckKeys(j, where,
                           {"bits", "group_size", "desc_act", "sym", "checkpoint_format",
@@ -175,15 +174,12 @@ absl::StatusOr<QuantConfig> ParseAwq(const Json& j, const std::string& where) {
   if (!*zero) {
     return absl::UnimplementedError(absl::StrCat(where, ": zero_point = false is not supported"));
   }
-  std::string version = "gemm";
-  if (auto it = j.find("version"); it != j.end() && !it->is_null()) {
-    if (!it->is_string()) return absl::InvalidArgumentError(absl::StrCat(where, ": version"));
-    version = it->get<std::string>();
-    std::transform(version.begin(), version.end(), version.begin(), ::tolower);
-  }
-  if (version != "gemm") {
-    return absl::UnimplementedError(
-        absl::StrCat(where, ": version '", version, "': only AutoAWQ's GEMM packing is supported"));
+  auto version = StringKey(j, where, "version", "gemm");
+  if (!version.ok()) return version.status();
+  std::transform(version->begin(), version->end(), version->begin(), ::tolower);
+  if (*version != "gemm") {
+    return absl::UnimplementedError(absl::StrCat(where, ": version '", *version,
+                                                 "': only AutoAWQ's GEMM packing is supported"));
   }
   if (auto st = CheckKeys(j, where,
                           {"bits", "w_bit", "group_size", "q_group_size", "zero_point", "version"},
@@ -194,7 +190,7 @@ absl::StatusOr<QuantConfig> ParseAwq(const Json& j, const std::string& where) {
   return q;
 }
 
-// Reads `count` elements of the rank's slice: i32 tensor `t` at flat index i.
+// Element i (flat) of an int32 tensor.
 int32_t I32At(const Tensor& t, int64_t i) { return t.data<int32_t>()[i]; }
 
 absl::StatusOr<Tensor> Tensor2D(const WeightStore& w, const std::string& name, DType want) {
@@ -244,7 +240,7 @@ absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const 
     if (!q.ok()) return q.status();
     found = *q;
   } else if (std::error_code ec; fs::exists(gptq_file, ec)) {
-    auto j = ReadJsonFile(gptq_file);
+    auto j = ReadJsonObject(gptq_file, /*required=*/true);
     if (!j.ok()) return j.status();
     const std::string method = j->value("quant_method", std::string("gptq"));
     auto q = method == "awq" ? ParseAwq(*j, gptq_file.string()) : ParseGptq(*j, gptq_file.string());

@@ -406,8 +406,8 @@ TEST(QuantizedWeight, Int8RowsRoundToTheNearestStepOfTheRowAbsmax) {
 }
 
 TEST(QuantizedWeight, ConcatenatedRowsDequantizeToTheStackedWeights) {
-  DenseQuant a = RandomQuant(4, 5, 96, 32, true, 1), b = RandomQuant(4, 3, 96, 32, true, 1);
-  b = RandomQuant(4, 3, 96, 32, true, 2);
+  const DenseQuant a = RandomQuant(4, 5, 96, 32, true, 1);
+  DenseQuant b = RandomQuant(4, 3, 96, 32, true, 2);
   b.group = a.group;  // parts of one fused projection share g_idx
   const QuantizedWeight qa = a.Build(), qb = b.Build();
   ASSERT_TRUE(QuantizedCompatible(qa, qb));
