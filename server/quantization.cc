@@ -207,6 +207,16 @@ absl::StatusOr<Tensor> Tensor2D(const WeightStore& w, const std::string& name, D
   return w.Get(name, want);
 }
 
+// A config by its quant_method (AutoGPTQ's quantize_config.json may leave it out: gptq).
+absl::StatusOr<QuantConfig> ParseQuantization(const Json& j, const std::string& where) {
+  auto method = StringKey(j, where, "quant_method", "gptq");
+  if (!method.ok()) return method.status();
+  if (*method == "gptq") return ParseGptq(j, where);
+  if (*method == "awq") return ParseAwq(j, where);
+  return absl::UnimplementedError(
+      absl::StrCat(where, ": quant_method '", *method, "' is not supported (gptq and awq are)"));
+}
+
 }  // namespace
 
 const std::vector<std::string>& QuantizeFlagValues() {
@@ -227,23 +237,13 @@ absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const 
   if (auto it = c.raw.find("quantization_config"); it != c.raw.end() && !it->is_null()) {
     const std::string where = config_file + ": quantization_config";
     if (!it->is_object()) return absl::InvalidArgumentError(where + ": expected an object");
-    const std::string method = it->value("quant_method", std::string("gptq"));
-    absl::StatusOr<QuantConfig> q;
-    if (method == "gptq") {
-      q = ParseGptq(*it, where);
-    } else if (method == "awq") {
-      q = ParseAwq(*it, where);
-    } else {
-      return absl::UnimplementedError(
-          absl::StrCat(where, ": quant_method '", method, "' is not supported (gptq and awq are)"));
-    }
+    auto q = ParseQuantization(*it, where);
     if (!q.ok()) return q.status();
     found = *q;
   } else if (std::error_code ec; fs::exists(gptq_file, ec)) {
     auto j = ReadJsonObject(gptq_file, /*required=*/true);
     if (!j.ok()) return j.status();
-    const std::string method = j->value("quant_method", std::string("gptq"));
-    auto q = method == "awq" ? ParseAwq(*j, gptq_file.string()) : ParseGptq(*j, gptq_file.string());
+    auto q = ParseQuantization(*j, gptq_file.string());
     if (!q.ok()) return q.status();
     found = *q;
   }

@@ -160,6 +160,11 @@ TEST_F(LoaderTest, QuantizationConfigsAreCheckedAgainstTheFlag) {
   expect_error(std::nullopt, "key 'act_scale' is not understood");
   EditConfig([&](Json& c) { c["quantization_config"] = {{"quant_method", "fp8"}}; });
   expect_error(std::nullopt, "quant_method 'fp8' is not supported");
+  EditConfig([&](Json& c) { c["quantization_config"] = {{"quant_method", 8}}; });
+  expect_error(std::nullopt, "quant_method = 8: expected a string");
+  EditConfig([&](Json& c) { c.erase("quantization_config"); });
+  std::ofstream(dir_ / "quantize_config.json") << R"({"quant_method": "fp8", "bits": 8})";
+  expect_error(std::nullopt, "quantize_config.json: quant_method 'fp8' is not supported");
 }
 
 TEST_F(LoaderTest, AnUnservableConfigNamesTheKeyAndValue) {
