@@ -4,6 +4,7 @@ stubs for the repository's .proto files, and a process that is always cleaned up
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -25,11 +26,35 @@ def binary(relative: str) -> Path:
     return build_dir() / relative
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_HANDED_OUT: set[int] = set()
+_PORTS = random.Random()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on every address right now, below the kernel's ephemeral range and
+    never handed out before in this process. A port from bind(0) would come from the
+    ephemeral range, where every outgoing connection (gRPC clients, Gloo) also takes its
+    local port, so a server started a moment later could find it taken."""
+    low = _ephemeral_low()
+    for _ in range(1000):
+        port = _PORTS.randrange(10000, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 def children_of(pid: int) -> list[int]:
