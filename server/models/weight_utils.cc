@@ -299,6 +299,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> FinishDecoder(const ShardedLoader& loa
     if (!head.ok()) return head.status();
     dw.lm_head = *head;
   }
+  auto head = loader.LmHead(dw.lm_head);  // a copy when int8 and tied: the embedding stays
+  if (!head.ok()) return head.status();
+  dw.lm_head = *std::move(head);
   if (auto st = ValidateWeights(spec, loader.layout(), dw); !st.ok()) return st;
   return std::make_unique<CausalLM>(std::move(spec), std::move(dw), std::move(comm));
 }

@@ -71,6 +71,11 @@ class ShardedLoader {
                                                bool conv1d = false) const;
   // Vocab-parallel: this rank's rows of an embedding or lm_head [V, H].
   absl::StatusOr<kernels::Tensor> VocabRows(const std::string& name) const;
+  // The lm_head as the quantization method serves it: int8 at load under bitsandbytes (TGIS
+  // quantizes the head then, never the embedding; under gptq it stays dense), else as is.
+  absl::StatusOr<kernels::Tensor> LmHead(const kernels::Tensor& rows) const {
+    return MaybeInt8(rows);
+  }
   // This rank's q|k|v rows (weight or bias) of a fused projection: its q heads and its KV heads
   // (a KV head shared by several ranks is loaded by each of them).
   absl::StatusOr<kernels::Tensor> FusedQkv(const std::string& name, QkvLayout layout,
