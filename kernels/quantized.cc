@@ -92,8 +92,8 @@ bool QuantizedCompatible(const QuantizedWeight& a, const QuantizedWeight& b) {
     return !x.defined() ||
            (x.numel() == y.numel() && std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0);
   };
-  return a.bits == b.bits && a.in == b.in && a.stored_in == b.stored_in && a.runs() == b.runs() &&
-         same(a.gather, b.gather) && same(a.block_run, b.block_run);
+  return a.bits == b.bits && a.fp8 == b.fp8 && a.in == b.in && a.stored_in == b.stored_in &&
+         a.runs() == b.runs() && same(a.gather, b.gather) && same(a.block_run, b.block_run);
 }
 
 QuantizedWeight ConcatQuantizedRows(const std::vector<const QuantizedWeight*>& parts) {
@@ -133,7 +133,8 @@ Tensor Dequantize(const QuantizedWeight& q) {
       const int64_t col = q.gather.defined() ? q.gather.data<int32_t>()[j] : j;
       if (col < 0) continue;
       const int64_t r = q.block_run.data<int32_t>()[j / kBlock];
-      const float code = static_cast<float>(CodeAt(q, row, j));
+      const float code =
+          q.fp8 ? Fp8E4M3ToF32(CodeAt(q, row, j)) : static_cast<float>(CodeAt(q, row, j));
       w.data<float>()[n * q.in + col] =
           (code - q.zeros.data<float>()[n * runs + r]) * q.scales.data<float>()[n * runs + r];
     }
@@ -165,6 +166,17 @@ QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_
     }
   }
   return BuildQuantized(8, out, in, codes, std::vector<int32_t>(in, 0), 1, scales, zeros);
+}
+
+QuantizedWeight BuildFp8Rows(int64_t out, int64_t in, const std::vector<uint8_t>& codes,
+                             const std::vector<float>& row_scales) {
+  TGIS_CHECK(static_cast<int64_t>(row_scales.size()) == out,
+             "BuildFp8Rows: %lld scales for %lld rows", static_cast<long long>(row_scales.size()),
+             static_cast<long long>(out));
+  QuantizedWeight q = BuildQuantized(8, out, in, codes, std::vector<int32_t>(in, 0), 1, row_scales,
+                                     std::vector<float>(out, 0.f));
+  q.fp8 = true;
+  return q;
 }
 
 QuantizedWeight QuantizedToDevice(const QuantizedWeight& q, Device device) {

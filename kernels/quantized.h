@@ -22,7 +22,10 @@
 namespace tgis::kernels {
 
 struct QuantizedWeight {
-  int bits = 8;           // 4 or 8: codes are in [0, 2^bits)
+  int bits = 8;  // 4 or 8: codes are in [0, 2^bits)
+  // Codes are float8 e4m3fn bytes (fp8 checkpoints; bits 8, zeros 0):
+  // w = Fp8E4M3ToF32(code) * scale.
+  bool fp8 = false;
   int64_t out = 0;        // the dense weight's rows
   int64_t in = 0;         // the dense weight's columns (x's features)
   int64_t stored_in = 0;  // stored columns: runs padded to multiples of 8
@@ -57,6 +60,10 @@ Tensor Dequantize(const QuantizedWeight& q);
 // `row_absmax` (one per row), when given, is of the whole row that `w` is columns of, so that a
 // tensor-parallel slice is quantized as the whole row is.
 QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_absmax = nullptr);
+
+// An fp8 weight: `codes` [out * in] float8 e4m3fn bytes (no NaN), one scale per row.
+QuantizedWeight BuildFp8Rows(int64_t out, int64_t in, const std::vector<uint8_t>& codes,
+                             const std::vector<float>& row_scales);
 
 // The same weight on `device` (every component copied).
 QuantizedWeight QuantizedToDevice(const QuantizedWeight& q, Device device);

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 #include "kernels/check.h"
@@ -23,6 +24,7 @@ size_t DTypeSize(DType t) {
     case DType::kI64:
       return 8;
     case DType::kI8:
+    case DType::kF8E4M3:
       return 1;
   }
   TGIS_FATAL("unknown dtype %d", static_cast<int>(t));
@@ -42,6 +44,8 @@ const char* DTypeName(DType t) {
       return "i64";
     case DType::kI8:
       return "i8";
+    case DType::kF8E4M3:
+      return "f8e4m3";
   }
   return "?";
 }
@@ -74,6 +78,15 @@ uint16_t F32ToBf16(float v) {
   // Round to nearest even; a carry into the exponent correctly rounds up to the next binade / inf.
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
+}
+
+float Fp8E4M3ToF32(uint8_t v) {
+  if ((v & 0x7F) == 0x7F) return std::numeric_limits<float>::quiet_NaN();
+  const uint32_t bits =
+      (static_cast<uint32_t>(v & 0x7F) << 20) | (static_cast<uint32_t>(v & 0x80) << 24);
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f * 0x1p120f;
 }
 
 float F16ToF32(uint16_t v) {
@@ -175,6 +188,8 @@ double LoadAsDouble(const void* p, DType t, int64_t i) {
       return static_cast<double>(static_cast<const int64_t*>(p)[i]);
     case DType::kI8:
       return static_cast<const int8_t*>(p)[i];
+    case DType::kF8E4M3:
+      return Fp8E4M3ToF32(static_cast<const uint8_t*>(p)[i]);
   }
   return 0;
 }
@@ -321,6 +336,8 @@ Tensor Tensor::To(DType dtype) const {
       case DType::kI8:
         out.data<int8_t>()[i] = static_cast<int8_t>(v);
         break;
+      case DType::kF8E4M3:
+        TGIS_FATAL("To(f8e4m3): nothing converts to float8 (checkpoints are read, not written)");
     }
   }
   return out;

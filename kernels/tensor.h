@@ -13,7 +13,9 @@
 namespace tgis::kernels {
 
 enum class Device { kCpu, kCuda };
-enum class DType { kF32, kBF16, kF16, kI32, kI64, kI8 };
+// kF8E4M3: float8 e4m3fn bytes as fp8 checkpoints store them; only read (converted to f32
+// exactly) and held by quantized weights, never computed in.
+enum class DType { kF32, kBF16, kF16, kI32, kI64, kI8, kF8E4M3 };
 
 size_t DTypeSize(DType t);
 const char* DTypeName(DType t);
@@ -84,6 +86,10 @@ float Bf16ToF32(uint16_t v);
 uint16_t F32ToBf16(float v);  // round to nearest even
 float F16ToF32(uint16_t v);
 uint16_t F32ToF16(float v);
+// float8 e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits, no infinities; 0x7F and
+// 0xFF are NaN) to f32, exactly. Its magnitude bits placed at f32's exponent and mantissa
+// top and scaled by 2^120 give normals and subnormals alike; the kernels do the same.
+float Fp8E4M3ToF32(uint8_t v);
 
 template <typename T>
 Tensor Tensor::FromVector(const std::vector<T>& v, const Shape& shape) {

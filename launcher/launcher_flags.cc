@@ -644,7 +644,7 @@ absl::StatusOr<LaunchSettings> CheckLauncherFlags(const LauncherFlags& flags,
 
   // TGIS's values (gptq, bitsandbytes) and ours; the shard checks them against the checkpoint
   // (server/quantization.h).
-  static const std::vector<std::string> kQuantize = {"gptq", "bitsandbytes", "awq"};
+  static const std::vector<std::string> kQuantize = {"gptq", "bitsandbytes", "awq", "fp8"};
   if (flags.quantize) {
     if (std::find(kQuantize.begin(), kQuantize.end(), *flags.quantize) == kQuantize.end()) {
       return absl::InvalidArgumentError(absl::StrCat(

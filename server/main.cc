@@ -63,10 +63,11 @@ DEFINE_bool(prefix_caching, true,
             "Keep the keys and values of full KV cache blocks after a request ends and share them "
             "with later prompts that start with the same tokens, which then compute only the "
             "rest; outputs are unchanged (env PREFIX_CACHING)");
-DEFINE_string(quantize, "",
-              "Quantization: gptq or awq (the checkpoint's own; detected without the flag), or "
-              "bitsandbytes (int8 weights quantized at load, per output row); empty: what the "
-              "checkpoint says (env QUANTIZE)");
+DEFINE_string(
+    quantize, "",
+    "Quantization: gptq, awq or fp8 (the checkpoint's own; detected without the flag), or "
+    "bitsandbytes (int8 weights quantized at load, per output row); empty: what the "
+    "checkpoint says (env QUANTIZE)");
 DEFINE_string(device, "auto",
               "Where the model runs: cpu, cuda (GPU number = rank), or auto: cuda when this "
               "build has CUDA and a GPU is present (env TGIS_DEVICE)");

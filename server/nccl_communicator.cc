@@ -52,6 +52,7 @@ ncclDataType_t NcclType(DType t) {
     case DType::kI64:
       return ncclInt64;
     case DType::kI8:
+    case DType::kF8E4M3:
       return ncclInt8;
   }
   return ncclFloat32;

@@ -1,6 +1,7 @@
 #include "server/quantization.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <memory>
 #include <set>
@@ -46,6 +47,28 @@ const std::set<std::string> kAwqIgnoredKeys = {
     "do_fuse",
     "fuse_max_seq_len",
     "exllama_config",  // AutoAWQ's runtime choices
+};
+
+// compressed-tensors (llm-compressor): top-level keys read nowhere, and why.
+const std::set<std::string> kCompressedTensorsIgnoredKeys = {
+    "quant_method",              // read: "compressed-tensors"
+    "ignore",                    // modules left dense: read as dense by their tensors
+    "global_compression_ratio",  // bookkeeping
+    "version",                   // of the library that wrote it
+    "quantization_status",       // "compressed" or "frozen": the tensors' dtypes say which
+    "provider",
+};
+// Keys of a compressed-tensors quantization args object (weights, input_activations) that
+// only steer calibration; the ones that change the stored tensors are read.
+const std::set<std::string> kQuantArgsIgnoredKeys = {
+    "observer",    "observer_kwargs",  // calibration
+    "actorder",                        // read: must be null or false (group strategies only)
+    "scale_dtype", "zp_dtype",         // the tensors' own dtypes say it
+};
+const std::set<std::string> kFbgemmIgnoredKeys = {
+    "quant_method",         // read: "fbgemm_fp8"
+    "activation_scale_ub",  // bound on dynamic fp8 activation scales: activations stay unquantized
+    "modules_to_not_convert",  // dense modules: read as dense by their tensors
 };
 
 absl::StatusOr<int64_t> IntKey(const Json& j, const std::string& where, const char* key,
@@ -190,6 +213,127 @@ absl::StatusOr<QuantConfig> ParseAwq(const Json& j, const std::string& where) {
   return q;
 }
 
+// A compressed-tensors quantization args object: fp8 weights per tensor or per channel
+// (`weights`), or the activations' (`activations`: any float8 scheme, unused here).
+absl::Status CheckFp8Args(const Json& j, const std::string& where, bool weights) {
+  if (!j.is_object()) return absl::InvalidArgumentError(where + ": expected an object");
+  auto bits = IntKey(j, where, "num_bits", std::nullopt);
+  if (!bits.ok()) return bits.status();
+  auto type = StringKey(j, where, "type", "int");
+  if (!type.ok()) return type.status();
+  if (*bits != 8 || *type != "float") {
+    return absl::UnimplementedError(absl::StrCat(where, ": num_bits ", *bits, ", type '", *type,
+                                                 "': only float8 (num_bits 8, type float) "
+                                                 "compressed-tensors checkpoints are supported"));
+  }
+  auto strategy = StringKey(j, where, "strategy", "tensor");
+  if (!strategy.ok()) return strategy.status();
+  if (weights && *strategy != "tensor" && *strategy != "channel") {
+    return absl::UnimplementedError(
+        absl::StrCat(where, ": strategy '", *strategy,
+                     "': fp8 weights per tensor or per channel are supported"));
+  }
+  auto symmetric = BoolKey(j, where, "symmetric", true);
+  if (!symmetric.ok()) return symmetric.status();
+  if (!*symmetric) {
+    return absl::UnimplementedError(absl::StrCat(where, ": symmetric = false is not supported"));
+  }
+  if (weights) {
+    if (auto st = RejectIfTrue(j, where, "dynamic", "dynamically quantized weights are not stored");
+        !st.ok()) {
+      return st;
+    }
+    for (const char* key : {"group_size", "block_structure"}) {
+      if (j.contains(key) && !j[key].is_null()) {
+        return absl::UnimplementedError(
+            absl::StrCat(where, ": ", key, " = ", j[key].dump(), ": fp8 blocks are not supported"));
+      }
+    }
+  } else if (auto dynamic = BoolKey(j, where, "dynamic", false); !dynamic.ok()) {
+    return dynamic.status();
+  }
+  if (j.contains("actorder") && !j["actorder"].is_null() && j["actorder"] != false) {
+    return absl::UnimplementedError(absl::StrCat(where, ": actorder = ", j["actorder"].dump()));
+  }
+  return CheckKeys(
+      j, where,
+      {"num_bits", "type", "strategy", "symmetric", "dynamic", "group_size", "block_structure"},
+      kQuantArgsIgnoredKeys);
+}
+
+absl::StatusOr<QuantConfig> ParseCompressedTensors(const Json& j, const std::string& where) {
+  QuantConfig q;
+  q.method = QuantMethod::kFp8;
+  q.bits = 8;
+  q.source = where;
+  auto format = StringKey(j, where, "format", "");
+  if (!format.ok()) return format.status();
+  auto check_format = [&](const std::string& f, const std::string& at) -> absl::Status {
+    if (f != "float-quantized" && f != "naive-quantized") {
+      return absl::UnimplementedError(absl::StrCat(
+          at, ": format '", f, "': only float8 (float-quantized) checkpoints are supported"));
+    }
+    return absl::OkStatus();
+  };
+  if (auto st = check_format(*format, where); !st.ok()) return st;
+  auto groups = j.find("config_groups");
+  if (groups == j.end() || !groups->is_object() || groups->empty()) {
+    return absl::InvalidArgumentError(where + ": config_groups: expected a non-empty object");
+  }
+  for (const auto& [name, group] : groups->items()) {
+    const std::string at = absl::StrCat(where, ": config_groups: ", name);
+    if (!group.is_object()) return absl::InvalidArgumentError(at + ": expected an object");
+    if (auto it = group.find("weights"); it == group.end() || it->is_null()) {
+      return absl::InvalidArgumentError(at + ": weights: missing");
+    } else if (auto st = CheckFp8Args(*it, at + ": weights", true); !st.ok()) {
+      return st;
+    }
+    if (auto it = group.find("input_activations"); it != group.end() && !it->is_null()) {
+      if (auto st = CheckFp8Args(*it, at + ": input_activations", false); !st.ok()) return st;
+    }
+    if (auto it = group.find("output_activations"); it != group.end() && !it->is_null()) {
+      return absl::UnimplementedError(at +
+                                      ": output_activations: quantized outputs are not "
+                                      "supported");
+    }
+    if (auto f = StringKey(group, at, "format", *format); !f.ok()) {
+      return f.status();
+    } else if (auto st = check_format(*f, at); !st.ok()) {
+      return st;
+    }
+    // targets: which modules the scheme was applied to; each linear's tensors say it here.
+    if (auto st =
+            CheckKeys(group, at, {"weights", "input_activations", "output_activations", "format"},
+                      {"targets"});
+        !st.ok()) {
+      return st;
+    }
+  }
+  for (const char* key : {"kv_cache_scheme", "transform_config", "sparsity_config"}) {
+    if (auto it = j.find(key); it != j.end() && !it->is_null() && !it->empty()) {
+      return absl::UnimplementedError(
+          absl::StrCat(where, ": ", key, " = ", it->dump(), ": not supported"));
+    }
+  }
+  if (auto st = CheckKeys(
+          j, where,
+          {"format", "config_groups", "kv_cache_scheme", "transform_config", "sparsity_config"},
+          kCompressedTensorsIgnoredKeys);
+      !st.ok()) {
+    return st;
+  }
+  return q;
+}
+
+absl::StatusOr<QuantConfig> ParseFbgemmFp8(const Json& j, const std::string& where) {
+  QuantConfig q;
+  q.method = QuantMethod::kFp8;
+  q.bits = 8;
+  q.source = where;
+  if (auto st = CheckKeys(j, where, {}, kFbgemmIgnoredKeys); !st.ok()) return st;
+  return q;
+}
+
 // Element i (flat) of an int32 tensor.
 int32_t I32At(const Tensor& t, int64_t i) { return t.data<int32_t>()[i]; }
 
@@ -213,14 +357,17 @@ absl::StatusOr<QuantConfig> ParseQuantization(const Json& j, const std::string& 
   if (!method.ok()) return method.status();
   if (*method == "gptq") return ParseGptq(j, where);
   if (*method == "awq") return ParseAwq(j, where);
-  return absl::UnimplementedError(
-      absl::StrCat(where, ": quant_method '", *method, "' is not supported (gptq and awq are)"));
+  if (*method == "compressed-tensors") return ParseCompressedTensors(j, where);
+  if (*method == "fbgemm_fp8") return ParseFbgemmFp8(j, where);
+  return absl::UnimplementedError(absl::StrCat(where, ": quant_method '", *method,
+                                               "' is not supported (gptq, awq, compressed-tensors "
+                                               "fp8 and fbgemm_fp8 are)"));
 }
 
 }  // namespace
 
 const std::vector<std::string>& QuantizeFlagValues() {
-  static const std::vector<std::string> v = {"gptq", "bitsandbytes", "awq"};
+  static const std::vector<std::string> v = {"gptq", "bitsandbytes", "awq", "fp8"};
   return v;
 }
 
@@ -260,7 +407,9 @@ absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const 
     q.source = "--quantize bitsandbytes";
     return q;
   }
-  const QuantMethod want = *flag == "gptq" ? QuantMethod::kGptq : QuantMethod::kAwq;
+  const QuantMethod want = *flag == "gptq"  ? QuantMethod::kGptq
+                           : *flag == "awq" ? QuantMethod::kAwq
+                                            : QuantMethod::kFp8;
   if (found.method != want) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--quantize ", *flag, ": ", model_dir,
@@ -361,6 +510,59 @@ absl::StatusOr<Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConf
   auto built = std::make_shared<const kernels::QuantizedWeight>(
       kernels::BuildQuantized(bits, nsel, kc, codes, group, groups, sc, zs));
   return Tensor::Quantized(std::move(built));
+}
+
+absl::StatusOr<Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,
+                                     const std::string& prefix, const std::vector<Range>& rows,
+                                     std::optional<Range> cols) {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, ": ", what, " (", q.source, ")"));
+  };
+  auto weight = w.View(prefix + ".weight", /*fp8_ok=*/true);
+  if (!weight.ok()) return weight.status();
+  if (weight->rank() != 2 || weight->dtype() != DType::kF8E4M3) {
+    return bad(
+        absl::StrCat("weight must be a 2-D float8 e4m3 tensor, got ", weight->DebugString()));
+  }
+  const int64_t out = weight->dim(0), in = weight->dim(1);
+  auto scale = w.View(prefix + ".weight_scale");
+  if (!scale.ok()) return scale.status();
+  if (scale->numel() != 1 && scale->numel() != out) {
+    return bad(absl::StrCat("weight_scale is ", scale->DebugString(), ": expected one scale or ",
+                            out, " (one per output row)"));
+  }
+  auto scale_f = w.Get(prefix + ".weight_scale", DType::kF32);
+  if (!scale_f.ok()) return scale_f.status();
+  // Static activation scales for fp8 GEMMs (compressed-tensors' input_scale, FBGEMM's
+  // input_scale_ub): activations are not quantized here.
+  for (const char* unused : {".input_scale", ".input_scale_ub"}) {
+    if (w.Has(prefix + unused)) w.MarkRead(prefix + unused);
+  }
+  const Range c = cols.value_or(Range{0, in});
+  if (c.begin < 0 || c.begin > c.end || c.end > in) {
+    return bad(absl::StrCat("columns [", c.begin, ", ", c.end, ") of ", in, " do not exist"));
+  }
+  std::vector<uint8_t> codes;
+  std::vector<float> row_scales;
+  const uint8_t* src = static_cast<const uint8_t*>(weight->raw());
+  for (const Range& r : rows.empty() ? std::vector<Range>{{0, out}} : rows) {
+    if (r.begin < 0 || r.begin > r.end || r.end > out) {
+      return bad(absl::StrCat("rows [", r.begin, ", ", r.end, ") of ", out, " do not exist"));
+    }
+    for (int64_t n = r.begin; n < r.end; ++n) {
+      const float s = scale_f->data<float>()[scale->numel() == 1 ? 0 : n];
+      if (!std::isfinite(s)) return bad(absl::StrCat("weight_scale[", n, "] = ", s));
+      row_scales.push_back(s);
+      for (int64_t k = c.begin; k < c.end; ++k) {
+        const uint8_t v = src[n * in + k];
+        if ((v & 0x7F) == 0x7F) return bad(absl::StrCat("weight[", n, ", ", k, "] is NaN"));
+        codes.push_back(v);
+      }
+    }
+  }
+  const int64_t nsel = static_cast<int64_t>(row_scales.size());
+  return Tensor::Quantized(std::make_shared<const kernels::QuantizedWeight>(
+      kernels::BuildFp8Rows(nsel, c.size(), codes, row_scales)));
 }
 
 }  // namespace tgis::server

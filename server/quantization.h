@@ -8,6 +8,10 @@
 //    [in] (each input column's group; act-order permutes it). 4 and 8 bits.
 //  - AWQ (AutoAWQ GEMM): `qweight` [in, out / 8] and `qzeros` [groups, out / 8] packed along
 //    the output dimension in the order 0 2 4 6 1 3 5 7, `scales` [groups, out]. 4 bits.
+//  - fp8 (llm-compressor's compressed-tensors "float-quantized", FBGEMM's fbgemm_fp8): the
+//    linear's `weight` [out, in] float8 e4m3fn and `weight_scale` (one, or one per output
+//    row), w = fp8 * scale. Weight-only here: activations stay in the compute dtype, so the
+//    static `input_scale` / `input_scale_ub` tensors that fp8 GEMMs use are read and unused.
 //  - bitsandbytes (TGIS's --quantize value): a dense checkpoint quantized at load, int8 per
 //    output row with absmax scales (kernels::QuantizeInt8Rows). Unlike bitsandbytes'
 //    LLM.int8 the activations stay f32 (no int8 activations, so no outlier decomposition is
@@ -28,7 +32,7 @@ namespace tgis::server {
 
 class WeightStore;
 
-enum class QuantMethod { kNone, kGptq, kAwq, kInt8AtLoad };
+enum class QuantMethod { kNone, kGptq, kAwq, kFp8, kInt8AtLoad };
 
 struct QuantConfig {
   QuantMethod method = QuantMethod::kNone;
@@ -38,7 +42,7 @@ struct QuantConfig {
   std::string source;           // the file the config came from, for errors
 };
 
-// TGIS's --quantize values (gptq, bitsandbytes) and ours (awq).
+// TGIS's --quantize values (gptq, bitsandbytes) and ours (awq, fp8).
 const std::vector<std::string>& QuantizeFlagValues();
 
 // The folder's quantization: config.json's `quantization_config` or AutoGPTQ's
@@ -55,5 +59,11 @@ absl::StatusOr<kernels::Tensor> LoadQuantizedLinear(const WeightStore& w, const 
                                                     const std::string& prefix,
                                                     const std::vector<Range>& rows,
                                                     std::optional<Range> cols);
+
+// The fp8 linear `prefix` (its weight and weight_scale), rows and columns as above.
+absl::StatusOr<kernels::Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,
+                                              const std::string& prefix,
+                                              const std::vector<Range>& rows,
+                                              std::optional<Range> cols);
 
 }  // namespace tgis::server

@@ -39,6 +39,7 @@ absl::StatusOr<DType> ParseDType(const std::string& s) {
   if (s == "I32") return DType::kI32;
   if (s == "I64") return DType::kI64;
   if (s == "I8") return DType::kI8;
+  if (s == "F8_E4M3") return DType::kF8E4M3;  // fp8 checkpoints' linear weights only
   return absl::InvalidArgumentError(absl::StrCat("unsupported dtype ", s));
 }
 
@@ -211,19 +212,22 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string
 }
 
 absl::StatusOr<Tensor> WeightStore::Get(const std::string& name, DType dtype) const {
+  auto view = View(name);
+  if (!view.ok() || view->dtype() == dtype) return view;
+  return view->To(dtype);
+}
+
+absl::StatusOr<Tensor> WeightStore::View(const std::string& name, bool fp8_ok) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
     return absl::NotFoundError(absl::StrCat(dir_, ": tensor ", name, " is not in the checkpoint"));
   }
-  MarkRead(name);
-  if (it->second.view.dtype() == dtype) return it->second.view;
-  return it->second.view.To(dtype);
-}
-
-absl::StatusOr<Tensor> WeightStore::View(const std::string& name) const {
-  auto it = tensors_.find(name);
-  if (it == tensors_.end()) {
-    return absl::NotFoundError(absl::StrCat(dir_, ": tensor ", name, " is not in the checkpoint"));
+  if (it->second.view.dtype() == DType::kF8E4M3 && !fp8_ok) {
+    // fp8 values mean nothing without their scales: only the fp8 linear loader reads them.
+    return absl::InvalidArgumentError(absl::StrCat(
+        it->second.file, ": tensor ", name,
+        " is float8 e4m3: expected only as the linear weight of an fp8 checkpoint, with its "
+        "weight_scale and a compressed-tensors or fbgemm_fp8 quantization_config"));
   }
   MarkRead(name);
   return it->second.view;

@@ -30,8 +30,9 @@ class WeightStore {
   bool Has(const std::string& name) const { return tensors_.count(name) > 0; }
   // The tensor converted to `dtype` (a view without copy when the dtype matches).
   absl::StatusOr<kernels::Tensor> Get(const std::string& name, kernels::DType dtype) const;
-  // The tensor as stored: a view of the mapped file (for reading slices of it).
-  absl::StatusOr<kernels::Tensor> View(const std::string& name) const;
+  // The tensor as stored: a view of the mapped file (for reading slices of it). A float8
+  // tensor is an error unless `fp8_ok` (the fp8 linear loader, which has its scales).
+  absl::StatusOr<kernels::Tensor> View(const std::string& name, bool fp8_ok = false) const;
   std::vector<std::string> Names() const;
   const std::string& dir() const { return dir_; }
   // The file that holds `name` ("" when there is no such tensor).

@@ -66,7 +66,7 @@ bool UseAvx2() {
 }
 
 // How a weight row is stored: a float dtype, or quantized codes of 8 or 4 bits.
-enum class WFmt { kF32, kBF16, kF16, kQ8, kQ4 };
+enum class WFmt { kF32, kBF16, kF16, kQ8, kQ4, kF8 };
 
 // One weight row: its values (or codes) and, quantized, its per-run scales and zeros.
 struct WRow {
@@ -87,6 +87,9 @@ inline float LoadScalar(const WRow& row, int64_t i) {
     return f;
   } else if constexpr (W == WFmt::kF16) {
     return F16ToF32(static_cast<const uint16_t*>(row.p)[i]);
+  } else if constexpr (W == WFmt::kF8) {
+    // One run per row (zero 0): the value times the row's scale, as Dequantize computes it.
+    return Fp8E4M3ToF32(static_cast<const uint8_t*>(row.p)[i]) * row.scale[0];
   } else {
     const uint8_t* c = static_cast<const uint8_t*>(row.p);
     const int code = W == WFmt::kQ8 ? c[i] : (c[i / 2] >> (4 * (i % 2))) & 0xF;
@@ -109,7 +112,7 @@ struct SmallArgs {
 
 template <WFmt W>
 WRow RowOf(const SmallArgs& a, int64_t n) {
-  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4 || W == WFmt::kF8) {
     const int64_t runs = a.q->runs();
     return {static_cast<const char*>(a.w) + n * a.q->codes.dim(1),
             a.q->scales.data<float>() + n * runs, a.q->zeros.data<float>() + n * runs,
@@ -123,7 +126,7 @@ WRow RowOf(const SmallArgs& a, int64_t n) {
 // Bytes one weight takes (for work splitting).
 template <WFmt W>
 constexpr double BytesPerWeight() {
-  return W == WFmt::kF32 ? 4 : W == WFmt::kQ8 ? 1 : W == WFmt::kQ4 ? 0.5 : 2;
+  return W == WFmt::kF32 ? 4 : W == WFmt::kQ8 || W == WFmt::kF8 ? 1 : W == WFmt::kQ4 ? 0.5 : 2;
 }
 
 // ---- scalar fallback ---------------------------------------------------------------------
@@ -169,6 +172,17 @@ TGIS_AVX2 inline __m256 Load8(const WRow& row, int64_t i) {
   } else if constexpr (W == WFmt::kF16) {
     return _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row.p) + i)));
+  } else if constexpr (W == WFmt::kF8) {
+    // Magnitude bits to f32's exponent and mantissa top, the sign to its sign, times 2^120
+    // (exact), times the row's scale: Fp8E4M3ToF32(code) * scale, rounded once as there.
+    int64_t eight;
+    std::memcpy(&eight, static_cast<const uint8_t*>(row.p) + i, 8);
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
+    const __m256i bits =
+        _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 20),
+                        _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f)),
+                         _mm256_set1_ps(row.scale[0]));
   } else {
     __m256i codes;
     if constexpr (W == WFmt::kQ8) {
@@ -442,6 +456,7 @@ void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
       xs = to;
     }
     const SmallArgs a{xs, t_count, q->stored_in, q->codes.raw(), q, n, bias_p, out->data<float>()};
+    if (q->fp8) return Dispatch<WFmt::kF8>(a);
     return q->bits == 8 ? Dispatch<WFmt::kQ8>(a) : Dispatch<WFmt::kQ4>(a);
   }
   const SmallArgs a{x.data<float>(), t_count, k, w.raw(), nullptr, n, bias_p, out->data<float>()};

@@ -146,8 +146,15 @@ uint32_t Alignment(std::initializer_list<const void*> ptrs) {
 
 // dense[n, gather(j)] = (code[n, j] - zero[n, run(j)]) * scale[n, run(j)], one thread per stored
 // code (kernels/quantized.h's layout).
+// float8 e4m3fn to f32 as kernels::Fp8E4M3ToF32 (the loader rejects NaN codes).
+__device__ inline float Fp8E4M3ToF32Device(uint8_t v) {
+  const uint32_t bits =
+      (static_cast<uint32_t>(v & 0x7F) << 20) | (static_cast<uint32_t>(v & 0x80) << 24);
+  return __uint_as_float(bits) * 0x1p120f;
+}
+
 template <typename T>
-__global__ void DequantizeKernel(const uint8_t* codes, int64_t code_row, int bits,
+__global__ void DequantizeKernel(const uint8_t* codes, int64_t code_row, int bits, bool fp8,
                                  const float* scales, const float* zeros, int64_t runs,
                                  const int32_t* block_run, const int32_t* gather, int64_t out,
                                  int64_t in, int64_t stored_in, T* dense) {
@@ -159,7 +166,9 @@ __global__ void DequantizeKernel(const uint8_t* codes, int64_t code_row, int bit
   const uint8_t* row = codes + n * code_row;
   const int code = bits == 8 ? row[j] : (row[j / 2] >> (4 * (j % 2))) & 0xF;
   const int64_t r = n * runs + block_run[j / 8];
-  dense[n * in + col] = FromF32<T>((static_cast<float>(code) - zeros[r]) * scales[r]);
+  const float value =
+      fp8 ? Fp8E4M3ToF32Device(static_cast<uint8_t>(code)) : static_cast<float>(code);
+  dense[n * in + col] = FromF32<T>((value - zeros[r]) * scales[r]);
 }
 
 // The dense weight of x's dtype that a quantized one stands for.
@@ -170,12 +179,13 @@ Tensor DequantizeOnDevice(const QuantizedWeight& q, DType dtype) {
   const int64_t total = q.out * q.stored_in;
   if (total == 0) return dense;
   const int threads = 256;
-  TGIS_DISPATCH_FLOAT(dtype, "Linear",
-                      DequantizeKernel<T><<<Blocks(total, threads), threads, 0, Stream()>>>(
-                          q.codes.data<uint8_t>(), q.codes.dim(1), q.bits, q.scales.data<float>(),
-                          q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(),
-                          q.gather.defined() ? q.gather.data<int32_t>() : nullptr, q.out, q.in,
-                          q.stored_in, dense.data<T>()));
+  TGIS_DISPATCH_FLOAT(
+      dtype, "Linear",
+      DequantizeKernel<T><<<Blocks(total, threads), threads, 0, Stream()>>>(
+          q.codes.data<uint8_t>(), q.codes.dim(1), q.bits, q.fp8, q.scales.data<float>(),
+          q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(),
+          q.gather.defined() ? q.gather.data<int32_t>() : nullptr, q.out, q.in, q.stored_in,
+          dense.data<T>()));
   TGIS_CUDA_LAUNCHED();
   return dense;
 }

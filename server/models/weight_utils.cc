@@ -135,13 +135,22 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
                                                                const std::vector<Range>& rows,
                                                                std::optional<Range> cols) const {
   const QuantConfig& q = w_.quantization();
-  if (q.method != QuantMethod::kGptq && q.method != QuantMethod::kAwq) return std::nullopt;
+  if (q.method != QuantMethod::kGptq && q.method != QuantMethod::kAwq &&
+      q.method != QuantMethod::kFp8) {
+    return std::nullopt;
+  }
   constexpr std::string_view kSuffix = ".weight";
   if (name.size() <= kSuffix.size() ||
       name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0) {
     return std::nullopt;
   }
   const std::string prefix = name.substr(0, name.size() - kSuffix.size());
+  if (q.method == QuantMethod::kFp8) {
+    // A linear left dense (the config's ignore list) has no scale; an fp8 weight without one
+    // is refused by WeightStore::Get.
+    if (!w_.Has(prefix + ".weight_scale")) return std::nullopt;
+    return LoadFp8Linear(w_, q, prefix, rows, cols);
+  }
   if (w_.Has(name) || !w_.Has(prefix + ".qweight")) return std::nullopt;  // a dense linear
   return LoadQuantizedLinear(w_, q, prefix, rows, cols);
 }

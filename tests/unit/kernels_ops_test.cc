@@ -376,6 +376,65 @@ TEST_P(OpsTest, QuantizedLinearEqualsLinearOnTheDequantizedWeight) {
   }
 }
 
+// float8 e4m3fn by its definition: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits,
+// subnormals at exponent 0, NaN at S.1111.111 and no infinities.
+float Fp8ByDefinition(uint8_t v) {
+  const int e = (v >> 3) & 15, m = v & 7;
+  if ((v & 0x7F) == 0x7F) return std::numeric_limits<float>::quiet_NaN();
+  const float mag = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1 + m / 8.0f, e - 7);
+  return (v & 0x80) ? -mag : mag;
+}
+
+TEST(QuantizedWeight, Fp8E4M3DecodesEveryCodeByItsDefinition) {
+  for (int v = 0; v < 256; ++v) {
+    const float want = Fp8ByDefinition(static_cast<uint8_t>(v)), got = Fp8E4M3ToF32(v);
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << v;
+    } else {
+      EXPECT_EQ(want, got) << v;  // exact, signed zero included
+      EXPECT_EQ(std::signbit(want), std::signbit(got)) << v;
+    }
+  }
+  EXPECT_EQ(448.f, Fp8E4M3ToF32(0x7E));
+  EXPECT_EQ(std::ldexp(1.f, -9), Fp8E4M3ToF32(0x01));
+}
+
+TEST_P(OpsTest, Fp8LinearEqualsLinearOnTheDequantizedWeight) {
+  if (device() == Device::kCpu && dtype() != DType::kF32) GTEST_SKIP() << "same as Cpu_F32";
+  std::vector<cpu::Isa> isas = {cpu::Isa::kAuto};
+  if (device() == Device::kCpu) isas.push_back(cpu::Isa::kScalar);
+  uint32_t seed = 90;
+  for (cpu::Isa isa : isas) {
+    cpu::SetIsaForTesting(isa);
+    for (const auto& [out, in] :
+         std::vector<std::pair<int64_t, int64_t>>{{16, 64}, {45, 1030}, {9, 67}}) {
+      std::mt19937 rng(++seed);
+      std::vector<uint8_t> codes(out * in);
+      for (uint8_t& c : codes) {
+        do c = static_cast<uint8_t>(rng() & 0xFF);
+        while ((c & 0x7F) == 0x7F);  // no NaN: the loader refuses them
+      }
+      std::vector<float> scales, ws(out * in);
+      for (int64_t n = 0; n < out; ++n) scales.push_back(0.0005f + 0.0001f * (rng() % 100));
+      for (int64_t i = 0; i < out * in; ++i) ws[i] = Fp8ByDefinition(codes[i]) * scales[i / in];
+      const QuantizedWeight q = BuildFp8Rows(out, in, codes, scales);
+      const Tensor back = Dequantize(q);
+      ASSERT_EQ(0, std::memcmp(back.raw(), ws.data(), ws.size() * sizeof(float)));
+      if (device() != Device::kCpu) {
+        for (float& v : ws) v = RoundTo(dtype(), v);  // CUDA multiplies by x's dtype
+      }
+      const Tensor w =
+          Tensor::Quantized(std::make_shared<const QuantizedWeight>(q)).ToDevice(device());
+      for (int64_t t : {1, 3, 17, 64}) {
+        const Tensor x = Act(Random(t * in, ++seed), {t, in});
+        const std::string what = std::string(isa == cpu::Isa::kScalar ? "scalar" : "auto") +
+                                 " fp8 T=" + std::to_string(t) + " in=" + std::to_string(in);
+        LinearCase(x, Host(x), w, ws, nullptr, {}, t, in, out, tol(), what);
+      }
+    }
+  }
+}
+
 // Without act-order or padding the quantized path sums like the dense f32 one: the same bits
 // as Linear on the dequantized weight (the decode path, T <= 16).
 TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -165,6 +166,74 @@ TEST_F(LoaderTest, QuantizationConfigsAreCheckedAgainstTheFlag) {
   EditConfig([&](Json& c) { c.erase("quantization_config"); });
   std::ofstream(dir_ / "quantize_config.json") << R"({"quant_method": "fp8", "bits": 8})";
   expect_error(std::nullopt, "quantize_config.json: quant_method 'fp8' is not supported");
+}
+
+TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
+  auto read = [&](std::optional<std::string> flag) {
+    auto config = tgis::server::ModelConfig::Load(dir_.string());
+    EXPECT_TRUE(config.ok()) << config.status();
+    return tgis::server::ReadQuantConfig(dir_.string(), *config, flag).status();
+  };
+  auto expect_error = [&](const std::string& text, std::optional<std::string> flag = {}) {
+    const absl::Status st = read(flag);
+    EXPECT_FALSE(st.ok()) << text;
+    EXPECT_NE(st.message().find(text), std::string::npos) << st;
+  };
+  expect_error("has no quantization config", "fp8");
+  // The compressed-tensors config llm-compressor writes (the fixture's).
+  const Json fixture =
+      Json::parse(ReadAll(fs::path(TGIS_FIXTURES_DIR) / "models" / "llama_fp8" / "config.json"));
+  const Json ct = fixture["quantization_config"];
+  auto with = [&](const std::function<void(Json&)>& edit) {
+    EditConfig([&](Json& c) {
+      c["quantization_config"] = ct;
+      edit(c["quantization_config"]);
+    });
+  };
+  with([](Json&) {});
+  EXPECT_TRUE(read(std::nullopt).ok()) << read(std::nullopt);
+  EXPECT_TRUE(read("fp8").ok());
+  expect_error("already quantized", "bitsandbytes");
+  expect_error("is quantized otherwise", "gptq");
+  with([](Json& q) { q["config_groups"]["group_0"]["weights"]["type"] = "int"; });
+  expect_error("group_0: weights: num_bits 8, type 'int': only float8");
+  with([](Json& q) { q["config_groups"]["group_0"]["weights"]["strategy"] = "group"; });
+  expect_error("weights: strategy 'group'");
+  with([](Json& q) { q["config_groups"]["group_0"]["weights"]["block_structure"] = {128, 128}; });
+  expect_error("block_structure = [128,128]");
+  with([](Json& q) { q["config_groups"]["group_0"]["weights"]["symmetric"] = false; });
+  expect_error("symmetric = false");
+  with([](Json& q) {
+    q["config_groups"]["group_0"]["output_activations"] = q["config_groups"]["group_0"]["weights"];
+  });
+  expect_error("output_activations");
+  with([](Json& q) { q["kv_cache_scheme"] = {{"num_bits", 8}, {"type", "float"}}; });
+  expect_error("kv_cache_scheme");
+  with([](Json& q) { q["format"] = "pack-quantized"; });
+  expect_error("format 'pack-quantized'");
+  with([](Json& q) { q["config_groups"]["group_0"]["weights"]["num_bits"] = "8"; });
+  expect_error("num_bits = \"8\": expected an integer");
+  with([](Json& q) { q["transform"] = true; });
+  expect_error("key 'transform' is not understood");
+  EditConfig([&](Json& c) {
+    c["quantization_config"] = {{"quant_method", "fbgemm_fp8"}, {"activation_scale_ub", 1200.0}};
+  });
+  EXPECT_TRUE(read(std::nullopt).ok());
+  EditConfig([&](Json& c) { c["quantization_config"]["input_scale"] = 1; });
+  expect_error("key 'input_scale' is not understood");
+}
+
+TEST_F(LoaderTest, Fp8WeightsWithoutAnFp8ConfigAreRefusedByName) {
+  // The fp8 fixture's tensors under a config that does not say fp8: the values mean nothing
+  // without their scales, so the dense path must not read them.
+  fs::copy(fs::path(TGIS_FIXTURES_DIR) / "models" / "llama_fp8" / "model.safetensors",
+           dir_ / "model.safetensors", fs::copy_options::overwrite_existing);
+  const absl::Status st = Build();
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("is float8 e4m3: expected only as the linear weight of an fp8 "
+                              "checkpoint"),
+            std::string::npos)
+      << st;
 }
 
 TEST_F(LoaderTest, AnUnservableConfigNamesTheKeyAndValue) {
