@@ -1,11 +1,16 @@
 // CPU engine throughput on a model folder (see engine_bench.py, which makes a ~100M-parameter
 // Llama-shaped checkpoint with random weights and compares with HF transformers):
-//   engine_bench MODEL_DIR [--dtype float32|bfloat16] [--prompt 128] [--steps 32]
-// Prints prefill and decode tokens/s at batch 1 and 16, the memory bandwidth measured in the
+//   engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] [--quantize METHOD]
+//                [--prompt 128] [--steps 32] [--batches 1,16]
+// Prints prefill and decode tokens/s per batch size, the memory bandwidth measured in the
 // same run, and the fraction of it that batch-1 decode achieves (weights streamed per token).
+// --quantize is the shard's flag (bitsandbytes: int8 at load); a quantized checkpoint is
+// detected without it. cpu_bench.py runs it beside llama.cpp and CTranslate2.
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -14,6 +19,7 @@
 #include "server/engine.h"
 #include "server/model_config.h"
 #include "server/model_registry.h"
+#include "server/quantization.h"
 #include "server/weights.h"
 
 namespace {
@@ -62,22 +68,52 @@ double MeasureBandwidthGBs() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::cerr
-        << "usage: engine_bench MODEL_DIR [--dtype float32|bfloat16] [--prompt N] [--steps N]\n";
+  if (argc == 2 && std::string(argv[1]) == "--bandwidth-only") {
+    std::cout << "memory_bandwidth_gbs " << MeasureBandwidthGBs() << "\n";
+    return 0;
+  }
+  if (argc < 2 || argc % 2 != 0) {
+    std::cerr << "usage: engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] "
+                 "[--quantize METHOD] [--prompt N] [--steps N] [--batches 1,16]\n";
     return 2;
   }
   const std::string dir = argv[1];
-  std::string dtype_name = "float32";
+  std::string dtype_name = "float32", quantize, batches_arg = "1,16";
   int prompt = 128, steps = 32;
   for (int i = 2; i + 1 < argc; i += 2) {
-    std::string k = argv[i];
-    if (k == "--dtype") dtype_name = argv[i + 1];
-    if (k == "--prompt") prompt = std::atoi(argv[i + 1]);
-    if (k == "--steps") steps = std::atoi(argv[i + 1]);
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--dtype") {
+      dtype_name = v;
+    } else if (k == "--quantize") {
+      quantize = v;
+    } else if (k == "--prompt") {
+      prompt = std::atoi(v.c_str());
+    } else if (k == "--steps") {
+      steps = std::atoi(v.c_str());
+    } else if (k == "--batches") {
+      batches_arg = v;
+    } else {
+      std::cerr << "unknown option " << k << "\n";
+      return 2;
+    }
   }
-  const auto dtype =
-      dtype_name == "bfloat16" ? tgis::kernels::DType::kBF16 : tgis::kernels::DType::kF32;
+  std::vector<int> batches;
+  for (size_t pos = 0; pos < batches_arg.size();) {
+    const size_t comma = std::min(batches_arg.find(',', pos), batches_arg.size());
+    batches.push_back(std::atoi(batches_arg.substr(pos, comma - pos).c_str()));
+    pos = comma + 1;
+  }
+  tgis::kernels::DType dtype;
+  if (dtype_name == "float32") {
+    dtype = tgis::kernels::DType::kF32;
+  } else if (dtype_name == "bfloat16") {
+    dtype = tgis::kernels::DType::kBF16;
+  } else if (dtype_name == "float16") {
+    dtype = tgis::kernels::DType::kF16;
+  } else {
+    std::cerr << "unknown --dtype " << dtype_name << "\n";
+    return 2;
+  }
   auto config = tgis::server::ModelConfig::Load(dir);
   if (!config.ok()) {
     std::cerr << config.status() << "\n";
@@ -88,18 +124,37 @@ int main(int argc, char** argv) {
     std::cerr << weights.status() << "\n";
     return 1;
   }
+  auto quant = tgis::server::ReadQuantConfig(
+      dir, *config, quantize.empty() ? std::nullopt : std::optional<std::string>(quantize));
+  if (!quant.ok()) {
+    std::cerr << quant.status() << "\n";
+    return 1;
+  }
+  (*weights)->set_quantization(*quant);
   auto model = tgis::server::ModelRegistry::Get().Build(*config, **weights, dtype);
   if (!model.ok()) {
     std::cerr << model.status() << "\n";
     return 1;
   }
   const auto& spec = (*model)->spec();
-  // Bytes of weights a decode step streams: every linear layer plus the lm_head.
+  // Bytes of weights a decode step streams: every linear layer plus the lm_head, in their
+  // stored format (quantized: codes plus an f32 scale and zero per row and group).
   const double wbytes = static_cast<double>(tgis::kernels::DTypeSize(dtype));
-  const double layer_params = static_cast<double>(
-      (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * spec.hidden +
-      spec.hidden * spec.num_heads * spec.head_dim + 3 * spec.hidden * spec.intermediate);
-  const double streamed = (layer_params * spec.num_layers + spec.vocab * spec.hidden) * wbytes;
+  const auto& q = *quant;
+  auto linear_bytes = [&](double out, double in) {
+    if (q.method == tgis::server::QuantMethod::kNone) return out * in * wbytes;
+    if (q.method == tgis::server::QuantMethod::kInt8AtLoad) return out * in + out * 8;
+    const double groups = q.group_size < 0 ? 1 : std::ceil(in / q.group_size);
+    return out * in * q.bits / 8 + out * groups * 8;
+  };
+  const double h = spec.hidden, qd = spec.num_heads * spec.head_dim;
+  const double layer_bytes = linear_bytes(qd + 2 * spec.num_kv_heads * spec.head_dim, h) +
+                             linear_bytes(h, qd) + 2 * linear_bytes(spec.intermediate, h) +
+                             linear_bytes(h, spec.intermediate);
+  const double head_bytes = q.method == tgis::server::QuantMethod::kInt8AtLoad
+                                ? linear_bytes(spec.vocab, h)
+                                : spec.vocab * h * wbytes;
+  const double streamed = layer_bytes * spec.num_layers + head_bytes;
   const int block = 16;
   const int blocks = 16 * ((prompt + steps) / block + 2);
   tgis::server::Engine engine(std::move(*model), config->eos_token_ids,
@@ -107,10 +162,11 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1);
   std::cout << "model: " << config->model_type << " layers " << spec.num_layers << " hidden "
             << spec.hidden << " vocab " << spec.vocab << " dtype " << dtype_name
-            << " streamed/token " << streamed / 1e6 << " MB\n";
+            << (quantize.empty() ? "" : " quantize " + quantize) << " streamed/token "
+            << streamed / 1e6 << " MB\n";
   const double bw = MeasureBandwidthGBs();
   std::cout << "memory_bandwidth_gbs " << bw << "\n";
-  for (int batch : {1, 16}) {
+  for (int batch : batches) {
     std::vector<tgis::server::NewSequence> seqs;
     std::vector<uint64_t> ids;
     for (int b = 0; b < batch; ++b) {
