@@ -8,7 +8,7 @@ ifneq ($(CI),)
 CMAKE_FLAGS += -DTGIS_WERROR=ON
 endif
 
-.PHONY: all deps build test unit-test integration-test bench bench-gpu gpu-bundle run format clean \
+.PHONY: all deps build test unit-test integration-test bench bench-cpu bench-gpu gpu-bundle run format clean \
 	fixtures fuzz-build fuzz-smoke fuzz test-asan test-tsan
 
 # Sanitizer builds use clang (libFuzzer comes with it) and no CUDA: one tree for AddressSanitizer
@@ -88,6 +88,11 @@ test-tsan: deps $(TSAN_BUILD_DIR)/CMakeCache.txt
 bench: build
 	$(PYTHON) benchmarks/tokenizer_bench.py --build-dir $(BUILD_DIR)
 	$(PYTHON) benchmarks/engine_bench.py --build-dir $(BUILD_DIR)
+
+# CPU decode/prefill against llama.cpp and CTranslate2 on a TinyLlama-shaped random checkpoint
+# (tens of minutes the first time: builds llama.cpp, converts; see benchmarks/README.md).
+bench-cpu: build
+	$(PYTHON) benchmarks/cpu_bench.py --build-dir $(BUILD_DIR)
 
 # On a machine with a GPU (builds with nvcc): the Llama-3-8B-shaped benchmark against HF.
 bench-gpu: build
