@@ -525,14 +525,12 @@ absl::StatusOr<Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,
         absl::StrCat("weight must be a 2-D float8 e4m3 tensor, got ", weight->DebugString()));
   }
   const int64_t out = weight->dim(0), in = weight->dim(1);
-  auto scale = w.View(prefix + ".weight_scale");
-  if (!scale.ok()) return scale.status();
-  if (scale->numel() != 1 && scale->numel() != out) {
-    return bad(absl::StrCat("weight_scale is ", scale->DebugString(), ": expected one scale or ",
-                            out, " (one per output row)"));
-  }
   auto scale_f = w.Get(prefix + ".weight_scale", DType::kF32);
   if (!scale_f.ok()) return scale_f.status();
+  if (scale_f->numel() != 1 && scale_f->numel() != out) {
+    return bad(absl::StrCat("weight_scale is ", scale_f->DebugString(), ": expected one scale or ",
+                            out, " (one per output row)"));
+  }
   // Static activation scales for fp8 GEMMs (compressed-tensors' input_scale, FBGEMM's
   // input_scale_ub): activations are not quantized here.
   for (const char* unused : {".input_scale", ".input_scale_ub"}) {
@@ -550,7 +548,7 @@ absl::StatusOr<Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,
       return bad(absl::StrCat("rows [", r.begin, ", ", r.end, ") of ", out, " do not exist"));
     }
     for (int64_t n = r.begin; n < r.end; ++n) {
-      const float s = scale_f->data<float>()[scale->numel() == 1 ? 0 : n];
+      const float s = scale_f->data<float>()[scale_f->numel() == 1 ? 0 : n];
       if (!std::isfinite(s)) return bad(absl::StrCat("weight_scale[", n, "] = ", s));
       row_scales.push_back(s);
       for (int64_t k = c.begin; k < c.end; ++k) {
