@@ -1,7 +1,7 @@
 // Kernel micro benchmarks: the machine's streaming-read bandwidth, and Linear (the decode hot
 // path) as GB/s of weights streamed and as a fraction of that bandwidth.
 //
-//   kernels_bench [--quick]
+//   kernels_bench [--quick] [format ...]   formats: bf16 f16 f32 int8 gptq8 gptq4 fp8
 //
 // Weights are cycled over enough copies (>= 1 GiB in all) that no call finds them in cache.
 // T = 1 and 16 take the streaming kernel, T = 64 the OpenBLAS path (shown for reference).
@@ -19,6 +19,7 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/ops.h"
+#include "kernels/quantized.h"
 #include "kernels/tensor.h"
 
 namespace {
@@ -92,23 +93,51 @@ struct LinearResult {
   double seconds;  // per call, best of the timed runs
 };
 
-LinearResult TimeLinear(int64_t out_f, int64_t in, DType dtype, int64_t t_count, bool quick) {
-  const size_t weight_bytes = out_f * in * tgis::kernels::DTypeSize(dtype);
+// How the benchmarked weight is stored: a float dtype or one of the quantized layouts.
+struct Format {
+  const char* name;
+  DType dtype;     // the float dtype (quantized: unused)
+  int quant_bits;  // 0: dense; 8 or 4: integer codes
+  int64_t group;   // quantized: input columns per scale (-1: the whole row)
+  bool fp8;
+  double bytes_per_weight;
+};
+
+// A weight of `f`'s layout with small deterministic values (speed does not depend on them).
+Tensor MakeWeight(const Format& f, int64_t out_f, int64_t in, int c) {
+  using tgis::kernels::QuantizedWeight;
+  if (f.quant_bits == 0) {
+    Tensor w = Tensor::Empty({out_f, in}, f.dtype);
+    if (f.dtype == DType::kF32) {
+      for (int64_t i = 0; i < out_f * in; ++i) w.data<float>()[i] = ((i * 7 + c) % 13) * 0.01f;
+    } else {
+      const uint16_t v = f.dtype == DType::kBF16 ? tgis::kernels::F32ToBf16(0.01f)
+                                                 : tgis::kernels::F32ToF16(0.01f);
+      for (int64_t i = 0; i < out_f * in; ++i) w.data<uint16_t>()[i] = v;
+    }
+    return w;
+  }
+  std::vector<uint8_t> codes(out_f * in);
+  for (int64_t i = 0; i < out_f * in; ++i)
+    codes[i] = static_cast<uint8_t>(((i * 7 + c) % 13) & ((1 << f.quant_bits) - 1));
+  const int64_t group = f.group < 0 ? in : f.group;
+  const int64_t groups = (in + group - 1) / group;
+  std::vector<int32_t> group_of(in);
+  for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / group);
+  std::vector<float> scales(out_f * groups, 0.01f), zeros(out_f * groups, 1 << (f.quant_bits - 1));
+  QuantizedWeight q =
+      f.fp8 ? tgis::kernels::BuildFp8Rows(out_f, in, codes, std::vector<float>(out_f, 0.01f))
+            : tgis::kernels::BuildQuantized(f.quant_bits, out_f, in, codes, group_of, groups,
+                                            scales, zeros);
+  return Tensor::Quantized(std::make_shared<const QuantizedWeight>(std::move(q)));
+}
+
+LinearResult TimeLinear(int64_t out_f, int64_t in, const Format& f, int64_t t_count, bool quick) {
+  const size_t weight_bytes = static_cast<size_t>(out_f * in * f.bytes_per_weight);
   const int copies =
       static_cast<int>(std::max<size_t>(2, ((quick ? 256u : 1024u) << 20) / weight_bytes + 1));
   std::vector<Tensor> ws;
-  for (int c = 0; c < copies; ++c) {
-    Tensor w = Tensor::Empty({out_f, in}, dtype);
-    // Small deterministic values; the content does not matter for speed.
-    if (dtype == DType::kF32) {
-      for (int64_t i = 0; i < out_f * in; ++i) w.data<float>()[i] = ((i * 7 + c) % 13) * 0.01f;
-    } else {
-      const uint16_t v =
-          dtype == DType::kBF16 ? tgis::kernels::F32ToBf16(0.01f) : tgis::kernels::F32ToF16(0.01f);
-      for (int64_t i = 0; i < out_f * in; ++i) w.data<uint16_t>()[i] = v;
-    }
-    ws.push_back(std::move(w));
-  }
+  for (int c = 0; c < copies; ++c) ws.push_back(MakeWeight(f, out_f, in, c));
   Tensor x = Tensor::Empty({t_count, in}, DType::kF32);
   for (int64_t i = 0; i < t_count * in; ++i) x.data<float>()[i] = (i % 17) * 0.1f;
   Tensor out = Tensor::Empty({t_count, out_f}, DType::kF32);
@@ -132,22 +161,32 @@ int main(int argc, char** argv) {
   const double bw = MeasureBandwidth(size_t{1} << 30);
   std::printf("memory bandwidth (streaming read, 1 GiB, best of 5): %.1f GB/s\n\n", bw);
 
-  std::printf("%-6s %-14s %4s %10s %10s %8s %10s\n", "dtype", "weight", "T", "ms/call", "GB/s",
+  std::printf("%-8s %-14s %4s %10s %10s %8s %10s\n", "format", "weight", "T", "ms/call", "GB/s",
               "of bw", "GFLOP/s");
   struct Shape {
     int64_t out_f, in;
   };
-  for (DType dtype : {DType::kBF16, DType::kF32}) {
+  // Only the formats named on the command line (after --quick), else all of them.
+  const Format formats[] = {
+      {"bf16", DType::kBF16, 0, 0, false, 2},   {"f16", DType::kF16, 0, 0, false, 2},
+      {"f32", DType::kF32, 0, 0, false, 4},     {"int8", DType::kF32, 8, -1, false, 1},
+      {"gptq8", DType::kF32, 8, 128, false, 1}, {"gptq4", DType::kF32, 4, 128, false, 0.5},
+      {"fp8", DType::kF32, 8, -1, true, 1},
+  };
+  std::vector<std::string> wanted;
+  for (int i = quick ? 2 : 1; i < argc; ++i) wanted.push_back(argv[i]);
+  for (const Format& f : formats) {
+    if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), f.name) == wanted.end())
+      continue;
     for (Shape s : {Shape{4096, 4096}, Shape{11008, 4096}}) {
       for (int64_t t : {1, 16, 64}) {
-        const LinearResult r = TimeLinear(s.out_f, s.in, dtype, t, quick);
-        const double bytes = s.out_f * s.in * tgis::kernels::DTypeSize(dtype);
+        const LinearResult r = TimeLinear(s.out_f, s.in, f, t, quick);
+        const double bytes = s.out_f * s.in * f.bytes_per_weight;
         const double gbs = bytes / r.seconds / 1e9;
         const double gflops = 2.0 * s.out_f * s.in * t / r.seconds / 1e9;
-        std::printf("%-6s %5lldx%-8lld %4lld %10.3f %10.1f %7.0f%% %10.1f\n",
-                    tgis::kernels::DTypeName(dtype), static_cast<long long>(s.out_f),
-                    static_cast<long long>(s.in), static_cast<long long>(t), r.seconds * 1e3, gbs,
-                    100 * gbs / bw, gflops);
+        std::printf("%-8s %5lldx%-8lld %4lld %10.3f %10.1f %7.0f%% %10.1f\n", f.name,
+                    static_cast<long long>(s.out_f), static_cast<long long>(s.in),
+                    static_cast<long long>(t), r.seconds * 1e3, gbs, 100 * gbs / bw, gflops);
       }
     }
   }

@@ -11,11 +11,14 @@ namespace tgis::kernels::cpu {
 
 #include "kernels/op_signatures.inc"
 
-// Which Linear code path runs: kAuto picks AVX2/FMA when the CPU has it. Tests force kScalar
-// to cover the fallback; not thread-safe against concurrent Linear calls.
-enum class Isa { kAuto, kScalar, kAvx2 };
+// Which Linear code path runs: kAuto picks AVX-512 when the CPU has it (for the weights that
+// kernel takes), else AVX2/FMA, else scalar. Tests force the others to cover every path; not
+// thread-safe against concurrent Linear calls.
+enum class Isa { kAuto, kScalar, kAvx2, kAvx512 };
 void SetIsaForTesting(Isa isa);
-// The path kAuto resolves to on this machine ("avx2+fma" or "scalar").
+// Whether this CPU can run `isa`'s path (kAuto and kScalar always can).
+bool IsaAvailable(Isa isa);
+// The path kAuto resolves to on this machine ("avx512", "avx2+fma" or "scalar").
 const char* ActiveIsaName();
 
 }  // namespace tgis::kernels::cpu

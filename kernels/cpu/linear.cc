@@ -26,6 +26,7 @@
 
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/linear_stream.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/quantized.h"
 
@@ -59,22 +60,28 @@ bool UseAvx2() {
     case Isa::kAvx2:
       TGIS_CHECK(CpuHasAvx2(), "SetIsaForTesting(kAvx2) on a CPU without AVX2/FMA/F16C");
       return true;
+    case Isa::kAvx512:
     case Isa::kAuto:
       break;
   }
   return CpuHasAvx2();
 }
 
-// How a weight row is stored: a float dtype, or quantized codes of 8 or 4 bits.
-enum class WFmt { kF32, kBF16, kF16, kQ8, kQ4, kF8 };
-
-// One weight row: its values (or codes) and, quantized, its per-run scales and zeros.
-struct WRow {
-  const void* p = nullptr;
-  const float* scale = nullptr;
-  const float* zero = nullptr;
-  const int32_t* block_run = nullptr;  // shared by all rows: the run of each 8-column block
-};
+// The AVX-512 streaming kernel, for the weights it takes (others fall back to AVX2).
+bool UseAvx512(const QuantizedWeight* q) {
+  switch (g_isa.load(std::memory_order_relaxed)) {
+    case Isa::kScalar:
+    case Isa::kAvx2:
+      return false;
+    case Isa::kAvx512:
+      TGIS_CHECK(CpuHasAvx512(), "SetIsaForTesting(kAvx512) on a CPU without AVX-512");
+      break;
+    case Isa::kAuto:
+      if (!CpuHasAvx512()) return false;
+      break;
+  }
+  return Avx512Takes(q);
+}
 
 template <WFmt W>
 inline float LoadScalar(const WRow& row, int64_t i) {
@@ -95,31 +102,6 @@ inline float LoadScalar(const WRow& row, int64_t i) {
     const int code = W == WFmt::kQ8 ? c[i] : (c[i / 2] >> (4 * (i % 2))) & 0xF;
     const int32_t r = row.block_run[i / 8];
     return (static_cast<float>(code) - row.zero[r]) * row.scale[r];
-  }
-}
-
-// Arguments of one streaming-kernel call over output rows [n0, n1).
-struct SmallArgs {
-  const float* x;  // [T, K]
-  int64_t t;
-  int64_t k;
-  const void* w;             // [N, K] of the weight dtype, or the codes of `q`
-  const QuantizedWeight* q;  // quantized weights, else null
-  int64_t n;
-  const float* bias;  // [N] or null
-  float* out;         // [T, N]
-};
-
-template <WFmt W>
-WRow RowOf(const SmallArgs& a, int64_t n) {
-  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4 || W == WFmt::kF8) {
-    const int64_t runs = a.q->runs();
-    return {static_cast<const char*>(a.w) + n * a.q->codes.dim(1),
-            a.q->scales.data<float>() + n * runs, a.q->zeros.data<float>() + n * runs,
-            a.q->block_run.data<int32_t>()};
-  } else {
-    constexpr size_t kSize = W == WFmt::kF32 ? 4 : 2;
-    return {static_cast<const char*>(a.w) + n * a.k * static_cast<int64_t>(kSize)};
   }
 }
 
@@ -305,8 +287,16 @@ TGIS_AVX2 void SmallAvx2(const SmallArgs& a, int64_t n0, int64_t n1) {
 }
 
 template <WFmt W>
-void SmallT(const SmallArgs& a) {
+void SmallT(const SmallArgs& args) {
+  const bool avx512 = UseAvx512(args.q);
   const bool avx2 = UseAvx2();
+  SmallArgs a = args;
+  if (W == WFmt::kQ4 && avx512) {
+    thread_local std::vector<float> ordered;
+    ordered.resize(a.t * a.k);
+    Avx512Q4OrderX(a.x, a.t, a.k, ordered.data());
+    a.x = ordered.data();
+  }
   const int64_t tiles = (a.n + kTileRows - 1) / kTileRows;
   // At least ~64 KB of weights per parallel chunk.
   const int64_t grain = std::max<int64_t>(
@@ -314,7 +304,9 @@ void SmallT(const SmallArgs& a) {
   ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
     const int64_t n0 = b * kTileRows;
     const int64_t n1 = std::min(a.n, e * kTileRows);
-    if (avx2) {
+    if (avx512) {
+      SmallAvx512<W>(a, n0, n1);
+    } else if (avx2) {
       SmallAvx2<W>(a, n0, n1);
     } else {
       SmallScalar<W>(a, n0, n1);
@@ -402,7 +394,22 @@ void Dispatch(const SmallArgs& a) {
 
 void SetIsaForTesting(Isa isa) { g_isa.store(isa); }
 
-const char* ActiveIsaName() { return UseAvx2() ? "avx2+fma" : "scalar"; }
+bool IsaAvailable(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx2:
+      return CpuHasAvx2();
+    case Isa::kAvx512:
+      return CpuHasAvx512();
+    case Isa::kAuto:
+    case Isa::kScalar:
+      break;
+  }
+  return true;
+}
+
+const char* ActiveIsaName() {
+  return UseAvx512(nullptr) ? "avx512" : UseAvx2() ? "avx2+fma" : "scalar";
+}
 
 void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
   const char* op = "Linear";

@@ -123,6 +123,15 @@ class OpsTest : public ::testing::TestWithParam<OpsParam> {
   }
   void TearDown() override { cpu::SetIsaForTesting(cpu::Isa::kAuto); }
 
+  // The Linear code paths to check: on the CPU every one this machine can run, by name.
+  std::vector<std::pair<cpu::Isa, std::string>> Isas() const {
+    if (device() != Device::kCpu) return {{cpu::Isa::kAuto, "cuda"}};
+    std::vector<std::pair<cpu::Isa, std::string>> isas = {{cpu::Isa::kScalar, "scalar"}};
+    if (cpu::IsaAvailable(cpu::Isa::kAvx2)) isas.emplace_back(cpu::Isa::kAvx2, "avx2");
+    if (cpu::IsaAvailable(cpu::Isa::kAvx512)) isas.emplace_back(cpu::Isa::kAvx512, "avx512");
+    return isas;
+  }
+
   Device device() const { return GetParam().device; }
   DType dtype() const { return GetParam().dtype; }
   // The dtype the device computes activations in.
@@ -216,10 +225,8 @@ TEST_P(OpsTest, Linear) {
   // Odd sizes (tails of the 8-wide vectors and the 4-row tiles), an aligned one and one that
   // spans several 512-column chunks.
   const Size sizes[] = {{67, 35}, {64, 16}, {1030, 45}};
-  std::vector<cpu::Isa> isas = {cpu::Isa::kAuto};
-  if (device() == Device::kCpu) isas.push_back(cpu::Isa::kScalar);
   uint32_t seed = 10;
-  for (cpu::Isa isa : isas) {
+  for (const auto& [isa, isa_name] : Isas()) {
     cpu::SetIsaForTesting(isa);
     for (const Size& sz : sizes) {
       std::vector<float> ws, bs;
@@ -229,10 +236,9 @@ TEST_P(OpsTest, Linear) {
         Tensor x = Act(Random(t * sz.in, ++seed), {t, sz.in});
         const std::vector<float> xs = Host(x);
         for (bool with_bias : {false, true}) {
-          const std::string what = std::string(isa == cpu::Isa::kScalar ? "scalar" : "auto") +
-                                   " T=" + std::to_string(t) + " in=" + std::to_string(sz.in) +
-                                   " out=" + std::to_string(sz.out) +
-                                   (with_bias ? " bias" : " no bias");
+          const std::string what =
+              isa_name + " T=" + std::to_string(t) + " in=" + std::to_string(sz.in) +
+              " out=" + std::to_string(sz.out) + (with_bias ? " bias" : " no bias");
           LinearCase(x, xs, w, ws, with_bias ? &b : nullptr, bs, t, sz.in, sz.out, tol(), what);
         }
       }
@@ -263,29 +269,6 @@ TEST_P(OpsTest, LinearThreeDimInputAndPreallocatedOut) {
     }
   }
   ExpectClose(Host(out), ref, scale, tol(), "3-d linear");
-}
-
-// The decode path gives every row the same bits whatever else is in the batch (T <= 16), so
-// that a request's output does not depend on its batch mates.
-TEST_P(OpsTest, LinearSmallBatchIsBatchInvariant) {
-  if (device() != Device::kCpu) GTEST_SKIP() << "CPU property";
-  const int64_t in = 1030, out_f = 37, t_count = 16;
-  Tensor w = Weight(Random(out_f * in, 5), {out_f, in});
-  const std::vector<float> xs = Random(t_count * in, 6);
-  Tensor x = Act(xs, {t_count, in});
-  Tensor all;
-  Linear(x, w, nullptr, &all);
-  for (int64_t t : {0, 5, 15}) {
-    Tensor one;
-    Linear(x.Rows(t, t + 1), w, nullptr, &one);
-    for (int64_t n = 0; n < out_f; ++n) {
-      ASSERT_EQ(one.data<float>()[n], all.data<float>()[t * out_f + n]) << t << " " << n;
-    }
-  }
-  Tensor three;
-  Linear(x.Rows(4, 7), w, nullptr, &three);
-  for (int64_t i = 0; i < 3 * out_f; ++i)
-    ASSERT_EQ(three.data<float>()[i], all.data<float>()[4 * out_f + i]);
 }
 
 // ---- Quantized Linear ----------------------------------------------------------------------
@@ -341,13 +324,12 @@ TEST_P(OpsTest, QuantizedLinearEqualsLinearOnTheDequantizedWeight) {
     bool act_order;
   };
   // Per-channel, groups of 32 and 128, act-order shuffles, and odd sizes whose runs pad.
-  const Case cases[] = {{8, 64, 16, 64, false},   {4, 64, 16, 64, false},   {4, 256, 35, 32, false},
-                        {8, 1030, 45, 128, true}, {4, 1030, 45, 128, true}, {4, 67, 21, 3, false},
-                        {4, 96, 9, 32, true}};
-  std::vector<cpu::Isa> isas = {cpu::Isa::kAuto};
-  if (device() == Device::kCpu) isas.push_back(cpu::Isa::kScalar);
+  const Case cases[] = {
+      {8, 64, 16, 64, false},   {4, 64, 16, 64, false},   {4, 256, 35, 32, false},
+      {8, 1030, 45, 128, true}, {4, 1030, 45, 128, true}, {4, 67, 21, 3, false},
+      {4, 96, 9, 32, true},     {4, 1536, 19, 128, true}, {8, 1056, 11, 1056, false}};
   uint32_t seed = 40;
-  for (cpu::Isa isa : isas) {
+  for (const auto& [isa, isa_name] : Isas()) {
     cpu::SetIsaForTesting(isa);
     for (const Case& c : cases) {
       const DenseQuant dq = RandomQuant(c.bits, c.out, c.in, c.group_size, c.act_order, ++seed);
@@ -365,9 +347,8 @@ TEST_P(OpsTest, QuantizedLinearEqualsLinearOnTheDequantizedWeight) {
       const Tensor b = Weight(Random(c.out, ++seed), {c.out}, &bs);
       for (int64_t t : {1, 3, 17, 64}) {
         const Tensor x = Act(Random(t * c.in, ++seed), {t, c.in});
-        const std::string what = std::string(isa == cpu::Isa::kScalar ? "scalar" : "auto") +
-                                 " bits=" + std::to_string(c.bits) + " T=" + std::to_string(t) +
-                                 " in=" + std::to_string(c.in) +
+        const std::string what = isa_name + " bits=" + std::to_string(c.bits) +
+                                 " T=" + std::to_string(t) + " in=" + std::to_string(c.in) +
                                  " group=" + std::to_string(c.group_size) +
                                  (c.act_order ? " act-order" : "");
         LinearCase(x, Host(x), w, ws, &b, bs, t, c.in, c.out, tol(), what);
@@ -401,13 +382,11 @@ TEST(QuantizedWeight, Fp8E4M3DecodesEveryCodeByItsDefinition) {
 
 TEST_P(OpsTest, Fp8LinearEqualsLinearOnTheDequantizedWeight) {
   if (device() == Device::kCpu && dtype() != DType::kF32) GTEST_SKIP() << "same as Cpu_F32";
-  std::vector<cpu::Isa> isas = {cpu::Isa::kAuto};
-  if (device() == Device::kCpu) isas.push_back(cpu::Isa::kScalar);
   uint32_t seed = 90;
-  for (cpu::Isa isa : isas) {
+  for (const auto& [isa, isa_name] : Isas()) {
     cpu::SetIsaForTesting(isa);
     for (const auto& [out, in] :
-         std::vector<std::pair<int64_t, int64_t>>{{16, 64}, {45, 1030}, {9, 67}}) {
+         std::vector<std::pair<int64_t, int64_t>>{{16, 64}, {45, 1030}, {9, 67}, {7, 1088}}) {
       std::mt19937 rng(++seed);
       std::vector<uint8_t> codes(out * in);
       for (uint8_t& c : codes) {
@@ -427,8 +406,8 @@ TEST_P(OpsTest, Fp8LinearEqualsLinearOnTheDequantizedWeight) {
           Tensor::Quantized(std::make_shared<const QuantizedWeight>(q)).ToDevice(device());
       for (int64_t t : {1, 3, 17, 64}) {
         const Tensor x = Act(Random(t * in, ++seed), {t, in});
-        const std::string what = std::string(isa == cpu::Isa::kScalar ? "scalar" : "auto") +
-                                 " fp8 T=" + std::to_string(t) + " in=" + std::to_string(in);
+        const std::string what =
+            isa_name + " fp8 T=" + std::to_string(t) + " in=" + std::to_string(in);
         LinearCase(x, Host(x), w, ws, nullptr, {}, t, in, out, tol(), what);
       }
     }
@@ -436,17 +415,72 @@ TEST_P(OpsTest, Fp8LinearEqualsLinearOnTheDequantizedWeight) {
 }
 
 // Without act-order or padding the quantized path sums like the dense f32 one: the same bits
-// as Linear on the dequantized weight (the decode path, T <= 16).
+// as Linear on the dequantized weight (the decode path, T <= 16). The AVX-512 kernel applies
+// 4-bit codes in its own column order (even columns of each 32, then odd), so there 8-bit only.
 TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {
   if (device() != Device::kCpu || dtype() != DType::kF32) GTEST_SKIP() << "CPU property";
-  const DenseQuant dq = RandomQuant(4, 37, 1024, 128, false, 7);
-  const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(dq.Build()));
-  const Tensor dense = Tensor::FromVector(dq.Weights(), {37, 1024});
-  const Tensor x = Act(Random(5 * 1024, 8), {5, 1024});
-  Tensor got, want;
-  Linear(x, w, nullptr, &got);
-  Linear(x, dense, nullptr, &want);
-  ASSERT_EQ(0, std::memcmp(got.raw(), want.raw(), want.nbytes()));
+  for (const auto& [isa, isa_name] : Isas()) {
+    cpu::SetIsaForTesting(isa);
+    for (int bits : {8, 4}) {
+      if (bits == 4 && isa == cpu::Isa::kAvx512) continue;
+      const DenseQuant dq = RandomQuant(bits, 37, 1024, 128, false, 7);
+      const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(dq.Build()));
+      const Tensor dense = Tensor::FromVector(dq.Weights(), {37, 1024});
+      const Tensor x = Act(Random(5 * 1024, 8), {5, 1024});
+      Tensor got, want;
+      Linear(x, w, nullptr, &got);
+      Linear(x, dense, nullptr, &want);
+      ASSERT_EQ(0, std::memcmp(got.raw(), want.raw(), want.nbytes())) << isa_name << " " << bits;
+    }
+  }
+}
+
+// The decode path gives every row the same bits whatever else is in the batch (T <= 16), so
+// that a request's output does not depend on its batch mates: on every code path, for float
+// and quantized weights (8-bit, 4-bit, fp8) alike.
+void ExpectBatchInvariant(const Tensor& x, const Tensor& w, int64_t out_f,
+                          const std::string& what) {
+  Tensor all;
+  Linear(x, w, nullptr, &all);
+  for (int64_t t : {0, 5, 15}) {
+    Tensor one;
+    Linear(x.Rows(t, t + 1), w, nullptr, &one);
+    for (int64_t n = 0; n < out_f; ++n) {
+      ASSERT_EQ(one.data<float>()[n], all.data<float>()[t * out_f + n])
+          << what << " " << t << " " << n;
+    }
+  }
+  for (int64_t rows : {2, 3}) {
+    Tensor some;
+    Linear(x.Rows(4, 4 + rows), w, nullptr, &some);
+    for (int64_t i = 0; i < rows * out_f; ++i)
+      ASSERT_EQ(some.data<float>()[i], all.data<float>()[4 * out_f + i]) << what << " " << rows;
+  }
+}
+
+TEST_P(OpsTest, LinearSmallBatchIsBatchInvariant) {
+  if (device() != Device::kCpu || dtype() == DType::kF16) GTEST_SKIP() << "CPU property";
+  const int64_t out_f = 37, t_count = 16;
+  for (const auto& [isa, isa_name] : Isas()) {
+    cpu::SetIsaForTesting(isa);
+    for (int64_t in : {1030, 1024}) {  // a partial last block, and none
+      const Tensor x = Act(Random(t_count * in, 6), {t_count, in});
+      ExpectBatchInvariant(x, Weight(Random(out_f * in, 5), {out_f, in}), out_f,
+                           isa_name + " dense " + std::to_string(in));
+      if (dtype() != DType::kF32) continue;
+      for (int bits : {8, 4}) {
+        const QuantizedWeight q = RandomQuant(bits, out_f, in, 128, false, 7).Build();
+        ExpectBatchInvariant(x, Tensor::Quantized(std::make_shared<const QuantizedWeight>(q)),
+                             out_f, isa_name + " bits=" + std::to_string(bits));
+      }
+      std::vector<uint8_t> codes(out_f * in);
+      for (size_t i = 0; i < codes.size(); ++i)
+        codes[i] = static_cast<uint8_t>(i * 37 % 251) & 0xFE;
+      const QuantizedWeight f8 = BuildFp8Rows(out_f, in, codes, std::vector<float>(out_f, 0.01f));
+      ExpectBatchInvariant(x, Tensor::Quantized(std::make_shared<const QuantizedWeight>(f8)), out_f,
+                           isa_name + " fp8");
+    }
+  }
 }
 
 TEST(QuantizedWeight, Int8RowsRoundToTheNearestStepOfTheRowAbsmax) {

@@ -1,0 +1,317 @@
+// Linear's streaming (decode) kernel with AVX-512, for CPUs that have it (chosen at run time).
+//
+// Why a second kernel: at batch 1 the AVX2 kernel spends more instructions per weight than the
+// memory system needs time to deliver it, most of all for quantized codes (8-bit codes reached a
+// third of the DRAM bandwidth, 4-bit a sixth). Here a step covers 32 columns of a row as two
+// 16-lane vectors and the dequantization is cheaper:
+//  - 4-bit codes index a 16-entry table of the run's dequantized values, (i - zero) * scale,
+//    with one permute per 16 weights. The codes of a 32-column block come out as its even
+//    columns and then its odd ones, so x is reordered to match once per call
+//    (Avx512Q4OrderX);
+//  - 8-bit codes and fp8 are widened and converted as in the AVX2 kernel, 16 at a time.
+// Every weight is the f32 value Dequantize gives (exactly), so the kernel equals a dense f32
+// Linear on the dequantized weight up to summation order, as the AVX2 one does.
+//
+// Summation order, fixed per row whatever T, the batch or the threads: 16 lanes, each adding
+// its column of the block's first half, then of its second half, block after block; then
+// _mm512_reduce_add_ps and the bias. A partial last block (float weights only) reads zeros.
+// T <= 2 applies each decoded weight vector to every x row in registers; larger T decodes a
+// chunk of rows into scratch once and sums from there, in the same order.
+#include <cpuid.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/cpu/linear_stream.h"
+
+// GCC 12 reports the deliberately undefined pass-through operand of its own AVX-512 intrinsics
+// (_mm512_undefined_epi32 in _mm512_cvtepi8_epi32, _mm512_slli_epi32) as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace tgis::kernels::cpu {
+
+namespace {
+
+#define TGIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+constexpr int64_t kBlock = 32;   // columns per step: two 16-lane vectors
+constexpr int64_t kChunk = 512;  // columns per scratch chunk; a multiple of kBlock
+constexpr int kRows = 4;         // weight rows per tile (8 when T = 1)
+constexpr int64_t kMaxT = 16;    // the streaming kernel's largest T (linear.cc's kSmallT)
+
+// Lanes of a block's two halves that hold columns (all, except in a float tail block).
+struct Mask {
+  __mmask16 lo = 0xFFFF, hi = 0xFFFF;
+};
+
+Mask TailMask(int64_t columns) {
+  Mask m;
+  m.lo = static_cast<__mmask16>(columns >= 16 ? 0xFFFF : (1u << columns) - 1);
+  m.hi = static_cast<__mmask16>(columns <= 16 ? 0 : (1u << (columns - 16)) - 1);
+  return m;
+}
+
+// One weight row being decoded block by block; quantized rows keep their current run's
+// constants in registers and renew them when the run changes.
+template <WFmt W>
+struct RowDecoder {
+  WRow row;
+  int32_t run = -1;
+  __m512 zero, scale, table;
+
+  TGIS_AVX512 void Enter(int64_t k) {
+    const int32_t r = row.block_run[k / 8];
+    if (r == run) return;
+    run = r;
+    if constexpr (W == WFmt::kQ4) {
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(row.zero[r])),
+                            _mm512_set1_ps(row.scale[r]));
+    } else {
+      zero = _mm512_set1_ps(row.zero[r]);
+      scale = _mm512_set1_ps(row.scale[r]);
+    }
+  }
+
+  // The weights of the block at kernel column k (a multiple of kBlock) as two vectors;
+  // masked-off lanes read nothing and hold 0 (float formats only).
+  template <bool kTail>
+  TGIS_AVX512 inline void Block(int64_t k, Mask m, __m512* lo, __m512* hi) {
+    if constexpr (W == WFmt::kF32) {
+      const float* p = static_cast<const float*>(row.p) + k;
+      *lo = kTail ? _mm512_maskz_loadu_ps(m.lo, p) : _mm512_loadu_ps(p);
+      *hi = kTail ? _mm512_maskz_loadu_ps(m.hi, p + 16) : _mm512_loadu_ps(p + 16);
+    } else if constexpr (W == WFmt::kBF16 || W == WFmt::kF16) {
+      const uint16_t* p = static_cast<const uint16_t*>(row.p) + k;
+      const __m256i a = kTail ? _mm256_maskz_loadu_epi16(m.lo, p)
+                              : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i b = kTail ? _mm256_maskz_loadu_epi16(m.hi, p + 16)
+                              : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+      if constexpr (W == WFmt::kBF16) {
+        *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(a), 16));
+        *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+      } else {
+        *lo = _mm512_cvtph_ps(a);
+        *hi = _mm512_cvtph_ps(b);
+      }
+    } else if constexpr (W == WFmt::kQ4) {
+      Enter(k);
+      // Byte i of the block holds columns 2i (low nibble) and 2i + 1; the permute reads only
+      // the low 4 bits of each index.
+      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row.p) + k / 2)));
+      *lo = _mm512_permutexvar_ps(codes, table);
+      *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), table);
+    } else {
+      Enter(k);
+      const uint8_t* p = static_cast<const uint8_t*>(row.p) + k;
+      *lo = Codes16(p);
+      *hi = Codes16(p + 16);
+    }
+  }
+
+  TGIS_AVX512 inline __m512 Codes16(const uint8_t* p) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (W == WFmt::kF8) {
+      // Sign-extended, shifted so the magnitude bits land on f32's exponent and mantissa top
+      // and the sign on f32's; times 2^120 that is the code's value exactly (as in linear.cc),
+      // and then times the scale, rounded once as Dequantize rounds it.
+      const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), 20),
+                                            _mm512_set1_epi32(static_cast<int>(0x87F00000u)));
+      return _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f)),
+                           scale);
+    } else {
+      return _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)), zero),
+                           scale);
+    }
+  }
+};
+
+// acc[r * T + t] += the blocks [k0, k1) of row r against x row t (T = TT here), in registers.
+template <int R, int TT, WFmt W, bool kTail>
+TGIS_AVX512 inline void Direct(RowDecoder<W>* dec, const float* x, int64_t ldx, int64_t k0,
+                               int64_t k1, Mask m, __m512* acc) {
+  __m512 a[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) a[r][t] = acc[r * TT + t];
+  for (int64_t k = k0; k < k1; k += kBlock) {
+    __m512 xl[TT], xh[TT];
+#pragma GCC unroll 2
+    for (int t = 0; t < TT; ++t) {
+      const float* xp = x + t * ldx + k;
+      xl[t] = kTail ? _mm512_maskz_loadu_ps(m.lo, xp) : _mm512_loadu_ps(xp);
+      xh[t] = kTail ? _mm512_maskz_loadu_ps(m.hi, xp + 16) : _mm512_loadu_ps(xp + 16);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512 lo, hi;
+      dec[r].template Block<kTail>(k, m, &lo, &hi);
+#pragma GCC unroll 2
+      for (int t = 0; t < TT; ++t) {
+        a[r][t] = _mm512_fmadd_ps(lo, xl[t], a[r][t]);
+        a[r][t] = _mm512_fmadd_ps(hi, xh[t], a[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r * TT + t] = a[r][t];
+}
+
+// The same sums from weights already decoded into scratch rows (`ld` floats apart; column 0
+// is kernel column k0), for x rows [t0, t0 + TT) of T. Masked loads only in a tail block: GCC
+// keeps the accumulators in registers across plain loads but not across masked ones.
+template <int R, int TT, bool kTail>
+TGIS_AVX512 inline void FromScratch(const float* w, int64_t ld, const float* x, int64_t ldx,
+                                    int64_t k0, int64_t k1, Mask m, int64_t t0, int64_t t_count,
+                                    __m512* acc) {
+  __m512 a[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) a[r][t] = acc[r * t_count + t0 + t];
+  for (int64_t k = k0; k < k1; k += kBlock) {
+    __m512 xl[TT], xh[TT];
+#pragma GCC unroll 2
+    for (int t = 0; t < TT; ++t) {
+      const float* xp = x + (t0 + t) * ldx + k;
+      xl[t] = kTail ? _mm512_maskz_loadu_ps(m.lo, xp) : _mm512_loadu_ps(xp);
+      xh[t] = kTail ? _mm512_maskz_loadu_ps(m.hi, xp + 16) : _mm512_loadu_ps(xp + 16);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float* wr = w + r * ld + (k - k0);
+      const __m512 lo = _mm512_load_ps(wr), hi = _mm512_load_ps(wr + 16);
+#pragma GCC unroll 2
+      for (int t = 0; t < TT; ++t) {
+        a[r][t] = _mm512_fmadd_ps(lo, xl[t], a[r][t]);
+        a[r][t] = _mm512_fmadd_ps(hi, xh[t], a[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r * t_count + t0 + t] = a[r][t];
+}
+
+// FromScratch over the chunk [c0, c0 + len): its whole blocks, then a partial one if any.
+template <int R, int TT>
+TGIS_AVX512 void ChunkFromScratch(const float* w, int64_t ld, const float* x, int64_t ldx,
+                                  int64_t c0, int64_t len, Mask tail, int64_t t0, int64_t t_count,
+                                  __m512* acc) {
+  const int64_t whole = c0 + len / kBlock * kBlock;
+  FromScratch<R, TT, false>(w, ld, x, ldx, c0, whole, Mask{}, t0, t_count, acc);
+  if (whole < c0 + len) {
+    FromScratch<R, TT, true>(w + (whole - c0), ld, x, ldx, whole, c0 + len, tail, t0, t_count, acc);
+  }
+}
+
+// All T rows of x against weight rows [n, n + R).
+template <int R, WFmt W>
+TGIS_AVX512 void Tile(const SmallArgs& a, int64_t n) {
+  const int64_t t_count = a.t;
+  const int64_t full = a.k / kBlock * kBlock;  // quantized weights have no partial block
+  const Mask tail = TailMask(a.k - full);
+  RowDecoder<W> dec[R];
+  for (int r = 0; r < R; ++r) dec[r].row = RowOf<W>(a, n + r);
+  alignas(64) __m512 acc[R * kMaxT];
+  for (int64_t i = 0; i < R * t_count; ++i) acc[i] = _mm512_setzero_ps();
+
+  if (t_count <= 2) {
+    if (t_count == 1) {
+      Direct<R, 1, W, false>(dec, a.x, a.k, 0, full, Mask{}, acc);
+      if (full < a.k) Direct<R, 1, W, true>(dec, a.x, a.k, full, a.k, tail, acc);
+    } else {
+      Direct<R, 2, W, false>(dec, a.x, a.k, 0, full, Mask{}, acc);
+      if (full < a.k) Direct<R, 2, W, true>(dec, a.x, a.k, full, a.k, tail, acc);
+    }
+  } else {
+    alignas(64) static thread_local float scratch[kRows * (kChunk + kBlock)];
+    constexpr int64_t ld = kChunk + kBlock;
+    for (int64_t c0 = 0; c0 < a.k; c0 += kChunk) {
+      const int64_t len = std::min(kChunk, a.k - c0);
+      for (int r = 0; r < R; ++r) {
+        for (int64_t k = 0; k < len; k += kBlock) {
+          __m512 lo, hi;
+          if (c0 + k + kBlock <= a.k) {
+            dec[r].template Block<false>(c0 + k, Mask{}, &lo, &hi);
+          } else {
+            dec[r].template Block<true>(c0 + k, tail, &lo, &hi);
+          }
+          _mm512_store_ps(scratch + r * ld + k, lo);
+          _mm512_store_ps(scratch + r * ld + k + 16, hi);
+        }
+      }
+      int64_t t0 = 0;
+      for (; t0 + 2 <= t_count; t0 += 2)
+        ChunkFromScratch<R, 2>(scratch, ld, a.x, a.k, c0, len, tail, t0, t_count, acc);
+      if (t0 < t_count)
+        ChunkFromScratch<R, 1>(scratch, ld, a.x, a.k, c0, len, tail, t0, t_count, acc);
+    }
+  }
+  // The direct path keeps acc as [R][T] too (T = TT there).
+  for (int r = 0; r < R; ++r) {
+    for (int64_t t = 0; t < t_count; ++t) {
+      float s = _mm512_reduce_add_ps(acc[r * t_count + t]);
+      if (a.bias) s += a.bias[n + r];
+      a.out[t * a.n + n + r] = s;
+    }
+  }
+}
+
+}  // namespace
+
+bool CpuHasAvx512() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+    return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }();
+  return has;
+}
+
+bool Avx512Takes(const QuantizedWeight* q) {
+  if (q == nullptr) return true;
+  // Whole blocks, each inside one run (true of the usual group sizes 32, 64, 128 and of
+  // per-row scales on widths that are multiples of 32).
+  if (q->stored_in % kBlock != 0) return false;
+  const int32_t* run = q->block_run.data<int32_t>();
+  for (int64_t b = 0; b < q->stored_in / 8; b += kBlock / 8) {
+    for (int64_t j = 1; j < kBlock / 8; ++j)
+      if (run[b + j] != run[b]) return false;
+  }
+  return true;
+}
+
+void Avx512Q4OrderX(const float* x, int64_t t, int64_t k, float* out) {
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t b = 0; b < k; b += kBlock) {
+      const float* src = x + i * k + b;
+      float* dst = out + i * k + b;
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        dst[j] = src[2 * j];
+        dst[kBlock / 2 + j] = src[2 * j + 1];
+      }
+    }
+  }
+}
+
+template <WFmt W>
+void SmallAvx512(const SmallArgs& a, int64_t n0, int64_t n1) {
+  // The tile height changes which rows share a pass, never how a row is summed.
+  int64_t n = n0;
+  if (a.t == 1) {
+    for (; n + 2 * kRows <= n1; n += 2 * kRows) Tile<2 * kRows, W>(a, n);
+  }
+  for (; n + kRows <= n1; n += kRows) Tile<kRows, W>(a, n);
+  for (; n < n1; ++n) Tile<1, W>(a, n);
+}
+
+template void SmallAvx512<WFmt::kF32>(const SmallArgs&, int64_t, int64_t);
+template void SmallAvx512<WFmt::kBF16>(const SmallArgs&, int64_t, int64_t);
+template void SmallAvx512<WFmt::kF16>(const SmallArgs&, int64_t, int64_t);
+template void SmallAvx512<WFmt::kQ8>(const SmallArgs&, int64_t, int64_t);
+template void SmallAvx512<WFmt::kQ4>(const SmallArgs&, int64_t, int64_t);
+template void SmallAvx512<WFmt::kF8>(const SmallArgs&, int64_t, int64_t);
+
+}  // namespace tgis::kernels::cpu

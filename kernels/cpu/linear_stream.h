@@ -1,0 +1,57 @@
+// Internal to the CPU Linear: what its streaming (decode) kernels share, so that each
+// instruction set's kernel can live in its own file.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/quantized.h"
+
+namespace tgis::kernels::cpu {
+
+// How a weight row is stored: a float dtype, or quantized codes of 8 or 4 bits.
+enum class WFmt { kF32, kBF16, kF16, kQ8, kQ4, kF8 };
+
+// One weight row: its values (or codes) and, quantized, its per-run scales and zeros.
+struct WRow {
+  const void* p = nullptr;
+  const float* scale = nullptr;
+  const float* zero = nullptr;
+  const int32_t* block_run = nullptr;  // shared by all rows: the run of each 8-column block
+};
+
+// Arguments of one streaming-kernel call over output rows [n0, n1).
+struct SmallArgs {
+  const float* x;  // [T, K]
+  int64_t t;
+  int64_t k;
+  const void* w;             // [N, K] of the weight dtype, or the codes of `q`
+  const QuantizedWeight* q;  // quantized weights, else null
+  int64_t n;
+  const float* bias;  // [N] or null
+  float* out;         // [T, N]
+};
+
+template <WFmt W>
+inline WRow RowOf(const SmallArgs& a, int64_t n) {
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4 || W == WFmt::kF8) {
+    const int64_t runs = a.q->runs();
+    return {static_cast<const char*>(a.w) + n * a.q->codes.dim(1),
+            a.q->scales.data<float>() + n * runs, a.q->zeros.data<float>() + n * runs,
+            a.q->block_run.data<int32_t>()};
+  } else {
+    constexpr size_t kSize = W == WFmt::kF32 ? 4 : 2;
+    return {static_cast<const char*>(a.w) + n * a.k * static_cast<int64_t>(kSize)};
+  }
+}
+
+// The AVX-512 streaming kernel (linear_avx512.cc). It takes every float weight and the
+// quantized ones whose runs are whole 32-column blocks (see Avx512Takes); others stay on AVX2.
+bool CpuHasAvx512();
+bool Avx512Takes(const QuantizedWeight* q);
+// 4-bit codes are applied to x in the kernel's column order (each 32-column block's even
+// columns, then its odd ones): this reorders [t, k] rows of x into `out` accordingly.
+void Avx512Q4OrderX(const float* x, int64_t t, int64_t k, float* out);
+template <WFmt W>
+void SmallAvx512(const SmallArgs& a, int64_t n0, int64_t n1);
+
+}  // namespace tgis::kernels::cpu
