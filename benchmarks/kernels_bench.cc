@@ -1,7 +1,11 @@
 // Kernel micro benchmarks: the machine's streaming-read bandwidth, and Linear (the decode hot
 // path) as GB/s of weights streamed and as a fraction of that bandwidth.
 //
-//   kernels_bench [--quick] [format ...]   formats: bf16 f16 f32 int8 gptq8 gptq4 fp8
+//   kernels_bench [--quick] [--hot] [--isa=scalar|avx2|avx512|vnni] [format ...]
+//   formats: bf16 f16 f32 int8 gptq8 gptq4 fp8
+//
+// --hot adds a 1024x2048 weight read from cache (one copy, called repeatedly): the kernels'
+// compute ceiling, without DRAM in the way.
 //
 // Weights are cycled over enough copies (>= 1 GiB in all) that no call finds them in cache.
 // T = 1 and 16 take the streaming kernel, T = 64 the OpenBLAS path (shown for reference).
@@ -132,17 +136,19 @@ Tensor MakeWeight(const Format& f, int64_t out_f, int64_t in, int c) {
   return Tensor::Quantized(std::make_shared<const QuantizedWeight>(std::move(q)));
 }
 
-LinearResult TimeLinear(int64_t out_f, int64_t in, const Format& f, int64_t t_count, bool quick) {
+LinearResult TimeLinear(int64_t out_f, int64_t in, const Format& f, int64_t t_count, bool quick,
+                        bool hot) {
   const size_t weight_bytes = static_cast<size_t>(out_f * in * f.bytes_per_weight);
-  const int copies =
-      static_cast<int>(std::max<size_t>(2, ((quick ? 256u : 1024u) << 20) / weight_bytes + 1));
+  const int copies = hot ? 1
+                         : static_cast<int>(std::max<size_t>(
+                               2, ((quick ? 256u : 1024u) << 20) / weight_bytes + 1));
   std::vector<Tensor> ws;
   for (int c = 0; c < copies; ++c) ws.push_back(MakeWeight(f, out_f, in, c));
   Tensor x = Tensor::Empty({t_count, in}, DType::kF32);
   for (int64_t i = 0; i < t_count * in; ++i) x.data<float>()[i] = (i % 17) * 0.1f;
   Tensor out = Tensor::Empty({t_count, out_f}, DType::kF32);
   for (int c = 0; c < copies; ++c) tgis::kernels::Linear(x, ws[c], nullptr, &out);  // warm up
-  const int calls = quick ? copies : 3 * copies;
+  const int calls = hot ? 200 : quick ? copies : 3 * copies;
   double best = 1e30;
   for (int rep = 0; rep < 3; ++rep) {
     const auto t0 = Clock::now();
@@ -155,7 +161,31 @@ LinearResult TimeLinear(int64_t out_f, int64_t in, const Format& f, int64_t t_co
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  bool quick = false, hot = false;
+  std::vector<std::string> wanted;  // formats named on the command line, else all of them
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else if (std::strcmp(argv[i], "--hot") == 0) {
+      hot = true;
+    } else if (std::strncmp(argv[i], "--isa=", 6) == 0) {
+      namespace cpu = tgis::kernels::cpu;
+      const std::string name = argv[i] + 6;
+      const cpu::Isa isa = name == "scalar"   ? cpu::Isa::kScalar
+                           : name == "avx2"   ? cpu::Isa::kAvx2
+                           : name == "avx512" ? cpu::Isa::kAvx512
+                           : name == "vnni"   ? cpu::Isa::kAvx512Vnni
+                                              : cpu::Isa::kAuto;
+      if (isa == cpu::Isa::kAuto || !cpu::IsaAvailable(isa)) {
+        std::fprintf(stderr, "--isa: %s is not one of scalar avx2 avx512 vnni this CPU has\n",
+                     name.c_str());
+        return 2;
+      }
+      cpu::SetIsaForTesting(isa);
+    } else {
+      wanted.push_back(argv[i]);
+    }
+  }
   const int threads = tgis::kernels::cpu::ThreadPool::Global().size();
   std::printf("threads: %d  linear isa: %s\n", threads, tgis::kernels::cpu::ActiveIsaName());
   const double bw = MeasureBandwidth(size_t{1} << 30);
@@ -166,21 +196,20 @@ int main(int argc, char** argv) {
   struct Shape {
     int64_t out_f, in;
   };
-  // Only the formats named on the command line (after --quick), else all of them.
   const Format formats[] = {
       {"bf16", DType::kBF16, 0, 0, false, 2},   {"f16", DType::kF16, 0, 0, false, 2},
       {"f32", DType::kF32, 0, 0, false, 4},     {"int8", DType::kF32, 8, -1, false, 1},
       {"gptq8", DType::kF32, 8, 128, false, 1}, {"gptq4", DType::kF32, 4, 128, false, 0.5},
       {"fp8", DType::kF32, 8, -1, true, 1},
   };
-  std::vector<std::string> wanted;
-  for (int i = quick ? 2 : 1; i < argc; ++i) wanted.push_back(argv[i]);
   for (const Format& f : formats) {
     if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), f.name) == wanted.end())
       continue;
-    for (Shape s : {Shape{4096, 4096}, Shape{11008, 4096}}) {
+    std::vector<Shape> shapes = {Shape{4096, 4096}, Shape{11008, 4096}};
+    if (hot) shapes = {Shape{1024, 2048}};
+    for (Shape s : shapes) {
       for (int64_t t : {1, 16, 64}) {
-        const LinearResult r = TimeLinear(s.out_f, s.in, f, t, quick);
+        const LinearResult r = TimeLinear(s.out_f, s.in, f, t, quick, hot);
         const double bytes = s.out_f * s.in * f.bytes_per_weight;
         const double gbs = bytes / r.seconds / 1e9;
         const double gflops = 2.0 * s.out_f * s.in * t / r.seconds / 1e9;

@@ -11,14 +11,15 @@ namespace tgis::kernels::cpu {
 
 #include "kernels/op_signatures.inc"
 
-// Which Linear code path runs: kAuto picks AVX-512 when the CPU has it (for the weights that
-// kernel takes), else AVX2/FMA, else scalar. Tests force the others to cover every path; not
-// thread-safe against concurrent Linear calls.
-enum class Isa { kAuto, kScalar, kAvx2, kAvx512 };
+// Which Linear code path runs: kAuto picks the best the CPU has: AVX-512 with VNNI (integer
+// dot products for 8-bit codes), AVX-512, AVX2/FMA, scalar; each AVX-512 path only for
+// the weights it takes, AVX2 for the others. Tests force each path in turn; not thread-safe
+// against concurrent Linear calls.
+enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Vnni };
 void SetIsaForTesting(Isa isa);
 // Whether this CPU can run `isa`'s path (kAuto and kScalar always can).
 bool IsaAvailable(Isa isa);
-// The path kAuto resolves to on this machine ("avx512", "avx2+fma" or "scalar").
+// The path kAuto resolves to on this machine ("avx512+vnni", "avx512", "avx2+fma", "scalar").
 const char* ActiveIsaName();
 
 }  // namespace tgis::kernels::cpu

@@ -131,7 +131,7 @@ struct RowDecoder {
 // acc[r * T + t] += the blocks [k0, k1) of row r against x row t (T = TT here), in registers.
 template <int R, int TT, WFmt W, bool kTail>
 TGIS_AVX512 inline void Direct(RowDecoder<W>* dec, const float* x, int64_t ldx, int64_t k0,
-                               int64_t k1, Mask m, __m512* acc) {
+                               int64_t k1, Mask m, int64_t prefetch, __m512* acc) {
   __m512 a[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) a[r][t] = acc[r * TT + t];
@@ -146,6 +146,12 @@ TGIS_AVX512 inline void Direct(RowDecoder<W>* dec, const float* x, int64_t ldx, 
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       __m512 lo, hi;
+      if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4 || W == WFmt::kF8) {
+        // Quantized rows are short streams (1-4 KB) that the hardware prefetcher picks up
+        // late: fetch the same column of the rows two tiles on.
+        const int64_t byte = W == WFmt::kQ4 ? k / 2 : k;
+        _mm_prefetch(static_cast<const char*>(dec[r].row.p) + byte + prefetch, _MM_HINT_T0);
+      }
       dec[r].template Block<kTail>(k, m, &lo, &hi);
 #pragma GCC unroll 2
       for (int t = 0; t < TT; ++t) {
@@ -215,12 +221,13 @@ TGIS_AVX512 void Tile(const SmallArgs& a, int64_t n) {
   for (int64_t i = 0; i < R * t_count; ++i) acc[i] = _mm512_setzero_ps();
 
   if (t_count <= 2) {
+    const int64_t prefetch = a.q ? 2 * kRows * a.q->codes.dim(1) : 0;  // bytes
     if (t_count == 1) {
-      Direct<R, 1, W, false>(dec, a.x, a.k, 0, full, Mask{}, acc);
-      if (full < a.k) Direct<R, 1, W, true>(dec, a.x, a.k, full, a.k, tail, acc);
+      Direct<R, 1, W, false>(dec, a.x, a.k, 0, full, Mask{}, prefetch, acc);
+      if (full < a.k) Direct<R, 1, W, true>(dec, a.x, a.k, full, a.k, tail, prefetch, acc);
     } else {
-      Direct<R, 2, W, false>(dec, a.x, a.k, 0, full, Mask{}, acc);
-      if (full < a.k) Direct<R, 2, W, true>(dec, a.x, a.k, full, a.k, tail, acc);
+      Direct<R, 2, W, false>(dec, a.x, a.k, 0, full, Mask{}, prefetch, acc);
+      if (full < a.k) Direct<R, 2, W, true>(dec, a.x, a.k, full, a.k, tail, prefetch, acc);
     }
   } else {
     alignas(64) static thread_local float scratch[kRows * (kChunk + kBlock)];

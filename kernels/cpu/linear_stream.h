@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "kernels/quantized.h"
 
@@ -53,5 +54,23 @@ bool Avx512Takes(const QuantizedWeight* q);
 void Avx512Q4OrderX(const float* x, int64_t t, int64_t k, float* out);
 template <WFmt W>
 void SmallAvx512(const SmallArgs& a, int64_t n0, int64_t n1);
+
+// The VNNI kernel for 8-bit codes (linear_vnni.cc), on the weights Avx512Takes.
+bool CpuHasAvx512Vnni();
+// Each token's x as 31-bit fixed point (hi * 2^15 + lo) times 2^exponent, and the column
+// segments the kernel sums in integers (one run's columns each, bounded in length).
+struct FixedPointX {
+  struct Seg {
+    int64_t k0, k1;  // kernel columns, multiples of 32
+    int32_t run;
+  };
+  std::vector<int16_t> hi, lo;  // [t, k]
+  std::vector<int> exponent;    // [t]
+  std::vector<Seg> segments;
+  // From x [t, k] in the kernel's column order; false (and unusable) when x has a NaN or inf.
+  bool Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run);
+};
+template <WFmt W>
+void SmallVnni(const SmallArgs& a, const FixedPointX& fx, int64_t n0, int64_t n1);
 
 }  // namespace tgis::kernels::cpu

@@ -129,6 +129,8 @@ class OpsTest : public ::testing::TestWithParam<OpsParam> {
     std::vector<std::pair<cpu::Isa, std::string>> isas = {{cpu::Isa::kScalar, "scalar"}};
     if (cpu::IsaAvailable(cpu::Isa::kAvx2)) isas.emplace_back(cpu::Isa::kAvx2, "avx2");
     if (cpu::IsaAvailable(cpu::Isa::kAvx512)) isas.emplace_back(cpu::Isa::kAvx512, "avx512");
+    if (cpu::IsaAvailable(cpu::Isa::kAvx512Vnni))
+      isas.emplace_back(cpu::Isa::kAvx512Vnni, "avx512+vnni");
     return isas;
   }
 
@@ -422,7 +424,7 @@ TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {
   for (const auto& [isa, isa_name] : Isas()) {
     cpu::SetIsaForTesting(isa);
     for (int bits : {8, 4}) {
-      if (bits == 4 && isa == cpu::Isa::kAvx512) continue;
+      if (isa == cpu::Isa::kAvx512Vnni || (bits == 4 && isa == cpu::Isa::kAvx512)) continue;
       const DenseQuant dq = RandomQuant(bits, 37, 1024, 128, false, 7);
       const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(dq.Build()));
       const Tensor dense = Tensor::FromVector(dq.Weights(), {37, 1024});
@@ -479,6 +481,39 @@ TEST_P(OpsTest, LinearSmallBatchIsBatchInvariant) {
       const QuantizedWeight f8 = BuildFp8Rows(out_f, in, codes, std::vector<float>(out_f, 0.01f));
       ExpectBatchInvariant(x, Tensor::Quantized(std::make_shared<const QuantizedWeight>(f8)), out_f,
                            isa_name + " fp8");
+    }
+  }
+}
+
+// Activations the way LLMs have them: an outlier far above the rest, values spread over many
+// orders of magnitude, an all-zero row, and a row with a NaN (which must come out NaN, not be
+// hidden). The VNNI path holds x as fixed point per token; it must keep f32's accuracy here.
+TEST_P(OpsTest, QuantizedLinearOnWideRangeActivations) {
+  if (device() != Device::kCpu || dtype() != DType::kF32) GTEST_SKIP() << "CPU paths";
+  const int64_t in = 1024, out_f = 21, t_count = 4;
+  std::vector<float> xs = Random(t_count * in, 31);
+  xs[17] = 3e4f;  // row 0: one outlier
+  std::mt19937 rng(5);
+  for (int64_t k = 0; k < in; ++k)  // row 1: magnitudes from 1e-6 to 1e3
+    xs[in + k] *= std::pow(10.f, -6.f + 9.f * static_cast<float>(rng() % 1000) / 1000.f);
+  std::fill(xs.begin() + 2 * in, xs.begin() + 3 * in, 0.f);  // row 2: zeros
+  std::vector<float> finite = xs;
+  xs[3 * in + 100] = std::numeric_limits<float>::quiet_NaN();  // row 3
+  for (const auto& [isa, isa_name] : Isas()) {
+    cpu::SetIsaForTesting(isa);
+    for (int64_t group : {in, int64_t{128}}) {
+      const DenseQuant dq = RandomQuant(8, out_f, in, group, false, 3);
+      const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(dq.Build()));
+      const std::string what = isa_name + " group=" + std::to_string(group);
+      // Rows 0-2 against the f64 reference; then all four, where only row 3 may be NaN.
+      LinearCase(Act(std::vector<float>(finite.begin(), finite.begin() + 3 * in), {3, in}),
+                 std::vector<float>(finite.begin(), finite.begin() + 3 * in), w, dq.Weights(),
+                 nullptr, {}, 3, in, out_f, tol(), what);
+      Tensor out;
+      Linear(Act(xs, {t_count, in}), w, nullptr, &out);
+      for (int64_t i = 0; i < t_count * out_f; ++i) {
+        EXPECT_EQ(std::isnan(out.data<float>()[i]), i >= 3 * out_f) << what << " " << i;
+      }
     }
   }
 }
