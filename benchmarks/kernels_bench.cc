@@ -2,7 +2,7 @@
 // path) as GB/s of weights streamed and as a fraction of that bandwidth.
 //
 //   kernels_bench [--quick] [--hot] [--isa=scalar|avx2|avx512|vnni] [format ...]
-//   formats: bf16 f16 f32 int8 gptq8 gptq4 fp8
+//   formats: bf16 f16 f32 int8 gptq8 gptq4 (g128) gptq4g32 fp8
 //
 // --hot adds a 1024x2048 weight read from cache (one copy, called repeatedly): the kernels'
 // compute ceiling, without DRAM in the way.
@@ -197,10 +197,10 @@ int main(int argc, char** argv) {
     int64_t out_f, in;
   };
   const Format formats[] = {
-      {"bf16", DType::kBF16, 0, 0, false, 2},   {"f16", DType::kF16, 0, 0, false, 2},
-      {"f32", DType::kF32, 0, 0, false, 4},     {"int8", DType::kF32, 8, -1, false, 1},
-      {"gptq8", DType::kF32, 8, 128, false, 1}, {"gptq4", DType::kF32, 4, 128, false, 0.5},
-      {"fp8", DType::kF32, 8, -1, true, 1},
+      {"bf16", DType::kBF16, 0, 0, false, 2},       {"f16", DType::kF16, 0, 0, false, 2},
+      {"f32", DType::kF32, 0, 0, false, 4},         {"int8", DType::kF32, 8, -1, false, 1},
+      {"gptq8", DType::kF32, 8, 128, false, 1},     {"gptq4", DType::kF32, 4, 128, false, 0.5},
+      {"gptq4g32", DType::kF32, 4, 32, false, 0.5}, {"fp8", DType::kF32, 8, -1, true, 1},
   };
   for (const Format& f : formats) {
     if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), f.name) == wanted.end())

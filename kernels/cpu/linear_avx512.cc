@@ -58,12 +58,17 @@ template <WFmt W>
 struct RowDecoder {
   WRow row;
   int32_t run = -1;
+  int64_t runs_ahead = 0;  // how far ahead to prefetch the per-run scales and zeros
   __m512 zero, scale, table;
 
   TGIS_AVX512 void Enter(int64_t k) {
     const int32_t r = row.block_run[k / 8];
     if (r == run) return;
     run = r;
+    if (r % 16 == 0) {  // a cache line of each: with groups of 32 they are 50% more bytes
+      _mm_prefetch(reinterpret_cast<const char*>(row.scale + r + runs_ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row.zero + r + runs_ahead), _MM_HINT_T0);
+    }
     if constexpr (W == WFmt::kQ4) {
       const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(row.zero[r])),
@@ -216,7 +221,10 @@ TGIS_AVX512 void Tile(const SmallArgs& a, int64_t n) {
   const int64_t full = a.k / kBlock * kBlock;  // quantized weights have no partial block
   const Mask tail = TailMask(a.k - full);
   RowDecoder<W> dec[R];
-  for (int r = 0; r < R; ++r) dec[r].row = RowOf<W>(a, n + r);
+  for (int r = 0; r < R; ++r) {
+    dec[r].row = RowOf<W>(a, n + r);
+    if (a.q) dec[r].runs_ahead = 2 * kRows * a.q->runs();  // the rows two tiles on
+  }
   alignas(64) __m512 acc[R * kMaxT];
   for (int64_t i = 0; i < R * t_count; ++i) acc[i] = _mm512_setzero_ps();
 
