@@ -205,7 +205,9 @@ int main(int argc, char** argv) {
   for (const Format& f : formats) {
     if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), f.name) == wanted.end())
       continue;
-    std::vector<Shape> shapes = {Shape{4096, 4096}, Shape{11008, 4096}};
+    // Llama-2-7B's q/o and gate/up shapes, and TinyLlama's gate_up (short rows) and down.
+    std::vector<Shape> shapes = {Shape{4096, 4096}, Shape{11008, 4096}, Shape{11264, 2048},
+                                 Shape{2048, 5632}};
     if (hot) shapes = {Shape{1024, 2048}};
     for (Shape s : shapes) {
       for (int64_t t : {1, 16, 64}) {
