@@ -1,5 +1,8 @@
 // The paged KV cache on the CPU: writing new keys/values into it and attending over it.
-// Reference quality: plain loops, f32 accumulation, a two-pass softmax per query row.
+// f32 accumulation, a two-pass softmax per query row; q.k dot products and the p * v sums
+// use AVX2 where Linear does (same switch), f32 caches are read in place.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -40,6 +43,39 @@ void StoreAs(DType t, void* base, int64_t at, const float* src, int64_t n) {
     default:
       TGIS_FATAL("unsupported cache dtype %s", DTypeName(t));
   }
+}
+
+#define TGIS_ATTN_AVX2 __attribute__((target("avx2,fma")))
+
+float DotScalar(const float* a, const float* b, int64_t n) {
+  float dot = 0.f;
+  for (int64_t c = 0; c < n; ++c) dot += a[c] * b[c];
+  return dot;
+}
+
+// 8 lanes over c, a fixed horizontal sum, then the n % 8 tail.
+TGIS_ATTN_AVX2 float DotAvx2(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  float dot = _mm_cvtss_f32(h);
+  for (; c < n; ++c) dot += a[c] * b[c];
+  return dot;
+}
+
+// acc += p * v elementwise, rounded as the scalar loop rounds (a product, then a sum).
+TGIS_ATTN_AVX2 void AddScaledAvx2(float* acc, float p, const float* v, int64_t n) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    _mm256_storeu_ps(acc + c, _mm256_add_ps(_mm256_loadu_ps(acc + c),
+                                            _mm256_mul_ps(pv, _mm256_loadu_ps(v + c))));
+  }
+  for (; c < n; ++c) acc[c] += p * v[c];
 }
 
 }  // namespace
@@ -138,6 +174,8 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   const int64_t group = hq / hk;
   const float* qp = q.data<float>();
   float* op_out = out->data<float>();
+  const bool avx2 = UseAvx2Kernels();
+  const bool in_place = cache.k.dtype() == DType::kF32;  // else rows are converted to f32
   ThreadPool::Global().Run(num_seqs * hq, [&](int64_t task) {
     const int64_t s = task / hq;
     const int64_t h = task % hq;
@@ -151,14 +189,31 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
     const int64_t first_qpos = batch.causal ? ctx - q_len : 0;
     const int64_t first =
         sliding_window > 0 ? std::max<int64_t>(0, first_qpos - sliding_window + 1) : 0;
-    // Gather this head's keys and values in f32: rows [first, ctx).
+    // This head's key and value rows [first, ctx) in f32: in the cache itself when it is
+    // f32, else converted into per-thread buffers.
     const int64_t n = ctx - first;
-    std::vector<float> keys(n * d), values(n * d), scores(n), acc(d);
+    thread_local std::vector<float> keys, values, scores, acc;
+    thread_local std::vector<const float*> key_rows, value_rows;
+    scores.resize(n);
+    acc.resize(d);
+    key_rows.resize(n);
+    value_rows.resize(n);
+    if (!in_place) {
+      keys.resize(n * d);
+      values.resize(n * d);
+    }
     for (int64_t j = first; j < ctx; ++j) {
       const int64_t blk = IndexAt(batch.block_tables, s * max_blocks + j / bs);
       const int64_t at = ((blk * bs + j % bs) * hk + kvh) * d;
-      LoadF32(cache.k, at, d, keys.data() + (j - first) * d);
-      LoadF32(cache.v, at, d, values.data() + (j - first) * d);
+      if (in_place) {
+        key_rows[j - first] = cache.k.data<float>() + at;
+        value_rows[j - first] = cache.v.data<float>() + at;
+      } else {
+        LoadF32(cache.k, at, d, keys.data() + (j - first) * d);
+        LoadF32(cache.v, at, d, values.data() + (j - first) * d);
+        key_rows[j - first] = keys.data() + (j - first) * d;
+        value_rows[j - first] = values.data() + (j - first) * d;
+      }
     }
     for (int64_t i = 0; i < q_len; ++i) {
       const int64_t qpos = ctx - q_len + i;
@@ -167,9 +222,8 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
       const float* qrow = qp + ((q0 + i) * hq + h) * d;
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t j = lo; j <= hi; ++j) {
-        const float* kr = keys.data() + (j - first) * d;
-        float dot = 0.f;
-        for (int64_t c = 0; c < d; ++c) dot += qrow[c] * kr[c];
+        const float* kr = key_rows[j - first];
+        const float dot = avx2 ? DotAvx2(qrow, kr, d) : DotScalar(qrow, kr, d);
         float sc = dot * scale;
         if (alibi_slopes) sc += slope * static_cast<float>(j - qpos);
         if (relative != nullptr) {
@@ -185,8 +239,12 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
       for (int64_t j = lo; j <= hi; ++j) {
         const float p = std::exp(scores[j - first] - mx);
         sum += p;
-        const float* vr = values.data() + (j - first) * d;
-        for (int64_t c = 0; c < d; ++c) acc[c] += p * vr[c];
+        const float* vr = value_rows[j - first];
+        if (avx2) {
+          AddScaledAvx2(acc.data(), p, vr, d);
+        } else {
+          for (int64_t c = 0; c < d; ++c) acc[c] += p * vr[c];
+        }
       }
       float* orow = op_out + ((q0 + i) * hq + h) * d;
       const float inv = 1.f / sum;

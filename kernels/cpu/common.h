@@ -23,6 +23,10 @@ void CheckIndexTensor(const Tensor& t, const char* op, const char* what);
 
 // Converts n values of a float tensor (f32, bf16 or f16) starting at element `at` to f32.
 void LoadF32(const Tensor& t, int64_t at, int64_t n, float* dst);
+
+// Whether kernels may use AVX2/FMA now: the CPU has it and SetIsaForTesting allows it
+// (linear.cc owns the switch).
+bool UseAvx2Kernels();
 // A small float tensor (norm weights, biases) as an f32 vector.
 std::vector<float> ToFloatVector(const Tensor& t);
 

@@ -413,6 +413,8 @@ void Dispatch(const SmallArgs& a) {
 
 void SetIsaForTesting(Isa isa) { g_isa.store(isa); }
 
+bool UseAvx2Kernels() { return UseAvx2(); }
+
 bool IsaAvailable(Isa isa) {
   switch (isa) {
     case Isa::kAvx512Vnni:

@@ -1166,10 +1166,6 @@ void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device de
     bias.max_distance = max_distance;
     bias.bidirectional = c.bidirectional;
   }
-  Tensor out;
-  PagedAttention(q, cache, batch, scale, c.window, c.alibi || c.relative ? &bias : nullptr, &out);
-  ASSERT_EQ(out.shape(), (Shape{t_count, c.hq, d}));
-
   // Dense reference from the same K/V (as the cache stores them), in double.
   std::vector<double> ref, mag;
   const int64_t group = c.hq / c.hk;
@@ -1213,7 +1209,13 @@ void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device de
       }
     }
   }
-  ExpectClose(OpsTest::Host(out), ref, mag, tol, "paged attention");
+  for (const auto& [isa, isa_name] : test->Isas()) {  // the CPU's vector and scalar paths
+    cpu::SetIsaForTesting(isa);
+    Tensor out;
+    PagedAttention(q, cache, batch, scale, c.window, c.alibi || c.relative ? &bias : nullptr, &out);
+    ASSERT_EQ(out.shape(), (Shape{t_count, c.hq, d}));
+    ExpectClose(OpsTest::Host(out), ref, mag, tol, "paged attention " + isa_name);
+  }
 }
 
 TEST_P(OpsTest, PagedAttentionMha) {
