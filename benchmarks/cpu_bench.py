@@ -53,8 +53,10 @@ LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 # 4.6.0: later converters pass from_pretrained(dtype=...), which the transformers here
 # (4.49, torch_dtype=) rejects.
 CTRANSLATE2 = "ctranslate2==4.6.0"
-# protobuf: transformers reads the sentencepiece tokenizer through it when CTranslate2 converts.
-PY_PACKAGES = [CTRANSLATE2, "gguf==0.19.0", "sentencepiece", "pyyaml", "protobuf==4.25.3"]
+# protobuf: transformers reads the sentencepiece tokenizer through it when CTranslate2 converts;
+# sentencepiece 0.2.0 because later releases ship a model_pb2 generated for protobuf >= 6,
+# which the converter's import of it then refuses (4.25.3 runtime).
+PY_PACKAGES = [CTRANSLATE2, "gguf==0.19.0", "sentencepiece==0.2.0", "pyyaml", "protobuf==4.25.3"]
 TOKENIZER = REPO / "tests" / "fixtures" / "tokenizers" / "llama2"
 
 SHAPES = {
@@ -151,10 +153,12 @@ def make_gptq4(dense: Path, folder: Path, group: int = 32) -> None:
 
 def ensure_pylib(work: Path) -> Path:
     lib = work / "pylib"
-    if not (lib / ".done").exists():
+    done = lib / ".done"
+    if not done.exists() or done.read_text() != "\n".join(PY_PACKAGES):
+        shutil.rmtree(lib, ignore_errors=True)  # another package list: install afresh
         run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
              "--no-deps", "--target", lib, *PY_PACKAGES], timeout=900)
-        (lib / ".done").write_text("\n".join(PY_PACKAGES))
+        done.write_text("\n".join(PY_PACKAGES))
     return lib
 
 
