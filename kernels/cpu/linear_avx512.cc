@@ -27,7 +27,9 @@
 
 // GCC 12 reports the deliberately undefined pass-through operand of its own AVX-512 intrinsics
 // (_mm512_undefined_epi32 in _mm512_cvtepi8_epi32, _mm512_slli_epi32) as maybe-uninitialized.
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 namespace tgis::kernels::cpu {
 
