@@ -171,9 +171,10 @@ TGIS_AVX512 inline void Direct(RowDecoder<W>* dec, const float* x, int64_t ldx, 
     for (int t = 0; t < TT; ++t) acc[r * TT + t] = a[r][t];
 }
 
-// The same sums from weights already decoded into scratch rows (`ld` floats apart; column 0
-// is kernel column k0), for x rows [t0, t0 + TT) of T. Masked loads only in a tail block: GCC
-// keeps the accumulators in registers across plain loads but not across masked ones.
+// The same sums from weights already decoded into scratch rows, or f32 weight rows read in
+// place (`ld` floats apart; column 0 is kernel column k0), for x rows [t0, t0 + TT) of T. Masked
+// loads only in a tail block: GCC keeps the accumulators in registers across plain loads but not
+// across masked ones.
 template <int R, int TT, bool kTail>
 TGIS_AVX512 inline void FromScratch(const float* w, int64_t ld, const float* x, int64_t ldx,
                                     int64_t k0, int64_t k1, Mask m, int64_t t0, int64_t t_count,
@@ -192,7 +193,7 @@ TGIS_AVX512 inline void FromScratch(const float* w, int64_t ld, const float* x, 
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const float* wr = w + r * ld + (k - k0);
-      const __m512 lo = _mm512_load_ps(wr), hi = _mm512_load_ps(wr + 16);
+      const __m512 lo = _mm512_loadu_ps(wr), hi = _mm512_loadu_ps(wr + 16);
 #pragma GCC unroll 2
       for (int t = 0; t < TT; ++t) {
         a[r][t] = _mm512_fmadd_ps(lo, xl[t], a[r][t]);
@@ -244,6 +245,14 @@ TGIS_AVX512 void Tile(const SmallArgs& a, int64_t n) {
     constexpr int64_t ld = kChunk + kBlock;
     for (int64_t c0 = 0; c0 < a.k; c0 += kChunk) {
       const int64_t len = std::min(kChunk, a.k - c0);
+      if (W == WFmt::kF32 && len % kBlock == 0) {  // whole f32 blocks: read them in place
+        const float* w = static_cast<const float*>(a.w) + n * a.k + c0;
+        int64_t t0 = 0;
+        for (; t0 + 2 <= t_count; t0 += 2)
+          ChunkFromScratch<R, 2>(w, a.k, a.x, a.k, c0, len, tail, t0, t_count, acc);
+        if (t0 < t_count) ChunkFromScratch<R, 1>(w, a.k, a.x, a.k, c0, len, tail, t0, t_count, acc);
+        continue;
+      }
       for (int r = 0; r < R; ++r) {
         for (int64_t k = 0; k < len; k += kBlock) {
           __m512 lo, hi;
