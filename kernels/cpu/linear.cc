@@ -34,14 +34,6 @@ extern "C" void openblas_set_num_threads(int num_threads);
 
 namespace tgis::kernels::cpu {
 
-namespace {
-
-constexpr int64_t kSmallT = 16;  // T up to this takes the streaming kernel
-constexpr int64_t kChunk = 512;  // columns per chunk; a multiple of 8
-constexpr int kTileRows = 4;     // weight rows per tile (8 when T = 1)
-
-std::atomic<Isa> g_isa{Isa::kAuto};
-
 bool CpuHasAvx2() {
   static const bool has = [] {
     __builtin_cpu_init();
@@ -52,6 +44,13 @@ bool CpuHasAvx2() {
   }();
   return has;
 }
+
+namespace {
+
+constexpr int64_t kChunk = 512;  // columns per chunk; a multiple of 8
+constexpr int kTileRows = 4;     // weight rows per tile (8 when T = 1)
+
+std::atomic<Isa> g_isa{Isa::kAuto};
 
 bool UseAvx2() {
   switch (g_isa.load(std::memory_order_relaxed)) {

@@ -17,7 +17,6 @@
 // _mm512_reduce_add_ps and the bias. A partial last block (float weights only) reads zeros.
 // T <= 2 applies each decoded weight vector to every x row in registers; larger T decodes a
 // chunk of rows into scratch once and sums from there, in the same order.
-#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -37,10 +36,9 @@ namespace {
 
 #define TGIS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
-constexpr int64_t kBlock = 32;   // columns per step: two 16-lane vectors
-constexpr int64_t kChunk = 512;  // columns per scratch chunk; a multiple of kBlock
-constexpr int kRows = 4;         // weight rows per tile (8 when T = 1)
-constexpr int64_t kMaxT = 16;    // the streaming kernel's largest T (linear.cc's kSmallT)
+constexpr int64_t kBlock = kAvx512Block;  // columns per step: two 16-lane vectors
+constexpr int64_t kChunk = 512;           // columns per scratch chunk; a multiple of kBlock
+constexpr int kRows = 4;                  // weight rows per tile (8 when T = 1)
 
 // Lanes of a block's two halves that hold columns (all, except in a float tail block).
 struct Mask {
@@ -228,7 +226,7 @@ TGIS_AVX512 void Tile(const SmallArgs& a, int64_t n) {
     dec[r].row = RowOf<W>(a, n + r);
     if (a.q) dec[r].runs_ahead = 2 * kRows * a.q->runs();  // the rows two tiles on
   }
-  alignas(64) __m512 acc[R * kMaxT];
+  alignas(64) __m512 acc[R * kSmallT];
   for (int64_t i = 0; i < R * t_count; ++i) acc[i] = _mm512_setzero_ps();
 
   if (t_count <= 2) {
@@ -285,14 +283,9 @@ TGIS_AVX512 void Tile(const SmallArgs& a, int64_t n) {
 }  // namespace
 
 bool CpuHasAvx512() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
-    return f16c && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  }();
+  static const bool has = CpuHasAvx2() && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   return has;
 }
 

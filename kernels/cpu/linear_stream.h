@@ -9,6 +9,12 @@
 
 namespace tgis::kernels::cpu {
 
+constexpr int64_t kSmallT = 16;  // T up to this takes the streaming (decode) kernels
+// The AVX-512 and VNNI kernels' step: 32 columns, each inside one run (see Avx512Takes).
+constexpr int64_t kAvx512Block = 32;
+
+bool CpuHasAvx2();  // AVX2, FMA and F16C
+
 // How a weight row is stored: a float dtype, or quantized codes of 8 or 4 bits.
 enum class WFmt { kF32, kBF16, kF16, kQ8, kQ4, kF8 };
 

@@ -40,10 +40,9 @@ namespace {
 #define TGIS_VNNI \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
-constexpr int64_t kBlock = 32;      // columns per instruction: 32 int16 lanes
-constexpr int64_t kSegment = 2048;  // |sum| < 64 * 2 * 256 * 2^15 = 2^30 per lane
-constexpr int kRows = 4;            // weight rows per tile
-constexpr int64_t kMaxT = 16;       // the streaming kernel's largest T (linear.cc's kSmallT)
+constexpr int64_t kBlock = kAvx512Block;  // columns per instruction: 32 int16 lanes
+constexpr int64_t kSegment = 2048;        // |sum| < 64 * 2 * 256 * 2^15 = 2^30 per lane
+constexpr int kRows = 4;                  // weight rows per tile
 
 // acc += pairwise products of a and b (int16) summed into int32 lanes: vpdpwssd. Through asm
 // because GCC 12 allocates the intrinsic's tied accumulator badly (a copy and a stack store
@@ -120,7 +119,7 @@ TGIS_VNNI void Dots(const SmallArgs& a, const FixedPointX& fx, int64_t n, int64_
 template <int R, WFmt W>
 TGIS_VNNI void Tile(const SmallArgs& a, const FixedPointX& fx, int64_t n) {
   const int64_t t_count = a.t;
-  alignas(64) __m512 acc[R * kMaxT];
+  alignas(64) __m512 acc[R * kSmallT];
   for (int64_t i = 0; i < R * t_count; ++i) acc[i] = _mm512_setzero_ps();
   int64_t t0 = 0;
   for (; t0 + 2 <= t_count; t0 += 2) Dots<R, 2, W>(a, fx, n, t0, acc);

@@ -156,6 +156,17 @@ class OpsTest : public ::testing::TestWithParam<OpsParam> {
     }
     return device() == Device::kCpu ? t : t.ToDevice(device());
   }
+  // A quantized weight on the device, after checking that its stored layout dequantizes to
+  // `ws` bit for bit; `ws` then becomes what the device multiplies by (CUDA rounds it to x's
+  // dtype).
+  void QuantizedWeightOnDevice(const QuantizedWeight& q, std::vector<float>* ws, Tensor* w) const {
+    const Tensor back = Dequantize(q);
+    ASSERT_EQ(0, std::memcmp(back.raw(), ws->data(), ws->size() * sizeof(float)));
+    if (device() != Device::kCpu) {
+      for (float& v : *ws) v = RoundTo(dtype(), v);
+    }
+    *w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(q)).ToDevice(device());
+  }
   Tensor Index(const std::vector<int32_t>& v) const {
     Tensor t = Tensor::FromVector(v, {static_cast<int64_t>(v.size())});
     return device() == Device::kCpu ? t : t.ToDevice(device());
@@ -336,15 +347,8 @@ TEST_P(OpsTest, QuantizedLinearEqualsLinearOnTheDequantizedWeight) {
     for (const Case& c : cases) {
       const DenseQuant dq = RandomQuant(c.bits, c.out, c.in, c.group_size, c.act_order, ++seed);
       std::vector<float> ws = dq.Weights();
-      const QuantizedWeight q = dq.Build();
-      // The stored layout dequantizes to the same weights, bit for bit.
-      const Tensor back = Dequantize(q);
-      ASSERT_EQ(0, std::memcmp(back.raw(), ws.data(), ws.size() * sizeof(float)));
-      if (device() != Device::kCpu) {
-        for (float& v : ws) v = RoundTo(dtype(), v);  // CUDA multiplies by x's dtype
-      }
-      const Tensor w =
-          Tensor::Quantized(std::make_shared<const QuantizedWeight>(q)).ToDevice(device());
+      Tensor w;
+      ASSERT_NO_FATAL_FAILURE(QuantizedWeightOnDevice(dq.Build(), &ws, &w));
       std::vector<float> bs;
       const Tensor b = Weight(Random(c.out, ++seed), {c.out}, &bs);
       for (int64_t t : {1, 3, 17, 64}) {
@@ -398,14 +402,9 @@ TEST_P(OpsTest, Fp8LinearEqualsLinearOnTheDequantizedWeight) {
       std::vector<float> scales, ws(out * in);
       for (int64_t n = 0; n < out; ++n) scales.push_back(0.0005f + 0.0001f * (rng() % 100));
       for (int64_t i = 0; i < out * in; ++i) ws[i] = Fp8ByDefinition(codes[i]) * scales[i / in];
-      const QuantizedWeight q = BuildFp8Rows(out, in, codes, scales);
-      const Tensor back = Dequantize(q);
-      ASSERT_EQ(0, std::memcmp(back.raw(), ws.data(), ws.size() * sizeof(float)));
-      if (device() != Device::kCpu) {
-        for (float& v : ws) v = RoundTo(dtype(), v);  // CUDA multiplies by x's dtype
-      }
-      const Tensor w =
-          Tensor::Quantized(std::make_shared<const QuantizedWeight>(q)).ToDevice(device());
+      Tensor w;
+      ASSERT_NO_FATAL_FAILURE(
+          QuantizedWeightOnDevice(BuildFp8Rows(out, in, codes, scales), &ws, &w));
       for (int64_t t : {1, 3, 17, 64}) {
         const Tensor x = Act(Random(t * in, ++seed), {t, in});
         const std::string what =
