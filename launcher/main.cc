@@ -1,7 +1,9 @@
-// text-generation-launcher: resolves the model, starts NUM_SHARD shards and waits for them,
-// then starts the router; forwards SIGTERM (the router drains in-flight requests within the
-// grace period) and takes everything down, exiting non-zero, when any child dies.
-// The command line is TGIS's launcher's (launcher_flags.h).
+// text-generation-launcher: resolves the model (downloading it with `text-generation-server
+// download-weights` when it is not in the cache and HF_HUB_OFFLINE is off, and converting a
+// .bin-only checkpoint with convert-to-safetensors, as TGIS does), starts NUM_SHARD shards and
+// waits for them, then starts the router; forwards SIGTERM (the router drains in-flight requests
+// within the grace period) and takes everything down, exiting non-zero, when any child dies. The
+// command line is TGIS's launcher's (launcher_flags.h).
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -20,10 +22,11 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "hub/hub_cache.h"
 #include "launcher/child_process.h"
 #include "launcher/launcher_flags.h"
 #include "launcher/log_sink.h"
-#include "launcher/model_resolver.h"
 
 namespace {
 
@@ -98,11 +101,6 @@ int main(int argc, char** argv) {
   }
   const int num_shard = settings->num_shard;
 
-  auto model = tgis::launcher::ResolveModel(flags.model_name, flags.revision.value_or(""),
-                                            tgis::launcher::CacheDirs::FromEnvironment());
-  if (!model.ok()) return fatal(std::string(model.status().message()));
-  log.Info("model " + flags.model_name + " -> " + *model);
-
   struct sigaction sa {};
   sa.sa_handler = OnStopSignal;
   sigaction(SIGTERM, &sa, nullptr);
@@ -131,6 +129,63 @@ int main(int argc, char** argv) {
     auto it = fatal_lines.find(child.name());
     return it == fatal_lines.end() ? std::string() : ": " + it->second;
   };
+
+  auto cache = tgis::hub::CacheDir::FromProcessEnvironment();
+  if (!cache.ok()) return fatal(std::string(cache.status().message()));
+  if (!cache->warning.empty()) log.Warn(cache->warning);
+  // A tool command (download-weights, convert-to-safetensors) run to its end; "" or why not.
+  auto run_tool = [&](const std::string& name, const std::vector<std::string>& args) {
+    ChildProcess child;
+    std::string error;
+    std::map<std::string, std::string> tool_env;
+    if (!cache->path.empty()) tool_env["HF_HUB_CACHE"] = cache->path;
+    if (!child.Start(name, args, tool_env, sink, &error)) return "cannot start: " + error;
+    int status = 0;
+    while (!child.WaitFor(0.2, &status)) {
+      if (g_stop_signal != 0) {
+        child.Signal(SIGTERM);
+        if (!child.WaitFor(10, &status)) child.Signal(SIGKILL);
+        return std::string("stopped by a signal");
+      }
+    }
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return std::string();
+    return tgis::launcher::DescribeStatus(status) + why(child);
+  };
+  const std::string revision = flags.revision.value_or("");
+  auto model = tgis::hub::ResolveModel(flags.model_name, revision, cache->path);
+  if (absl::IsNotFound(model.status()) && !tgis::hub::IsLocalPath(flags.model_name)) {
+    if (tgis::hub::OfflineFromEnvironment()) {
+      return fatal(std::string(model.status().message()) +
+                   " (HF_HUB_OFFLINE is set, so it is not downloaded)");
+    }
+    log.Info("model " + flags.model_name + " is not in the cache " + cache->path +
+             ": downloading it");
+    std::vector<std::string> args = {server_bin, "download-weights", flags.model_name,
+                                     "--extension", ".safetensors"};
+    if (!revision.empty()) args.insert(args.end(), {"--revision", revision});
+    if (std::string err = run_tool("download-weights", args); !err.empty()) {
+      return fatal("download-weights " + flags.model_name + " failed: " + err);
+    }
+    model = tgis::hub::ResolveModel(flags.model_name, revision, cache->path);
+  }
+  if (!model.ok()) return fatal(std::string(model.status().message()));
+  log.Info("model " + flags.model_name + " -> " + *model);
+  // As TGIS: PyTorch weights only -> safetensors beside them, before any shard starts.
+  auto has = [&model](const std::string& ext) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(*model, ec)) {
+      if (e.path().extension() == ext) return true;
+    }
+    return false;
+  };
+  if (!has(".safetensors") && has(".bin")) {
+    log.Info(*model + " holds only PyTorch .bin weights: converting them to safetensors");
+    if (std::string err =
+            run_tool("convert-to-safetensors", {server_bin, "convert-to-safetensors", *model});
+        !err.empty()) {
+      return fatal("convert-to-safetensors " + *model + " failed: " + err);
+    }
+  }
 
   std::vector<std::unique_ptr<ChildProcess>> shards;
   for (int rank = 0; rank < num_shard; ++rank) {

@@ -8,12 +8,12 @@ APT_PACKAGES=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libgflags-dev libgoogle-glog-dev libgtest-dev libgmock-dev libbenchmark-dev
   libsentencepiece-dev nlohmann-json3-dev libonig-dev libicu-dev libssl-dev libopenblas-dev
-  libcpp-httplib-dev prometheus libgloo-dev
+  libcpp-httplib-dev prometheus libgloo-dev libcurl4-openssl-dev
   clang libclang-rt-14-dev
   python3-venv
 )
 PY_PACKAGES=(
-  "tokenizers==0.21.1" "sentencepiece==0.2.0" "transformers==4.55.4" "protobuf" "pytest"
+  "tokenizers==0.21.1" "sentencepiece==0.2.0" "transformers==4.55.4" "protobuf" "pytest" "huggingface_hub"
   "grpcio" "grpcio-tools" "numpy" "pyyaml" "kubernetes-validate" "matplotlib"
 )
 

@@ -3,6 +3,8 @@
 //   text-generation-server serve MODEL_DIR --uds-path /tmp/text-generation-server
 //       [--dtype float32|bfloat16] [--rank 0 --world-size 1] [--kv-cache-blocks N]
 //
+// and TGIS's operator commands (cli_tools.h): download-weights, convert-to-safetensors.
+//
 // With --world-size N > 1 the N shards (ranks 0..N-1) each load their slice of the model and run
 // every step together over a Communicator (Gloo on the CPU, NCCL on CUDA), meeting first through
 // the rendezvous directory of MASTER_ADDR:MASTER_PORT.
@@ -18,6 +20,7 @@
 
 #include "common/env_flags.h"
 #include "kernels/tensor.h"
+#include "server/cli_tools.h"
 #include "server/gloo_communicator.h"
 #include "server/model_registry.h"
 #include "server/nccl_communicator.h"
@@ -93,6 +96,14 @@ int Fail(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 2 && (std::string(argv[1]) == "download-weights" ||
+                    std::string(argv[1]) == "convert-to-safetensors")) {
+    FLAGS_logtostderr = true;
+    google::InitGoogleLogging(argv[0]);
+    return std::string(argv[1]) == "download-weights"
+               ? tgis::server::RunDownloadWeights(argc, argv)
+               : tgis::server::RunConvertToSafetensors(argc, argv);
+  }
   gflags::SetUsageMessage(
       "serve MODEL_DIR --uds-path PATH [--dtype float32|bfloat16] [--rank R --world-size N]");
   tgis::NormalizeDashedFlags(argc, argv);
@@ -122,7 +133,9 @@ int main(int argc, char** argv) {
     return Fail(err);
   }
   if (argc != 3 || std::string(argv[1]) != "serve") {
-    return Fail("usage: text-generation-server serve MODEL_DIR --uds-path PATH");
+    return Fail(
+        "usage: text-generation-server serve MODEL_DIR --uds-path PATH | download-weights "
+        "MODEL_NAME ... | convert-to-safetensors MODEL_NAME ...");
   }
   // Exit with the parent (the launcher): no orphaned shard.
   prctl(PR_SET_PDEATHSIG, SIGTERM);
@@ -209,6 +222,7 @@ int main(int argc, char** argv) {
   auto model = tgis::server::ModelRegistry::Get().Build(*config, **weights, dtype, comm);
   if (!model.ok()) return Fail(std::string(model.status().message()));
   if (cuda) (*model)->MoveTo(tgis::kernels::Device::kCuda);
+  (*weights)->FinishLoading();
   LOG(INFO) << "loaded " << config->model_type << " from " << model_dir << " (" << FLAGS_dtype
             << (FLAGS_world_size > 1 ? ", rank " + std::to_string(FLAGS_rank) + " of " +
                                            std::to_string(FLAGS_world_size)

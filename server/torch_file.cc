@@ -119,7 +119,9 @@ absl::StatusOr<TorchTensor> Gather(const TensorRef& t, const Storages& s) {
     return absl::InvalidArgumentError(absl::StrCat("storage ", t.storage.key, " has no data"));
   }
   const std::string_view data = data_it->second;
-  TorchTensor out{t.dtype, t.size, {}};
+  TorchTensor out;
+  out.dtype = t.dtype;
+  out.shape = t.size;
   const int64_t es = static_cast<int64_t>(t.elem_size);
   int64_t numel = 1, last = 0, step;  // last: the highest element index the tensor touches
   for (size_t d = 0; d < t.size.size(); ++d) {
@@ -143,6 +145,11 @@ absl::StatusOr<TorchTensor> Gather(const TensorRef& t, const Storages& s) {
                                                    t.storage.key, " (truncated file?)"));
   }
   out.bytes.resize(static_cast<size_t>(numel * es));
+  out.storage = t.storage.key;
+  const StorageRef& root = s.roots.at(t.storage.key);
+  out.storage_nbytes = root.numel * static_cast<int64_t>(root.elem_size);
+  out.first_byte = first_byte;
+  out.end_byte = numel == 0 ? first_byte : end_byte;
   if (numel == 0) return out;
   const char* base = data.data() + first_byte;
   const size_t rank = t.size.size();

@@ -26,6 +26,12 @@ struct TorchTensor {
   std::string dtype;
   std::vector<int64_t> shape;  // empty for a 0-dim tensor
   std::vector<uint8_t> bytes;
+  // Where it lay in the file: tensors saved as views of one storage (tied weights) share it,
+  // which is what a converter de-duplicates. Byte offsets are from the storage's start.
+  std::string storage;         // the storage's key in the file
+  int64_t storage_nbytes = 0;  // the whole storage
+  int64_t first_byte = 0;      // [first_byte, end_byte): the bytes the tensor reaches
+  int64_t end_byte = 0;
 };
 
 // What the file holds: a single tensor (key "") or a (possibly nested) dict of tensors whose

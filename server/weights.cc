@@ -208,6 +208,10 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string
     if (auto st = MapFile(f, &found); !st.ok()) return st;
     for (auto& [name, t] : found) store->tensors_[name] = Entry{std::move(t), f.string()};
   }
+  int64_t total = 0;
+  for (const auto& [name, e] : store->tensors_) total += static_cast<int64_t>(e.view.nbytes());
+  store->progress_ = std::make_unique<Progress>(
+      absl::StrCat("loading weights (", files.size(), " files) from ", model_dir), total, 0);
   return store;
 }
 
@@ -240,7 +244,14 @@ std::string WeightStore::FileOf(const std::string& name) const {
 
 void WeightStore::MarkRead(const std::string& name) const {
   std::lock_guard<std::mutex> lock(read_mu_);
-  read_.insert(name);
+  if (read_.insert(name).second && progress_ != nullptr) {
+    auto it = tensors_.find(name);
+    if (it != tensors_.end()) progress_->AddBytes(static_cast<int64_t>(it->second.view.nbytes()));
+  }
+}
+
+void WeightStore::FinishLoading() const {
+  if (progress_ != nullptr) progress_->Finish();
 }
 
 std::vector<std::string> WeightStore::Unread() const {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/progress.h"
 #include "kernels/tensor.h"
 #include "server/quantization.h"
 
@@ -45,6 +46,10 @@ class WeightStore {
   void MarkRead(const std::string& name) const;
   // Tensors nobody has read, in name order.
   std::vector<std::string> Unread() const;
+  // Loading progress in the log: each tensor's first read counts its bytes (a mapped file is
+  // read from disk when first touched, so this follows the real I/O). FinishLoading prints the
+  // closing line.
+  void FinishLoading() const;
 
   // How the checkpoint's linear weights are quantized (ReadQuantConfig; default: not).
   void set_quantization(QuantConfig q) { quant_ = std::move(q); }
@@ -60,6 +65,7 @@ class WeightStore {
   std::map<std::string, Entry> tensors_;
   mutable std::mutex read_mu_;
   mutable std::set<std::string> read_;
+  std::unique_ptr<Progress> progress_;
 };
 
 }  // namespace tgis::server

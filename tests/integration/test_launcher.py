@@ -47,7 +47,8 @@ class Launcher:
 
 def test_missing_model_fails_naming_where_it_looked(tmp_path):
     need_binaries()
-    launcher = Launcher(tmp_path, {"MODEL_NAME": "org/not-there", "HF_HUB_CACHE": str(tmp_path / "cache")})
+    launcher = Launcher(tmp_path, {"MODEL_NAME": "org/not-there", "HF_HUB_CACHE": str(tmp_path / "cache"),
+                                   "HF_HUB_OFFLINE": "1"})
     rc = launcher.proc.proc.wait(timeout=30)
     assert rc != 0
     out = launcher.proc.output()

@@ -185,7 +185,10 @@ TEST(TorchFile, MissingFileNamesIt) {
 }
 
 TEST(TorchFile, RefusesNonFloatTargetAndBadSizes) {
-  TorchTensor t{"float32", {2}, std::vector<uint8_t>(8, 0)};
+  TorchTensor t;
+  t.dtype = "float32";
+  t.shape = {2};
+  t.bytes.assign(8, 0);
   auto to_int = ToFloatTensor(t, DType::kI32, "x.pt: w");
   ASSERT_FALSE(to_int.ok());
   EXPECT_NE(to_int.status().message().find("x.pt: w"), std::string::npos);

@@ -1,17 +1,18 @@
-// MODEL_NAME resolution: directories as given, hub ids through the local HF cache layout.
+// MODEL_NAME resolution (directories as given, hub ids through the local HF cache layout) and
+// the choice of the cache folder from the environment, as TGIS's launcher makes it.
+#include "hub/hub_cache.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 
-#include "launcher/model_resolver.h"
-
 namespace {
 
 namespace fs = std::filesystem;
-using tgis::launcher::CacheDirs;
-using tgis::launcher::ResolveModel;
+using tgis::hub::CacheDir;
+using tgis::hub::ResolveModel;
 
 class ResolverTest : public ::testing::Test {
  protected:
@@ -38,13 +39,13 @@ TEST_F(ResolverTest, DirectoryIsUsedAsIs) {
   fs::path model = root_ / "my-model";
   fs::create_directories(model);
   std::ofstream(model / "config.json") << "{}";
-  auto r = ResolveModel(model.string(), "", CacheDirs{});
+  auto r = ResolveModel(model.string(), "", "");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(*r, model.string());
 }
 
 TEST_F(ResolverTest, DirectoryWithoutConfigIsAnError) {
-  auto r = ResolveModel(root_.string(), "", CacheDirs{});
+  auto r = ResolveModel(root_.string(), "", "");
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("config.json"), std::string::npos);
 }
@@ -53,9 +54,7 @@ TEST_F(ResolverTest, HubIdFollowsRefsMainInHfHubCache) {
   fs::path cache = root_ / "hub";
   fs::path snap = Snapshot(cache, "models--bigscience--bloom-560m", "abc123");
   Ref(cache, "models--bigscience--bloom-560m", "main", "abc123");
-  CacheDirs dirs;
-  dirs.hf_hub_cache = cache.string();
-  auto r = ResolveModel("bigscience/bloom-560m", "", dirs);
+  auto r = ResolveModel("bigscience/bloom-560m", "", cache.string());
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(*r, snap.string());
 }
@@ -65,27 +64,46 @@ TEST_F(ResolverTest, RevisionMayBeACommitOrABranch) {
   Snapshot(cache, "models--org--m", "c1");
   fs::path snap2 = Snapshot(cache, "models--org--m", "c2");
   Ref(cache, "models--org--m", "dev", "c2");
-  CacheDirs dirs;
-  dirs.hf_home = (root_ / "home").string();
-  auto by_commit = ResolveModel("org/m", "c1", dirs);
+  auto by_commit = ResolveModel("org/m", "c1", cache.string());
   ASSERT_TRUE(by_commit.ok()) << by_commit.status();
   EXPECT_EQ(*by_commit, (cache / "models--org--m" / "snapshots" / "c1").string());
-  auto by_branch = ResolveModel("org/m", "dev", dirs);
+  auto by_branch = ResolveModel("org/m", "dev", cache.string());
   ASSERT_TRUE(by_branch.ok()) << by_branch.status();
   EXPECT_EQ(*by_branch, snap2.string());
 }
 
 TEST_F(ResolverTest, MissingModelSaysWhereItLooked) {
-  CacheDirs dirs;
-  dirs.hf_hub_cache = (root_ / "a").string();
-  dirs.home = (root_ / "h").string();
-  auto r = ResolveModel("org/absent", "", dirs);
+  auto r = ResolveModel("org/absent", "", (root_ / "a").string());
   ASSERT_FALSE(r.ok());
   const std::string msg(r.status().message());
   EXPECT_NE(msg.find((root_ / "a" / "models--org--absent").string()), std::string::npos) << msg;
-  EXPECT_NE(msg.find((root_ / "h" / ".cache" / "huggingface" / "hub").string()), std::string::npos)
-      << msg;
-  EXPECT_NE(msg.find("Nothing is downloaded"), std::string::npos);
+}
+
+TEST(CacheDirTest, PrecedenceIsTgisLaunchers) {
+  auto dir = [](std::map<std::string, std::string> env) {
+    auto d = CacheDir::FromEnvironment(env);
+    EXPECT_TRUE(d.ok()) << d.status();
+    return d.ok() ? d->path : "";
+  };
+  EXPECT_EQ(dir({{"HF_HUB_CACHE", "/c"}, {"HF_HOME", "/h"}, {"HOME", "/u"}}), "/c");
+  EXPECT_EQ(dir({{"TRANSFORMERS_CACHE", "/t"}, {"HF_HOME", "/h"}}), "/t");
+  EXPECT_EQ(dir({{"HUGGINGFACE_HUB_CACHE", "/t"}, {"HF_HOME", "/h"}}), "/t");
+  EXPECT_EQ(dir({{"HF_HOME", "/h"}, {"HOME", "/u"}}), "/h/hub");
+  EXPECT_EQ(dir({{"HOME", "/u"}}), "/u/.cache/huggingface/hub");
+  EXPECT_EQ(dir({}), "");
+  auto same = CacheDir::FromEnvironment({{"HF_HUB_CACHE", "/c"}, {"TRANSFORMERS_CACHE", "/c"}});
+  ASSERT_TRUE(same.ok());
+  EXPECT_NE(same->warning.find("TRANSFORMERS_CACHE is deprecated"), std::string::npos);
+}
+
+TEST(CacheDirTest, ConflictingCacheVariablesAreAnError) {
+  auto d = CacheDir::FromEnvironment({{"HF_HUB_CACHE", "/c"}, {"TRANSFORMERS_CACHE", "/t"}});
+  ASSERT_FALSE(d.ok());
+  EXPECT_EQ(d.status().message(),
+            "TRANSFORMERS_CACHE and HF_HUB_CACHE env vars can't be set to different values");
+  EXPECT_FALSE(
+      CacheDir::FromEnvironment({{"TRANSFORMERS_CACHE", "/t"}, {"HUGGINGFACE_HUB_CACHE", "/u"}})
+          .ok());
 }
 
 }  // namespace
