@@ -236,12 +236,15 @@ const std::vector<FlagSpec>& Specs() {
        .env = "OTLP_ENDPOINT",
        .group = Group::kLogging,
        .field = &L::otlp_endpoint,
-       .help = "OpenTelemetry collector (no effect here: no trace export yet)"},
+       .help =
+           "OpenTelemetry collector's OTLP/gRPC endpoint (http://host:4317): the router and the "
+           "shards export their spans there"},
       {.name = "otlp_service_name",
        .env = "OTLP_SERVICE_NAME",
        .group = Group::kLogging,
        .field = &L::otlp_service_name,
-       .help = "Service name in exported traces (no effect here: no trace export yet)"},
+       .help = "Service name in exported traces (router default text-generation-inference.router, "
+               "shards text-generation-inference.server)"},
       {.name = "shutdown_grace_period",
        .env = "SHUTDOWN_GRACE_PERIOD",
        .default_value = "30",

@@ -209,6 +209,14 @@ int main(int argc, char** argv) {
       args.insert(args.end(), {"--dtype", settings->dtype});
     }
     if (!settings->quantize.empty()) args.insert(args.end(), {"--quantize", settings->quantize});
+    // Tracing: the shards' spans go to the router's collector (their own service name unless
+    // one was given).
+    if (flags.otlp_endpoint) {
+      args.insert(args.end(), {"--otlp-endpoint", *flags.otlp_endpoint});
+      if (flags.otlp_service_name) {
+        args.insert(args.end(), {"--otlp-service-name", *flags.otlp_service_name});
+      }
+    }
     if (!child->Start("shard-" + std::to_string(rank), args, shard_env, sink, &error)) {
       return fatal("cannot start shard " + std::to_string(rank) + ": " + error);
     }
@@ -259,6 +267,12 @@ int main(int argc, char** argv) {
       std::to_string(flags.shard_startup_timeout + 60),
       "--shard-step-timeout",
       std::to_string(flags.shard_step_timeout)};
+  if (flags.otlp_endpoint) {  // as TGIS's launcher passes them
+    router_args.insert(router_args.end(), {"--otlp-endpoint", *flags.otlp_endpoint});
+    if (flags.otlp_service_name) {
+      router_args.insert(router_args.end(), {"--otlp-service-name", *flags.otlp_service_name});
+    }
+  }
   // HTTP and TLS settings reach the router through its environment.
   std::map<std::string, std::string> router_env = {{"PORT", std::to_string(flags.port)}};
   if (flags.tls_cert_path) router_env["TLS_CERT_PATH"] = *flags.tls_cert_path;

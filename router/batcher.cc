@@ -140,9 +140,46 @@ void Batcher::UpdateQueueGaugeLocked() {
   if (config_.metrics != nullptr) config_.metrics->queue_size->Set(queue_.size());
 }
 
+// Begins the step's span (when tracing) and ends it when the step is handled.
+class Batcher::StepTrace {
+ public:
+  StepTrace(Batcher* b, const char* name) : b_(b) {
+    if (!tracing::TracingEnabled()) return;
+    b_->step_start_ = Clock::now();
+    b_->step_name_ = name;
+    b_->step_span_ =
+        tracing::StartSpan(name, nullptr, tracing::SpanKind::kInternal, b_->step_start_);
+  }
+  ~StepTrace() { b_->step_span_.End(); }
+
+ private:
+  Batcher* b_;
+};
+
+void Batcher::TraceRequestStep(const tracing::SpanContext& request_span,
+                               Clock::time_point handled) {
+  if (!step_span_.recording() || !request_span.valid()) return;
+  tracing::Span step =
+      tracing::StartSpan(step_name_, &request_span, tracing::SpanKind::kInternal, step_start_);
+  step.AddLink(step_span_.context());
+  tracing::Span detokenize =
+      tracing::StartSpan("detokenize", &step.context(), tracing::SpanKind::kInternal, handled);
+  detokenize.End();
+  step.End();
+}
+
 void Batcher::EndRequest(GenerationRequest& request, absl::StatusOr<fmaas::GenerationResponse> last,
                          uint32_t generated, bool expired_in_queue) {
   RecordRequestEnd(config_.metrics, request, last, generated, expired_in_queue, Clock::now());
+  if (request.span.recording()) {
+    request.span.SetAttribute("generated_tokens", static_cast<int64_t>(generated));
+    if (last.ok()) {
+      request.span.SetAttribute("stop_reason", fmaas::StopReason_Name(last->stop_reason()));
+    } else {
+      request.span.SetError(std::string(last.status().message()));
+    }
+    request.span.End();
+  }
   request.sink->Finish(std::move(last));
 }
 
@@ -282,6 +319,7 @@ void Batcher::DropCancelled() {
 
 void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
   if (!finished_.empty()) FilterFinished();
+  StepTrace trace(this, "prefill");
   pb::PrefillRequest request;
   pb::Batch* b = request.mutable_batch();
   b->set_id(next_batch_id_++);
@@ -295,6 +333,11 @@ void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
     shard_request->set_speculate_tokens(config_.speculate_tokens);
     tokens += r->input_ids.size();
     r->batched = admitted;
+    if (r->span.recording()) {
+      tracing::Span queue =
+          tracing::StartSpan("queue", &r->span.context(), tracing::SpanKind::kInternal, r->queued);
+      queue.End(admitted);
+    }
     if (m != nullptr && r->kind != RequestKind::kHealthCheck) {
       m->request_queue_duration->Observe(Seconds(admitted - r->queued));
     }
@@ -374,7 +417,9 @@ void Batcher::Decode() {
     FailAllRunning(absl::InternalError("the request was lost by the batcher"));
     return;
   }
+  StepTrace trace(this, "decode");
   pb::DecodeRequest request;
+  if (step_span_.recording()) request.set_traceparent(step_span_.context().Traceparent());
   for (const pb::CachedBatch& b : batches_) *request.add_batches() = b;
   request.mutable_finished_request_ids()->Add(finished_.begin(), finished_.end());
   request.set_max_prompt_tokens(config_.prefill_chunk_tokens);
@@ -524,6 +569,7 @@ void Batcher::Resume() {
     resume->set_resume(true);
   }
   if (b->requests_size() == 0) return;
+  StepTrace trace(this, "resume");
   LOG(INFO) << "resuming " << b->requests_size() << " preempted request(s) in batch #" << b->id();
   Clock::time_point start, end;
   std::optional<pb::PrefillResponse> response = CallPrefill(&request, "resuming", &start, &end);
@@ -551,6 +597,7 @@ std::optional<pb::PrefillResponse> Batcher::CallPrefill(pb::PrefillRequest* requ
                                                         const char* what, Clock::time_point* start,
                                                         Clock::time_point* end) {
   request->set_max_prompt_tokens(config_.prefill_chunk_tokens);
+  if (step_span_.recording()) request->set_traceparent(step_span_.context().Traceparent());
   *start = Clock::now();
   absl::StatusOr<pb::PrefillResponse> response = shards_.Prefill(*request);
   *end = Clock::now();
@@ -580,6 +627,18 @@ void Batcher::OnGeneration(const pb::Generation& generation, bool prefill) {
     return;
   }
   Running& r = it->second;
+  // The request's span of this step, made however this function returns (the request may be
+  // gone by then: only its span's context is kept).
+  struct AtExit {
+    std::function<void()> f;
+    ~AtExit() {
+      if (f) f();
+    }
+  } trace{step_span_.recording() ? std::function<void()>([this, parent = r.request->span.context(),
+                                                          handled = Clock::now()] {
+    TraceRequestStep(parent, handled);
+  })
+                                 : nullptr};
   if (prefill) {
     if (auto message = r.progress->AddInputTokens(generation.input_tokens())) {
       r.request->sink->Send(std::move(*message));

@@ -117,6 +117,12 @@ class Batcher {
   // A forward pass ("prefill" or "next_token") returned: its metrics, and health.
   void OnInferenceDone(const char* method, const absl::Status& status, Clock::duration duration,
                        uint64_t forward_ns, Clock::duration tokproc);
+  // Tracing: a step ("prefill", "resume", "decode") gets one router span, a root whose
+  // children are the shards' spans of the step (its traceparent rides on the request); each
+  // request in the step gets a span of the step under its own span, linked to the step's, with
+  // a "detokenize" child for its token's handling here. Nothing happens while tracing is off.
+  class StepTrace;
+  void TraceRequestStep(const tracing::SpanContext& request_span, Clock::time_point handled);
   // tgi_batch_current_size, tgi_batch_input_tokens, tgi_batch_max_remaining_tokens.
   void UpdateBatchGauges();
   // Under mu_: tgi_queue_size.
@@ -137,6 +143,9 @@ class Batcher {
   std::vector<generate::v1::CachedBatch> batches_;  // the shards' batches for the next Decode
   std::vector<uint64_t> finished_;  // finished here, still holding KV blocks on the shards
   uint64_t next_batch_id_ = 1;
+  tracing::Span step_span_;  // the step in progress (not recording between steps)
+  const char* step_name_ = "";
+  Clock::time_point step_start_{};
   uint32_t steps_since_prefill_ = 0;
   Clock::time_point next_prefill_after_{};
   bool shards_healthy_ = true;

@@ -31,6 +31,26 @@ std::string CallName(const grpc::CallbackServerContext* context, uint64_t call_n
   return absl::StrCat("call ", call_number);
 }
 
+// The call's span ("generate" or "generate_stream", as TGIS's router names them), a child of
+// the client's trace when its metadata carries a W3C traceparent.
+std::shared_ptr<tracing::Span> CallSpan(const grpc::CallbackServerContext* context,
+                                        const char* name, Clock::time_point received,
+                                        const std::string& call_name) {
+  if (!tracing::TracingEnabled()) return std::make_shared<tracing::Span>();
+  const auto& metadata = context->client_metadata();
+  std::optional<tracing::SpanContext> parent;
+  if (auto it = metadata.find("traceparent"); it != metadata.end()) {
+    parent = tracing::SpanContext::FromTraceparent(
+        std::string_view(it->second.data(), it->second.size()));
+  }
+  auto span = std::make_shared<tracing::Span>(
+      tracing::StartSpan(name, parent ? &*parent : nullptr, tracing::SpanKind::kServer, received));
+  span->SetAttribute("rpc.system", "grpc");
+  span->SetAttribute("rpc.service", "fmaas.GenerationService");
+  span->SetAttribute("call", call_name);
+  return span;
+}
+
 absl::Status TokenizerError(const absl::Status& status) {
   return absl::InvalidArgumentError(absl::StrCat("tokenizer error ", status.message()));
 }
@@ -57,7 +77,7 @@ GenerationService::GenerationService(const Tokenizer& tokenizer, Batcher& batche
 absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> GenerationService::Prepare(
     const std::optional<std::string>& prefix_id, const fmaas::Parameters* params,
     const std::vector<const std::string*>& texts, RequestKind kind, const std::string& log_name,
-    Clock::time_point received) {
+    Clock::time_point received, std::shared_ptr<tracing::Span> call_span) {
   metrics::TgiMetrics* m = options_.metrics;
   absl::StatusOr<GenerationParams> converted = ConvertParameters(params, options_.limits, received);
   if (!converted.ok()) return converted.status();
@@ -81,6 +101,11 @@ absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> GenerationServic
     r->streaming = kind == RequestKind::kStream;
     r->kind = kind;
     r->received = received;
+    r->call_span = call_span;
+    r->span = tracing::StartSpan("request", &call_span->context(), tracing::SpanKind::kInternal,
+                                 received);
+    r->span.SetAttribute("request.id", static_cast<int64_t>(r->id));
+    tracing::Span validate = tracing::StartSpan("validate", &r->span.context());
     // An input that cannot fit whatever its exact length (no truncation asked for) is
     // refused from a prefix of it when it is far too long to be worth tokenizing whole.
     if (r->params.truncate_input_tokens == 0 &&
@@ -101,6 +126,9 @@ absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> GenerationServic
     absl::Status valid =
         ValidateInput(r->input_length(), prefix_length, options_.limits, RandomSeed(), &r->params);
     if (!valid.ok()) return valid;
+    r->span.SetAttribute("input_tokens", static_cast<int64_t>(r->input_length()));
+    r->span.SetAttribute("max_new_tokens", static_cast<int64_t>(r->params.max_new_tokens));
+    validate.End();
     requests.push_back(std::move(r));
   }
   if (m != nullptr) {
@@ -209,14 +237,16 @@ grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContex
   const fmaas::BatchedGenerationRequest* request = &reactor->request();
   size_t bytes = 0;
   for (const fmaas::GenerationRequest& r : request->requests()) bytes += r.text().size();
+  auto call_span = CallSpan(context, "generate", received, name);
   // `request` lives until the call is finished, which is not before this work is done.
-  PrepareOn(bytes, [this, request, reactor, name, received, n] {
+  PrepareOn(bytes, [this, request, reactor, name, received, n, call_span] {
     std::vector<const std::string*> texts;
     for (const fmaas::GenerationRequest& r : request->requests()) texts.push_back(&r.text());
-    auto requests =
-        Prepare(SelectedPrefix(*request), request->has_params() ? &request->params() : nullptr,
-                texts, n == 1 ? RequestKind::kSingle : RequestKind::kBatch, name, received);
+    auto requests = Prepare(
+        SelectedPrefix(*request), request->has_params() ? &request->params() : nullptr, texts,
+        n == 1 ? RequestKind::kSingle : RequestKind::kBatch, name, received, call_span);
     if (!requests.ok()) {
+      call_span->SetError(std::string(requests.status().message()));
       CountFailure("validation");
       LOG(WARNING) << name << ": " << requests.status().message();
       reactor->Fail(requests.status());
@@ -260,11 +290,13 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::GenerateStream(
     reactor->Fail(absl::InvalidArgumentError("missing request"));
     return reactor;
   }
-  PrepareOn(request->request().text().size(), [this, request, reactor, name, received] {
+  auto call_span = CallSpan(context, "generate_stream", received, name);
+  PrepareOn(request->request().text().size(), [this, request, reactor, name, received, call_span] {
     auto requests =
         Prepare(SelectedPrefix(*request), request->has_params() ? &request->params() : nullptr,
-                {&request->request().text()}, RequestKind::kStream, name, received);
+                {&request->request().text()}, RequestKind::kStream, name, received, call_span);
     if (!requests.ok()) {
+      call_span->SetError(std::string(requests.status().message()));
       CountFailure("validation");
       LOG(WARNING) << name << ": " << requests.status().message();
       reactor->Fail(requests.status());

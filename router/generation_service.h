@@ -74,7 +74,7 @@ class GenerationService final : public RawGenerationService {
   absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> Prepare(
       const std::optional<std::string>& prefix_id, const fmaas::Parameters* params,
       const std::vector<const std::string*>& texts, RequestKind kind, const std::string& log_name,
-      Clock::time_point received);
+      Clock::time_point received, std::shared_ptr<tracing::Span> call_span);
   // The prefix's virtual-token count: from the cache of lengths, else looked up on the shards
   // (TGIS keeps 256 for an hour; failures are not kept).
   absl::StatusOr<uint32_t> PrefixLength(const std::string& prefix_id);

@@ -40,6 +40,7 @@
 #include "router/shard_client.h"
 #include "router/tls_config.h"
 #include "tokenizer/tokenizer.h"
+#include "tracing/tracing.h"
 
 DEFINE_string(tokenizer_path, "",
               "Model directory holding the tokenizer files, or its tokenizer.json "
@@ -98,6 +99,11 @@ DEFINE_int32(
 DEFINE_int32(port, 3000,
              "HTTP port of GET /health and GET /metrics (Prometheus); 0: any free port "
              "(env PORT)");
+DEFINE_string(otlp_endpoint, "",
+              "OpenTelemetry collector's OTLP/gRPC endpoint (http://host:4317); empty: no "
+              "tracing (env OTLP_ENDPOINT)");
+DEFINE_string(otlp_service_name, "text-generation-inference.router",
+              "service.name of the exported spans (env OTLP_SERVICE_NAME, OTEL_SERVICE_NAME)");
 DEFINE_string(tls_cert_path, "",
               "Server certificate (PEM, may hold the chain): with --tls-key-path, enables TLS on "
               "the gRPC port (env TLS_CERT_PATH)");
@@ -231,11 +237,28 @@ int main(int argc, char** argv) {
           {"tls_cert_path", "TLS_CERT_PATH"},
           {"tls_key_path", "TLS_KEY_PATH"},
           {"tls_client_ca_cert_path", "TLS_CLIENT_CA_CERT_PATH"},
+          {"otlp_endpoint", "OTLP_ENDPOINT"},
+          {"otlp_service_name", "OTLP_SERVICE_NAME"},
       });
       !err.empty()) {
     return Fail(err);
   }
   if (argc != 1) return Fail(absl::StrCat("unexpected argument '", argv[1], "'"));
+  // TGIS's router reads OTEL_SERVICE_NAME too.
+  if (const char* otel = std::getenv("OTEL_SERVICE_NAME");
+      otel != nullptr && *otel != '\0' &&
+      gflags::GetCommandLineFlagInfoOrDie("otlp_service_name").is_default &&
+      std::getenv("OTLP_SERVICE_NAME") == nullptr) {
+    FLAGS_otlp_service_name = otel;
+  }
+  if (absl::Status st =
+          tgis::tracing::InitTracingFromFlags(FLAGS_otlp_endpoint, FLAGS_otlp_service_name);
+      !st.ok()) {
+    return Fail(std::string(st.message()));
+  }
+  struct FlushTraces {
+    ~FlushTraces() { tgis::tracing::ShutdownTracing(); }
+  } flush_traces;
   if (FLAGS_tokenizer_path.empty()) return Fail("--tokenizer-path (TOKENIZER_PATH) is required");
   for (auto [value, minimum, name] :
        {std::tuple{int64_t{FLAGS_max_new_tokens}, 1, "--max-new-tokens (MAX_NEW_TOKENS)"},

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "proto/generation.pb.h"
 #include "router/generation_params.h"
+#include "tracing/tracing.h"
 
 namespace tgis::router {
 
@@ -48,6 +49,11 @@ struct GenerationRequest {
   Clock::time_point received{};
   Clock::time_point queued{};
   Clock::time_point batched{};  // admitted into the running batch (its prefill started)
+  // Tracing (nothing recorded when it is off): the call's span, shared by a batched call's
+  // requests and ended with the last of them, and this request's span under it, ended when
+  // the request is answered. Steps, queue wait and validation are children of `span`.
+  std::shared_ptr<tracing::Span> call_span;
+  tracing::Span span;
 
   uint32_t input_length() const { return static_cast<uint32_t>(input_ids.size()); }
   // The prompt as the shards hold it: virtual tokens and input tokens.

@@ -13,7 +13,7 @@ APT_PACKAGES=(
   python3-venv
 )
 PY_PACKAGES=(
-  "tokenizers==0.21.1" "sentencepiece==0.2.0" "transformers==4.55.4" "protobuf" "pytest" "huggingface_hub"
+  "tokenizers==0.21.1" "sentencepiece==0.2.0" "transformers==4.55.4" "protobuf" "pytest" "huggingface_hub" "opentelemetry-proto"
   "grpcio" "grpcio-tools" "numpy" "pyyaml" "kubernetes-validate" "matplotlib"
 )
 

@@ -26,6 +26,7 @@
 #include "server/nccl_communicator.h"
 #include "server/quantization.h"
 #include "server/shard_service.h"
+#include "tracing/tracing.h"
 
 DEFINE_string(uds_path, "/tmp/text-generation-server",
               "Unix socket path prefix; shard N listens on <path>-N (env SHARD_UDS_PATH)");
@@ -71,6 +72,11 @@ DEFINE_string(
     "Quantization: gptq, awq or fp8 (the checkpoint's own; detected without the flag), or "
     "bitsandbytes (int8 weights quantized at load, per output row); empty: what the "
     "checkpoint says (env QUANTIZE)");
+DEFINE_string(otlp_endpoint, "",
+              "OpenTelemetry collector's OTLP/gRPC endpoint (http://host:4317); empty: no "
+              "tracing (env OTLP_ENDPOINT)");
+DEFINE_string(otlp_service_name, "text-generation-inference.server",
+              "service.name of the exported spans (env OTLP_SERVICE_NAME)");
 DEFINE_string(device, "auto",
               "Where the model runs: cpu, cuda (GPU number = rank), or auto: cuda when this "
               "build has CUDA and a GPU is present (env TGIS_DEVICE)");
@@ -128,7 +134,9 @@ int main(int argc, char** argv) {
                                    {"prefix_store_path", "PREFIX_STORE_PATH"},
                                    {"prompt_cache_size_mb", "PROMPT_CACHE_SIZE_MB"},
                                    {"prefix_caching", "PREFIX_CACHING"},
-                                   {"quantize", "QUANTIZE"}});
+                                   {"quantize", "QUANTIZE"},
+                                   {"otlp_endpoint", "OTLP_ENDPOINT"},
+                                   {"otlp_service_name", "OTLP_SERVICE_NAME"}});
       !err.empty()) {
     return Fail(err);
   }
@@ -137,6 +145,14 @@ int main(int argc, char** argv) {
         "usage: text-generation-server serve MODEL_DIR --uds-path PATH | download-weights "
         "MODEL_NAME ... | convert-to-safetensors MODEL_NAME ...");
   }
+  if (absl::Status st =
+          tgis::tracing::InitTracingFromFlags(FLAGS_otlp_endpoint, FLAGS_otlp_service_name);
+      !st.ok()) {
+    return Fail(std::string(st.message()));
+  }
+  struct FlushTraces {
+    ~FlushTraces() { tgis::tracing::ShutdownTracing(); }
+  } flush_traces;
   // Exit with the parent (the launcher): no orphaned shard.
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   const std::string model_dir = argv[2];

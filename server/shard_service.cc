@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_ops.h"
+#include "tracing/tracing.h"
 
 namespace tgis::server {
 
@@ -241,9 +242,26 @@ pb::CachedBatch ShardService::Describe(uint64_t batch_id) {
   return b;
 }
 
+namespace {
+
+// The shard's span of a step: a child of the router's step span when the request names it.
+tracing::Span StepSpan(const char* name, const std::string& traceparent, int rank) {
+  if (!tracing::TracingEnabled()) return tracing::Span();
+  const std::optional<tracing::SpanContext> parent =
+      tracing::SpanContext::FromTraceparent(traceparent);
+  tracing::Span span =
+      tracing::StartSpan(name, parent ? &*parent : nullptr, tracing::SpanKind::kServer);
+  span.SetAttribute("shard.rank", static_cast<int64_t>(rank));
+  return span;
+}
+
+}  // namespace
+
 grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillRequest* req,
                                    pb::PrefillResponse* resp) {
   const uint64_t t0 = NowNs();
+  tracing::Span span = StepSpan("shard.prefill", req->traceparent(), options_.rank);
+  span.SetAttribute("batch.requests", static_cast<int64_t>(req->batch().requests_size()));
   std::lock_guard<std::mutex> lock(mu_);
   if (auto st = EnsureEngine(); !st.ok()) return st;
   const pb::Batch& batch = req->batch();
@@ -301,12 +319,15 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
   resp->set_total_ns(NowNs() - t0);
   resp->set_prefix_cache_hits(engine_->last_reuse().sequences);
   resp->set_prefix_cache_reused_tokens(engine_->last_reuse().reused_tokens);
+  span.SetAttribute("forward_ns", static_cast<int64_t>(resp->forward_ns()));
+  span.SetAttribute("generations", static_cast<int64_t>(resp->generations_size()));
   return grpc::Status::OK;
 }
 
 grpc::Status ShardService::Decode(grpc::ServerContext*, const pb::DecodeRequest* req,
                                   pb::DecodeResponse* resp) {
   const uint64_t t0 = NowNs();
+  tracing::Span span = StepSpan("shard.decode", req->traceparent(), options_.rank);
   std::lock_guard<std::mutex> lock(mu_);
   if (auto st = EnsureEngine(); !st.ok()) return st;
   if (req->batches_size() == 0) {
@@ -362,6 +383,8 @@ grpc::Status ShardService::Decode(grpc::ServerContext*, const pb::DecodeRequest*
   }
   resp->set_forward_ns(engine_->last_forward_ns());
   resp->set_total_ns(NowNs() - t0);
+  span.SetAttribute("forward_ns", static_cast<int64_t>(resp->forward_ns()));
+  span.SetAttribute("generations", static_cast<int64_t>(resp->generations_size()));
   return grpc::Status::OK;
 }
 
