@@ -103,7 +103,11 @@ def test_launcher_converts_a_bin_only_model_and_serves_transformers_outputs(tmp_
     try:
         _, pb, stub = wait_serving(launcher, grpc_port, 120)
         assert (model / "model.safetensors.index.json").is_file()
-        assert "converting them to safetensors" in launcher.output()
+        out = launcher.output()
+        assert "converting them to safetensors" in out
+        # Progress lines: the conversion's and the load's closing lines.
+        assert f"convert {model}: done, 2 files" in out
+        assert "loading weights (2 files) from " in out
         oracle = Oracle("llama")
         responses = stub.Generate(pb.BatchedGenerationRequest(
             requests=[pb.GenerationRequest(text=p["text"]) for p in oracle.prompts],

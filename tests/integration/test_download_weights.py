@@ -572,6 +572,9 @@ def test_launcher_downloads_missing_model_and_serves(tmp_path, hub, llama):
         # The tokenizer came down with the weights: the prompt counts as the golden ids do.
         assert r.responses[0].input_token_count == len(prompt["input_ids"])
         assert r.responses[0].generated_token_count == 5
+        # Progress: the download's and the weights load's closing lines reach the log.
+        out = proc.output()
+        assert f"download {llama}: done, " in out and "loading weights (1 files) from " in out
     finally:
         proc.close()
     assert_downloaded(cache, hub, llama, LLAMA_FILES)
