@@ -104,13 +104,7 @@ int main(int argc, char** argv) {
     pos = comma + 1;
   }
   tgis::kernels::DType dtype;
-  if (dtype_name == "float32") {
-    dtype = tgis::kernels::DType::kF32;
-  } else if (dtype_name == "bfloat16") {
-    dtype = tgis::kernels::DType::kBF16;
-  } else if (dtype_name == "float16") {
-    dtype = tgis::kernels::DType::kF16;
-  } else {
+  if (!tgis::kernels::WeightDTypeFromName(dtype_name, &dtype)) {
     std::cerr << "unknown --dtype " << dtype_name << "\n";
     return 2;
   }

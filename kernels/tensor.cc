@@ -50,6 +50,19 @@ const char* DTypeName(DType t) {
   return "?";
 }
 
+bool WeightDTypeFromName(const std::string& name, DType* out) {
+  if (name == "float32" || name == "float") {
+    *out = DType::kF32;
+  } else if (name == "bfloat16") {
+    *out = DType::kBF16;
+  } else if (name == "float16" || name == "half") {
+    *out = DType::kF16;
+  } else {
+    return false;
+  }
+  return true;
+}
+
 // ---- bf16 / f16 ----------------------------------------------------------------------------
 
 namespace {

@@ -19,6 +19,9 @@ enum class DType { kF32, kBF16, kF16, kI32, kI64, kI8, kF8E4M3 };
 
 size_t DTypeSize(DType t);
 const char* DTypeName(DType t);
+// A weights dtype as TGIS's --dtype names it: float32 (float), bfloat16, float16 (half).
+// False for any other name.
+bool WeightDTypeFromName(const std::string& name, DType* out);
 
 using Shape = std::vector<int64_t>;
 

@@ -330,7 +330,7 @@ void Batcher::Prefill(std::vector<std::unique_ptr<GenerationRequest>> batch) {
   for (auto& r : batch) {
     pb::Request* shard_request = b->add_requests();
     *shard_request = ToShardRequest(*r);
-    shard_request->set_speculate_tokens(config_.speculate_tokens);
+    shard_request->set_speculate_tokens(r->speculate_tokens.value_or(config_.speculate_tokens));
     tokens += r->input_ids.size();
     r->batched = admitted;
     if (r->span.recording()) {
@@ -424,6 +424,12 @@ void Batcher::Decode() {
   request.mutable_finished_request_ids()->Add(finished_.begin(), finished_.end());
   request.set_max_prompt_tokens(config_.prefill_chunk_tokens);
   const size_t size_before = running_.size();
+  // A speculating request's step may bring tokens past its end (a stop sequence, EOS): the
+  // request is gone by then and they are dropped.
+  std::set<uint64_t> speculating;
+  for (const auto& [id, r] : running_) {
+    if (r.request->speculate_tokens.value_or(config_.speculate_tokens) > 0) speculating.insert(id);
+  }
   if (config_.metrics != nullptr) {
     config_.metrics->batch_inference_batch_size->Observe(static_cast<double>(size_before),
                                                          {"next_token"});
@@ -461,9 +467,7 @@ void Batcher::Decode() {
   for (const pb::Generation& g : response->generations()) {
     // A chunked prompt's first token: the request's prefill generation.
     auto it = running_.find(g.request_id());
-    // With speculation a step may bring tokens past a request's end (a stop sequence, EOS):
-    // the request is gone, they are dropped.
-    if (it == running_.end() && config_.speculate_tokens > 0) continue;
+    if (it == running_.end() && speculating.count(g.request_id())) continue;
     const bool first = it != running_.end() && it->second.prefilling;
     if (first) it->second.prefilling = false;
     OnGeneration(g, /*prefill=*/first);

@@ -4,6 +4,7 @@
 
 #include <random>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "router/call_reactors.h"
 #include "router/input_encoding.h"
@@ -49,6 +50,24 @@ std::shared_ptr<tracing::Span> CallSpan(const grpc::CallbackServerContext* conte
   span->SetAttribute("rpc.service", "fmaas.GenerationService");
   span->SetAttribute("call", call_name);
   return span;
+}
+
+// Ours, beyond TGIS's API: the gRPC metadata "x-speculate-tokens: N" sets a request's
+// prompt-lookup speculation (0 turns it off), whatever the server's SPECULATE says.
+constexpr char kSpeculateHeader[] = "x-speculate-tokens";
+constexpr uint32_t kMaxSpeculateTokens = 64;  // as --speculate
+absl::StatusOr<std::optional<uint32_t>> SpeculateOverride(
+    const grpc::CallbackServerContext* context) {
+  const auto& metadata = context->client_metadata();
+  auto it = metadata.find(kSpeculateHeader);
+  if (it == metadata.end()) return std::nullopt;
+  const std::string value(it->second.data(), it->second.size());
+  uint32_t n = 0;
+  if (!absl::SimpleAtoi(value, &n) || n > kMaxSpeculateTokens) {
+    return absl::InvalidArgumentError(absl::StrCat(kSpeculateHeader, " must be an integer in [0, ",
+                                                   kMaxSpeculateTokens, "], not '", value, "'"));
+  }
+  return n;
 }
 
 absl::Status TokenizerError(const absl::Status& status) {
@@ -234,12 +253,18 @@ grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContex
     reactor->Fail(absl::ResourceExhaustedError(kOverloaded));
     return reactor;
   }
+  const absl::StatusOr<std::optional<uint32_t>> speculate = SpeculateOverride(context);
+  if (!speculate.ok()) {
+    CountFailure("validation");
+    reactor->Fail(speculate.status());
+    return reactor;
+  }
   const fmaas::BatchedGenerationRequest* request = &reactor->request();
   size_t bytes = 0;
   for (const fmaas::GenerationRequest& r : request->requests()) bytes += r.text().size();
   auto call_span = CallSpan(context, "generate", received, name);
   // `request` lives until the call is finished, which is not before this work is done.
-  PrepareOn(bytes, [this, request, reactor, name, received, n, call_span] {
+  PrepareOn(bytes, [this, request, reactor, name, received, n, call_span, speculate] {
     std::vector<const std::string*> texts;
     for (const fmaas::GenerationRequest& r : request->requests()) texts.push_back(&r.text());
     auto requests = Prepare(
@@ -253,7 +278,10 @@ grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContex
       return;
     }
     std::vector<std::shared_ptr<ResponseSink>> sinks = reactor->MakeSinks(n);
-    for (size_t i = 0; i < n; ++i) (*requests)[i]->sink = std::move(sinks[i]);
+    for (size_t i = 0; i < n; ++i) {
+      (*requests)[i]->sink = std::move(sinks[i]);
+      (*requests)[i]->speculate_tokens = *speculate;
+    }
     batcher_.Enqueue(std::move(*requests));
   });
   return reactor;
@@ -285,29 +313,37 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::GenerateStream(
     reactor->Fail(absl::ResourceExhaustedError(kOverloaded));
     return reactor;
   }
+  const absl::StatusOr<std::optional<uint32_t>> speculate = SpeculateOverride(context);
+  if (!speculate.ok()) {
+    CountFailure("validation");
+    reactor->Fail(speculate.status());
+    return reactor;
+  }
   const fmaas::SingleGenerationRequest* request = &reactor->request();
   if (!request->has_request()) {
     reactor->Fail(absl::InvalidArgumentError("missing request"));
     return reactor;
   }
   auto call_span = CallSpan(context, "generate_stream", received, name);
-  PrepareOn(request->request().text().size(), [this, request, reactor, name, received, call_span] {
-    auto requests =
-        Prepare(SelectedPrefix(*request), request->has_params() ? &request->params() : nullptr,
-                {&request->request().text()}, RequestKind::kStream, name, received, call_span);
-    if (!requests.ok()) {
-      call_span->SetError(std::string(requests.status().message()));
-      CountFailure("validation");
-      LOG(WARNING) << name << ": " << requests.status().message();
-      reactor->Fail(requests.status());
-      return;
-    }
-    GenerationRequest& r = *requests->front();
-    r.sink = reactor->sink();
-    // The first message goes out at once: the input token count (and seed, input text).
-    reactor->Push(StreamHeader(r));
-    batcher_.Enqueue(std::move(*requests));
-  });
+  PrepareOn(request->request().text().size(),
+            [this, request, reactor, name, received, call_span, speculate] {
+              auto requests = Prepare(
+                  SelectedPrefix(*request), request->has_params() ? &request->params() : nullptr,
+                  {&request->request().text()}, RequestKind::kStream, name, received, call_span);
+              if (!requests.ok()) {
+                call_span->SetError(std::string(requests.status().message()));
+                CountFailure("validation");
+                LOG(WARNING) << name << ": " << requests.status().message();
+                reactor->Fail(requests.status());
+                return;
+              }
+              GenerationRequest& r = *requests->front();
+              r.sink = reactor->sink();
+              r.speculate_tokens = *speculate;
+              // The first message goes out at once: the input token count (and seed, input text).
+              reactor->Push(StreamHeader(r));
+              batcher_.Enqueue(std::move(*requests));
+            });
   return reactor;
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,9 @@ struct GenerationRequest {
   uint32_t prefix_length = 0;
   GenerationParams params;
   bool streaming = false;
+  // Prompt-lookup draft tokens per step for this request (x-speculate-tokens metadata); unset:
+  // the server's SPECULATE.
+  std::optional<uint32_t> speculate_tokens;
   RequestKind kind = RequestKind::kSingle;
   std::shared_ptr<ResponseSink> sink;
   Clock::time_point received{};

@@ -176,15 +176,13 @@ int main(int argc, char** argv) {
     FLAGS_dtype = cuda ? "bfloat16" : "float32";  // as TGIS: half precision on GPUs
   }
   tgis::kernels::DType dtype;
-  if (FLAGS_dtype == "float32" || FLAGS_dtype == "float") {
-    dtype = tgis::kernels::DType::kF32;
-  } else if (FLAGS_dtype == "bfloat16") {
-    dtype = tgis::kernels::DType::kBF16;
-  } else if (FLAGS_dtype == "float16") {
-    dtype = tgis::kernels::DType::kF16;
-  } else {
+  if (!tgis::kernels::WeightDTypeFromName(FLAGS_dtype, &dtype)) {
     return Fail("--dtype must be float32, bfloat16 or float16, not '" + FLAGS_dtype + "'");
   }
+  // One spelling from here on (the shard reports it in Info).
+  FLAGS_dtype = dtype == tgis::kernels::DType::kF32    ? "float32"
+                : dtype == tgis::kernels::DType::kBF16 ? "bfloat16"
+                                                       : "float16";
   if (FLAGS_batch_safety_margin < 0 || FLAGS_batch_safety_margin > 100) {
     return Fail("--batch-safety-margin (BATCH_SAFETY_MARGIN) must be an integer from 0 to 100");
   }

@@ -70,3 +70,35 @@ def test_stop_sequences_and_streams_as_without_speculation(servers):
     p = params(pb, max_new=16, method="sample", seed=5, tokens=True)
     first, again = generate(server, text, p), generate(server, text, p)
     assert first.text == again.text and first.generated_token_count == 16
+
+
+def test_per_request_override_by_metadata(servers):
+    """x-speculate-tokens (ours) sets one call's speculation whatever the server's SPECULATE:
+    on a server without it the call speculates (drafts counted) and keeps the goldens; on a
+    speculating server 0 turns it off for the call; a bad value is refused by name."""
+    server, plain, oracle = servers
+    pb = server.pb
+    request = pb.BatchedGenerationRequest(
+        requests=[pb.GenerationRequest(text=p["text"]) for p in oracle.prompts],
+        params=params(pb, max_new=16, tokens=True))
+
+    def drafts(s):
+        return Exposition(s.http_get("/metrics")[1]).count("tgis_draft_tokens_total")
+
+    before = drafts(plain)
+    responses = plain.stub.Generate(request, metadata=[("x-speculate-tokens", "4")],
+                                    timeout=60).responses
+    for i, r in enumerate(responses):
+        assert [t.text for t in r.tokens] == oracle.tokens(i, 16)
+    assert drafts(plain) > before
+    before = drafts(server)
+    responses = server.stub.Generate(request, metadata=[("x-speculate-tokens", "0")],
+                                     timeout=60).responses
+    for i, r in enumerate(responses):
+        assert [t.text for t in r.tokens] == oracle.tokens(i, 16)
+    assert drafts(server) == before
+    for bad in ("many", "-1", "65"):
+        with pytest.raises(grpc.RpcError) as e:
+            server.stub.Generate(request, metadata=[("x-speculate-tokens", bad)], timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "x-speculate-tokens" in e.value.details()
