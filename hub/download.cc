@@ -17,8 +17,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/http_client.h"
 #include "common/progress.h"
-#include "hub/http_client.h"
 #include "hub/hub_cache.h"
 #include "nlohmann/json.hpp"
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <random>
@@ -14,6 +15,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/http_client.h"
 #include "proto/otlp_trace.grpc.pb.h"
 
 namespace tgis::tracing {
@@ -95,7 +97,15 @@ class Exporter {
     if (running_) return absl::FailedPreconditionError("tracing is already initialized");
     std::string target = o.endpoint;
     std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
-    if (absl::StartsWith(target, "https://")) {
+    if (o.protocol == OtlpProtocol::kHttpProtobuf) {
+      if (!absl::StartsWith(target, "http://") && !absl::StartsWith(target, "https://")) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--otlp-endpoint '", o.endpoint, "': OTLP/HTTP needs an http:// or https:// URL"));
+      }
+      while (!target.empty() && target.back() == '/') target.pop_back();
+      if (!absl::EndsWith(target, "/v1/traces")) target += "/v1/traces";
+      http_url_ = target;
+    } else if (absl::StartsWith(target, "https://")) {
       creds = grpc::SslCredentials(grpc::SslCredentialsOptions());
       target = target.substr(8);
     } else if (absl::StartsWith(target, "http://")) {
@@ -112,7 +122,9 @@ class Exporter {
           absl::StrCat("--otlp-endpoint '", o.endpoint, "': no host"));
     }
     options_ = o;
-    stub_ = otlp::TraceService::NewStub(grpc::CreateChannel(target, creds));
+    if (o.protocol == OtlpProtocol::kGrpc) {
+      stub_ = otlp::TraceService::NewStub(grpc::CreateChannel(target, creds));
+    }
     resource_.Clear();
     otlp::KeyValue* name = resource_.add_attributes();
     name->set_key("service.name");
@@ -125,7 +137,7 @@ class Exporter {
     enabled_.store(true);
     thread_ = std::thread([this] { Loop(); });
     LOG(INFO) << "tracing: exporting spans of service '" << o.service_name << "' to " << target
-              << " over OTLP/gRPC";
+              << (o.protocol == OtlpProtocol::kGrpc ? " over OTLP/gRPC" : " over OTLP/HTTP");
     return absl::OkStatus();
   }
 
@@ -191,15 +203,13 @@ class Exporter {
     ss->mutable_scope()->set_name("text-generation-inference");
     for (auto& s : batch) ss->mutable_spans()->AddAllocated(s.release());
     otlp::ExportTraceServiceResponse response;
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + options_.export_timeout);
-    const grpc::Status st = stub_->Export(&context, request, &response);
+    const absl::Status st = Export(request, &response);
     if (!st.ok()) {
       dropped_.fetch_add(ss->spans_size());
       // One line per failure streak, not per batch.
       if (!failing_) {
         LOG(WARNING) << "tracing: export of " << ss->spans_size() << " spans failed ("
-                     << st.error_message() << "); dropping spans until the collector answers";
+                     << st.message() << "); dropping spans until the collector answers";
       }
       failing_ = true;
       return;
@@ -213,6 +223,33 @@ class Exporter {
     }
   }
 
+  absl::Status Export(const otlp::ExportTraceServiceRequest& request,
+                      otlp::ExportTraceServiceResponse* response) {
+    const auto timeout_s =
+        std::chrono::duration_cast<std::chrono::seconds>(options_.export_timeout);
+    if (options_.protocol == OtlpProtocol::kHttpProtobuf) {
+      HttpRequest post;
+      post.method = "POST";
+      post.url = http_url_;
+      post.headers = {{"content-type", "application/x-protobuf"}};
+      post.body = request.SerializeAsString();
+      post.timeout_s = std::max<long>(1, static_cast<long>(timeout_s.count()));
+      auto r = HttpFetch(post);
+      if (!r.ok()) return r.status();
+      if (r->status / 100 != 2) {
+        return absl::UnavailableError(
+            absl::StrCat("HTTP ", r->status, " ", r->body.substr(0, 200)));
+      }
+      response->ParseFromString(r->body);  // an empty body is an empty response
+      return absl::OkStatus();
+    }
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + options_.export_timeout);
+    const grpc::Status st = stub_->Export(&context, request, response);
+    if (!st.ok()) return absl::UnavailableError(st.error_message());
+    return absl::OkStatus();
+  }
+
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::unique_ptr<otlp::Span>> queue_;
@@ -224,6 +261,7 @@ class Exporter {
   TracingOptions options_;
   otlp::Resource resource_;
   std::unique_ptr<otlp::TraceService::Stub> stub_;
+  std::string http_url_;
   std::thread thread_;
 };
 
@@ -337,6 +375,18 @@ absl::Status InitTracingFromFlags(const std::string& endpoint, const std::string
   TracingOptions o;
   o.endpoint = endpoint;
   o.service_name = service_name;
+  for (const char* var : {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"}) {
+    const char* v = std::getenv(var);
+    if (v == nullptr || *v == '\0') continue;
+    const std::string protocol(v);
+    if (protocol == "http/protobuf") {
+      o.protocol = OtlpProtocol::kHttpProtobuf;
+    } else if (protocol != "grpc") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          var, "='", protocol, "': this server exports OTLP as grpc or http/protobuf"));
+    }
+    break;
+  }
   return InitTracing(o);
 }
 

@@ -1,5 +1,6 @@
 // OpenTelemetry tracing with TGIS's flags (--otlp-endpoint, --otlp-service-name): spans made
-// here and exported over OTLP/gRPC (proto/otlp_trace.proto) to a collector, batched, from a
+// here and exported over OTLP (proto/otlp_trace.proto; gRPC, or HTTP with protobuf bodies when
+// OTEL_EXPORTER_OTLP_PROTOCOL says http/protobuf) to a collector, batched, from a
 // bounded queue that drops spans rather than block the serving path. W3C trace context
 // (`traceparent`) links a client's trace to the router's spans and the router's steps to the
 // shards'. With no endpoint configured every call here is a cheap no-op.
@@ -72,10 +73,14 @@ class Span {
 Span StartSpan(const std::string& name, const SpanContext* parent,
                SpanKind kind = SpanKind::kInternal, std::optional<SteadyTime> start = std::nullopt);
 
+enum class OtlpProtocol { kGrpc, kHttpProtobuf };
+
 struct TracingOptions {
-  // The collector's OTLP/gRPC endpoint: http://host:4317 (plaintext), https://host:4317 (TLS,
-  // system roots) or host:port. Empty: tracing off.
+  // The collector's OTLP endpoint. gRPC: http://host:4317 (plaintext), https://host:4317 (TLS,
+  // system roots) or host:port. HTTP: http(s)://host:4318, to which /v1/traces is added unless
+  // the path already ends so. Empty: tracing off.
   std::string endpoint;
+  OtlpProtocol protocol = OtlpProtocol::kGrpc;
   std::string service_name;  // the resource's service.name
   size_t max_queue_spans = 2048;
   size_t max_export_batch = 512;
@@ -90,7 +95,9 @@ void ShutdownTracing();
 bool TracingEnabled();
 // Spans dropped because the queue was full or an export failed, since start.
 uint64_t DroppedSpans();
-// The flags' values as the router and the shards take them: empty endpoint = off.
+// The flags' values as the router and the shards take them: empty endpoint = off. The protocol
+// comes from OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL (the
+// OpenTelemetry variables): grpc (default) or http/protobuf; http/json is refused by name.
 absl::Status InitTracingFromFlags(const std::string& endpoint, const std::string& service_name);
 
 }  // namespace tgis::tracing

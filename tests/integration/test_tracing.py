@@ -59,14 +59,57 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         raise AssertionError(f"spans never arrived as expected; got {names}")
 
 
-def launch(tmp_path, endpoint: str):
+class HttpReceiver:
+    """OTLP/HTTP: POST /v1/traces with a protobuf ExportTraceServiceRequest body."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.spans, self.content_types, self.paths = [], [], []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+                with receiver.lock:
+                    receiver.paths.append(self.path)
+                    receiver.content_types.append(self.headers["Content-Type"])
+                    for rs in request.resource_spans:
+                        service = {a.key: a.value.string_value
+                                   for a in rs.resource.attributes}["service.name"]
+                        for ss in rs.scope_spans:
+                            receiver.spans.extend((service, s) for s in ss.spans)
+                reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    wait_for = Receiver.wait_for
+
+
+def launcher_env(tmp_path, endpoint: str, grpc_port: int, **extra) -> dict:
+    return {"MODEL_NAME": str(FIXTURES / "models" / "llama"), "GRPC_PORT": str(grpc_port),
+            "PORT": str(free_port()), "SHARD_UDS_PATH": str(tmp_path / "shard"),
+            "KV_CACHE_BLOCKS": "64", "OTLP_ENDPOINT": endpoint,
+            "TERMINATION_LOG": str(tmp_path / "termination-log"), **extra}
+
+
+def launch(tmp_path, endpoint: str, **extra):
     need_binaries()
     grpc_port = free_port()
-    env = {"MODEL_NAME": str(FIXTURES / "models" / "llama"), "GRPC_PORT": str(grpc_port),
-           "PORT": str(free_port()), "SHARD_UDS_PATH": str(tmp_path / "shard"),
-           "KV_CACHE_BLOCKS": "64", "OTLP_ENDPOINT": endpoint,
-           "TERMINATION_LOG": str(tmp_path / "termination-log")}
-    proc = Process([binary("launcher/text-generation-launcher")], env=env)
+    proc = Process([binary("launcher/text-generation-launcher")],
+                   env=launcher_env(tmp_path, endpoint, grpc_port, **extra))
     _, pb, stub = wait_serving(proc, grpc_port, 90)
     return proc, pb, stub
 
@@ -142,5 +185,38 @@ def test_unreachable_collector_does_not_stop_serving(tmp_path):
                 requests=[pb.GenerationRequest(text="Hello")],
                 params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=3))), timeout=60)
             assert r.responses[0].generated_token_count == 3
+    finally:
+        proc.close()
+
+
+def test_otlp_over_http_protobuf(tmp_path):
+    receiver = HttpReceiver()
+    proc, pb, stub = launch(tmp_path, f"http://127.0.0.1:{receiver.port}",
+                            OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf")
+    try:
+        stub.Generate(pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text="Hello")],
+            params=pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=2))),
+            metadata=[("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN}-01")], timeout=60)
+        spans = receiver.wait_for(lambda spans: any(
+            s.name == "generate" and s.trace_id.hex() == TRACE_ID for _, s in spans) and any(
+            svc == "text-generation-inference.server" for svc, _ in spans))
+        (call,) = [s for _, s in spans if s.name == "generate"]
+        assert call.parent_span_id.hex() == CLIENT_SPAN
+        assert set(receiver.paths) == {"/v1/traces"}
+        assert set(receiver.content_types) == {"application/x-protobuf"}
+    finally:
+        proc.close()
+        receiver.server.shutdown()
+
+
+def test_unsupported_otlp_protocol_fails_at_start_naming_it(tmp_path):
+    need_binaries()
+    proc = Process([binary("launcher/text-generation-launcher")],
+                   env=launcher_env(tmp_path, "http://127.0.0.1:4318", free_port(),
+                                    OTEL_EXPORTER_OTLP_PROTOCOL="http/json"))
+    try:
+        assert proc.proc.wait(timeout=60) != 0
+        assert "OTEL_EXPORTER_OTLP_PROTOCOL='http/json'" in proc.output()
     finally:
         proc.close()

@@ -8,8 +8,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include "common/http_client.h"
 #include "hub/download.h"
-#include "hub/http_client.h"
 
 namespace {
 
@@ -56,11 +56,11 @@ TEST(HubDownloadTest, EtagsAreCheckedAsGitBlobSha1OrSha256) {
 }
 
 TEST(HubDownloadTest, UrlsAreQuotedAndRedirectsResolved) {
-  using tgis::hub::ResolveLocation;
-  using tgis::hub::UrlQuote;
+  using tgis::ResolveLocation;
+  using tgis::UrlQuote;
   EXPECT_EQ(UrlQuote("refs/pr/1", ""), "refs%2Fpr%2F1");
   EXPECT_EQ(UrlQuote("a b/c.json"), "a%20b/c.json");
-  EXPECT_EQ(tgis::hub::UrlOrigin("https://hf.co:8443/a/b"), "https://hf.co:8443");
+  EXPECT_EQ(tgis::UrlOrigin("https://hf.co:8443/a/b"), "https://hf.co:8443");
   EXPECT_EQ(ResolveLocation("http://h:1/org/m/resolve/main/x", "/api/x"), "http://h:1/api/x");
   EXPECT_EQ(ResolveLocation("http://h:1/a", "https://cdn/x"), "https://cdn/x");
 }

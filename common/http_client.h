@@ -1,8 +1,9 @@
-// Blocking HTTP(S) requests over libcurl, for the Hub client: metadata (HEAD without following
+// Blocking HTTP(S) requests over libcurl: for the Hub client, metadata (HEAD without following
 // redirects, as the Hub answers LFS files with a redirect that carries their metadata), small
-// JSON bodies, and file bodies streamed to a sink. Proxies come from the usual variables
-// (HTTPS_PROXY, NO_PROXY, ...) as libcurl reads them; TLS trust from the system store, or from
-// REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE when set (what huggingface_hub's requests honours).
+// JSON bodies and file bodies streamed to a sink; for OTLP/HTTP, POSTs of protobuf bodies. Proxies
+// come from the usual variables (HTTPS_PROXY, NO_PROXY, ...) as libcurl reads them; TLS trust from
+// the system store, or from REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE when set (what huggingface_hub's
+// requests honours).
 #pragma once
 
 #include <cstdint>
@@ -13,7 +14,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace tgis::hub {
+namespace tgis {
 
 struct HttpResponse {
   long status = 0;
@@ -25,15 +26,17 @@ struct HttpResponse {
 };
 
 struct HttpRequest {
-  std::string method = "GET";  // GET or HEAD
+  std::string method = "GET";  // GET, HEAD or POST
   std::string url;
   std::map<std::string, std::string> headers;
+  std::string body;  // POST only
   bool follow_redirects = false;
   // Body bytes as they arrive (only for a 2xx answer); returning false aborts the transfer.
   std::function<bool(std::string_view)> sink;
   long connect_timeout_s = 10;
   // A transfer slower than 1 KiB/s for this long is abandoned (a stalled connection).
   long low_speed_time_s = 60;
+  long timeout_s = 0;  // the whole transfer; 0: no limit
 };
 
 // Fails only when no HTTP answer came (DNS, connection, TLS, a dropped transfer); any HTTP
@@ -47,4 +50,4 @@ std::string ResolveLocation(const std::string& base, const std::string& location
 // Percent-encodes everything except unreserved characters and those in `safe`.
 std::string UrlQuote(std::string_view s, std::string_view safe = "/");
 
-}  // namespace tgis::hub
+}  // namespace tgis

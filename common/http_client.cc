@@ -1,4 +1,4 @@
-#include "hub/http_client.h"
+#include "common/http_client.h"
 
 #include <curl/curl.h>
 
@@ -9,7 +9,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 
-namespace tgis::hub {
+namespace tgis {
 namespace {
 
 void GlobalInit() {
@@ -84,6 +84,10 @@ absl::StatusOr<HttpResponse> HttpFetch(const HttpRequest& request) {
   curl_easy_setopt(h, CURLOPT_URL, request.url.c_str());
   if (request.method == "HEAD") {
     curl_easy_setopt(h, CURLOPT_NOBODY, 1L);
+  } else if (request.method == "POST") {
+    curl_easy_setopt(h, CURLOPT_POST, 1L);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDS, request.body.data());
+    curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(request.body.size()));
   } else if (request.method != "GET") {
     return absl::InvalidArgumentError(absl::StrCat("HTTP method ", request.method));
   }
@@ -93,6 +97,7 @@ absl::StatusOr<HttpResponse> HttpFetch(const HttpRequest& request) {
   curl_easy_setopt(h, CURLOPT_LOW_SPEED_LIMIT, 1024L);
   curl_easy_setopt(h, CURLOPT_LOW_SPEED_TIME, request.low_speed_time_s);
   curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+  if (request.timeout_s > 0) curl_easy_setopt(h, CURLOPT_TIMEOUT, request.timeout_s);
   curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, OnHeader);
   curl_easy_setopt(h, CURLOPT_HEADERDATA, &transfer);
   curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, OnBody);
@@ -157,4 +162,4 @@ std::string UrlQuote(std::string_view s, std::string_view safe) {
   return out;
 }
 
-}  // namespace tgis::hub
+}  // namespace tgis
