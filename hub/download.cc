@@ -6,11 +6,13 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include "absl/strings/ascii.h"
@@ -156,8 +158,11 @@ class Hub {
   }
 
   // Fetches m's bytes into `incomplete`, resuming from what it already holds.
-  absl::Status Fetch(const FileMeta& m, const fs::path& incomplete, Progress* progress) const {
+  // Returns the bytes received (those already in `incomplete` not counted).
+  absl::StatusOr<int64_t> Fetch(const FileMeta& m, const fs::path& incomplete,
+                                Progress* progress) const {
     absl::Status last;
+    int64_t total_received = 0;
     for (int attempt = 1; attempt <= o_.max_attempts; ++attempt) {
       std::error_code ec;
       int64_t have =
@@ -166,7 +171,7 @@ class Hub {
         fs::remove(incomplete, ec);
         have = 0;
       }
-      if (have == m.size) return absl::OkStatus();
+      if (have == m.size) return total_received;
       auto headers = Headers(m.location);
       if (have > 0) headers["range"] = absl::StrCat("bytes=", have, "-");
       std::unique_ptr<FILE, int (*)(FILE*)> out(std::fopen(incomplete.c_str(), "ab"), std::fclose);
@@ -187,6 +192,7 @@ class Hub {
       };
       auto r = HttpFetch(req);
       out.reset();
+      total_received += received;
       // A server that ignores Range answers 200 with the whole file.
       const bool restarted = r.ok() && r->status == 200 && have > 0;
       if (r.ok() && r->status / 100 != 2) {
@@ -204,7 +210,7 @@ class Hub {
       }
       if (r.ok()) {
         const int64_t now = static_cast<int64_t>(fs::file_size(incomplete, ec));
-        if (now == m.size) return absl::OkStatus();
+        if (now == m.size) return total_received;
         last = absl::DataLossError(absl::StrCat(m.path, ": got ", now, " bytes of ", m.size));
         if (now > m.size) fs::remove(incomplete, ec);
       } else {
@@ -381,7 +387,10 @@ absl::StatusOr<DownloadResult> DownloadFiles(const DownloadOptions& o) {
             << repo.string();
   Progress progress("download " + o.repo_id, total, static_cast<int>(metas.size()));
   DownloadResult result{snapshot.string(), commit, {}, 0};
-  for (const FileMeta& m : metas) {
+  // One file into the cache: its blob (unless there already), then its snapshot link.
+  std::atomic<int64_t> downloaded{0};
+  auto one = [&](const FileMeta& m) -> absl::Status {
+    std::error_code ec;
     const fs::path blob = repo / "blobs" / m.etag;
     BlobLock lock(locks / (m.etag + ".lock"));
     const bool cached =
@@ -390,11 +399,12 @@ absl::StatusOr<DownloadResult> DownloadFiles(const DownloadOptions& o) {
       progress.AddBytes(m.size);
     } else {
       const fs::path incomplete = blob.string() + ".incomplete";
-      const int64_t before = progress.bytes();
-      if (absl::Status st = hub.Fetch(m, incomplete, &progress); !st.ok()) {
-        return absl::Status(st.code(), absl::StrCat("downloading ", m.path, ": ", st.message()));
+      auto got = hub.Fetch(m, incomplete, &progress);
+      if (!got.ok()) {
+        return absl::Status(got.status().code(),
+                            absl::StrCat("downloading ", m.path, ": ", got.status().message()));
       }
-      result.bytes_downloaded += progress.bytes() - before;
+      downloaded += *got;
       auto match = ContentMatchesEtag(incomplete.string(), m.etag);
       if (match.ok() && !*match) {
         fs::remove(incomplete, ec);
@@ -410,9 +420,32 @@ absl::StatusOr<DownloadResult> DownloadFiles(const DownloadOptions& o) {
       if (ec) return absl::InternalError(absl::StrCat(blob.string(), ": ", ec.message()));
     }
     if (absl::Status st = LinkSnapshot(blob, snapshot / m.path); !st.ok()) return st;
-    result.files.push_back(m.path);
     progress.FileDone();
+    return absl::OkStatus();
+  };
+  // Several files at once, as huggingface_hub does (a large model's shards come down in
+  // parallel); the first failure stops the workers from taking more files.
+  std::atomic<size_t> next{0};
+  std::mutex failure_mu;
+  absl::Status failure;
+  auto worker = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < metas.size();) {
+      absl::Status st = one(metas[i]);
+      if (!st.ok()) {
+        std::lock_guard<std::mutex> lock(failure_mu);
+        if (failure.ok()) failure = st;
+        next = metas.size();
+      }
+    }
+  };
+  std::vector<std::thread> workers;
+  for (int w = 0; w < std::min<int>(o.parallel_files, static_cast<int>(metas.size())); ++w) {
+    workers.emplace_back(worker);
   }
+  for (std::thread& t : workers) t.join();
+  if (!failure.ok()) return failure;
+  for (const FileMeta& m : metas) result.files.push_back(m.path);
+  result.bytes_downloaded = downloaded;
   // A branch or tag name points at the commit, so that later lookups by name find it.
   const std::string rev = o.revision.empty() ? "main" : o.revision;
   if (rev != commit) {

@@ -21,6 +21,7 @@ struct DownloadOptions {
   std::string token;                    // empty: anonymous
   std::string cache_dir;                // CacheDir::path
   int max_attempts = 5;                 // per file, resuming after a dropped transfer
+  int parallel_files = 4;               // files downloaded at once
 };
 
 struct DownloadResult {

@@ -6,6 +6,7 @@ transformers' golden greedy continuations (tests/fixtures/models/llama/golden.js
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -98,7 +99,8 @@ def test_launcher_converts_a_bin_only_model_and_serves_transformers_outputs(tmp_
     grpc_port = free_port()
     env = {"MODEL_NAME": str(model), "GRPC_PORT": str(grpc_port), "PORT": str(free_port()),
            "SHARD_UDS_PATH": str(tmp_path / "shard"), "KV_CACHE_BLOCKS": "64",
-           "TERMINATION_LOG": str(tmp_path / "termination-log")}
+           "TERMINATION_LOG": str(tmp_path / "termination-log"),
+           "TGIS_PROGRESS_INTERVAL": "0"}  # a progress line at every step of the load
     launcher = Process([binary("launcher/text-generation-launcher")], env=env)
     try:
         _, pb, stub = wait_serving(launcher, grpc_port, 120)
@@ -108,6 +110,8 @@ def test_launcher_converts_a_bin_only_model_and_serves_transformers_outputs(tmp_
         # Progress lines: the conversion's and the load's closing lines.
         assert f"convert {model}: done, 2 files" in out
         assert "loading weights (2 files) from " in out
+        assert re.search(r"loading weights \(2 files\) from \S+: [0-9.]+ \S+ of [0-9.]+ \S+ \(\d+%\)",
+                         out), out
         oracle = Oracle("llama")
         responses = stub.Generate(pb.BatchedGenerationRequest(
             requests=[pb.GenerationRequest(text=p["text"]) for p in oracle.prompts],
