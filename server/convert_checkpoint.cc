@@ -86,24 +86,35 @@ absl::StatusOr<std::string> ReadText(const fs::path& p) {
 // Reads `path` back and checks each tensor's bytes, dtype and shape against what was written.
 absl::Status VerifyWritten(const std::string& path,
                            const std::map<std::string, const TorchTensor*>& tensors) {
-  auto text = ReadText(path);
-  if (!text.ok()) return text.status();
-  const std::string& file = *text;
+  // One tensor in memory at a time (the source tensors are already held).
+  std::ifstream in(path, std::ios::binary);
+  std::error_code ec;
+  const uint64_t size = fs::file_size(path, ec);
   uint64_t n = 0;
-  if (file.size() >= 8) std::memcpy(&n, file.data(), 8);
-  Json header = file.size() >= 8 && n <= file.size() - 8
-                    ? Json::parse(file.substr(8, n), nullptr, false)
-                    : Json();
+  in.read(reinterpret_cast<char*>(&n), 8);
+  if (!in || ec || n > size - 8) return absl::DataLossError(path + ": written header is cut off");
+  std::string text(n, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(n));
+  const Json header = Json::parse(text, nullptr, false);
   if (!header.is_object()) return absl::DataLossError(path + ": written header does not parse");
+  std::string bytes;
   for (const auto& [name, t] : tensors) {
     const Json& h = header.contains(name) ? header[name] : Json();
     const auto dtype = SafetensorsDType(t->dtype);
-    const bool ok = h.is_object() && dtype.ok() && h["dtype"] == dtype->first &&
-                    h["shape"] == Json(t->shape) &&
-                    h["data_offsets"][1].get<uint64_t>() - h["data_offsets"][0].get<uint64_t>() ==
-                        t->bytes.size() &&
-                    std::memcmp(file.data() + 8 + n + h["data_offsets"][0].get<uint64_t>(),
-                                t->bytes.data(), t->bytes.size()) == 0;
+    bool ok = h.is_object() && dtype.ok() && h["dtype"] == dtype->first &&
+              h["shape"] == Json(t->shape) && h["data_offsets"].is_array() &&
+              h["data_offsets"].size() == 2;
+    if (ok) {
+      const uint64_t begin = h["data_offsets"][0].get<uint64_t>();
+      const uint64_t end = h["data_offsets"][1].get<uint64_t>();
+      ok = begin <= end && end - begin == t->bytes.size() && end <= size - 8 - n;
+      if (ok) {
+        bytes.resize(end - begin);
+        in.seekg(static_cast<std::streamoff>(8 + n + begin));
+        in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+        ok = in && std::memcmp(bytes.data(), t->bytes.data(), bytes.size()) == 0;
+      }
+    }
     if (!ok) return absl::DataLossError(absl::StrCat(path, ": tensor ", name, " reads back wrong"));
   }
   return absl::OkStatus();
