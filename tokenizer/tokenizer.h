@@ -42,7 +42,8 @@ class Tokenizer {
  public:
   virtual ~Tokenizer() = default;
 
-  // Loads a model folder: tokenizer.json when present, else tokenizer.model / spiece.model;
+  // Loads a model folder: tokenizer.json when present, else GPT-2 style vocab.json + merges.txt
+  // (converted as transformers converts them), else tokenizer.model / spiece.model;
   // tokenizer_config.json and special_tokens_map.json supply the special tokens. Errors name
   // the file and, for JSON, the field.
   static absl::StatusOr<std::unique_ptr<Tokenizer>> FromDirectory(const std::string& dir);

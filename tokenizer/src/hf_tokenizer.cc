@@ -205,11 +205,16 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadHfTokenizer(const std::string& fi
     }
     return absl::InvalidArgumentError(absl::StrCat(file, ": invalid JSON"));
   }
+  return LoadHfTokenizerJson(root, file);
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadHfTokenizerJson(const Json& root,
+                                                               const std::string& where) {
   auto tok = std::make_unique<HfTokenizer>();
   try {
-    if (auto st = tok->Init(root, file); !st.ok()) return st;
+    if (auto st = tok->Init(root, where); !st.ok()) return st;
   } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(file, ": unexpected value: ", e.what()));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": unexpected value: ", e.what()));
   }
   return std::unique_ptr<Tokenizer>(std::move(tok));
 }

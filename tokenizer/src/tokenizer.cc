@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "tokenizer/src/gpt2_files.h"
 #include "tokenizer/src/hf_tokenizer.h"
 #include "tokenizer/src/unicode.h"
 
@@ -79,6 +80,12 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromDirectory(const std::s
     auto t = tok::LoadHfTokenizer((root / "tokenizer.json").string());
     if (!t.ok()) return t.status();
     tok = std::move(*t);
+  } else if (tok::HasGpt2Files(root)) {
+    auto json = tok::Gpt2FilesToTokenizerJson(root, *config, *special_map);
+    if (!json.ok()) return json.status();
+    auto t = tok::LoadHfTokenizerJson(*json, (root / "vocab.json").string() + " + merges.txt");
+    if (!t.ok()) return t.status();
+    tok = std::move(*t);
   } else {
     fs::path sp;
     for (const char* name : {"tokenizer.model", "spiece.model"}) {
@@ -89,7 +96,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromDirectory(const std::s
     }
     if (sp.empty()) {
       return absl::NotFoundError(absl::StrCat(
-          dir, ": no tokenizer.json, tokenizer.model or spiece.model in this directory"));
+          dir,
+          ": no tokenizer.json, vocab.json + merges.txt, tokenizer.model or spiece.model in "
+          "this directory"));
     }
     if (tok::SentencePieceLoader() == nullptr) {
       return absl::UnimplementedError(
