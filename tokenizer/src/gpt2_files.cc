@@ -164,7 +164,9 @@ absl::StatusOr<Json> Gpt2FilesToTokenizerJson(const fs::path& dir, const Json& c
       by_id.emplace_back(id.get<int64_t>(), content);
     }
     std::sort(by_id.begin(), by_id.end());
-    for (const auto& [id, content] : by_id) {
+    for (const auto& entry : by_id) {
+      const int64_t id = entry.first;
+      const std::string& content = entry.second;
       if (seen.count(content)) continue;
       const bool is_special = std::any_of(specials.begin(), specials.end(),
                                           [&](const Token& t) { return t.content == content; });
