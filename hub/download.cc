@@ -223,16 +223,27 @@ class Hub {
     return last;
   }
 
+  // Moves the file's last `tail` bytes to its start and cuts it there, 1 MiB at a time (the
+  // tail may be a whole multi-GB file).
   static absl::Status KeepTail(const fs::path& file, int64_t tail) {
     std::error_code ec;
     const int64_t size = static_cast<int64_t>(fs::file_size(file, ec));
-    std::ifstream in(file, std::ios::binary);
-    in.seekg(size - tail);
-    std::string bytes(static_cast<size_t>(tail), '\0');
-    in.read(bytes.data(), tail);
-    std::ofstream out(file, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), tail);
-    if (!in || !out) return absl::InternalError(absl::StrCat(file.string(), ": rewrite failed"));
+    std::fstream f(file, std::ios::binary | std::ios::in | std::ios::out);
+    std::vector<char> buf(1 << 20);
+    for (int64_t done = 0; f && done < tail;) {
+      const int64_t n = std::min<int64_t>(static_cast<int64_t>(buf.size()), tail - done);
+      f.seekg(size - tail + done);
+      f.read(buf.data(), n);
+      f.seekp(done);
+      f.write(buf.data(), n);
+      done += n;
+    }
+    f.close();
+    if (f.fail() || ec) {
+      return absl::InternalError(absl::StrCat(file.string(), ": rewrite failed"));
+    }
+    fs::resize_file(file, static_cast<uintmax_t>(tail), ec);
+    if (ec) return absl::InternalError(absl::StrCat(file.string(), ": ", ec.message()));
     return absl::OkStatus();
   }
 

@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 
@@ -72,6 +73,14 @@ bool OfflineFromEnvironment() {
   if (v == nullptr) return false;
   const std::string s = absl::AsciiStrToUpper(v);
   return s == "1" || s == "ON" || s == "YES" || s == "TRUE";
+}
+
+bool HasFileEndingWith(const std::string& dir, const std::string& suffix) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (absl::EndsWith(e.path().filename().string(), suffix)) return true;
+  }
+  return false;
 }
 
 bool IsLocalPath(const std::string& model_name) {

@@ -40,4 +40,7 @@ absl::StatusOr<std::string> ResolveModel(const std::string& model_name, const st
 // Whether `model_name` names a local directory (rather than a hub id).
 bool IsLocalPath(const std::string& model_name);
 
+// Whether the folder holds a file whose name ends with `suffix` (".safetensors", ".bin").
+bool HasFileEndingWith(const std::string& dir, const std::string& suffix);
+
 }  // namespace tgis::hub

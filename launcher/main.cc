@@ -171,14 +171,8 @@ int main(int argc, char** argv) {
   if (!model.ok()) return fatal(std::string(model.status().message()));
   log.Info("model " + flags.model_name + " -> " + *model);
   // As TGIS: PyTorch weights only -> safetensors beside them, before any shard starts.
-  auto has = [&model](const std::string& ext) {
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator(*model, ec)) {
-      if (e.path().extension() == ext) return true;
-    }
-    return false;
-  };
-  if (!has(".safetensors") && has(".bin")) {
+  if (!tgis::hub::HasFileEndingWith(*model, ".safetensors") &&
+      tgis::hub::HasFileEndingWith(*model, ".bin")) {
     log.Info(*model + " holds only PyTorch .bin weights: converting them to safetensors");
     if (std::string err =
             run_tool("convert-to-safetensors", {server_bin, "convert-to-safetensors", *model});
@@ -187,6 +181,13 @@ int main(int argc, char** argv) {
     }
   }
 
+  std::vector<std::string> otlp_args;  // for the router and the shards
+  if (flags.otlp_endpoint) {
+    otlp_args = {"--otlp-endpoint", *flags.otlp_endpoint};
+    if (flags.otlp_service_name) {
+      otlp_args.insert(otlp_args.end(), {"--otlp-service-name", *flags.otlp_service_name});
+    }
+  }
   std::vector<std::unique_ptr<ChildProcess>> shards;
   for (int rank = 0; rank < num_shard; ++rank) {
     auto child = std::make_unique<ChildProcess>();
@@ -211,12 +212,7 @@ int main(int argc, char** argv) {
     if (!settings->quantize.empty()) args.insert(args.end(), {"--quantize", settings->quantize});
     // Tracing: the shards' spans go to the router's collector (their own service name unless
     // one was given).
-    if (flags.otlp_endpoint) {
-      args.insert(args.end(), {"--otlp-endpoint", *flags.otlp_endpoint});
-      if (flags.otlp_service_name) {
-        args.insert(args.end(), {"--otlp-service-name", *flags.otlp_service_name});
-      }
-    }
+    args.insert(args.end(), otlp_args.begin(), otlp_args.end());
     if (!child->Start("shard-" + std::to_string(rank), args, shard_env, sink, &error)) {
       return fatal("cannot start shard " + std::to_string(rank) + ": " + error);
     }
@@ -267,12 +263,7 @@ int main(int argc, char** argv) {
       std::to_string(flags.shard_startup_timeout + 60),
       "--shard-step-timeout",
       std::to_string(flags.shard_step_timeout)};
-  if (flags.otlp_endpoint) {  // as TGIS's launcher passes them
-    router_args.insert(router_args.end(), {"--otlp-endpoint", *flags.otlp_endpoint});
-    if (flags.otlp_service_name) {
-      router_args.insert(router_args.end(), {"--otlp-service-name", *flags.otlp_service_name});
-    }
-  }
+  router_args.insert(router_args.end(), otlp_args.begin(), otlp_args.end());  // as TGIS
   // HTTP and TLS settings reach the router through its environment.
   std::map<std::string, std::string> router_env = {{"PORT", std::to_string(flags.port)}};
   if (flags.tls_cert_path) router_env["TLS_CERT_PATH"] = *flags.tls_cert_path;

@@ -251,14 +251,9 @@ int main(int argc, char** argv) {
       std::getenv("OTLP_SERVICE_NAME") == nullptr) {
     FLAGS_otlp_service_name = otel;
   }
-  if (absl::Status st =
-          tgis::tracing::InitTracingFromFlags(FLAGS_otlp_endpoint, FLAGS_otlp_service_name);
-      !st.ok()) {
-    return Fail(std::string(st.message()));
-  }
-  struct FlushTraces {
-    ~FlushTraces() { tgis::tracing::ShutdownTracing(); }
-  } flush_traces;
+  auto tracing =
+      tgis::tracing::TracingSession::FromFlags(FLAGS_otlp_endpoint, FLAGS_otlp_service_name);
+  if (!tracing.ok()) return Fail(std::string(tracing.status().message()));
   if (FLAGS_tokenizer_path.empty()) return Fail("--tokenizer-path (TOKENIZER_PATH) is required");
   for (auto [value, minimum, name] :
        {std::tuple{int64_t{FLAGS_max_new_tokens}, 1, "--max-new-tokens (MAX_NEW_TOKENS)"},

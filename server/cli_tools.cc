@@ -81,14 +81,6 @@ std::string Opt(const Args& a, const std::string& name, const std::string& fallb
   return it == a.opts.end() ? fallback : it->second;
 }
 
-bool HasFilesEndingWith(const std::string& dir, const std::string& suffix) {
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    if (absl::EndsWith(e.path().filename().string(), suffix)) return true;
-  }
-  return false;
-}
-
 // Converts `dir`'s .bin files; "nothing to do" outcomes are reported, not failures (as TGIS).
 int Convert(const std::string& dir) {
   auto converted = ConvertToSafetensors(dir);
@@ -154,7 +146,7 @@ int RunDownloadWeights(int argc, char** argv) {
     // As TGIS: no safetensors weights on the Hub -> fetch the PyTorch ones and convert them.
     const bool want_st =
         std::find(extensions.begin(), extensions.end(), ".safetensors") != extensions.end();
-    if (auto_convert && want_st && !HasFilesEndingWith(dir, ".safetensors")) {
+    if (auto_convert && want_st && !hub::HasFileEndingWith(dir, ".safetensors")) {
       if (std::find(extensions.begin(), extensions.end(), ".bin") == extensions.end()) {
         LOG(INFO) << ".safetensors weights not found, downloading pytorch weights to convert...";
         o.extensions = {".bin"};
@@ -163,7 +155,8 @@ int RunDownloadWeights(int argc, char** argv) {
       }
     }
   }
-  if (auto_convert && !HasFilesEndingWith(dir, ".safetensors") && HasFilesEndingWith(dir, ".bin")) {
+  if (auto_convert && !hub::HasFileEndingWith(dir, ".safetensors") &&
+      hub::HasFileEndingWith(dir, ".bin")) {
     LOG(INFO) << ".safetensors weights not found, converting from pytorch weights...";
     if (int rc = Convert(dir); rc != 0) return rc;
   }

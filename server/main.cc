@@ -145,14 +145,9 @@ int main(int argc, char** argv) {
         "usage: text-generation-server serve MODEL_DIR --uds-path PATH | download-weights "
         "MODEL_NAME ... | convert-to-safetensors MODEL_NAME ...");
   }
-  if (absl::Status st =
-          tgis::tracing::InitTracingFromFlags(FLAGS_otlp_endpoint, FLAGS_otlp_service_name);
-      !st.ok()) {
-    return Fail(std::string(st.message()));
-  }
-  struct FlushTraces {
-    ~FlushTraces() { tgis::tracing::ShutdownTracing(); }
-  } flush_traces;
+  auto tracing =
+      tgis::tracing::TracingSession::FromFlags(FLAGS_otlp_endpoint, FLAGS_otlp_service_name);
+  if (!tracing.ok()) return Fail(std::string(tracing.status().message()));
   // Exit with the parent (the launcher): no orphaned shard.
   prctl(PR_SET_PDEATHSIG, SIGTERM);
   const std::string model_dir = argv[2];

@@ -371,7 +371,8 @@ void ShutdownTracing() { Exporter::Get().Stop(); }
 bool TracingEnabled() { return Exporter::Get().enabled(); }
 uint64_t DroppedSpans() { return Exporter::Get().dropped(); }
 
-absl::Status InitTracingFromFlags(const std::string& endpoint, const std::string& service_name) {
+absl::StatusOr<std::unique_ptr<TracingSession>> TracingSession::FromFlags(
+    const std::string& endpoint, const std::string& service_name) {
   TracingOptions o;
   o.endpoint = endpoint;
   o.service_name = service_name;
@@ -387,7 +388,8 @@ absl::Status InitTracingFromFlags(const std::string& endpoint, const std::string
     }
     break;
   }
-  return InitTracing(o);
+  if (absl::Status st = InitTracing(o); !st.ok()) return st;
+  return std::unique_ptr<TracingSession>(new TracingSession());
 }
 
 }  // namespace tgis::tracing

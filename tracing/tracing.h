@@ -16,6 +16,7 @@
 #include <string_view>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace opentelemetry::proto::collector::trace::v1 {
 class Span;
@@ -95,9 +96,19 @@ void ShutdownTracing();
 bool TracingEnabled();
 // Spans dropped because the queue was full or an export failed, since start.
 uint64_t DroppedSpans();
-// The flags' values as the router and the shards take them: empty endpoint = off. The protocol
-// comes from OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL (the
-// OpenTelemetry variables): grpc (default) or http/protobuf; http/json is refused by name.
-absl::Status InitTracingFromFlags(const std::string& endpoint, const std::string& service_name);
+// Tracing for the life of a process's main(): started from the flags' values as the router and
+// the shards take them (empty endpoint = off), and flushed and stopped when it goes out of
+// scope. The protocol comes from OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else
+// OTEL_EXPORTER_OTLP_PROTOCOL (the OpenTelemetry variables): grpc (default) or http/protobuf;
+// http/json is refused by name.
+class TracingSession {
+ public:
+  static absl::StatusOr<std::unique_ptr<TracingSession>> FromFlags(const std::string& endpoint,
+                                                                   const std::string& service_name);
+  ~TracingSession() { ShutdownTracing(); }
+
+ private:
+  TracingSession() = default;
+};
 
 }  // namespace tgis::tracing

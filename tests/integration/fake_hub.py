@@ -126,6 +126,7 @@ class FakeHub:
         # weak_etags: send regular files' ETag as W/"<sha1>", which some Hub front ends do and
         # clients must normalise before naming blobs.
         self.weak_etags = weak_etags
+        self.ignore_range = False  # a CDN that answers every GET whole (200), as some proxies do
         self._lock = threading.Lock()
         self._repos: dict[str, _Repo] = {}
         # sha256 -> one of the files with that content: the LFS store, shared by all repos
@@ -476,7 +477,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.hub._body(f)
         total = len(body)
         start, end, status = 0, total, 200
-        spec = self.headers.get("Range")
+        spec = None if self.hub.ignore_range else self.headers.get("Range")
         if spec is not None:
             m = re.fullmatch(r"bytes=(\d+)-(\d*)", spec.strip())
             if not m or int(m.group(1)) >= total:

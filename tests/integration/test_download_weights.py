@@ -140,6 +140,17 @@ def assert_downloaded(cache: Path, hub: FakeHub, repo_id: str, names, revision="
     assert leftovers(cache, repo_id) == []
 
 
+def partial_blob(cache: Path, hub: FakeHub, repo_id: str):
+    """The first half of `repo_id`'s model.safetensors as a download left it: blobs/<sha>.incomplete.
+    Returns (the file, half its size)."""
+    f = hub.file(repo_id, "model.safetensors")
+    half = len(f.data) // 2
+    blobs = repo_dir(cache, repo_id) / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / f"{f.sha256}.incomplete").write_bytes(f.data[:half])
+    return f, half
+
+
 def cdn_gets(hub: FakeHub, sha256: str):
     return [r for r in hub.requests
             if r.server == "cdn" and r.method == "GET" and f"/cdn/{sha256}" in r.path]
@@ -237,11 +248,7 @@ def test_fake_hub_revisions(tmp_path, hub):
 def test_fake_hub_resume_and_dropped_connection(tmp_path, hub, llama):
     need_hf()
     cache = tmp_path / "cache"
-    f = hub.file(llama, "model.safetensors")
-    half = len(f.data) // 2
-    blobs = repo_dir(cache, llama) / "blobs"
-    blobs.mkdir(parents=True)
-    (blobs / f"{f.sha256}.incomplete").write_bytes(f.data[:half])
+    f, half = partial_blob(cache, hub, llama)
     results = run_hf_client([("hf_hub_download", {"repo_id": llama, "filename": "model.safetensors",
                                                   "cache_dir": str(cache)})], env(tmp_path, hub))
     assert all("ok" in r for r in results), results
@@ -374,17 +381,25 @@ def test_revision(tmp_path, hub, revision):
 
 def test_resume_from_incomplete_blob(tmp_path, hub, llama):
     cache = tmp_path / "cache"
-    f = hub.file(llama, "model.safetensors")
-    half = len(f.data) // 2
-    blobs = repo_dir(cache, llama) / "blobs"
-    blobs.mkdir(parents=True)
-    (blobs / f"{f.sha256}.incomplete").write_bytes(f.data[:half])
+    f, half = partial_blob(cache, hub, llama)
     ok(download(llama, env=env(tmp_path, hub)))
     [get] = cdn_gets(hub, f.sha256)
     assert get.range == f"bytes={half}-"
     assert get.body_bytes == len(f.data) - half
     assert_downloaded(cache, hub, llama, LLAMA_FILES)
 
+
+def test_server_ignoring_range_restarts_the_file(tmp_path, hub, llama):
+    """A CDN that answers a Range request with the whole file (200): the partial bytes are
+    dropped and the blob is the file, not the half followed by the whole."""
+    cache = tmp_path / "cache"
+    f, half = partial_blob(cache, hub, llama)
+    hub.ignore_range = True
+    ok(download(llama, env=env(tmp_path, hub)))
+    [get] = cdn_gets(hub, f.sha256)
+    assert get.range == f"bytes={half}-" and get.status == 200
+    assert get.body_bytes == len(f.data)
+    assert_downloaded(cache, hub, llama, LLAMA_FILES)
 
 def test_dropped_connection(tmp_path, hub, llama):
     """The connection drops once mid-body: the command retries by itself or fails and a second
