@@ -2,10 +2,18 @@
 #include "kernels/ops.h"
 
 #include "kernels/check.h"
+#include "kernels/cpu/blas.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda_ops.h"
 
 namespace tgis::kernels {
+
+std::string CpuBackendSummary() {
+  return std::string("linear isa ") + cpu::ActiveIsaName() + ", " +
+         std::to_string(cpu::ThreadPool::Global().size()) + " threads, OpenBLAS kernels " +
+         cpu::BlasCoreName();
+}
 
 namespace {
 

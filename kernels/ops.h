@@ -15,11 +15,17 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "kernels/tensor.h"
 
 namespace tgis::kernels {
+
+// How the CPU kernels run on this machine, for a start-up log line: the Linear ISA path, the
+// pool's threads and the OpenBLAS kernel family (this loads OpenBLAS: call it before other
+// threads start, as it sets OpenBLAS's environment variables first).
+std::string CpuBackendSummary();
 
 // out[t, :] = weight[ids[t], :]. ids: [T] i32; weight: [V, H]; out: [T, H].
 void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out);

@@ -145,6 +145,8 @@ int main(int argc, char** argv) {
         "usage: text-generation-server serve MODEL_DIR --uds-path PATH | download-weights "
         "MODEL_NAME ... | convert-to-safetensors MODEL_NAME ...");
   }
+  // Before any other thread starts (it sets OpenBLAS's environment, then loads it).
+  LOG(INFO) << "CPU kernels: " << tgis::kernels::CpuBackendSummary();
   auto tracing =
       tgis::tracing::TracingSession::FromFlags(FLAGS_otlp_endpoint, FLAGS_otlp_service_name);
   if (!tracing.ok()) return Fail(std::string(tracing.status().message()));

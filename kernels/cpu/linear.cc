@@ -9,28 +9,26 @@
 //    Each output element is summed in one fixed order (8 lanes over k, a fixed horizontal sum,
 //    then the k % 8 tail), so a row's result does not depend on T, on the other rows in the
 //    batch, or on the number of threads.
-//  - Large T (prefill): OpenBLAS sgemm, one single-threaded call per block of output rows on
-//    our pool (bf16/f16 weight blocks are converted to f32 into a per-thread scratch first).
+//  - Large T (prefill): OpenBLAS sgemm (blas.h: loaded at run time, with the kernels this
+//    CPU runs), one single-threaded call per block of output rows on our pool (bf16/f16 weight
+//    blocks are converted to f32 into a per-thread scratch first).
 // Quantized weights (kernels/quantized.h) take both paths too: their codes are dequantized
 // where bf16 would be converted ((code - zero) * scale, exactly the f32 weight transformers
 // would multiply by), over the stored columns, against x gathered into the stored order.
-#include <cblas.h>
 #include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
+#include "kernels/cpu/blas.h"
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/linear_stream.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/quantized.h"
-
-extern "C" void openblas_set_num_threads(int num_threads);
 
 namespace tgis::kernels::cpu {
 
@@ -334,12 +332,6 @@ void SmallT(const SmallArgs& args) {
 
 // ---- large T: OpenBLAS ---------------------------------------------------------------------
 
-void BlasSingleThreaded() {
-  // Our pool supplies the parallelism; OpenBLAS's own threads would compete with it.
-  static std::once_flag once;
-  std::call_once(once, [] { openblas_set_num_threads(1); });
-}
-
 template <WFmt W>
 TGIS_AVX2 void ConvertRowAvx2(const WRow& src, int64_t n, float* dst) {
   int64_t i = 0;
@@ -363,16 +355,14 @@ void ConvertRows(const SmallArgs& a, int64_t r0, int64_t rows, float* dst, bool 
 
 template <WFmt W>
 void LargeT(const SmallArgs& a) {
-  BlasSingleThreaded();
   [[maybe_unused]] const bool avx2 = UseAvx2();
   const int64_t threads = ThreadPool::Global().size();
   if constexpr (W == WFmt::kF32) {
     const int64_t grain = std::max<int64_t>(16, (a.n + threads - 1) / threads);
     ParallelFor(a.n, grain, [&](int64_t b, int64_t e) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(a.t),
-                  static_cast<int>(e - b), static_cast<int>(a.k), 1.0f, a.x, static_cast<int>(a.k),
-                  static_cast<const float*>(a.w) + b * a.k, static_cast<int>(a.k), 0.0f, a.out + b,
-                  static_cast<int>(a.n));
+      SgemmNT(static_cast<int>(a.t), static_cast<int>(e - b), static_cast<int>(a.k), a.x,
+              static_cast<int>(a.k), static_cast<const float*>(a.w) + b * a.k,
+              static_cast<int>(a.k), a.out + b, static_cast<int>(a.n));
     });
   } else {
     // Convert blocks of up to ~1M weights (4 MB of f32) at a time.
@@ -385,9 +375,9 @@ void LargeT(const SmallArgs& a) {
       for (int64_t r0 = b; r0 < e; r0 += block) {
         const int64_t rows = std::min(block, e - r0);
         ConvertRows<W>(a, r0, rows, buf.data(), avx2);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(a.t),
-                    static_cast<int>(rows), static_cast<int>(a.k), 1.0f, a.x, static_cast<int>(a.k),
-                    buf.data(), static_cast<int>(a.k), 0.0f, a.out + r0, static_cast<int>(a.n));
+        SgemmNT(static_cast<int>(a.t), static_cast<int>(rows), static_cast<int>(a.k), a.x,
+                static_cast<int>(a.k), buf.data(), static_cast<int>(a.k), a.out + r0,
+                static_cast<int>(a.n));
       }
     });
   }

@@ -1,0 +1,84 @@
+#include "kernels/cpu/blas.h"
+
+#include <cblas.h>
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+
+#include "kernels/check.h"
+#include "kernels/cpu/linear_stream.h"
+
+namespace tgis::kernels::cpu {
+
+namespace {
+
+// The SONAME Debian's libopenblas0 provides (through update-alternatives), then the
+// development symlink.
+constexpr const char* kLibraries[] = {"libopenblas.so.0", "libopenblas.so"};
+
+struct Blas {
+  decltype(&cblas_sgemm) sgemm = nullptr;
+  std::string core;
+};
+
+template <typename F>
+F Symbol(void* lib, const char* name, const char* file) {
+  void* p = dlsym(lib, name);
+  TGIS_CHECK(p != nullptr, "%s has no symbol %s: is it OpenBLAS?", file, name);
+  return reinterpret_cast<F>(p);
+}
+
+const Blas& Load() {
+  static Blas blas;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // Both variables are read once, by the library's constructor, so they are set before
+    // dlopen; an operator's own values win (overwrite = 0).
+    const std::string preferred = PreferredBlasCore();
+    if (!preferred.empty()) setenv("OPENBLAS_CORETYPE", preferred.c_str(), 0);
+    // Our pool is the parallelism: OpenBLAS's pthread build would otherwise start one
+    // thread per core in every shard and never use them.
+    setenv("OPENBLAS_NUM_THREADS", "1", 0);
+    void* lib = nullptr;
+    const char* file = nullptr;
+    std::string errors;
+    for (const char* name : kLibraries) {
+      lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+      if (lib != nullptr) {
+        file = name;
+        break;
+      }
+      errors += std::string(" ") + dlerror() + ";";
+    }
+    TGIS_CHECK(lib != nullptr,
+               "cannot load OpenBLAS (%s or %s):%s install libopenblas0 (make deps does)",
+               kLibraries[0], kLibraries[1], errors.c_str());
+    blas.sgemm = Symbol<decltype(&cblas_sgemm)>(lib, "cblas_sgemm", file);
+    auto set_threads = Symbol<void (*)(int)>(lib, "openblas_set_num_threads", file);
+    auto corename = Symbol<char* (*)()>(lib, "openblas_get_corename", file);
+    set_threads(1);  // also when the operator set OPENBLAS_NUM_THREADS
+    const char* core = corename();
+    blas.core = core != nullptr ? core : "unknown";
+  });
+  return blas;
+}
+
+}  // namespace
+
+std::string PreferredBlasCore() {
+  __builtin_cpu_init();
+  if (CpuHasAvx512() && __builtin_cpu_supports("avx512cd")) return "SkylakeX";
+  if (CpuHasAvx2()) return __builtin_cpu_is("amd") ? "Zen" : "Haswell";
+  return "";
+}
+
+void SgemmNT(int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c,
+             int ldc) {
+  Load().sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c,
+               ldc);
+}
+
+std::string BlasCoreName() { return Load().core; }
+
+}  // namespace tgis::kernels::cpu

@@ -1,0 +1,28 @@
+// Internal: OpenBLAS, loaded with dlopen at first use rather than linked.
+//
+// Why: OpenBLAS's run-time CPU detection (DYNAMIC_ARCH) runs in its library constructor, and
+// the builds distributions ship fall back to its SSE3 "Prescott" kernels on CPUs newer than
+// the build knows. Debian 12's 0.3.21 does so on Emerald Rapids (measured: prefill of a
+// 1.1B model at 27 tok/s against 102 with the AVX-512 kernels). OPENBLAS_CORETYPE, read by
+// that constructor, selects the kernels; loading the library ourselves lets us set it first
+// from what this CPU can run, unless the operator has set it.
+#pragma once
+
+#include <string>
+
+namespace tgis::kernels::cpu {
+
+// C = A[M, K] @ B[N, K]^T (row major, single-threaded: our pool supplies the threads).
+// Loads OpenBLAS on first use; a missing library is fatal and says which file it looked for.
+void SgemmNT(int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c,
+             int ldc);
+
+// The kernel family OpenBLAS is using ("SkylakeX", "Haswell", ...); loads it if needed.
+std::string BlasCoreName();
+
+// The OPENBLAS_CORETYPE we set when the operator has not: the best family this CPU runs
+// (AVX-512 F/BW/VL/DQ/CD: SkylakeX; AVX2/FMA: Zen on AMD, Haswell elsewhere), or "" to
+// leave the choice to OpenBLAS.
+std::string PreferredBlasCore();
+
+}  // namespace tgis::kernels::cpu
