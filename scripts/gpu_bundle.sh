@@ -23,9 +23,15 @@ done
 
 # Shared libraries, minus glibc's and the GPU stack the device machine brings itself.
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libpthread|libdl\.so|librt\.so|libcuda\.so|libcudart|libcublas|libnccl)'
-for b in "${bins[@]}"; do
-  ldd "$BUILD_DIR/$b" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
-done | sort -u | while read -r name path; do
+# OpenBLAS is dlopen'ed (kernels/cpu/blas.h), so ldd does not list it: add it and its needs.
+blas=$(ldconfig -p | awk '$1 == "libopenblas.so.0" {print $NF; exit}')
+test -n "$blas" || { echo "libopenblas.so.0 not found: run make deps" >&2; exit 1; }
+{
+  echo "libopenblas.so.0 $blas"
+  for f in "${bins[@]/#/$BUILD_DIR/}" "$blas"; do
+    ldd "$f" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
+  done
+} | sort -u | while read -r name path; do
   if [[ ! $name =~ $skip ]]; then cp -L "$path" "$OUT/stage/lib/$name"; fi
 done
 strip --strip-unneeded "$OUT"/stage/lib/*.so* 2>/dev/null || true
