@@ -1042,15 +1042,20 @@ struct AttnCase {
   // T5 relative position buckets (32 buckets up to distance 128, or 1000 on long contexts).
   bool relative = false;
   bool bidirectional = false;
+  int64_t d = 16;
+  // > 0: the first sequence is a whole prefill of this many tokens (several CPU tasks of
+  // query rows) instead of 5.
+  int64_t long_prefill = 0;
 };
 
 void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device device, double tol) {
   // A prefill (q_len 5, ctx 5), a decode (q_len 1, ctx 37: 5 blocks), a chunk of a longer
   // prompt (q_len 3, ctx 20); or, long, a decode at 1700 and a chunk at 1300.
-  const std::vector<int64_t> q_lens = {5, 1, 3};
-  const std::vector<int64_t> ctxs =
-      c.long_context ? std::vector<int64_t>{5, 1700, 1300} : std::vector<int64_t>{5, 37, 20};
-  const int64_t d = 16, bs = 8;
+  const int64_t first_len = c.long_prefill > 0 ? c.long_prefill : 5;
+  const std::vector<int64_t> q_lens = {first_len, 1, 3};
+  const std::vector<int64_t> ctxs = c.long_context ? std::vector<int64_t>{first_len, 1700, 1300}
+                                                   : std::vector<int64_t>{first_len, 37, 20};
+  const int64_t d = c.d, bs = 8;
   int64_t num_blocks = 0, max_blocks = 0;
   for (int64_t ctx : ctxs) {
     num_blocks += (ctx + bs - 1) / bs;
@@ -1241,6 +1246,25 @@ TEST_P(OpsTest, PagedAttentionLongContexts) {
 TEST_P(OpsTest, PagedAttentionLongContextsSlidingWindowAlibi) {
   RunAttention(this, {4, 4, 700, true, true}, dtype(), device(), tol());
 }
+// The head sizes models use (the CPU's vector path takes multiples of 8, others the scalar
+// path), GQA ratios up to 8, and a 70-token prefill (query rows over several tasks).
+TEST_P(OpsTest, PagedAttentionHeadDims) {
+  for (int64_t d : {64, 80, 96, 128, 256, 20}) {
+    SCOPED_TRACE("head_dim " + std::to_string(d));
+    AttnCase c{8, 2, 0, false};
+    c.d = d;
+    RunAttention(this, c, dtype(), device(), tol());
+  }
+}
+TEST_P(OpsTest, PagedAttentionLongPrefillGqa8) {
+  AttnCase c{16, 2, 0, false};
+  c.d = 64;
+  c.long_prefill = 70;
+  RunAttention(this, c, dtype(), device(), tol());
+  c.window = 24;
+  c.alibi = true;
+  RunAttention(this, c, dtype(), device(), tol());
+}
 // Encoders and cross-attention: every query sees the whole context.
 TEST_P(OpsTest, PagedAttentionNotCausal) {
   RunAttention(this, {8, 2, 0, false, false, /*causal=*/false}, dtype(), device(), tol());
@@ -1280,6 +1304,95 @@ TEST(RelativePositionBucket, MatchesTransformers) {
 }
 
 // ---- The CPU thread pool ------------------------------------------------------------------
+
+// A query row's attention output is bitwise the same whether its sequence runs alone, beside
+// another sequence, or as two chunks of its prompt (chunked prefill, prefix caching), on every
+// CPU path: rows that share a task never change each other's sums.
+TEST(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
+  const int64_t hq = 8, hk = 2, d = 64, bs = 16, len = 100, other = 50;
+  const int64_t num_blocks = (len + bs - 1) / bs + (other + bs - 1) / bs;
+  KvCacheLayer cache{Tensor::Zeros({num_blocks, bs, hk, d}, DType::kF32, Device::kCpu),
+                     Tensor::Zeros({num_blocks, bs, hk, d}, DType::kF32, Device::kCpu)};
+  // Sequence A owns blocks 0..6 (reversed), B the rest.
+  const int64_t a_blocks = (len + bs - 1) / bs, b_blocks = num_blocks - a_blocks;
+  std::vector<int32_t> a_table, b_table;
+  for (int64_t b = 0; b < a_blocks; ++b) a_table.push_back(static_cast<int32_t>(a_blocks - 1 - b));
+  for (int64_t b = 0; b < b_blocks; ++b) b_table.push_back(static_cast<int32_t>(a_blocks + b));
+  auto slots = [&](const std::vector<int32_t>& table, int64_t n) {
+    std::vector<int32_t> out;
+    for (int64_t p = 0; p < n; ++p)
+      out.push_back(static_cast<int32_t>(table[p / bs] * bs + p % bs));
+    return out;
+  };
+  ReshapeAndCache(Tensor::FromVector(Random(len * hk * d, 1), {len, hk, d}),
+                  Tensor::FromVector(Random(len * hk * d, 2), {len, hk, d}),
+                  Tensor::FromVector(slots(a_table, len), {len}), &cache);
+  ReshapeAndCache(Tensor::FromVector(Random(other * hk * d, 3), {other, hk, d}),
+                  Tensor::FromVector(Random(other * hk * d, 4), {other, hk, d}),
+                  Tensor::FromVector(slots(b_table, other), {other}), &cache);
+  const std::vector<float> qa = Random(len * hq * d, 5), qb = Random(hq * d, 6);
+  const int64_t max_blocks = std::max(a_blocks, b_blocks);
+  auto table_row = [&](const std::vector<int32_t>& t) {
+    std::vector<int32_t> row(t);
+    row.resize(max_blocks, -1);
+    return row;
+  };
+  // Runs sequences (query rows, context) and returns the outputs, concatenated.
+  struct Seq {
+    const float* q;
+    int64_t q_len, ctx;
+    const std::vector<int32_t>* table;
+  };
+  auto run = [&](const std::vector<Seq>& seqs, int window) {
+    std::vector<float> q;
+    std::vector<int32_t> starts = {0}, ctxs, tables;
+    for (const Seq& sq : seqs) {
+      q.insert(q.end(), sq.q, sq.q + sq.q_len * hq * d);
+      starts.push_back(starts.back() + static_cast<int32_t>(sq.q_len));
+      ctxs.push_back(static_cast<int32_t>(sq.ctx));
+      const std::vector<int32_t> row = table_row(*sq.table);
+      tables.insert(tables.end(), row.begin(), row.end());
+    }
+    AttentionBatch batch;
+    batch.query_start = Tensor::FromVector(starts, {static_cast<int64_t>(starts.size())});
+    batch.context_lens = Tensor::FromVector(ctxs, {static_cast<int64_t>(ctxs.size())});
+    batch.block_tables =
+        Tensor::FromVector(tables, {static_cast<int64_t>(seqs.size()), max_blocks});
+    batch.block_size = static_cast<int>(bs);
+    Tensor out;
+    PagedAttention(Tensor::FromVector(q, {starts.back(), hq, d}), cache, batch, 0.125f, window,
+                   nullptr, &out);
+    return OpsTest::Host(out);
+  };
+  auto Bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+  };
+  for (const cpu::Isa isa : {cpu::Isa::kScalar, cpu::Isa::kAvx2}) {
+    if (!cpu::IsaAvailable(isa)) continue;
+    cpu::SetIsaForTesting(isa);
+    for (int window : {0, 24}) {
+      SCOPED_TRACE("isa " + std::to_string(static_cast<int>(isa)) + " window " +
+                   std::to_string(window));
+      const std::vector<float> alone = run({{qa.data(), len, len, &a_table}}, window);
+      std::vector<float> batched =
+          run({{qb.data(), 1, other, &b_table}, {qa.data(), len, len, &a_table}}, window);
+      batched.erase(batched.begin(), batched.begin() + hq * d);  // B's row
+      const int64_t cut = 37;
+      std::vector<float> chunked = run({{qa.data(), cut, cut, &a_table}}, window);
+      const std::vector<float> rest =
+          run({{qa.data() + cut * hq * d, len - cut, len, &a_table}}, window);
+      chunked.insert(chunked.end(), rest.begin(), rest.end());
+      ASSERT_EQ(alone.size(), static_cast<size_t>(len * hq * d));
+      for (size_t i = 0; i < alone.size(); ++i) {
+        ASSERT_EQ(Bits(alone[i]), Bits(batched[i])) << "batched, element " << i;
+        ASSERT_EQ(Bits(alone[i]), Bits(chunked[i])) << "chunked, element " << i;
+      }
+    }
+  }
+  cpu::SetIsaForTesting(cpu::Isa::kAuto);
+}
 
 TEST(CpuThreadPool, ParallelForCoversEveryIndexOnce) {
   for (int64_t n : {0, 1, 7, 64, 1000, 100003}) {
