@@ -1,7 +1,7 @@
 // Kernel micro benchmarks: the machine's streaming-read bandwidth, and Linear (the decode hot
 // path) as GB/s of weights streamed and as a fraction of that bandwidth.
 //
-//   kernels_bench [--quick] [--hot] [--isa=scalar|avx2|avx512|vnni] [format ...]
+//   kernels_bench [--quick] [--hot] [--t=1|16|64] [--isa=scalar|avx2|avx512|vnni] [format ...]
 //   formats: bf16 f16 f32 int8 gptq8 gptq4 (g128) gptq4g32 fp8
 //
 // --hot adds a 1024x2048 weight read from cache (one copy, called repeatedly): the kernels'
@@ -162,12 +162,15 @@ LinearResult TimeLinear(int64_t out_f, int64_t in, const Format& f, int64_t t_co
 
 int main(int argc, char** argv) {
   bool quick = false, hot = false;
+  int64_t only_t = 0;               // --t=N: only that many x rows
   std::vector<std::string> wanted;  // formats named on the command line, else all of them
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
     } else if (std::strcmp(argv[i], "--hot") == 0) {
       hot = true;
+    } else if (std::strncmp(argv[i], "--t=", 4) == 0) {
+      only_t = std::atoll(argv[i] + 4);
     } else if (std::strncmp(argv[i], "--isa=", 6) == 0) {
       namespace cpu = tgis::kernels::cpu;
       const std::string name = argv[i] + 6;
@@ -211,6 +214,7 @@ int main(int argc, char** argv) {
     if (hot) shapes = {Shape{1024, 2048}};
     for (Shape s : shapes) {
       for (int64_t t : {1, 16, 64}) {
+        if (only_t > 0 && t != only_t) continue;
         const LinearResult r = TimeLinear(s.out_f, s.in, f, t, quick, hot);
         const double bytes = s.out_f * s.in * f.bytes_per_weight;
         const double gbs = bytes / r.seconds / 1e9;

@@ -169,6 +169,70 @@ TGIS_AVX512 inline void Direct(RowDecoder<W>* dec, const float* x, int64_t ldx, 
     for (int t = 0; t < TT; ++t) acc[r * TT + t] = a[r][t];
 }
 
+// Direct for 4-bit codes (whole blocks [0, full)): the same sums in the same order, with each
+// row's 16-entry table in a register, the block's run looked up once for all rows, and one
+// code prefetch per cache line. (Direct's general decoder kept the tables in memory and
+// measured at a third of the DRAM bandwidth on 4-bit g32 weights.)
+template <int R, int TT>
+TGIS_AVX512 inline void DirectQ4(const SmallArgs& a, int64_t n, int64_t full, __m512* acc) {
+  const uint8_t* codes[R];
+  const float* scale[R];
+  const float* zero[R];
+  for (int r = 0; r < R; ++r) {
+    const WRow row = RowOf<WFmt::kQ4>(a, n + r);
+    codes[r] = static_cast<const uint8_t*>(row.p);
+    scale[r] = row.scale;
+    zero[r] = row.zero;
+  }
+  const int32_t* block_run = a.q->block_run.data<int32_t>();
+  const int64_t ahead = 2 * kRows * a.q->codes.dim(1);  // bytes: the rows two tiles on
+  const int64_t runs_ahead = 2 * kRows * a.q->runs();   // their scales and zeros
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc_r[R][TT], table[R];
+  for (int r = 0; r < R; ++r) {
+    table[r] = _mm512_setzero_ps();
+    for (int t = 0; t < TT; ++t) acc_r[r][t] = acc[r * TT + t];
+  }
+  int32_t run = -1;
+  for (int64_t k = 0; k < full; k += kBlock) {
+    const int32_t block = block_run[k / 8];
+    if (block != run) {
+      run = block;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if (run % 16 == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(scale[r] + run + runs_ahead), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(zero[r] + run + runs_ahead), _MM_HINT_T0);
+        }
+        table[r] = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(zero[r][run])),
+                                 _mm512_set1_ps(scale[r][run]));
+      }
+    }
+    __m512 xl[TT], xh[TT];
+#pragma GCC unroll 2
+    for (int t = 0; t < TT; ++t) {
+      xl[t] = _mm512_loadu_ps(a.x + t * a.k + k);
+      xh[t] = _mm512_loadu_ps(a.x + t * a.k + k + 16);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      if (k % 128 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(codes[r] + k / 2 + ahead), _MM_HINT_T0);
+      const __m512i idx =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[r] + k / 2)));
+      const __m512 lo = _mm512_permutexvar_ps(idx, table[r]);
+      const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table[r]);
+#pragma GCC unroll 2
+      for (int t = 0; t < TT; ++t) {
+        acc_r[r][t] = _mm512_fmadd_ps(lo, xl[t], acc_r[r][t]);
+        acc_r[r][t] = _mm512_fmadd_ps(hi, xh[t], acc_r[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r * TT + t] = acc_r[r][t];
+}
+
 // The same sums from weights already decoded into scratch rows, or f32 weight rows read in
 // place (`ld` floats apart; column 0 is kernel column k0), for x rows [t0, t0 + TT) of T. Masked
 // loads only in a tail block: GCC keeps the accumulators in registers across plain loads but not
@@ -231,7 +295,13 @@ TGIS_AVX512 void Tile(const SmallArgs& a, int64_t n) {
 
   if (t_count <= 2) {
     const int64_t prefetch = a.q ? 2 * kRows * a.q->codes.dim(1) : 0;  // bytes
-    if (t_count == 1) {
+    if constexpr (W == WFmt::kQ4) {                                    // no partial block
+      if (t_count == 1) {
+        DirectQ4<R, 1>(a, n, full, acc);
+      } else {
+        DirectQ4<R, 2>(a, n, full, acc);
+      }
+    } else if (t_count == 1) {
       Direct<R, 1, W, false>(dec, a.x, a.k, 0, full, Mask{}, prefetch, acc);
       if (full < a.k) Direct<R, 1, W, true>(dec, a.x, a.k, full, a.k, tail, prefetch, acc);
     } else {
