@@ -324,10 +324,8 @@ std::string TokenFromEnvironment() {
     }
   }
   fs::path file = Env("HF_TOKEN_PATH");
-  if (file.empty()) {
-    file = !Env("HF_HOME").empty() ? fs::path(Env("HF_HOME")) / "token"
-           : !Env("HOME").empty()  ? fs::path(Env("HOME")) / ".cache" / "huggingface" / "token"
-                                   : fs::path();
+  if (file.empty() && !HfHomeFromProcessEnvironment().empty()) {
+    file = fs::path(HfHomeFromProcessEnvironment()) / "token";
   }
   std::ifstream in(file);
   std::string token;

@@ -46,23 +46,37 @@ absl::StatusOr<CacheDir> CacheDir::FromEnvironment(const std::map<std::string, s
     out.warning = absl::StrCat(deprecated,
                                " is deprecated and should not be used. Use HF_HUB_CACHE instead.");
   }
-  if (out.path.empty() && !Get(env, "HF_HOME").empty()) {
-    out.path = (fs::path(Get(env, "HF_HOME")) / "hub").string();
-  } else if (out.path.empty() && !Get(env, "HOME").empty()) {
-    out.path = (fs::path(Get(env, "HOME")) / ".cache" / "huggingface" / "hub").string();
-  }
+  if (out.path.empty() && !HfHome(env).empty()) out.path = (fs::path(HfHome(env)) / "hub").string();
   return out;
 }
 
-absl::StatusOr<CacheDir> CacheDir::FromProcessEnvironment() {
+std::string HfHome(const std::map<std::string, std::string>& env) {
+  if (!Get(env, "HF_HOME").empty()) return Get(env, "HF_HOME");
+  if (!Get(env, "XDG_CACHE_HOME").empty()) {
+    return (fs::path(Get(env, "XDG_CACHE_HOME")) / "huggingface").string();
+  }
+  if (!Get(env, "HOME").empty())
+    return (fs::path(Get(env, "HOME")) / ".cache" / "huggingface").string();
+  return "";
+}
+
+namespace {
+std::map<std::string, std::string> ProcessEnvironment() {
   std::map<std::string, std::string> env;
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
     const std::string kv(*e);
     const size_t eq = kv.find('=');
     if (eq != std::string::npos) env[kv.substr(0, eq)] = kv.substr(eq + 1);
   }
-  return FromEnvironment(env);
+  return env;
 }
+}  // namespace
+
+absl::StatusOr<CacheDir> CacheDir::FromProcessEnvironment() {
+  return FromEnvironment(ProcessEnvironment());
+}
+
+std::string HfHomeFromProcessEnvironment() { return HfHome(ProcessEnvironment()); }
 
 std::string RepoFolderName(const std::string& repo_id) {
   return "models--" + absl::StrReplaceAll(repo_id, {{"/", "--"}});

@@ -15,14 +15,20 @@ namespace tgis::hub {
 
 // The cache folder, chosen as TGIS's launcher chooses it: HF_HUB_CACHE; else the deprecated
 // TRANSFORMERS_CACHE or HUGGINGFACE_HUB_CACHE (setting them to a different folder than
-// HF_HUB_CACHE, or to two different folders, is an error); else $HF_HOME/hub; else
-// $HOME/.cache/huggingface/hub. `env` maps variable names to values (unset: absent).
+// HF_HUB_CACHE, or to two different folders, is an error); else HfHome(env)/hub. `env` maps
+// variable names to values (unset: absent).
 struct CacheDir {
   std::string path;     // empty when no variable gives one
   std::string warning;  // a deprecated variable was used; say so in the log
   static absl::StatusOr<CacheDir> FromEnvironment(const std::map<std::string, std::string>& env);
   static absl::StatusOr<CacheDir> FromProcessEnvironment();
 };
+
+// huggingface_hub's home folder: $HF_HOME; else $XDG_CACHE_HOME/huggingface; else
+// $HOME/.cache/huggingface; "" when none of them is set.
+std::string HfHome(const std::map<std::string, std::string>& env);
+// The same from this process's environment.
+std::string HfHomeFromProcessEnvironment();
 
 // "org/name" -> "models--org--name".
 std::string RepoFolderName(const std::string& repo_id);

@@ -453,7 +453,8 @@ def test_private_repo_without_token_fails(tmp_path, hub, private):
     assert not (repo_dir(tmp_path / "cache", private) / "snapshots").exists()
 
 
-@pytest.mark.parametrize("source", ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "--token", "token-file"])
+@pytest.mark.parametrize("source", ["HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "--token", "token-file",
+                                    "xdg-token-file"])
 def test_private_repo_with_token(tmp_path, hub, private, source):
     args, extra = [], {}
     if source == "--token":
@@ -461,6 +462,10 @@ def test_private_repo_with_token(tmp_path, hub, private, source):
     elif source == "token-file":
         (tmp_path / "hf_home").mkdir()
         (tmp_path / "hf_home" / "token").write_text("hf_secret\n")  # as `echo` writes it
+    elif source == "xdg-token-file":  # huggingface_hub's home without HF_HOME
+        extra.update(HF_HOME=None, XDG_CACHE_HOME=tmp_path / "xdg")
+        (tmp_path / "xdg" / "huggingface").mkdir(parents=True)
+        (tmp_path / "xdg" / "huggingface" / "token").write_text("hf_secret\n")
     else:
         extra[source] = "hf_secret"
     ok(download(private, *args, env=env(tmp_path, hub, **extra)))
@@ -514,13 +519,23 @@ def test_weak_etags_are_normalised(tmp_path):
     ({"HF_HUB_CACHE": "a", "TRANSFORMERS_CACHE": "a"}, "a"),
     ({"HF_HUB_CACHE": None, "HF_HOME": "h"}, "h/hub"),
     ({"HF_HUB_CACHE": None, "HF_HOME": None}, "home/.cache/huggingface/hub"),
-], ids=["HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE", "same-twice", "HF_HOME", "HOME"])
+    ({"HF_HUB_CACHE": None, "HF_HOME": None, "XDG_CACHE_HOME": "x"}, "x/huggingface/hub"),
+    ({"HF_HUB_CACHE": None, "HF_HOME": "h", "XDG_CACHE_HOME": "x"}, "h/hub"),
+], ids=["HF_HUB_CACHE", "TRANSFORMERS_CACHE", "HUGGINGFACE_HUB_CACHE", "same-twice", "HF_HOME", "HOME",
+        "XDG_CACHE_HOME", "HF_HOME-over-XDG"])
 def test_cache_dir_variables(tmp_path, hub, variables, where):
     hub.add_repo("org/small", {"config.json": b"{}", "model.safetensors": b"S" * 100},
                  lfs={"model.safetensors"})
     e = env(tmp_path, hub, **{k: None if v is None else tmp_path / v for k, v in variables.items()})
     ok(download("org/small", env=e))
     assert_downloaded(tmp_path / where, hub, "org/small", ["config.json", "model.safetensors"])
+    if "TRANSFORMERS_CACHE" not in variables:  # a transformers variable, not huggingface_hub's
+        # The reference: where huggingface_hub itself puts the cache in the same environment.
+        need_hf()
+        ref = subprocess.run([sys.executable, "-c", "import huggingface_hub.constants as c; "
+                              "print(c.HF_HUB_CACHE)"], env=e, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        assert Path(ref) == tmp_path / where
 
 
 def test_conflicting_cache_dir_variables_fail(tmp_path, hub):

@@ -90,6 +90,8 @@ TEST(CacheDirTest, PrecedenceIsTgisLaunchers) {
   EXPECT_EQ(dir({{"HUGGINGFACE_HUB_CACHE", "/t"}, {"HF_HOME", "/h"}}), "/t");
   EXPECT_EQ(dir({{"HF_HOME", "/h"}, {"HOME", "/u"}}), "/h/hub");
   EXPECT_EQ(dir({{"HOME", "/u"}}), "/u/.cache/huggingface/hub");
+  EXPECT_EQ(dir({{"XDG_CACHE_HOME", "/x"}, {"HOME", "/u"}}), "/x/huggingface/hub");
+  EXPECT_EQ(dir({{"HF_HOME", "/h"}, {"XDG_CACHE_HOME", "/x"}}), "/h/hub");
   EXPECT_EQ(dir({}), "");
   auto same = CacheDir::FromEnvironment({{"HF_HUB_CACHE", "/c"}, {"TRANSFORMERS_CACHE", "/c"}});
   ASSERT_TRUE(same.ok());
