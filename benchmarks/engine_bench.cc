@@ -1,7 +1,7 @@
 // CPU engine throughput on a model folder (see engine_bench.py, which makes a ~100M-parameter
 // Llama-shaped checkpoint with random weights and compares with HF transformers):
 //   engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] [--quantize METHOD]
-//                [--prompt 128] [--steps 32] [--batches 1,16]
+//                [--prompt 128] [--steps 32] [--batches 1,16] [--int8-activations true]
 // Prints prefill and decode tokens/s per batch size, the memory bandwidth measured in the
 // same run, and the fraction of it that batch-1 decode achieves (weights streamed per token).
 // --quantize is the shard's flag (bitsandbytes: int8 at load); a quantized checkpoint is
@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/ops.h"
 #include "server/engine.h"
 #include "server/model_config.h"
 #include "server/model_registry.h"
@@ -74,7 +75,8 @@ int main(int argc, char** argv) {
   }
   if (argc < 2 || argc % 2 != 0) {
     std::cerr << "usage: engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] "
-                 "[--quantize METHOD] [--prompt N] [--steps N] [--batches 1,16]\n";
+                 "[--quantize METHOD] [--prompt N] [--steps N] [--batches 1,16] "
+                 "[--int8-activations true]\n";
     return 2;
   }
   const std::string dir = argv[1];
@@ -92,6 +94,11 @@ int main(int argc, char** argv) {
       steps = std::atoi(v.c_str());
     } else if (k == "--batches") {
       batches_arg = v;
+    } else if (k == "--int8-activations") {  // the shard's --cpu-int8-activations
+      if (v == "true" && !tgis::kernels::SetCpuInt8Activations(true)) {
+        std::cerr << "--int8-activations: this CPU has no AVX-512 VNNI\n";
+        return 2;
+      }
     } else {
       std::cerr << "unknown option " << k << "\n";
       return 2;

@@ -1,7 +1,7 @@
 // Kernel micro benchmarks: the machine's streaming-read bandwidth, and Linear (the decode hot
 // path) as GB/s of weights streamed and as a fraction of that bandwidth.
 //
-//   kernels_bench [--quick] [--hot] [--t=1|16|64] [--isa=scalar|avx2|avx512|vnni] [format ...]
+//   kernels_bench [--quick] [--hot] [--t=1|16|64] [--int8-activations] [--isa=scalar|avx2|avx512|vnni] [format ...]
 //   formats: bf16 f16 f32 int8 gptq8 gptq4 (g128) gptq4g32 fp8
 //
 // --hot adds a 1024x2048 weight read from cache (one copy, called repeatedly): the kernels'
@@ -169,6 +169,11 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (std::strcmp(argv[i], "--hot") == 0) {
       hot = true;
+    } else if (std::strcmp(argv[i], "--int8-activations") == 0) {
+      if (!tgis::kernels::SetCpuInt8Activations(true)) {
+        std::fprintf(stderr, "--int8-activations: this CPU has no AVX-512 VNNI\n");
+        return 2;
+      }
     } else if (std::strncmp(argv[i], "--t=", 4) == 0) {
       only_t = std::atoll(argv[i] + 4);
     } else if (std::strncmp(argv[i], "--isa=", 6) == 0) {

@@ -9,6 +9,12 @@
 
 namespace tgis::kernels {
 
+bool SetCpuInt8Activations(bool on) {
+  if (on && !cpu::Int8ActivationsAvailable()) return false;
+  cpu::SetInt8Activations(on);
+  return true;
+}
+
 std::string CpuBackendSummary() {
   return std::string("linear isa ") + cpu::ActiveIsaName() + ", " +
          std::to_string(cpu::ThreadPool::Global().size()) + " threads, OpenBLAS kernels " +

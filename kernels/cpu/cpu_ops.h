@@ -19,6 +19,12 @@ enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Vnni };
 void SetIsaForTesting(Isa isa);
 // Whether this CPU can run `isa`'s path (kAuto and kScalar always can).
 bool IsaAvailable(Isa isa);
+// Opt-in, process-wide: the decode kernel multiplies 4-bit codes by x rounded to int8 per 32
+// columns (llama.cpp's way, linear_q4_int8x.cc), where the CPU has AVX-512 VNNI and the
+// weight's runs allow it; other weights, and prefill, stay exact.
+void SetInt8Activations(bool on);
+bool Int8ActivationsAvailable();
+
 // The path kAuto resolves to on this machine ("avx512+vnni", "avx512", "avx2+fma", "scalar").
 const char* ActiveIsaName();
 

@@ -49,6 +49,7 @@ constexpr int64_t kChunk = 512;  // columns per chunk; a multiple of 8
 constexpr int kTileRows = 4;     // weight rows per tile (8 when T = 1)
 
 std::atomic<Isa> g_isa{Isa::kAuto};
+std::atomic<bool> g_int8_activations{false};
 
 bool UseAvx2() {
   switch (g_isa.load(std::memory_order_relaxed)) {
@@ -297,6 +298,21 @@ template <WFmt W>
 void SmallT(const SmallArgs& args) {
   const bool avx512 = UseAvx512(args.q);
   const bool avx2 = UseAvx2();
+  const int64_t tiles = (args.n + kTileRows - 1) / kTileRows;
+  // At least ~64 KB of weights per parallel chunk.
+  const int64_t grain = std::max<int64_t>(
+      1, static_cast<int64_t>((64 << 10) / (kTileRows * args.k * BytesPerWeight<W>() + 1)));
+  if constexpr (W == WFmt::kQ4) {
+    thread_local Int8X int8x;
+    if (g_int8_activations.load(std::memory_order_relaxed) && avx512 && UseVnni() &&
+        int8x.Prepare(args.x, args.t, args.k, args.q->block_run.data<int32_t>())) {
+      const Int8X* x = &int8x;  // workers read the calling thread's copy
+      ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
+        SmallQ4Int8X(args, *x, b * kTileRows, std::min(args.n, e * kTileRows));
+      });
+      return;
+    }
+  }
   SmallArgs a = args;
   if (W == WFmt::kQ4 && avx512) {
     thread_local std::vector<float> ordered;
@@ -310,10 +326,6 @@ void SmallT(const SmallArgs& args) {
   const bool vnni = W == WFmt::kQ8 && avx512 && UseVnni() &&
                     fixed.Prepare(a.x, a.t, a.k, a.q->block_run.data<int32_t>());
   const FixedPointX* fx = &fixed;  // workers read the calling thread's copy
-  const int64_t tiles = (a.n + kTileRows - 1) / kTileRows;
-  // At least ~64 KB of weights per parallel chunk.
-  const int64_t grain = std::max<int64_t>(
-      1, static_cast<int64_t>((64 << 10) / (kTileRows * a.k * BytesPerWeight<W>() + 1)));
   ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
     const int64_t n0 = b * kTileRows;
     const int64_t n1 = std::min(a.n, e * kTileRows);
@@ -401,6 +413,10 @@ void Dispatch(const SmallArgs& a) {
 }  // namespace
 
 void SetIsaForTesting(Isa isa) { g_isa.store(isa); }
+
+bool Int8ActivationsAvailable() { return CpuHasAvx512Vnni(); }
+
+void SetInt8Activations(bool on) { g_int8_activations.store(on); }
 
 bool UseAvx2Kernels() { return UseAvx2(); }
 

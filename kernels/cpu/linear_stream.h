@@ -79,4 +79,22 @@ struct FixedPointX {
 template <WFmt W>
 void SmallVnni(const SmallArgs& a, const FixedPointX& fx, int64_t n0, int64_t n1);
 
+// The opt-in kernel for 4-bit codes against x rounded to int8 (linear_q4_int8x.cc), on the
+// weights Avx512Takes, with VNNI. x as that kernel reads it: per 128-column chunk, its 64
+// even-column and 64 odd-column int8 codes, and per dword lane its block's scale and the sum
+// of its 8 codes; plus each chunk's four blocks' runs.
+struct Int8X {
+  struct Chunk {
+    int32_t run[4];
+    enum Kind { kUniform, kConsecutive, kAny } kind;  // how the kernel loads their scales
+  };
+  std::vector<Chunk> chunks;
+  std::vector<int8_t> even, odd;            // [t, chunks, 64]
+  std::vector<float> lane_scale, lane_sum;  // [t, chunks, 16]
+  // False (and unusable: the exact kernel runs) when k is not a multiple of 128 or x has a NaN
+  // or inf.
+  bool Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run);
+};
+void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, int64_t n0, int64_t n1);
+
 }  // namespace tgis::kernels::cpu

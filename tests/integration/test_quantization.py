@@ -39,3 +39,43 @@ def test_golden_prompts_in_one_batch(model, shard_args):
             assert [t.logprob for t in r.tokens] == pytest.approx(prompt["logprobs"], abs=1e-3)
     finally:
         server.close()
+
+
+def _cpu_has_vnni() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"))
+
+
+def test_int8_activations_for_4bit_weights():
+    """CPU_INT8_ACTIVATIONS=true reaches the 4-bit kernel (in this fixture only down_proj has
+    128 columns, the chunk the kernel needs): the logprobs move by the activations' rounding,
+    and only by a little."""
+    missing = binaries_missing()
+    if missing:
+        pytest.skip(missing)
+    if not _cpu_has_vnni():
+        pytest.skip("no AVX-512 VNNI on this CPU: the mode stays off")
+    model = "llama_gptq4"
+    server = RouterServer(model, shard_args=["--cpu-int8-activations=true"])
+    oracle = Oracle(model)
+    pb = server.pb
+    try:
+        assert "int8 activations for 4-bit weights" in server.shard.output()
+        p = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=4),
+                          response=pb.ResponseOptions(generated_tokens=True, token_logprobs=True))
+        reqs = [pb.GenerationRequest(text=prompt["text"]) for prompt in oracle.prompts]
+        got = server.stub.Generate(pb.BatchedGenerationRequest(requests=reqs, params=p),
+                                   timeout=60).responses
+        moved = []
+        for i, (r, prompt) in enumerate(zip(got, oracle.prompts)):
+            want = prompt["logprobs"][:len(r.tokens)]
+            assert [t.text for t in r.tokens][:1] == oracle.tokens(i, 1), i
+            moved += [abs(t.logprob - w) for t, w in zip(r.tokens, want)]
+        print("logprob moved: max", max(moved), "mean", sum(moved) / len(moved))
+        assert max(moved) > 1e-6, "nothing moved: the int8 kernel did not run"
+        assert max(moved) < 0.05
+    finally:
+        server.close()

@@ -1394,6 +1394,73 @@ TEST(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
   cpu::SetIsaForTesting(cpu::Isa::kAuto);
 }
 
+// The opt-in int8-activation kernel for 4-bit weights computes exactly what its definition
+// says: x rounded per 32 stored columns to nearbyint(x * 127 / absmax), times absmax / 127,
+// against the dequantized weight; a row's result is bitwise the same at any T; off, Linear is
+// bitwise the exact kernel again.
+TEST(CpuInt8Activations, Q4EqualsTheRoundedActivationsReference) {
+  if (!cpu::Int8ActivationsAvailable()) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
+  const int64_t out_f = 13, in = 384, t_count = 3;
+  std::mt19937 rng(5);
+  for (int64_t group : {32, 64, 128, 384}) {
+    SCOPED_TRACE("group " + std::to_string(group));
+    const int64_t groups = in / group;
+    std::vector<uint8_t> codes(out_f * in);
+    for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() % 16);
+    std::vector<int32_t> group_of(in);
+    for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / group);
+    std::vector<float> scales = Random(out_f * groups, 11, 0.001f, 0.05f), zeros(out_f * groups);
+    for (float& z : zeros) z = static_cast<float>(rng() % 16);
+    const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(
+        BuildQuantized(4, out_f, in, codes, group_of, groups, scales, zeros)));
+    const std::vector<float> dense = OpsTest::Host(Dequantize(*w.quantized()));
+    std::vector<float> xs = Random(t_count * in, 12, -2, 2);
+    for (int64_t k = 0; k < in; k += 37) xs[k] *= 40;  // blocks of very different ranges
+    const std::vector<float> bias = Random(out_f, 13);
+    const Tensor x = Tensor::FromVector(xs, {t_count, in});
+    const Tensor b = Tensor::FromVector(bias, {out_f});
+
+    Tensor exact, rounded, alone;
+    Linear(x, w, &b, &exact);
+    ASSERT_TRUE(SetCpuInt8Activations(true));
+    Linear(x, w, &b, &rounded);
+    Linear(Tensor::FromVector(std::vector<float>(xs.begin() + in, xs.begin() + 2 * in), {1, in}), w,
+           &b, &alone);
+    ASSERT_TRUE(SetCpuInt8Activations(false));
+    Tensor exact_again;
+    Linear(x, w, &b, &exact_again);
+
+    const std::vector<float> got = OpsTest::Host(rounded), base = OpsTest::Host(exact);
+    double max_moved = 0;
+    for (int64_t t = 0; t < t_count; ++t) {
+      // x as the kernel rounds it.
+      std::vector<double> xq(in);
+      for (int64_t b0 = 0; b0 < in; b0 += 32) {
+        float amax = 0;
+        for (int64_t k = b0; k < b0 + 32; ++k) amax = std::max(amax, std::fabs(xs[t * in + k]));
+        for (int64_t k = b0; k < b0 + 32; ++k) {
+          xq[k] = std::nearbyint(xs[t * in + k] * (127.f / amax)) * double{amax / 127.f};
+        }
+      }
+      for (int64_t n = 0; n < out_f; ++n) {
+        double ref = bias[n], mag = std::fabs(bias[n]);
+        for (int64_t k = 0; k < in; ++k) {
+          ref += double{dense[n * in + k]} * xq[k];
+          mag += std::fabs(double{dense[n * in + k]} * xq[k]);
+        }
+        EXPECT_NEAR(got[t * out_f + n], ref, 2e-6 * mag) << "t " << t << " n " << n;
+        max_moved = std::max(max_moved, std::fabs(got[t * out_f + n] - base[t * out_f + n]) / mag);
+      }
+    }
+    EXPECT_GT(max_moved, 0) << "the rounded activations changed nothing: was the kernel used?";
+    const std::vector<float> one = OpsTest::Host(alone);
+    for (int64_t n = 0; n < out_f; ++n) {
+      EXPECT_EQ(one[n], got[out_f + n]) << "row 1 alone and inside T = 3, n " << n;
+    }
+    EXPECT_EQ(OpsTest::Host(exact_again), base);
+  }
+}
+
 TEST(CpuThreadPool, ParallelForCoversEveryIndexOnce) {
   for (int64_t n : {0, 1, 7, 64, 1000, 100003}) {
     for (int64_t grain : {1, 3, 1000}) {

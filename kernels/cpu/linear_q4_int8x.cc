@@ -1,0 +1,175 @@
+// Linear's opt-in streaming kernel for 4-bit codes with x rounded to int8 (SetInt8Activations;
+// the shard's --cpu-int8-activations): llama.cpp's way of multiplying 4-bit weights, with
+// AVX-512 VNNI integer dot products 128 columns at a time.
+//
+// Why opt-in: x rounded to int8 per 32 columns (scale = the block's absmax / 127, as
+// llama.cpp's Q8_0) is an activation error of up to 0.4% per element, so outputs are no
+// longer those of transformers on the dequantized weights within 1e-4; what it buys is a third
+// of the instructions per weight of the exact kernel (linear_avx512.cc), whose 4-bit decode is
+// bound by them rather than by memory.
+//
+// Layout. A 128-column chunk of a row is 64 code bytes; byte 16b + i holds columns 32b + 2i
+// (low nibble) and 32b + 2i + 1 (high nibble), so dword lane l of the chunk covers columns
+// [8l, 8l + 8) and block l / 4. x is prepared once per call as int8 in the same order (its even
+// columns' bytes, then its odd columns'), with, per lane, its block's scale and the sum of its 8
+// codes. Per lane: I = sum of code * xq over its 8 columns (vpdpbusd, exact), then
+// (I - zero * sum(xq)) exactly in f32 (integers below 2^24), times the weight's and x's
+// scales, added into 16 f32 lanes; the output is their sum, plus the bias. A row's result
+// depends only on its own x row: the same at any T, in any batch, on any number of threads.
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+
+#include "kernels/cpu/linear_stream.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace tgis::kernels::cpu {
+
+namespace {
+
+#define TGIS_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+constexpr int64_t kChunk = 128;  // columns per step: 64 code bytes, 16 dword lanes
+constexpr int kRows = 4;         // weight rows per tile
+
+TGIS_VNNI inline __m512i DotAdd(__m512i acc, __m512i codes, __m512i x) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(codes), "v"(x));
+  return acc;
+}
+
+// The row's per-run values (scales or zeros) of the chunk's four blocks, one per lane.
+TGIS_VNNI inline __m512 PerLane(const float* values, const Int8X::Chunk& c) {
+  if (c.kind == Int8X::Chunk::kUniform) return _mm512_set1_ps(values[c.run[0]]);
+  const __m128 v =
+      c.kind == Int8X::Chunk::kConsecutive
+          ? _mm_loadu_ps(values + c.run[0])
+          : _mm_setr_ps(values[c.run[0]], values[c.run[1]], values[c.run[2]], values[c.run[3]]);
+  const __m512 four = _mm512_castps128_ps512(v);
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                               four);
+}
+
+template <int R, int TT>
+TGIS_VNNI void Dots(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, __m512* acc) {
+  const uint8_t* codes[R];
+  const float* scale[R];
+  const float* zero[R];
+  for (int r = 0; r < R; ++r) {
+    const WRow row = RowOf<WFmt::kQ4>(a, n + r);
+    codes[r] = static_cast<const uint8_t*>(row.p);
+    scale[r] = row.scale;
+    zero[r] = row.zero;
+  }
+  const int64_t chunks = a.k / kChunk;
+  const int64_t ahead = 2 * kRows * a.q->codes.dim(1);  // bytes: the rows two tiles on
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 sum[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) sum[r][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const Int8X::Chunk& ch = x.chunks[c];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(codes[r] + c * 64 + ahead), _MM_HINT_T0);
+      const __m512i bytes = _mm512_loadu_si512(codes[r] + c * 64);
+      const __m512i lo = _mm512_and_si512(bytes, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+      const __m512 w_scale = PerLane(scale[r], ch);
+      const __m512 w_zero = PerLane(zero[r], ch);
+#pragma GCC unroll 2
+      for (int t = 0; t < TT; ++t) {
+        const int64_t at = ((t0 + t) * chunks + c);
+        __m512i dot = DotAdd(_mm512_setzero_si512(), lo, _mm512_loadu_si512(&x.even[at * 64]));
+        dot = DotAdd(dot, hi, _mm512_loadu_si512(&x.odd[at * 64]));
+        const __m512 exact = _mm512_fnmadd_ps(w_zero, _mm512_loadu_ps(&x.lane_sum[at * 16]),
+                                              _mm512_cvtepi32_ps(dot));
+        sum[r][t] = _mm512_fmadd_ps(
+            exact, _mm512_mul_ps(w_scale, _mm512_loadu_ps(&x.lane_scale[at * 16])), sum[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r * a.t + t0 + t] = sum[r][t];
+}
+
+template <int R>
+TGIS_VNNI void Tile(const SmallArgs& a, const Int8X& x, int64_t n) {
+  alignas(64) __m512 acc[R * kSmallT];
+  int64_t t0 = 0;
+  for (; t0 + 2 <= a.t; t0 += 2) Dots<R, 2>(a, x, n, t0, acc);
+  if (t0 < a.t) Dots<R, 1>(a, x, n, t0, acc);
+  for (int r = 0; r < R; ++r) {
+    for (int64_t t = 0; t < a.t; ++t) {
+      float v = _mm512_reduce_add_ps(acc[r * a.t + t]);
+      if (a.bias) v += a.bias[n + r];
+      a.out[t * a.n + n + r] = v;
+    }
+  }
+}
+
+}  // namespace
+
+bool Int8X::Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run) {
+  if (k % kChunk != 0) return false;
+  const int64_t chunks = k / kChunk;
+  this->chunks.clear();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int32_t* run = block_run + c * kChunk / 8;  // one entry per 8 columns
+    Chunk ch;
+    bool uniform = true, consecutive = true;
+    for (int b = 0; b < 4; ++b) {
+      ch.run[b] = run[4 * b];  // each block is one run (Avx512Takes)
+      uniform &= ch.run[b] == run[0];
+      consecutive &= ch.run[b] == run[0] + b;
+    }
+    ch.kind = uniform ? Chunk::kUniform : consecutive ? Chunk::kConsecutive : Chunk::kAny;
+    this->chunks.push_back(ch);
+  }
+  even.resize(t * k / 2);
+  odd.resize(t * k / 2);
+  lane_scale.resize(t * chunks * 16);
+  lane_sum.resize(t * chunks * 16);
+  for (int64_t i = 0; i < t; ++i) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const float* xc = x + i * k + c * kChunk;
+      const int64_t at = i * chunks + c;
+      for (int b = 0; b < 4; ++b) {
+        float amax = 0;
+        for (int j = 0; j < 32; ++j) {
+          const float v = std::fabs(xc[32 * b + j]);
+          if (!(v <= std::numeric_limits<float>::max())) return false;  // NaN, inf: exact path
+          amax = std::max(amax, v);
+        }
+        const float scale = amax / 127.f;
+        const float inverse = amax == 0 ? 0.f : 127.f / amax;
+        for (int l = 4 * b; l < 4 * b + 4; ++l) {
+          int sum = 0;
+          for (int m = 0; m < 4; ++m) {
+            const int e = static_cast<int>(std::nearbyint(xc[8 * l + 2 * m] * inverse));
+            const int o = static_cast<int>(std::nearbyint(xc[8 * l + 2 * m + 1] * inverse));
+            even[at * 64 + 4 * l + m] = static_cast<int8_t>(e);
+            odd[at * 64 + 4 * l + m] = static_cast<int8_t>(o);
+            sum += e + o;
+          }
+          lane_scale[at * 16 + l] = scale;
+          lane_sum[at * 16 + l] = static_cast<float>(sum);
+        }
+      }
+    }
+  }
+  return true;
+}
+
+void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + kRows <= n1; n += kRows) Tile<kRows>(a, x, n);
+  for (; n < n1; ++n) Tile<1>(a, x, n);
+}
+
+}  // namespace tgis::kernels::cpu
