@@ -1,8 +1,9 @@
 // Kernel micro benchmarks: the machine's streaming-read bandwidth, and Linear (the decode hot
 // path) as GB/s of weights streamed and as a fraction of that bandwidth.
 //
-//   kernels_bench [--quick] [--hot] [--t=1|16|64] [--int8-activations] [--isa=scalar|avx2|avx512|vnni] [format ...]
-//   formats: bf16 f16 f32 int8 gptq8 gptq4 (g128) gptq4g32 fp8
+//   kernels_bench [--quick] [--hot] [--t=1|16|64] [--int8-activations]
+//                 [--isa=scalar|avx2|avx512|vnni] [format ...]
+// formats: bf16 f16 f32 int8 gptq8 gptq4 (g128) gptq4g32 fp8
 //
 // --hot adds a 1024x2048 weight read from cache (one copy, called repeatedly): the kernels'
 // compute ceiling, without DRAM in the way.
