@@ -146,8 +146,10 @@ bool Int8X::Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_r
           if (!(v <= std::numeric_limits<float>::max())) return false;  // NaN, inf: exact path
           amax = std::max(amax, v);
         }
-        const float scale = amax / 127.f;
-        const float inverse = amax == 0 ? 0.f : 127.f / amax;
+        // A block of zeros, or of values so small that 127 / amax overflows, rounds to zeros.
+        float inverse = amax == 0 ? 0.f : 127.f / amax;
+        if (!(inverse <= std::numeric_limits<float>::max())) inverse = 0.f;
+        const float scale = inverse == 0 ? 0.f : amax / 127.f;
         for (int l = 4 * b; l < 4 * b + 4; ++l) {
           int sum = 0;
           for (int m = 0; m < 4; ++m) {

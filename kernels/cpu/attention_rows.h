@@ -1,0 +1,46 @@
+// Internal to the CPU attention: the query rows of one task and the position bias, shared by
+// attention.cc (tasks, the scalar path) and attention_avx2.cc (the vector path).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "kernels/relative_position.h"
+
+namespace tgis::kernels::cpu {
+
+// One query row of a head: where its q and output are, and the keys it sees, [lo, hi].
+struct AttnRow {
+  const float* q;
+  float* out;
+  int64_t h, qpos, lo, hi;
+};
+
+// What attention adds to a scaled score by the key's position relative to the query's.
+struct LogitBias {
+  const std::vector<float>* alibi_slopes;  // [Hq] or null
+  const float* relative;                   // [Hq, num_buckets] or null
+  const AttentionBias* bias;
+  int num_buckets;
+
+  bool any() const { return alibi_slopes != nullptr || relative != nullptr; }
+  float Add(int64_t h, int64_t qpos, int64_t j, float sc) const {
+    if (alibi_slopes) sc += (*alibi_slopes)[h] * static_cast<float>(j - qpos);
+    if (relative != nullptr) {
+      sc += relative[h * num_buckets + RelativePositionBucket(static_cast<int>(j - qpos),
+                                                              bias->bidirectional, num_buckets,
+                                                              bias->max_distance)];
+    }
+    return sc;
+  }
+};
+
+// The rows of one task (one sequence's rows for one KV head, in query order) against keys
+// [first, last], whose rows are key_rows / value_rows[position - first], f32; d a multiple of 8.
+// Needs AVX2/FMA.
+void AttendRowsAvx2(const std::vector<AttnRow>& rows, const float* const* key_rows,
+                    const float* const* value_rows, int64_t first, int64_t last, int64_t d,
+                    float scale, const LogitBias& bias);
+
+}  // namespace tgis::kernels::cpu
