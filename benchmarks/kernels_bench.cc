@@ -1,5 +1,6 @@
 // Kernel micro benchmarks: the machine's streaming-read bandwidth, and Linear (the decode hot
-// path) as GB/s of weights streamed and as a fraction of that bandwidth.
+// path) as GB/s of weights streamed (quantized: codes, scales and zeros) and as a fraction of
+// that bandwidth.
 //
 //   kernels_bench [--quick] [--hot] [--t=1|16|64] [--int8-activations]
 //                 [--isa=scalar|avx2|avx512|vnni] [format ...]
@@ -222,7 +223,10 @@ int main(int argc, char** argv) {
       for (int64_t t : {1, 16, 64}) {
         if (only_t > 0 && t != only_t) continue;
         const LinearResult r = TimeLinear(s.out_f, s.in, f, t, quick, hot);
-        const double bytes = s.out_f * s.in * f.bytes_per_weight;
+        // Quantized: the codes plus each row's f32 scale and zero per group (per row: one).
+        const int64_t group = f.quant_bits == 0 ? 0 : f.group < 0 ? s.in : f.group;
+        const double bytes = s.out_f * s.in * f.bytes_per_weight +
+                             (group > 0 ? s.out_f * ((s.in + group - 1) / group) * 8.0 : 0.0);
         const double gbs = bytes / r.seconds / 1e9;
         const double gflops = 2.0 * s.out_f * s.in * t / r.seconds / 1e9;
         std::printf("%-8s %5lldx%-8lld %4lld %10.3f %10.1f %7.0f%% %10.1f\n", f.name,
