@@ -93,6 +93,13 @@ GenerationService::GenerationService(const Tokenizer& tokenizer, Batcher& batche
       options_(std::move(options)),
       limiter_(options_.max_concurrent_requests) {}
 
+void GenerationService::RecordInvalid(const absl::Status& status, const std::string& log_name,
+                                      tracing::Span& call_span) {
+  call_span.SetError(std::string(status.message()));
+  CountFailure("validation");
+  LOG(WARNING) << log_name << ": " << status.message();
+}
+
 absl::StatusOr<std::vector<std::unique_ptr<GenerationRequest>>> GenerationService::Prepare(
     const std::optional<std::string>& prefix_id, const fmaas::Parameters* params,
     const std::vector<const std::string*>& texts, RequestKind kind, const std::string& log_name,
@@ -271,9 +278,7 @@ grpc::ServerUnaryReactor* GenerationService::Generate(grpc::CallbackServerContex
         SelectedPrefix(*request), request->has_params() ? &request->params() : nullptr, texts,
         n == 1 ? RequestKind::kSingle : RequestKind::kBatch, name, received, call_span);
     if (!requests.ok()) {
-      call_span->SetError(std::string(requests.status().message()));
-      CountFailure("validation");
-      LOG(WARNING) << name << ": " << requests.status().message();
+      RecordInvalid(requests.status(), name, *call_span);
       reactor->Fail(requests.status());
       return;
     }
@@ -331,9 +336,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::GenerateStream(
                   SelectedPrefix(*request), request->has_params() ? &request->params() : nullptr,
                   {&request->request().text()}, RequestKind::kStream, name, received, call_span);
               if (!requests.ok()) {
-                call_span->SetError(std::string(requests.status().message()));
-                CountFailure("validation");
-                LOG(WARNING) << name << ": " << requests.status().message();
+                RecordInvalid(requests.status(), name, *call_span);
                 reactor->Fail(requests.status());
                 return;
               }

@@ -75,6 +75,10 @@ class GenerationService final : public RawGenerationService {
       const std::optional<std::string>& prefix_id, const fmaas::Parameters* params,
       const std::vector<const std::string*>& texts, RequestKind kind, const std::string& log_name,
       Clock::time_point received, std::shared_ptr<tracing::Span> call_span);
+  // A call whose inputs failed Prepare: its span's error, the failure metric and the log line
+  // (the caller fails the call with `status`).
+  void RecordInvalid(const absl::Status& status, const std::string& log_name,
+                     tracing::Span& call_span);
   // The prefix's virtual-token count: from the cache of lengths, else looked up on the shards
   // (TGIS keeps 256 for an hour; failures are not kept).
   absl::StatusOr<uint32_t> PrefixLength(const std::string& prefix_id);

@@ -170,7 +170,7 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   float* out_p = out->data<float>();
   const bool in_place = cache.k.dtype() == DType::kF32;  // else rows are converted to f32
   const bool vector = UseAvx2Kernels() && d % 8 == 0;
-  const LogitBias logit_bias{alibi_slopes, relative, bias, num_buckets};
+  const LogitBias logit_bias{alibi_slopes, relative, bias};
 
   // Tasks: rows [f0, f1) of sequence s's q_len x group rows for KV head kvh (row f: query
   // f / group, head kvh * group + f % group); at most kTaskRows rows, and at least two tasks

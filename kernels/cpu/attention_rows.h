@@ -20,17 +20,16 @@ struct AttnRow {
 // What attention adds to a scaled score by the key's position relative to the query's.
 struct LogitBias {
   const std::vector<float>* alibi_slopes;  // [Hq] or null
-  const float* relative;                   // [Hq, num_buckets] or null
+  const float* relative;                   // bias's relative_table, [Hq, num_buckets], or null
   const AttentionBias* bias;
-  int num_buckets;
 
   bool any() const { return alibi_slopes != nullptr || relative != nullptr; }
   float Add(int64_t h, int64_t qpos, int64_t j, float sc) const {
     if (alibi_slopes) sc += (*alibi_slopes)[h] * static_cast<float>(j - qpos);
     if (relative != nullptr) {
-      sc += relative[h * num_buckets + RelativePositionBucket(static_cast<int>(j - qpos),
-                                                              bias->bidirectional, num_buckets,
-                                                              bias->max_distance)];
+      sc += relative[h * bias->num_buckets +
+                     RelativePositionBucket(static_cast<int>(j - qpos), bias->bidirectional,
+                                            bias->num_buckets, bias->max_distance)];
     }
     return sc;
   }

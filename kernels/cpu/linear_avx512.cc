@@ -175,15 +175,8 @@ TGIS_AVX512 inline void Direct(RowDecoder<W>* dec, const float* x, int64_t ldx, 
 // measured at a third of the DRAM bandwidth on 4-bit g32 weights.)
 template <int R, int TT>
 TGIS_AVX512 inline void DirectQ4(const SmallArgs& a, int64_t n, int64_t full, __m512* acc) {
-  const uint8_t* codes[R];
-  const float* scale[R];
-  const float* zero[R];
-  for (int r = 0; r < R; ++r) {
-    const WRow row = RowOf<WFmt::kQ4>(a, n + r);
-    codes[r] = static_cast<const uint8_t*>(row.p);
-    scale[r] = row.scale;
-    zero[r] = row.zero;
-  }
+  WRow rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = RowOf<WFmt::kQ4>(a, n + r);
   const int32_t* block_run = a.q->block_run.data<int32_t>();
   const int64_t ahead = 2 * kRows * a.q->codes.dim(1);  // bytes: the rows two tiles on
   const int64_t runs_ahead = 2 * kRows * a.q->runs();   // their scales and zeros
@@ -201,11 +194,12 @@ TGIS_AVX512 inline void DirectQ4(const SmallArgs& a, int64_t n, int64_t full, __
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         if (run % 16 == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(scale[r] + run + runs_ahead), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(zero[r] + run + runs_ahead), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(rows[r].scale + run + runs_ahead),
+                       _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(rows[r].zero + run + runs_ahead), _MM_HINT_T0);
         }
-        table[r] = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(zero[r][run])),
-                                 _mm512_set1_ps(scale[r][run]));
+        table[r] = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(rows[r].zero[run])),
+                                 _mm512_set1_ps(rows[r].scale[run]));
       }
     }
     __m512 xl[TT], xh[TT];
@@ -217,9 +211,9 @@ TGIS_AVX512 inline void DirectQ4(const SmallArgs& a, int64_t n, int64_t full, __
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       if (k % 128 == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(codes[r] + k / 2 + ahead), _MM_HINT_T0);
-      const __m512i idx =
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[r] + k / 2)));
+        _mm_prefetch(reinterpret_cast<const char*>(rows[r].codes() + k / 2 + ahead), _MM_HINT_T0);
+      const __m512i idx = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r].codes() + k / 2)));
       const __m512 lo = _mm512_permutexvar_ps(idx, table[r]);
       const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table[r]);
 #pragma GCC unroll 2

@@ -32,9 +32,6 @@ namespace tgis::kernels::cpu {
 
 namespace {
 
-#define TGIS_VNNI \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-
 constexpr int64_t kChunk = 128;  // columns per step: 64 code bytes, 16 dword lanes
 constexpr int kRows = 4;         // weight rows per tile
 
@@ -57,15 +54,8 @@ TGIS_VNNI inline __m512 PerLane(const float* values, const Int8X::Chunk& c) {
 
 template <int R, int TT>
 TGIS_VNNI void Dots(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, __m512* acc) {
-  const uint8_t* codes[R];
-  const float* scale[R];
-  const float* zero[R];
-  for (int r = 0; r < R; ++r) {
-    const WRow row = RowOf<WFmt::kQ4>(a, n + r);
-    codes[r] = static_cast<const uint8_t*>(row.p);
-    scale[r] = row.scale;
-    zero[r] = row.zero;
-  }
+  WRow rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = RowOf<WFmt::kQ4>(a, n + r);
   const int64_t chunks = a.k / kChunk;
   const int64_t ahead = 2 * kRows * a.q->codes.dim(1);  // bytes: the rows two tiles on
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -76,12 +66,12 @@ TGIS_VNNI void Dots(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, _
     const Int8X::Chunk& ch = x.chunks[c];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(codes[r] + c * 64 + ahead), _MM_HINT_T0);
-      const __m512i bytes = _mm512_loadu_si512(codes[r] + c * 64);
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r].codes() + c * 64 + ahead), _MM_HINT_T0);
+      const __m512i bytes = _mm512_loadu_si512(rows[r].codes() + c * 64);
       const __m512i lo = _mm512_and_si512(bytes, low);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-      const __m512 w_scale = PerLane(scale[r], ch);
-      const __m512 w_zero = PerLane(zero[r], ch);
+      const __m512 w_scale = PerLane(rows[r].scale, ch);
+      const __m512 w_zero = PerLane(rows[r].zero, ch);
 #pragma GCC unroll 2
       for (int t = 0; t < TT; ++t) {
         const int64_t at = ((t0 + t) * chunks + c);

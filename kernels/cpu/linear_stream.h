@@ -24,6 +24,8 @@ struct WRow {
   const float* scale = nullptr;
   const float* zero = nullptr;
   const int32_t* block_run = nullptr;  // shared by all rows: the run of each 8-column block
+
+  const uint8_t* codes() const { return static_cast<const uint8_t*>(p); }
 };
 
 // Arguments of one streaming-kernel call over output rows [n0, n1).
@@ -60,6 +62,10 @@ bool Avx512Takes(const QuantizedWeight* q);
 void Avx512Q4OrderX(const float* x, int64_t t, int64_t k, float* out);
 template <WFmt W>
 void SmallAvx512(const SmallArgs& a, int64_t n0, int64_t n1);
+
+// What the VNNI kernels (linear_vnni.cc, linear_q4_int8x.cc) are compiled for.
+#define TGIS_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
 // The VNNI kernel for 8-bit codes (linear_vnni.cc), on the weights Avx512Takes.
 bool CpuHasAvx512Vnni();

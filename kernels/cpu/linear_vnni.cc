@@ -37,9 +37,6 @@ namespace tgis::kernels::cpu {
 
 namespace {
 
-#define TGIS_VNNI \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
-
 constexpr int64_t kBlock = kAvx512Block;  // columns per instruction: 32 int16 lanes
 constexpr int64_t kSegment = 2048;        // |sum| < 64 * 2 * 256 * 2^15 = 2^30 per lane
 constexpr int kRows = 4;                  // weight rows per tile
@@ -88,8 +85,8 @@ TGIS_VNNI inline __attribute__((always_inline)) void Segment(const SmallArgs& a,
     for (int r = 0; r < R; ++r) {
       // Rows are short streams (a few KB) that the hardware prefetcher picks up late: fetch
       // the same column of the rows two tiles on.
-      _mm_prefetch(static_cast<const char*>(rows[r].p) + k + ahead, _MM_HINT_T0);
-      const __m512i w = Codes32(static_cast<const uint8_t*>(rows[r].p), k, zero[r]);
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r].codes() + k + ahead), _MM_HINT_T0);
+      const __m512i w = Codes32(rows[r].codes(), k, zero[r]);
 #pragma GCC unroll 2
       for (int t = 0; t < TT; ++t) {
         hi[r][t] = DotAdd(hi[r][t], w, xh[t]);
