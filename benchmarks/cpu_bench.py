@@ -22,7 +22,9 @@ the checkpoint four ways); never part of `make test`. Everything it makes lives 
    Generator.generate_batch timed: prefill = one token after the prompt, decode = the rest.
 4. Ours: build/benchmarks/engine_bench (f32, bf16, f16 from the f32 checkpoint; 8-bit =
    --quantize bitsandbytes, int8 per output row; 4-bit = the GPTQ copy), batch 1.
-   It also measures the DRAM read bandwidth (all cores, 1 GiB) that the fractions use.
+   "ours-int8act" is the same with --int8-activations true (the shard's
+   --cpu-int8-activations), 8- and 4-bit only: x rounded to int8 per 32 columns in prefill
+   and in 4-bit decode, as llama.cpp's and CTranslate2's quantized types multiply. It also measures the DRAM read bandwidth (all cores, 1 GiB) that the fractions use.
 
 Each engine's decode fraction of the bandwidth = its tok/s x the bytes of its own weight
 format streamed per token (every linear layer and the lm_head; not the embedding) / the
@@ -186,20 +188,26 @@ def ensure_llama_cpp(work: Path) -> Path:
 
 # ---- the engines ---------------------------------------------------------------------------
 
-def ours(build: Path, dense: Path, gptq: Path, precision: str, prompt: int, steps: int) -> dict:
+def ours(build: Path, dense: Path, gptq: Path, precision: str, prompt: int, steps: int,
+         int8_activations: bool = False) -> dict | None:
+    if int8_activations and precision not in ("8bit", "4bit"):
+        return None  # the mode changes only 8- and 4-bit codes' kernels
     binary = build / "benchmarks" / "engine_bench"
     args = {"f32": (dense, ["--dtype", "float32"]), "bf16": (dense, ["--dtype", "bfloat16"]),
             "f16": (dense, ["--dtype", "float16"]),
             "8bit": (dense, ["--dtype", "bfloat16", "--quantize", "bitsandbytes"]),
             "4bit": (gptq, ["--dtype", "bfloat16"])}[precision]
-    p = run([binary, args[0], *args[1], "--prompt", prompt, "--steps", steps, "--batches", "1"],
-            timeout=1800, capture_output=True)
+    extra = ["--int8-activations", "true"] if int8_activations else []
+    p = run([binary, args[0], *args[1], *extra, "--prompt", prompt, "--steps", steps,
+             "--batches", "1"], timeout=1800, capture_output=True)
     text = p.stdout
     log(text.rstrip())
     got = {"bandwidth_gbs": float(re.search(r"memory_bandwidth_gbs ([\d.]+)", text).group(1)),
            "streamed_bytes": float(re.search(r"streamed/token ([\d.]+) MB", text).group(1)) * 1e6,
            "format": {"8bit": "int8 per row (lm_head too)",
                       "4bit": "GPTQ 4-bit g32 sym, bf16 lm_head"}.get(precision, precision)}
+    if int8_activations:
+        got["format"] += ", x int8 per 32 (prefill; 4-bit decode too)"
     m = re.search(r"batch 1: prefill ([\d.]+) tok/s, decode ([\d.]+) tok/s", text)
     got.update(prefill=float(m.group(1)), decode=float(m.group(2)))
     return got
@@ -312,7 +320,9 @@ def main() -> int:
     ap.add_argument("--build-dir", default="build")
     ap.add_argument("--work", default=str(REPO / "benchmarks" / "data" / "cpu_bench"))
     ap.add_argument("--shape", default="tinyllama", choices=sorted(SHAPES))
-    ap.add_argument("--engines", default="ours,llama.cpp,ctranslate2")
+    # ours-int8act: ours with --cpu-int8-activations (8- and 4-bit only), the way llama.cpp's
+    # Q8_0/Q4_0 and CTranslate2's int8 multiply: x rounded to int8.
+    ap.add_argument("--engines", default="ours,ours-int8act,llama.cpp,ctranslate2")
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
@@ -328,7 +338,7 @@ def main() -> int:
     dense = work / f"llama-{args.shape}"
     gptq = work / f"llama-{args.shape}-gptq4"
     make_dense(dense, config)
-    if "4bit" in precisions and "ours" in engines:
+    if "4bit" in precisions and {"ours", "ours-int8act"} & set(engines):
         make_gptq4(dense, gptq)
     linear, head = streamed_params(config)
     params = linear + head
@@ -345,9 +355,11 @@ def main() -> int:
     for precision in precisions:
         for engine in engines:
             t0 = time.time()
-            if engine == "ours":
-                got = ours(build, dense, gptq, precision, args.prompt, args.steps)
-                bandwidth = got["bandwidth_gbs"] if bandwidth is None else bandwidth
+            if engine in ("ours", "ours-int8act"):
+                got = ours(build, dense, gptq, precision, args.prompt, args.steps,
+                           int8_activations=engine == "ours-int8act")
+                if got is not None and bandwidth is None:
+                    bandwidth = got["bandwidth_gbs"]
             elif engine == "llama.cpp":
                 got = llama_cpp(work, src, pylib, dense, precision, args.prompt, args.steps,
                                 args.threads, py or sys.executable, params)
@@ -392,18 +404,16 @@ def report(results: dict) -> None:
             log(f"| {precision} | {engine} | {got['format']} | {got['decode']:.2f} | "
                 f"{got['streamed_bytes'] / 1e9:.2f} | {100 * got['roofline_fraction']:.0f}% | "
                 f"{got['prefill']:.1f} |")
-    ours = results["engines"].get("ours", {})
-    for engine, per in results["engines"].items():
-        if engine == "ours":
-            continue
-        ratios = [f"{p} {ours[p]['decode'] / per[p]['decode']:.2f}x"
-                  for p in PRECISIONS if p in per and p in ours]
-        if ratios:
-            log(f"ours / {engine} decode: " + ", ".join(ratios))
-        ratios = [f"{p} {ours[p]['prefill'] / per[p]['prefill']:.2f}x"
-                  for p in PRECISIONS if p in per and p in ours]
-        if ratios:
-            log(f"ours / {engine} prefill: " + ", ".join(ratios))
+    for mine in ("ours", "ours-int8act"):
+        ours = results["engines"].get(mine, {})
+        for engine, per in results["engines"].items():
+            if engine.startswith("ours"):
+                continue
+            for phase in ("decode", "prefill"):
+                ratios = [f"{p} {ours[p][phase] / per[p][phase]:.2f}x"
+                          for p in PRECISIONS if p in per and p in ours]
+                if ratios:
+                    log(f"{mine} / {engine} {phase}: " + ", ".join(ratios))
 
 
 if __name__ == "__main__":

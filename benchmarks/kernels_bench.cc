@@ -2,7 +2,7 @@
 // path) as GB/s of weights streamed (quantized: codes, scales and zeros) and as a fraction of
 // that bandwidth.
 //
-//   kernels_bench [--quick] [--hot] [--t=1|16|64] [--int8-activations]
+//   kernels_bench [--quick] [--hot] [--t=N] [--int8-activations]
 //                 [--isa=scalar|avx2|avx512|vnni] [format ...]
 // formats: bf16 f16 f32 int8 gptq8 gptq4 (g128) gptq4g32 fp8
 //
@@ -10,7 +10,8 @@
 // compute ceiling, without DRAM in the way.
 //
 // Weights are cycled over enough copies (>= 1 GiB in all) that no call finds them in cache.
-// T = 1 and 16 take the streaming kernel, T = 64 the OpenBLAS path (shown for reference).
+// T = 1 and 16 (the default Ts) take the streaming kernel, T = 64 the OpenBLAS path (or, for
+// 8- and 4-bit codes with --int8-activations, the int8 GEMM); --t=N times one T of any size.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -220,8 +221,9 @@ int main(int argc, char** argv) {
                                  Shape{2048, 5632}};
     if (hot) shapes = {Shape{1024, 2048}};
     for (Shape s : shapes) {
-      for (int64_t t : {1, 16, 64}) {
-        if (only_t > 0 && t != only_t) continue;
+      const std::vector<int64_t> ts =
+          only_t > 0 ? std::vector<int64_t>{only_t} : std::vector<int64_t>{1, 16, 64};
+      for (int64_t t : ts) {
         const LinearResult r = TimeLinear(s.out_f, s.in, f, t, quick, hot);
         // Quantized: the codes plus each row's f32 scale and zero per group (per row: one).
         const int64_t group = f.quant_bits == 0 ? 0 : f.group < 0 ? s.in : f.group;

@@ -367,6 +367,11 @@ void ConvertRows(const SmallArgs& a, int64_t r0, int64_t rows, float* dst, bool 
 
 template <WFmt W>
 void LargeT(const SmallArgs& a) {
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
+    if (g_int8_activations.load(std::memory_order_relaxed) && UseAvx512(a.q) && UseVnni() &&
+        LargeInt8Gemm<W>(a))
+      return;
+  }
   [[maybe_unused]] const bool avx2 = UseAvx2();
   const int64_t threads = ThreadPool::Global().size();
   if constexpr (W == WFmt::kF32) {

@@ -103,4 +103,10 @@ struct Int8X {
 };
 void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, int64_t n0, int64_t n1);
 
+// The opt-in prefill GEMM for 8- and 4-bit codes against x rounded to int8 as Int8X rounds it
+// (linear_int8_gemm.cc), on the weights Avx512Takes, with VNNI; it runs on the thread pool and
+// adds the bias. False (nothing written: the exact path runs) when x has a NaN or inf.
+template <WFmt W>
+bool LargeInt8Gemm(const SmallArgs& a);
+
 }  // namespace tgis::kernels::cpu

@@ -1394,71 +1394,88 @@ TEST(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
   cpu::SetIsaForTesting(cpu::Isa::kAuto);
 }
 
-// The opt-in int8-activation kernel for 4-bit weights computes exactly what its definition
-// says: x rounded per 32 stored columns to nearbyint(x * 127 / absmax), times absmax / 127,
-// against the dequantized weight; a row's result is bitwise the same at any T; off, Linear is
-// bitwise the exact kernel again.
-TEST(CpuInt8Activations, Q4EqualsTheRoundedActivationsReference) {
+// The opt-in int8-activation kernels compute exactly what their definition says: x rounded
+// per 32 stored columns to nearbyint(x * 127 / absmax), times absmax / 127, against the
+// dequantized weight. That is 4-bit decode (T <= 16) and the prefill GEMM of 8- and 4-bit codes
+// (T = 40, over more than one panel of 16 rows plus a partial one); 8-bit decode stays exact.
+// A row's result is bitwise the same at any T on each path; off, Linear is bitwise the exact
+// kernel again.
+TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
   if (!cpu::Int8ActivationsAvailable()) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
-  const int64_t out_f = 13, in = 384, t_count = 3;
+  const int64_t out_f = 37, in = 384;
   std::mt19937 rng(5);
-  for (int64_t group : {32, 64, 128, 384}) {
-    SCOPED_TRACE("group " + std::to_string(group));
-    const int64_t groups = in / group;
-    std::vector<uint8_t> codes(out_f * in);
-    for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() % 16);
-    std::vector<int32_t> group_of(in);
-    for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / group);
-    std::vector<float> scales = Random(out_f * groups, 11, 0.001f, 0.05f), zeros(out_f * groups);
-    for (float& z : zeros) z = static_cast<float>(rng() % 16);
-    const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(
-        BuildQuantized(4, out_f, in, codes, group_of, groups, scales, zeros)));
-    const std::vector<float> dense = OpsTest::Host(Dequantize(*w.quantized()));
-    std::vector<float> xs = Random(t_count * in, 12, -2, 2);
-    for (int64_t k = 0; k < in; k += 37) xs[k] *= 40;  // blocks of very different ranges
-    const std::vector<float> bias = Random(out_f, 13);
-    const Tensor x = Tensor::FromVector(xs, {t_count, in});
-    const Tensor b = Tensor::FromVector(bias, {out_f});
+  for (int bits : {4, 8})
+    for (int64_t t_count : {3, 40})
+      for (int64_t group : {32, 64, 128, 384}) {
+        SCOPED_TRACE(std::to_string(bits) + " bits, T " + std::to_string(t_count) + ", group " +
+                     std::to_string(group));
+        const int64_t groups = in / group;
+        std::vector<uint8_t> codes(out_f * in);
+        for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() % (1u << bits));
+        std::vector<int32_t> group_of(in);
+        for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / group);
+        std::vector<float> scales = Random(out_f * groups, 11, 0.001f, 0.05f),
+                           zeros(out_f * groups);
+        for (float& z : zeros) z = static_cast<float>(rng() % (1u << bits));
+        const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(
+            BuildQuantized(bits, out_f, in, codes, group_of, groups, scales, zeros)));
+        const std::vector<float> dense = OpsTest::Host(Dequantize(*w.quantized()));
+        std::vector<float> xs = Random(t_count * in, 12, -2, 2);
+        for (int64_t k = 0; k < in; k += 37) xs[k] *= 40;  // blocks of very different ranges
+        for (int64_t k = 2 * in; k < 2 * in + 32; ++k) xs[k] = 0;  // a block of zeros
+        const std::vector<float> bias = Random(out_f, 13);
+        const Tensor x = Tensor::FromVector(xs, {t_count, in});
+        const Tensor b = Tensor::FromVector(bias, {out_f});
+        // Rows [1, T) on their own: row t of it is row t + 1 of the whole.
+        const int64_t skip = 1;
+        const Tensor x_rest = Tensor::FromVector(
+            std::vector<float>(xs.begin() + skip * in, xs.end()), {t_count - skip, in});
 
-    Tensor exact, rounded, alone;
-    Linear(x, w, &b, &exact);
-    ASSERT_TRUE(SetCpuInt8Activations(true));
-    Linear(x, w, &b, &rounded);
-    Linear(Tensor::FromVector(std::vector<float>(xs.begin() + in, xs.begin() + 2 * in), {1, in}), w,
-           &b, &alone);
-    ASSERT_TRUE(SetCpuInt8Activations(false));
-    Tensor exact_again;
-    Linear(x, w, &b, &exact_again);
+        Tensor exact, rounded, rest;
+        Linear(x, w, &b, &exact);
+        ASSERT_TRUE(SetCpuInt8Activations(true));
+        Linear(x, w, &b, &rounded);
+        Linear(x_rest, w, &b, &rest);
+        ASSERT_TRUE(SetCpuInt8Activations(false));
+        Tensor exact_again;
+        Linear(x, w, &b, &exact_again);
+        EXPECT_EQ(OpsTest::Host(exact_again), OpsTest::Host(exact));
 
-    const std::vector<float> got = OpsTest::Host(rounded), base = OpsTest::Host(exact);
-    double max_moved = 0;
-    for (int64_t t = 0; t < t_count; ++t) {
-      // x as the kernel rounds it.
-      std::vector<double> xq(in);
-      for (int64_t b0 = 0; b0 < in; b0 += 32) {
-        float amax = 0;
-        for (int64_t k = b0; k < b0 + 32; ++k) amax = std::max(amax, std::fabs(xs[t * in + k]));
-        for (int64_t k = b0; k < b0 + 32; ++k) {
-          xq[k] = std::nearbyint(xs[t * in + k] * (127.f / amax)) * double{amax / 127.f};
+        const std::vector<float> got = OpsTest::Host(rounded), base = OpsTest::Host(exact);
+        if (bits == 8 && t_count <= 16) {
+          EXPECT_EQ(got, base) << "8-bit decode is exact in either mode";
+          continue;
+        }
+        double max_moved = 0;
+        for (int64_t t = 0; t < t_count; ++t) {
+          // x as the kernel rounds it.
+          std::vector<double> xq(in);
+          for (int64_t b0 = 0; b0 < in; b0 += 32) {
+            float amax = 0;
+            for (int64_t k = b0; k < b0 + 32; ++k) amax = std::max(amax, std::fabs(xs[t * in + k]));
+            for (int64_t k = b0; k < b0 + 32; ++k) {
+              xq[k] = amax == 0
+                          ? 0
+                          : std::nearbyint(xs[t * in + k] * (127.f / amax)) * double{amax / 127.f};
+            }
+          }
+          for (int64_t n = 0; n < out_f; ++n) {
+            double ref = bias[n], mag = std::fabs(bias[n]);
+            for (int64_t k = 0; k < in; ++k) {
+              ref += double{dense[n * in + k]} * xq[k];
+              mag += std::fabs(double{dense[n * in + k]} * xq[k]);
+            }
+            EXPECT_NEAR(got[t * out_f + n], ref, 2e-6 * mag) << "t " << t << " n " << n;
+            max_moved =
+                std::max(max_moved, std::fabs(got[t * out_f + n] - base[t * out_f + n]) / mag);
+          }
+        }
+        EXPECT_GT(max_moved, 0) << "the rounded activations changed nothing: was the kernel used?";
+        const std::vector<float> part = OpsTest::Host(rest);
+        for (int64_t i = 0; i < (t_count - skip) * out_f; ++i) {
+          ASSERT_EQ(part[i], got[skip * out_f + i]) << "rows 1.. alone and inside T, at " << i;
         }
       }
-      for (int64_t n = 0; n < out_f; ++n) {
-        double ref = bias[n], mag = std::fabs(bias[n]);
-        for (int64_t k = 0; k < in; ++k) {
-          ref += double{dense[n * in + k]} * xq[k];
-          mag += std::fabs(double{dense[n * in + k]} * xq[k]);
-        }
-        EXPECT_NEAR(got[t * out_f + n], ref, 2e-6 * mag) << "t " << t << " n " << n;
-        max_moved = std::max(max_moved, std::fabs(got[t * out_f + n] - base[t * out_f + n]) / mag);
-      }
-    }
-    EXPECT_GT(max_moved, 0) << "the rounded activations changed nothing: was the kernel used?";
-    const std::vector<float> one = OpsTest::Host(alone);
-    for (int64_t n = 0; n < out_f; ++n) {
-      EXPECT_EQ(one[n], got[out_f + n]) << "row 1 alone and inside T = 3, n " << n;
-    }
-    EXPECT_EQ(OpsTest::Host(exact_again), base);
-  }
 }
 
 TEST(CpuThreadPool, ParallelForCoversEveryIndexOnce) {
