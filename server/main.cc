@@ -73,9 +73,10 @@ DEFINE_string(
     "bitsandbytes (int8 weights quantized at load, per output row); empty: what the "
     "checkpoint says (env QUANTIZE)");
 DEFINE_bool(cpu_int8_activations, false,
-            "CPU, 4-bit weights (GPTQ, AWQ): decode multiplies them by activations rounded to "
-            "int8 per 32 columns, as llama.cpp does (AVX-512 VNNI only): faster, and outputs "
-            "move by that rounding; off: exact f32 activations (env CPU_INT8_ACTIVATIONS)");
+            "CPU, 8- and 4-bit weights (GPTQ, AWQ, bitsandbytes): prefill, and 4-bit decode, "
+            "multiply them by activations rounded to int8 per 32 columns, as llama.cpp and "
+            "CTranslate2 do (AVX-512 VNNI only): faster, and outputs move by that rounding; "
+            "off: exact f32 activations (env CPU_INT8_ACTIVATIONS)");
 DEFINE_string(otlp_endpoint, "",
               "OpenTelemetry collector's OTLP/gRPC endpoint (http://host:4317); empty: no "
               "tracing (env OTLP_ENDPOINT)");
@@ -151,12 +152,16 @@ int main(int argc, char** argv) {
         "MODEL_NAME ... | convert-to-safetensors MODEL_NAME ...");
   }
   // Before any other thread starts (it sets OpenBLAS's environment, then loads it).
-  if (FLAGS_cpu_int8_activations && !tgis::kernels::SetCpuInt8Activations(true)) {
+  const bool int8_activations =
+      FLAGS_cpu_int8_activations && tgis::kernels::SetCpuInt8Activations(true);
+  if (FLAGS_cpu_int8_activations && !int8_activations) {
     LOG(WARNING) << "--cpu-int8-activations (CPU_INT8_ACTIVATIONS) is set, but this CPU has no "
-                    "AVX-512 VNNI: 4-bit weights keep exact f32 activations";
+                    "AVX-512 VNNI: 8- and 4-bit weights keep exact f32 activations";
   }
   LOG(INFO) << "CPU kernels: " << tgis::kernels::CpuBackendSummary()
-            << (FLAGS_cpu_int8_activations ? ", int8 activations for 4-bit weights" : "");
+            << (int8_activations
+                    ? ", int8 activations for 8- and 4-bit weights (prefill; 4-bit decode too)"
+                    : "");
   auto tracing =
       tgis::tracing::TracingSession::FromFlags(FLAGS_otlp_endpoint, FLAGS_otlp_service_name);
   if (!tracing.ok()) return Fail(std::string(tracing.status().message()));

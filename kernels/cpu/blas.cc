@@ -68,8 +68,12 @@ const Blas& Load() {
 
 std::string PreferredBlasCore() {
   __builtin_cpu_init();
+  // AMD first: Zen 4 runs AVX-512 on 256-bit units, and there OpenBLAS's AVX2 "Zen" sgemm is
+  // the faster (measured on an EPYC Zen 4, kernels_bench --t=512 f32: 206 GFLOP/s against
+  // SkylakeX's 195 and Cooperlake's 191).
+  if (CpuHasAvx2() && __builtin_cpu_is("amd")) return "Zen";
   if (CpuHasAvx512() && __builtin_cpu_supports("avx512cd")) return "SkylakeX";
-  if (CpuHasAvx2()) return __builtin_cpu_is("amd") ? "Zen" : "Haswell";
+  if (CpuHasAvx2()) return "Haswell";
   return "";
 }
 

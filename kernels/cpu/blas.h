@@ -21,7 +21,8 @@ void SgemmNT(int m, int n, int k, const float* a, int lda, const float* b, int l
 std::string BlasCoreName();
 
 // The OPENBLAS_CORETYPE we set when the operator has not: the best family this CPU runs
-// (AVX-512 F/BW/VL/DQ/CD: SkylakeX; AVX2/FMA: Zen on AMD, Haswell elsewhere), or "" to
+// (AMD with AVX2/FMA: Zen, also on Zen 4's AVX-512; Intel with AVX-512 F/BW/VL/DQ/CD:
+// SkylakeX; AVX2/FMA: Haswell), or "" to
 // leave the choice to OpenBLAS.
 std::string PreferredBlasCore();
 

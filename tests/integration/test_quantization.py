@@ -49,21 +49,26 @@ def _cpu_has_vnni() -> bool:
     return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"))
 
 
-def test_int8_activations_for_4bit_weights():
-    """CPU_INT8_ACTIVATIONS=true reaches the 4-bit kernel (in this fixture only down_proj has
-    128 columns, the chunk the kernel needs): the logprobs move by the activations' rounding,
-    and only by a little."""
+INT8_ACTIVATION_CASES = [("llama_gptq4", []), ("llama_int8", ["--quantize", "bitsandbytes"])]
+
+
+@pytest.mark.parametrize("model,shard_args", INT8_ACTIVATION_CASES,
+                         ids=[c[0] for c in INT8_ACTIVATION_CASES])
+def test_int8_activations(model, shard_args):
+    """CPU_INT8_ACTIVATIONS=true reaches the int8 kernels: the prompts' prefill in one batch
+    (more than 16 tokens: the GEMM) for 8- and 4-bit codes, and 4-bit decode (in this fixture
+    only down_proj has 128 columns, the chunk that kernel needs). The logprobs move by the
+    activations' rounding, and only by a little."""
     missing = binaries_missing()
     if missing:
         pytest.skip(missing)
     if not _cpu_has_vnni():
         pytest.skip("no AVX-512 VNNI on this CPU: the mode stays off")
-    model = "llama_gptq4"
-    server = RouterServer(model, shard_args=["--cpu-int8-activations=true"])
+    server = RouterServer(model, shard_args=shard_args + ["--cpu-int8-activations=true"])
     oracle = Oracle(model)
     pb = server.pb
     try:
-        assert "int8 activations for 4-bit weights" in server.shard.output()
+        assert "int8 activations for 8- and 4-bit weights" in server.shard.output()
         p = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=4),
                           response=pb.ResponseOptions(generated_tokens=True, token_logprobs=True))
         reqs = [pb.GenerationRequest(text=prompt["text"]) for prompt in oracle.prompts]
