@@ -43,39 +43,34 @@ TGIS_VNNI inline __m512i DotAdd(__m512i acc, __m512i a, __m512i b) {
   return acc;
 }
 
-// x rounded per block: codes [t, k], and per (token, block) its scale and the sum of its codes.
-struct RoundedX {
-  std::vector<int8_t> q;
-  std::vector<float> scale, sum;  // [t, k / 32]
-
-  // False when x has a NaN or inf (the exact path runs then).
-  TGIS_VNNI bool Prepare(const float* x, int64_t t, int64_t k) {
-    const int64_t blocks = k / kBlock;
-    q.resize(t * k);
-    scale.resize(t * blocks);
-    sum.resize(t * blocks);
-    const __m512 sign = _mm512_set1_ps(-0.0f);
-    for (int64_t i = 0; i < t * blocks; ++i) {
-      const __m512 a = _mm512_loadu_ps(x + i * kBlock);
-      const __m512 b = _mm512_loadu_ps(x + i * kBlock + 16);
-      const float amax =
-          _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
-      if (!(amax <= std::numeric_limits<float>::max())) return false;  // NaN, inf
-      // A block of zeros, or of values so small that 127 / amax overflows, rounds to zeros.
-      float inverse = amax == 0 ? 0.f : 127.f / amax;
-      if (!(inverse <= std::numeric_limits<float>::max())) inverse = 0.f;
-      const __m512 by = _mm512_set1_ps(inverse);
-      // Round to nearest even, as std::nearbyint in the default mode.
-      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, by));
-      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, by));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(&q[i * kBlock]), _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(&q[i * kBlock + 16]), _mm512_cvtsepi32_epi8(qb));
-      scale[i] = inverse == 0 ? 0.f : amax / 127.f;
-      sum[i] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
-    }
-    return true;
+TGIS_VNNI bool RoundBlocks(const float* x, int64_t t, int64_t k, Int8Blocks* out) {
+  const int64_t blocks = k / kBlock;
+  out->q.resize(t * k);
+  out->scale.resize(t * blocks);
+  out->sum.resize(t * blocks);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t i = 0; i < t * blocks; ++i) {
+    const __m512 a = _mm512_loadu_ps(x + i * kBlock);
+    const __m512 b = _mm512_loadu_ps(x + i * kBlock + 16);
+    // NaN: vmaxps would drop it, so it is looked for first.
+    if (_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) != 0) return false;
+    const float amax =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+    if (!(amax <= std::numeric_limits<float>::max())) return false;  // inf
+    float inverse = amax == 0 ? 0.f : 127.f / amax;
+    if (!(inverse <= std::numeric_limits<float>::max())) inverse = 0.f;
+    const __m512 by = _mm512_set1_ps(inverse);
+    // Round to nearest even, as std::nearbyint in the default mode.
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, by));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, by));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(&out->q[i * kBlock]), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(&out->q[i * kBlock + 16]),
+                     _mm512_cvtsepi32_epi8(qb));
+    out->scale[i] = inverse == 0 ? 0.f : amax / 127.f;
+    out->sum[i] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
   }
-};
+  return true;
+}
 
 // One panel's weights as the kernel reads them: codes [k / 4][16 rows][4 columns], and per
 // block the 16 rows' scales and zeros. Rows past N are zeros with scale 0.
@@ -116,7 +111,8 @@ struct Panel {
 
 // out[t0 .. t0 + TT) of the panel's rows.
 template <int TT>
-TGIS_VNNI void Tile(const SmallArgs& a, const RoundedX& x, const Panel& p, int64_t n0, int64_t t0) {
+TGIS_VNNI void Tile(const SmallArgs& a, const Int8Blocks& x, const Panel& p, int64_t n0,
+                    int64_t t0) {
   const int64_t blocks = a.k / kBlock;
   __m512 acc[TT];
   for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
@@ -153,7 +149,7 @@ TGIS_VNNI void Tile(const SmallArgs& a, const RoundedX& x, const Panel& p, int64
 }
 
 template <WFmt W>
-void Gemm(const SmallArgs& a, const RoundedX& x) {
+void Gemm(const SmallArgs& a, const Int8Blocks& x) {
   const int64_t panels = (a.n + kPanel - 1) / kPanel;
   ParallelFor(panels, 1, [&](int64_t b, int64_t e) {
     thread_local Panel p;
@@ -170,11 +166,14 @@ void Gemm(const SmallArgs& a, const RoundedX& x) {
 
 }  // namespace
 
+bool Int8Blocks::Prepare(const float* x, int64_t t, int64_t k) {
+  return k % kBlock == 0 && RoundBlocks(x, t, k, this);
+}
+
 template <WFmt W>
 bool LargeInt8Gemm(const SmallArgs& a) {
   static_assert(W == WFmt::kQ8 || W == WFmt::kQ4);
-  if (a.k % kBlock != 0) return false;
-  thread_local RoundedX x;
+  thread_local Int8Blocks x;
   if (!x.Prepare(a.x, a.t, a.k)) return false;
   Gemm<W>(a, x);
   return true;

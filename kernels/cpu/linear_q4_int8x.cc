@@ -18,9 +18,6 @@
 // depends only on its own x row: the same at any T, in any batch, on any number of threads.
 #include <immintrin.h>
 
-#include <cmath>
-#include <limits>
-
 #include "kernels/cpu/linear_stream.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -106,7 +103,7 @@ TGIS_VNNI void Tile(const SmallArgs& a, const Int8X& x, int64_t n) {
 }  // namespace
 
 bool Int8X::Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run) {
-  if (k % kChunk != 0) return false;
+  if (k % kChunk != 0 || !blocks.Prepare(x, t, k)) return false;
   const int64_t chunks = k / kChunk;
   this->chunks.clear();
   for (int64_t c = 0; c < chunks; ++c) {
@@ -125,34 +122,17 @@ bool Int8X::Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_r
   odd.resize(t * k / 2);
   lane_scale.resize(t * chunks * 16);
   lane_sum.resize(t * chunks * 16);
-  for (int64_t i = 0; i < t; ++i) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      const float* xc = x + i * k + c * kChunk;
-      const int64_t at = i * chunks + c;
-      for (int b = 0; b < 4; ++b) {
-        float amax = 0;
-        for (int j = 0; j < 32; ++j) {
-          const float v = std::fabs(xc[32 * b + j]);
-          if (!(v <= std::numeric_limits<float>::max())) return false;  // NaN, inf: exact path
-          amax = std::max(amax, v);
-        }
-        // A block of zeros, or of values so small that 127 / amax overflows, rounds to zeros.
-        float inverse = amax == 0 ? 0.f : 127.f / amax;
-        if (!(inverse <= std::numeric_limits<float>::max())) inverse = 0.f;
-        const float scale = inverse == 0 ? 0.f : amax / 127.f;
-        for (int l = 4 * b; l < 4 * b + 4; ++l) {
-          int sum = 0;
-          for (int m = 0; m < 4; ++m) {
-            const int e = static_cast<int>(std::nearbyint(xc[8 * l + 2 * m] * inverse));
-            const int o = static_cast<int>(std::nearbyint(xc[8 * l + 2 * m + 1] * inverse));
-            even[at * 64 + 4 * l + m] = static_cast<int8_t>(e);
-            odd[at * 64 + 4 * l + m] = static_cast<int8_t>(o);
-            sum += e + o;
-          }
-          lane_scale[at * 16 + l] = scale;
-          lane_sum[at * 16 + l] = static_cast<float>(sum);
-        }
+  for (int64_t at = 0; at < t * chunks; ++at) {  // (token, chunk): x's columns are contiguous
+    const int8_t* q = &blocks.q[at * kChunk];
+    for (int l = 0; l < 16; ++l) {
+      int sum = 0;
+      for (int m = 0; m < 4; ++m) {
+        even[at * 64 + 4 * l + m] = q[8 * l + 2 * m];
+        odd[at * 64 + 4 * l + m] = q[8 * l + 2 * m + 1];
+        sum += q[8 * l + 2 * m] + q[8 * l + 2 * m + 1];
       }
+      lane_scale[at * 16 + l] = blocks.scale[at * 4 + l / 4];
+      lane_sum[at * 16 + l] = static_cast<float>(sum);
     }
   }
   return true;

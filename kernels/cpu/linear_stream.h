@@ -85,10 +85,21 @@ struct FixedPointX {
 template <WFmt W>
 void SmallVnni(const SmallArgs& a, const FixedPointX& fx, int64_t n0, int64_t n1);
 
+// x rounded to int8 as the opt-in int8-activation kernels multiply it (SetInt8Activations):
+// per token and per 32 columns, q = nearbyint(x * (127 / absmax)) with scale absmax / 127 (a
+// block of zeros, or of values so small that 127 / absmax overflows, is zeros with scale 0).
+// Prepared with AVX-512 (linear_int8_gemm.cc): callers have checked for VNNI.
+struct Int8Blocks {
+  std::vector<int8_t> q;          // [t, k]
+  std::vector<float> scale, sum;  // [t, k / 32]: the block's scale and the sum of its codes
+  // k a multiple of 32. False (and unusable: the exact path runs) when x has a NaN or inf.
+  bool Prepare(const float* x, int64_t t, int64_t k);
+};
+
 // The opt-in kernel for 4-bit codes against x rounded to int8 (linear_q4_int8x.cc), on the
 // weights Avx512Takes, with VNNI. x as that kernel reads it: per 128-column chunk, its 64
-// even-column and 64 odd-column int8 codes, and per dword lane its block's scale and the sum
-// of its 8 codes; plus each chunk's four blocks' runs.
+// even-column and 64 odd-column int8 codes (Int8Blocks' codes reordered), and per dword lane
+// its block's scale and the sum of its 8 codes; plus each chunk's four blocks' runs.
 struct Int8X {
   struct Chunk {
     int32_t run[4];
@@ -97,13 +108,14 @@ struct Int8X {
   std::vector<Chunk> chunks;
   std::vector<int8_t> even, odd;            // [t, chunks, 64]
   std::vector<float> lane_scale, lane_sum;  // [t, chunks, 16]
+  Int8Blocks blocks;
   // False (and unusable: the exact kernel runs) when k is not a multiple of 128 or x has a NaN
   // or inf.
   bool Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run);
 };
 void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, int64_t n0, int64_t n1);
 
-// The opt-in prefill GEMM for 8- and 4-bit codes against x rounded to int8 as Int8X rounds it
+// The opt-in prefill GEMM for 8- and 4-bit codes against x as Int8Blocks rounds it
 // (linear_int8_gemm.cc), on the weights Avx512Takes, with VNNI; it runs on the thread pool and
 // adds the bias. False (nothing written: the exact path runs) when x has a NaN or inf.
 template <WFmt W>

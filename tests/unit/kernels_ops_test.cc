@@ -1475,6 +1475,19 @@ TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
         for (int64_t i = 0; i < (t_count - skip) * out_f; ++i) {
           ASSERT_EQ(part[i], got[skip * out_f + i]) << "rows 1.. alone and inside T, at " << i;
         }
+        // A NaN (or inf) in x takes the exact path, which carries it to the outputs, rather
+        // than rounding it to some int8 code.
+        for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+          std::vector<float> xb = xs;
+          xb[in + 5] = bad;
+          Tensor with_bad;
+          ASSERT_TRUE(SetCpuInt8Activations(true));
+          Linear(Tensor::FromVector(xb, {t_count, in}), w, &b, &with_bad);
+          ASSERT_TRUE(SetCpuInt8Activations(false));
+          const std::vector<float> v = OpsTest::Host(with_bad);
+          for (int64_t n = 0; n < out_f; ++n)
+            EXPECT_FALSE(std::isfinite(v[out_f + n])) << "n " << n << ", x has " << bad;
+        }
       }
 }
 
