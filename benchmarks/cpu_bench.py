@@ -23,8 +23,8 @@ the checkpoint four ways); never part of `make test`. Everything it makes lives 
 4. Ours: build/benchmarks/engine_bench (f32, bf16, f16 from the f32 checkpoint; 8-bit =
    --quantize bitsandbytes, int8 per output row; 4-bit = the GPTQ copy), batch 1.
    "ours-int8act" is the same with --int8-activations true (the shard's
-   --cpu-int8-activations), 8- and 4-bit only: x rounded to int8 per 32 columns in prefill
-   and in 4-bit decode, as llama.cpp's and CTranslate2's quantized types multiply. It also measures the DRAM read bandwidth (all cores, 1 GiB) that the fractions use.
+   --cpu-int8-activations), 8- and 4-bit only: x rounded to int8 per 32 columns, as
+   llama.cpp's and CTranslate2's quantized types multiply. It also measures the DRAM read bandwidth (all cores, 1 GiB) that the fractions use.
 
 Each engine's decode fraction of the bandwidth = its tok/s x the bytes of its own weight
 format streamed per token (every linear layer and the lm_head; not the embedding) / the
@@ -207,7 +207,7 @@ def ours(build: Path, dense: Path, gptq: Path, precision: str, prompt: int, step
            "format": {"8bit": "int8 per row (lm_head too)",
                       "4bit": "GPTQ 4-bit g32 sym, bf16 lm_head"}.get(precision, precision)}
     if int8_activations:
-        got["format"] += ", x int8 per 32 (prefill; 4-bit decode too)"
+        got["format"] += ", x int8 per 32"
     m = re.search(r"batch 1: prefill ([\d.]+) tok/s, decode ([\d.]+) tok/s", text)
     got.update(prefill=float(m.group(1)), decode=float(m.group(2)))
     return got

@@ -27,8 +27,9 @@ namespace tgis::kernels {
 // threads start, as it sets OpenBLAS's environment variables first).
 std::string CpuBackendSummary();
 
-// Opt-in CPU speed mode for 4-bit weights: decode multiplies them by activations rounded to
-// int8 per 32 columns (as llama.cpp does: outputs move by that rounding, no longer within 1e-4
+// Opt-in CPU speed mode for 8- and 4-bit weights: prefill and decode multiply them by
+// activations rounded to int8 per 32 columns (as llama.cpp and CTranslate2 do: outputs move by
+// that rounding, no longer within 1e-4
 // of transformers on the dequantized weights). Process-wide; false, changing nothing, when the
 // CPU lacks AVX-512 VNNI.
 bool SetCpuInt8Activations(bool on);

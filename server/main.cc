@@ -73,8 +73,8 @@ DEFINE_string(
     "bitsandbytes (int8 weights quantized at load, per output row); empty: what the "
     "checkpoint says (env QUANTIZE)");
 DEFINE_bool(cpu_int8_activations, false,
-            "CPU, 8- and 4-bit weights (GPTQ, AWQ, bitsandbytes): prefill, and 4-bit decode, "
-            "multiply them by activations rounded to int8 per 32 columns, as llama.cpp and "
+            "CPU, 8- and 4-bit weights (GPTQ, AWQ, bitsandbytes): prefill and decode multiply "
+            "them by activations rounded to int8 per 32 columns, as llama.cpp and "
             "CTranslate2 do (AVX-512 VNNI only): faster, and outputs move by that rounding; "
             "off: exact f32 activations (env CPU_INT8_ACTIVATIONS)");
 DEFINE_string(otlp_endpoint, "",
@@ -159,9 +159,7 @@ int main(int argc, char** argv) {
                     "AVX-512 VNNI: 8- and 4-bit weights keep exact f32 activations";
   }
   LOG(INFO) << "CPU kernels: " << tgis::kernels::CpuBackendSummary()
-            << (int8_activations
-                    ? ", int8 activations for 8- and 4-bit weights (prefill; 4-bit decode too)"
-                    : "");
+            << (int8_activations ? ", int8 activations for 8- and 4-bit weights" : "");
   auto tracing =
       tgis::tracing::TracingSession::FromFlags(FLAGS_otlp_endpoint, FLAGS_otlp_service_name);
   if (!tracing.ok()) return Fail(std::string(tracing.status().message()));

@@ -19,9 +19,10 @@ enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Vnni };
 void SetIsaForTesting(Isa isa);
 // Whether this CPU can run `isa`'s path (kAuto and kScalar always can).
 bool IsaAvailable(Isa isa);
-// Opt-in, process-wide: the decode kernel multiplies 4-bit codes by x rounded to int8 per 32
-// columns (llama.cpp's way, linear_q4_int8x.cc), where the CPU has AVX-512 VNNI and the
-// weight's runs allow it; other weights, and prefill, stay exact.
+// Opt-in, process-wide: 8- and 4-bit codes are multiplied by x rounded to int8 per 32 columns
+// (llama.cpp's way: linear_q4_int8x.cc and linear_q8_int8x.cc in decode, linear_int8_gemm.cc
+// in prefill), where the CPU has AVX-512 VNNI and the weight's runs and width allow it; other
+// weights (float, fp8) stay exact.
 void SetInt8Activations(bool on);
 bool Int8ActivationsAvailable();
 

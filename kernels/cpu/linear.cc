@@ -15,6 +15,9 @@
 // Quantized weights (kernels/quantized.h) take both paths too: their codes are dequantized
 // where bf16 would be converted ((code - zero) * scale, exactly the f32 weight transformers
 // would multiply by), over the stored columns, against x gathered into the stored order.
+// With int8 activations on (SetInt8Activations, opt-in), 8- and 4-bit codes take the integer
+// kernels instead on both paths: linear_q8_int8x.cc / linear_q4_int8x.cc and
+// linear_int8_gemm.cc.
 #include <cpuid.h>
 #include <immintrin.h>
 
@@ -302,13 +305,24 @@ void SmallT(const SmallArgs& args) {
   // At least ~64 KB of weights per parallel chunk.
   const int64_t grain = std::max<int64_t>(
       1, static_cast<int64_t>((64 << 10) / (kTileRows * args.k * BytesPerWeight<W>() + 1)));
+  const bool int8_activations =
+      g_int8_activations.load(std::memory_order_relaxed) && avx512 && UseVnni();
   if constexpr (W == WFmt::kQ4) {
     thread_local Int8X int8x;
-    if (g_int8_activations.load(std::memory_order_relaxed) && avx512 && UseVnni() &&
+    if (int8_activations &&
         int8x.Prepare(args.x, args.t, args.k, args.q->block_run.data<int32_t>())) {
       const Int8X* x = &int8x;  // workers read the calling thread's copy
       ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
         SmallQ4Int8X(args, *x, b * kTileRows, std::min(args.n, e * kTileRows));
+      });
+      return;
+    }
+  } else if constexpr (W == WFmt::kQ8) {
+    thread_local Int8X8 int8x;
+    if (int8_activations && int8x.Prepare(args.x, args.t, args.k)) {
+      const Int8X8* x = &int8x;
+      ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
+        SmallQ8Int8X(args, *x, b * kTileRows, std::min(args.n, e * kTileRows));
       });
       return;
     }

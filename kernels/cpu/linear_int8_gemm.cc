@@ -3,8 +3,8 @@
 // running a quantized checkpoint's prompt, where the exact path (codes dequantized to f32, then
 // OpenBLAS sgemm) runs at f32's speed.
 //
-// x is rounded as the 4-bit decode kernel rounds it (linear_q4_int8x.cc): per token and per
-// 32 stored columns, q = nearbyint(x * (127 / absmax)), scale absmax / 127. The weights are
+// x is rounded as the mode's decode kernels round it (Int8Blocks): per token and per 32 stored
+// columns, q = nearbyint(x * (127 / absmax)), scale absmax / 127. The weights are
 // taken 16 rows (a panel) at a time and repacked once per panel, for every token tile to read:
 // 4 consecutive columns of the 16 rows per 64-byte vector, the codes as unsigned bytes (4-bit
 // codes widened). One vpdpbusd then adds 4 columns of 16 rows for one token (64 products,

@@ -115,7 +115,19 @@ struct Int8X {
 };
 void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, int64_t n0, int64_t n1);
 
-// The opt-in prefill GEMM for 8- and 4-bit codes against x as Int8Blocks rounds it
+// The opt-in kernel for 8-bit codes against x rounded to int8 (linear_q8_int8x.cc), on the
+// weights Avx512Takes, with VNNI. x as that kernel reads it: Int8Blocks' codes, and per dword
+// lane (4 columns) the sum of its codes and its block's scale.
+struct Int8X8 {
+  Int8Blocks blocks;
+  std::vector<float> lane_sum, lane_scale;  // [t, k / 4]
+  // False (and unusable: the exact kernel runs) when k is not a multiple of 64 or x has a NaN
+  // or inf.
+  bool Prepare(const float* x, int64_t t, int64_t k);
+};
+void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, int64_t n0, int64_t n1);
+
+// The opt-in prefill GEMM (T > kSmallT) for 8- and 4-bit codes against x as Int8Blocks rounds it
 // (linear_int8_gemm.cc), on the weights Avx512Takes, with VNNI; it runs on the thread pool and
 // adds the bias. False (nothing written: the exact path runs) when x has a NaN or inf.
 template <WFmt W>

@@ -1,0 +1,112 @@
+// Linear's opt-in streaming kernel for 8-bit codes with x rounded to int8 (SetInt8Activations;
+// the shard's --cpu-int8-activations), on AVX-512 VNNI: the decode half of the mode whose
+// prefill half is linear_int8_gemm.cc, and the way llama.cpp's Q8_0 and CTranslate2's int8
+// decode.
+//
+// Why: the exact 8-bit kernel (linear_vnni.cc) needs two vpdpwssd per 32 weights and a
+// widening of the codes; where 512-bit operations run on 256-bit units (Zen 4) that leaves it
+// short of the memory's pace. Here one vpdpbusd takes 64 codes (unsigned bytes) against 64 of
+// x's int8 codes (Int8Blocks), each dword lane the 4 products of 4 consecutive columns; lane l
+// of a 64-column chunk lies in block l / 8. Per lane, (I - zero * sum of its 4 x codes) is
+// exact in f32 (integers below 2^24) and is added, times the weight's and x's scales, into 16
+// f32 lanes per output; the output is their sum, plus the bias. A row's result depends only
+// on its own x row: the same at any T up to kSmallT, in any batch, on any number of threads.
+#include <immintrin.h>
+
+#include "kernels/cpu/linear_stream.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace tgis::kernels::cpu {
+
+namespace {
+
+constexpr int64_t kChunk = 64;  // columns per step: 64 code bytes, 16 dword lanes
+constexpr int kRows = 4;        // weight rows per tile
+
+// acc += u8 a times s8 b, 4 products per int32 lane (asm: see linear_vnni.cc's DotAdd).
+TGIS_VNNI inline __m512i DotAdd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+// The row's value for the chunk's two blocks' runs: lanes 0-7 the first's, 8-15 the second's.
+TGIS_VNNI inline __m512 TwoRuns(const float* values, int32_t run0, int32_t run1) {
+  const __m512 first = _mm512_set1_ps(values[run0]);
+  return run0 == run1 ? first : _mm512_mask_blend_ps(0xFF00, first, _mm512_set1_ps(values[run1]));
+}
+
+template <int R, int TT>
+TGIS_VNNI void Dots(const SmallArgs& a, const Int8X8& x, int64_t n, int64_t t0, __m512* acc) {
+  WRow rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = RowOf<WFmt::kQ8>(a, n + r);
+  const int64_t chunks = a.k / kChunk;
+  const int64_t ahead = 2 * kRows * a.k;  // bytes: the rows two tiles on
+  const int32_t* block_run = a.q->block_run.data<int32_t>();
+  __m512 sum[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) sum[r][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int32_t run0 = block_run[c * kChunk / 8], run1 = block_run[c * kChunk / 8 + 4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(rows[r].codes() + c * kChunk + ahead),
+                   _MM_HINT_T0);
+      const __m512i codes = _mm512_loadu_si512(rows[r].codes() + c * kChunk);
+      const __m512 w_scale = TwoRuns(rows[r].scale, run0, run1);
+      const __m512 w_zero = TwoRuns(rows[r].zero, run0, run1);
+#pragma GCC unroll 2
+      for (int t = 0; t < TT; ++t) {
+        const int64_t at = (t0 + t) * a.k + c * kChunk;  // x's column
+        const __m512i dot =
+            DotAdd(_mm512_setzero_si512(), codes, _mm512_loadu_si512(&x.blocks.q[at]));
+        const __m512 exact =
+            _mm512_fnmadd_ps(w_zero, _mm512_loadu_ps(&x.lane_sum[at / 4]), _mm512_cvtepi32_ps(dot));
+        sum[r][t] = _mm512_fmadd_ps(
+            exact, _mm512_mul_ps(w_scale, _mm512_loadu_ps(&x.lane_scale[at / 4])), sum[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r * a.t + t0 + t] = sum[r][t];
+}
+
+template <int R>
+TGIS_VNNI void Tile(const SmallArgs& a, const Int8X8& x, int64_t n) {
+  alignas(64) __m512 acc[R * kSmallT];
+  int64_t t0 = 0;
+  for (; t0 + 2 <= a.t; t0 += 2) Dots<R, 2>(a, x, n, t0, acc);
+  if (t0 < a.t) Dots<R, 1>(a, x, n, t0, acc);
+  for (int r = 0; r < R; ++r) {
+    for (int64_t t = 0; t < a.t; ++t) {
+      float v = _mm512_reduce_add_ps(acc[r * a.t + t]);
+      if (a.bias) v += a.bias[n + r];
+      a.out[t * a.n + n + r] = v;
+    }
+  }
+}
+
+}  // namespace
+
+bool Int8X8::Prepare(const float* x, int64_t t, int64_t k) {
+  if (k % kChunk != 0 || !blocks.Prepare(x, t, k)) return false;
+  lane_sum.resize(t * k / 4);
+  lane_scale.resize(t * k / 4);
+  for (int64_t i = 0; i < t * k / 4; ++i) {
+    const int8_t* q = &blocks.q[4 * i];
+    lane_sum[i] = static_cast<float>(q[0] + q[1] + q[2] + q[3]);
+    lane_scale[i] = blocks.scale[i / 8];  // 8 lanes of 4 columns per 32-column block
+  }
+  return true;
+}
+
+void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + kRows <= n1; n += kRows) Tile<kRows>(a, x, n);
+  for (; n < n1; ++n) Tile<1>(a, x, n);
+}
+
+}  // namespace tgis::kernels::cpu
