@@ -158,7 +158,10 @@ void Gemm(const SmallArgs& a, const Int8Blocks& x) {
       p.Pack<W>(a, n0);
       int64_t t0 = 0;
       for (; t0 + kTokens <= a.t; t0 += kTokens) Tile<kTokens>(a, x, p, n0, t0);
-      if (t0 + 4 <= a.t) Tile<4>(a, x, p, n0, (t0 += 4) - 4);
+      if (t0 + 4 <= a.t) {
+        Tile<4>(a, x, p, n0, t0);
+        t0 += 4;
+      }
       for (; t0 < a.t; ++t0) Tile<1>(a, x, p, n0, t0);
     }
   });
