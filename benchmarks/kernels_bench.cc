@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
       hot = true;
     } else if (std::strcmp(argv[i], "--int8-activations") == 0) {
       if (!tgis::kernels::SetCpuInt8Activations(true)) {
-        std::fprintf(stderr, "--int8-activations: this CPU has no AVX-512 VNNI\n");
+        std::fprintf(stderr, "--int8-activations: this CPU has no AVX2\n");
         return 2;
       }
     } else if (std::strncmp(argv[i], "--t=", 4) == 0) {

@@ -31,7 +31,7 @@ std::string CpuBackendSummary();
 // activations rounded to int8 per 32 columns (as llama.cpp and CTranslate2 do: outputs move by
 // that rounding, no longer within 1e-4
 // of transformers on the dequantized weights). Process-wide; false, changing nothing, when the
-// CPU lacks AVX-512 VNNI.
+// CPU lacks AVX2 (AVX-512 VNNI is used where the CPU has it).
 bool SetCpuInt8Activations(bool on);
 
 // out[t, :] = weight[ids[t], :]. ids: [T] i32; weight: [V, H]; out: [T, H].

@@ -75,7 +75,8 @@ DEFINE_string(
 DEFINE_bool(cpu_int8_activations, false,
             "CPU, 8- and 4-bit weights (GPTQ, AWQ, bitsandbytes): prefill and decode multiply "
             "them by activations rounded to int8 per 32 columns, as llama.cpp and "
-            "CTranslate2 do (AVX-512 VNNI only): faster, and outputs move by that rounding; "
+            "CTranslate2 do (AVX2, or AVX-512 VNNI where present): faster, and outputs move by "
+            "that rounding; "
             "off: exact f32 activations (env CPU_INT8_ACTIVATIONS)");
 DEFINE_string(otlp_endpoint, "",
               "OpenTelemetry collector's OTLP/gRPC endpoint (http://host:4317); empty: no "
@@ -156,7 +157,7 @@ int main(int argc, char** argv) {
       FLAGS_cpu_int8_activations && tgis::kernels::SetCpuInt8Activations(true);
   if (FLAGS_cpu_int8_activations && !int8_activations) {
     LOG(WARNING) << "--cpu-int8-activations (CPU_INT8_ACTIVATIONS) is set, but this CPU has no "
-                    "AVX-512 VNNI: 8- and 4-bit weights keep exact f32 activations";
+                    "AVX2: 8- and 4-bit weights keep exact f32 activations";
   }
   LOG(INFO) << "CPU kernels: " << tgis::kernels::CpuBackendSummary()
             << (int8_activations ? ", int8 activations for 8- and 4-bit weights" : "");

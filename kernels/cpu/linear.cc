@@ -85,13 +85,23 @@ bool UseAvx512(const QuantizedWeight* q) {
       if (!CpuHasAvx512()) return false;
       break;
   }
-  return Avx512Takes(q);
+  return WholeBlockRuns(q);
 }
 
 // Integer dot products for 8- and 4-bit codes (among the weights UseAvx512 takes).
 bool UseVnni() {
   const Isa isa = g_isa.load(std::memory_order_relaxed);
   return isa == Isa::kAvx512Vnni || (isa == Isa::kAuto && CpuHasAvx512Vnni());
+}
+
+// Which kernels multiply 8- and 4-bit codes by int8-rounded x (SetInt8Activations), if any:
+// VNNI where the AVX-512 kernels run, else AVX2, on the same weights (the rounding, and so the
+// result up to f32 summation order, does not depend on which).
+enum class Int8Path { kNone, kVnni, kAvx2 };
+Int8Path Int8PathFor(const QuantizedWeight* q) {
+  if (!g_int8_activations.load(std::memory_order_relaxed)) return Int8Path::kNone;
+  if (UseAvx512(q) && UseVnni()) return Int8Path::kVnni;
+  return UseAvx2() && WholeBlockRuns(q) ? Int8Path::kAvx2 : Int8Path::kNone;
 }
 
 template <WFmt W>
@@ -151,8 +161,6 @@ void SmallScalar(const SmallArgs& a, int64_t n0, int64_t n1) {
 
 // ---- AVX2 / FMA / F16C --------------------------------------------------------------------
 
-#define TGIS_AVX2 __attribute__((target("avx2,fma,f16c")))
-
 // Weights [i, i + 8) of a row as f32; i is a multiple of 8 for quantized rows.
 template <WFmt W>
 TGIS_AVX2 inline __m256 Load8(const WRow& row, int64_t i) {
@@ -194,13 +202,6 @@ TGIS_AVX2 inline __m256 Load8(const WRow& row, int64_t i) {
     return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(row.zero[r])),
                          _mm256_set1_ps(row.scale[r]));
   }
-}
-
-TGIS_AVX2 inline float HSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // acc[r * acc_stride + t] += sum over k in [0, len) of w_r[k0 + k] * x[t * ldx + k], per lane.
@@ -277,7 +278,7 @@ TGIS_AVX2 void TileAvx2(const SmallArgs& a, int64_t n) {
   }
   for (int r = 0; r < R; ++r) {
     for (int64_t t = 0; t < t_count; ++t) {
-      float s = HSum(acc[r * t_count + t]);
+      float s = HSum8(acc[r * t_count + t]);
       const float* xr = a.x + t * a.k;
       for (int64_t k = k8; k < a.k; ++k) s += LoadScalar<Wt>(wr[r], k) * xr[k];
       if (a.bias) s += a.bias[n + r];
@@ -305,24 +306,25 @@ void SmallT(const SmallArgs& args) {
   // At least ~64 KB of weights per parallel chunk.
   const int64_t grain = std::max<int64_t>(
       1, static_cast<int64_t>((64 << 10) / (kTileRows * args.k * BytesPerWeight<W>() + 1)));
-  const bool int8_activations =
-      g_int8_activations.load(std::memory_order_relaxed) && avx512 && UseVnni();
+  const Int8Path int8 = Int8PathFor(args.q);
   if constexpr (W == WFmt::kQ4) {
     thread_local Int8X int8x;
-    if (int8_activations &&
+    if (int8 != Int8Path::kNone &&
         int8x.Prepare(args.x, args.t, args.k, args.q->block_run.data<int32_t>())) {
       const Int8X* x = &int8x;  // workers read the calling thread's copy
       ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
-        SmallQ4Int8X(args, *x, b * kTileRows, std::min(args.n, e * kTileRows));
+        SmallQ4Int8X(args, *x, int8 == Int8Path::kVnni, b * kTileRows,
+                     std::min(args.n, e * kTileRows));
       });
       return;
     }
   } else if constexpr (W == WFmt::kQ8) {
     thread_local Int8X8 int8x;
-    if (int8_activations && int8x.Prepare(args.x, args.t, args.k)) {
+    if (int8 != Int8Path::kNone && int8x.Prepare(args.x, args.t, args.k)) {
       const Int8X8* x = &int8x;
       ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
-        SmallQ8Int8X(args, *x, b * kTileRows, std::min(args.n, e * kTileRows));
+        SmallQ8Int8X(args, *x, int8 == Int8Path::kVnni, b * kTileRows,
+                     std::min(args.n, e * kTileRows));
       });
       return;
     }
@@ -382,9 +384,8 @@ void ConvertRows(const SmallArgs& a, int64_t r0, int64_t rows, float* dst, bool 
 template <WFmt W>
 void LargeT(const SmallArgs& a) {
   if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
-    if (g_int8_activations.load(std::memory_order_relaxed) && UseAvx512(a.q) && UseVnni() &&
-        LargeInt8Gemm<W>(a))
-      return;
+    const Int8Path int8 = Int8PathFor(a.q);
+    if (int8 != Int8Path::kNone && LargeInt8Gemm<W>(a, int8 == Int8Path::kVnni)) return;
   }
   [[maybe_unused]] const bool avx2 = UseAvx2();
   const int64_t threads = ThreadPool::Global().size();
@@ -433,7 +434,7 @@ void Dispatch(const SmallArgs& a) {
 
 void SetIsaForTesting(Isa isa) { g_isa.store(isa); }
 
-bool Int8ActivationsAvailable() { return CpuHasAvx512Vnni(); }
+bool Int8ActivationsAvailable() { return CpuHasAvx2(); }
 
 void SetInt8Activations(bool on) { g_int8_activations.store(on); }
 

@@ -353,7 +353,7 @@ bool CpuHasAvx512() {
   return has;
 }
 
-bool Avx512Takes(const QuantizedWeight* q) {
+bool WholeBlockRuns(const QuantizedWeight* q) {
   if (q == nullptr) return true;
   // Whole blocks, each inside one run (true of the usual group sizes 32, 64, 128 and of
   // per-row scales on widths that are multiples of 32).

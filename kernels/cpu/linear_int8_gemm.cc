@@ -1,6 +1,6 @@
 // Linear's opt-in prefill GEMM for 8- and 4-bit codes with x rounded to int8 (SetInt8Activations;
-// the shard's --cpu-int8-activations), on AVX-512 VNNI: CTranslate2's and llama.cpp's way of
-// running a quantized checkpoint's prompt, where the exact path (codes dequantized to f32, then
+// the shard's --cpu-int8-activations), on AVX-512 VNNI or AVX2: CTranslate2's and llama.cpp's way
+// of running a quantized checkpoint's prompt, where the exact path (codes dequantized to f32, then
 // OpenBLAS sgemm) runs at f32's speed.
 //
 // x is rounded as the mode's decode kernels round it (Int8Blocks): per token and per 32 stored
@@ -12,7 +12,8 @@
 // integer sum I (at most 32 * 255 * 127) becomes (I - zero * sum(q)) in f32 (exact: below
 // 2^24) and is added, times the weight's and x's scales, into one f32 accumulator per output:
 // every output sums its blocks in column order, so its value depends on its own x row only,
-// never on T, the tiles or the threads.
+// never on T, the tiles or the threads. AVX2 has no vpdpbusd: panels of 8 rows (a ymm), and
+// TileAvx2 says how the same integer sums are made there.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -33,8 +34,10 @@ namespace tgis::kernels::cpu {
 namespace {
 
 constexpr int64_t kBlock = 32;  // columns per x scale and per weight run
-constexpr int kPanel = 16;      // weight rows per panel: one zmm of f32 outputs
-constexpr int kTokens = 8;      // tokens per register tile
+constexpr int kPanel = 16;      // VNNI: weight rows per panel, one zmm of f32 outputs
+constexpr int kTokens = 8;      // VNNI: tokens per register tile
+constexpr int kPanelAvx2 = 8;   // AVX2: one ymm of f32 outputs
+constexpr int kTokensAvx2 = 4;  // AVX2: 16 ymm registers hold 4 tokens' integer and f32 sums
 
 // acc += u8 a times s8 b, 4 products summed into each int32 lane: vpdpbusd. Through asm for
 // the reason linear_vnni.cc gives (GCC 12's tied-accumulator copies).
@@ -43,40 +46,56 @@ TGIS_VNNI inline __m512i DotAdd(__m512i acc, __m512i a, __m512i b) {
   return acc;
 }
 
-TGIS_VNNI bool RoundBlocks(const float* x, int64_t t, int64_t k, Int8Blocks* out) {
+TGIS_AVX2 bool RoundBlocks(const float* x, int64_t t, int64_t k, Int8Blocks* out) {
   const int64_t blocks = k / kBlock;
   out->q.resize(t * k);
   out->scale.resize(t * blocks);
   out->sum.resize(t * blocks);
-  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t i = 0; i < t * blocks; ++i) {
-    const __m512 a = _mm512_loadu_ps(x + i * kBlock);
-    const __m512 b = _mm512_loadu_ps(x + i * kBlock + 16);
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(x + i * kBlock + 8 * j);
     // NaN: vmaxps would drop it, so it is looked for first.
-    if (_mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) != 0) return false;
-    const float amax =
-        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+    const __m256 unordered = _mm256_or_ps(_mm256_cmp_ps(v[0], v[1], _CMP_UNORD_Q),
+                                          _mm256_cmp_ps(v[2], v[3], _CMP_UNORD_Q));
+    if (_mm256_movemask_ps(unordered) != 0) return false;
+    const __m256 m =
+        _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     if (!(amax <= std::numeric_limits<float>::max())) return false;  // inf
     float inverse = amax == 0 ? 0.f : 127.f / amax;
     if (!(inverse <= std::numeric_limits<float>::max())) inverse = 0.f;
-    const __m512 by = _mm512_set1_ps(inverse);
-    // Round to nearest even, as std::nearbyint in the default mode.
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, by));
-    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, by));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(&out->q[i * kBlock]), _mm512_cvtsepi32_epi8(qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(&out->q[i * kBlock + 16]),
-                     _mm512_cvtsepi32_epi8(qb));
+    const __m256 by = _mm256_set1_ps(inverse);
+    __m256i q[4];  // rounded to nearest even, as std::nearbyint in the default mode
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], by));
+    // Saturating packs work within 128-bit lanes: dword j of `packed` holds q[j % 4]'s codes
+    // [4 (j / 4), 4 (j / 4) + 4); the permute puts them back in column order.
+    const __m256i packed =
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(&out->q[i * kBlock]),
+        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     out->scale[i] = inverse == 0 ? 0.f : amax / 127.f;
-    out->sum[i] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    const __m256i sum8 =
+        _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1));
+    out->sum[i] = static_cast<float>(_mm_cvtsi128_si32(sum4));
   }
   return true;
 }
 
-// One panel's weights as the kernel reads them: codes [k / 4][16 rows][4 columns], and per
-// block the 16 rows' scales and zeros. Rows past N are zeros with scale 0.
+// One panel's weights as the kernel reads them: codes [k / 4][Rows][4 columns], and per
+// block the rows' scales and zeros. Rows past N are zeros with scale 0.
+template <int Rows>
 struct Panel {
+  static constexpr int kPanel = Rows;
   std::vector<uint8_t> codes;
-  std::vector<float> scale, zero;  // [k / 32][16]
+  std::vector<float> scale, zero;  // [k / 32][Rows]
 
   template <WFmt W>
   void Pack(const SmallArgs& a, int64_t n0) {
@@ -101,7 +120,7 @@ struct Panel {
         }
       }
       for (int64_t b = 0; b < blocks; ++b) {
-        const int32_t run = row.block_run[b * kBlock / 8];  // one run per block (Avx512Takes)
+        const int32_t run = row.block_run[b * kBlock / 8];  // one run per block (WholeBlockRuns)
         scale[b * kPanel + r] = row.scale[run];
         zero[b * kPanel + r] = row.zero[run];
       }
@@ -111,7 +130,7 @@ struct Panel {
 
 // out[t0 .. t0 + TT) of the panel's rows.
 template <int TT>
-TGIS_VNNI void Tile(const SmallArgs& a, const Int8Blocks& x, const Panel& p, int64_t n0,
+TGIS_VNNI void Tile(const SmallArgs& a, const Int8Blocks& x, const Panel<kPanel>& p, int64_t n0,
                     int64_t t0) {
   const int64_t blocks = a.k / kBlock;
   __m512 acc[TT];
@@ -148,21 +167,97 @@ TGIS_VNNI void Tile(const SmallArgs& a, const Int8Blocks& x, const Panel& p, int
     _mm512_mask_storeu_ps(a.out + (t0 + t) * a.n + n0, mask, _mm512_add_ps(acc[t], bias));
 }
 
-template <WFmt W>
-void Gemm(const SmallArgs& a, const Int8Blocks& x) {
-  const int64_t panels = (a.n + kPanel - 1) / kPanel;
-  ParallelFor(panels, 1, [&](int64_t b, int64_t e) {
-    thread_local Panel p;
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t n0 = i * kPanel;
-      p.Pack<W>(a, n0);
-      int64_t t0 = 0;
-      for (; t0 + kTokens <= a.t; t0 += kTokens) Tile<kTokens>(a, x, p, n0, t0);
-      if (t0 + 4 <= a.t) {
-        Tile<4>(a, x, p, n0, t0);
-        t0 += 4;
+// Four int8 codes at p, in every dword.
+TGIS_AVX2 inline __m256i Broadcast4(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return _mm256_set1_epi32(four);
+}
+
+// AVX2: out[t0 .. t0 + TT) of the panel's 8 rows. 4-bit codes: vpmaddubsw (code times x's
+// code, pairs summed: at most 2 * 15 * 127), a block's 8 steps summed in int16 (at most 30480),
+// then vpmaddwd into int32. 8-bit codes: as linear_q8_int8x.cc's AVX2 kernel, (code - 128)
+// against x's codes, vpmaddwd after every step, and 128 * sum(xq) added back in f32 (exact).
+template <WFmt W, int TT>
+TGIS_AVX2 void TileAvx2(const SmallArgs& a, const Int8Blocks& x, const Panel<kPanelAvx2>& p,
+                        int64_t n0, int64_t t0) {
+  const int64_t blocks = a.k / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[TT];
+  for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i dot[TT];
+    const uint8_t* w = &p.codes[b * kBlock * kPanelAvx2];
+    const int8_t* xq = &x.q[t0 * a.k + b * kBlock];
+    if constexpr (W == WFmt::kQ4) {
+      for (int t = 0; t < TT; ++t) dot[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int s = 0; s < kBlock / 4; ++s) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32));
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; ++t)
+          dot[t] =
+              _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(wv, Broadcast4(xq + t * a.k + 4 * s)));
       }
-      for (; t0 < a.t; ++t0) Tile<1>(a, x, p, n0, t0);
+      for (int t = 0; t < TT; ++t) dot[t] = _mm256_madd_epi16(dot[t], ones);
+    } else {
+      for (int t = 0; t < TT; ++t) dot[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int s = 0; s < kBlock / 4; ++s) {
+        const __m256i centered =
+            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32)),
+                             _mm256_set1_epi8(static_cast<char>(0x80)));
+        const __m256i magnitude = _mm256_abs_epi8(centered);
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; ++t) {
+          const __m256i pairs = _mm256_maddubs_epi16(
+              magnitude, _mm256_sign_epi8(Broadcast4(xq + t * a.k + 4 * s), centered));
+          dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    const __m256 ws = _mm256_loadu_ps(&p.scale[b * kPanelAvx2]);
+    const __m256 wz = _mm256_loadu_ps(&p.zero[b * kPanelAvx2]);
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) {
+      const int64_t at = (t0 + t) * blocks + b;
+      const __m256 sum = _mm256_set1_ps(x.sum[at]);
+      __m256 codes_x = _mm256_cvtepi32_ps(dot[t]);
+      if constexpr (W == WFmt::kQ8) codes_x = _mm256_fmadd_ps(_mm256_set1_ps(128.f), sum, codes_x);
+      const __m256 exact = _mm256_fnmadd_ps(wz, sum, codes_x);
+      acc[t] = _mm256_fmadd_ps(exact, _mm256_mul_ps(ws, _mm256_set1_ps(x.scale[at])), acc[t]);
+    }
+  }
+  const int rows = static_cast<int>(std::min<int64_t>(kPanelAvx2, a.n - n0));
+  const __m256i mask =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(rows), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256 bias = a.bias ? _mm256_maskload_ps(a.bias + n0, mask) : _mm256_setzero_ps();
+  for (int t = 0; t < TT; ++t)
+    _mm256_maskstore_ps(a.out + (t0 + t) * a.n + n0, mask, _mm256_add_ps(acc[t], bias));
+}
+
+template <WFmt W, bool kVnni>
+void Gemm(const SmallArgs& a, const Int8Blocks& x) {
+  constexpr int kRows = kVnni ? kPanel : kPanelAvx2;
+  const int64_t panels = (a.n + kRows - 1) / kRows;
+  ParallelFor(panels, 1, [&](int64_t b, int64_t e) {
+    thread_local Panel<kRows> p;
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t n0 = i * kRows;
+      p.template Pack<W>(a, n0);
+      int64_t t0 = 0;
+      if constexpr (kVnni) {
+        for (; t0 + kTokens <= a.t; t0 += kTokens) Tile<kTokens>(a, x, p, n0, t0);
+        if (t0 + 4 <= a.t) {
+          Tile<4>(a, x, p, n0, t0);
+          t0 += 4;
+        }
+        for (; t0 < a.t; ++t0) Tile<1>(a, x, p, n0, t0);
+      } else {
+        for (; t0 + kTokensAvx2 <= a.t; t0 += kTokensAvx2)
+          TileAvx2<W, kTokensAvx2>(a, x, p, n0, t0);
+        for (; t0 < a.t; ++t0) TileAvx2<W, 1>(a, x, p, n0, t0);
+      }
     }
   });
 }
@@ -174,15 +269,15 @@ bool Int8Blocks::Prepare(const float* x, int64_t t, int64_t k) {
 }
 
 template <WFmt W>
-bool LargeInt8Gemm(const SmallArgs& a) {
+bool LargeInt8Gemm(const SmallArgs& a, bool vnni) {
   static_assert(W == WFmt::kQ8 || W == WFmt::kQ4);
   thread_local Int8Blocks x;
   if (!x.Prepare(a.x, a.t, a.k)) return false;
-  Gemm<W>(a, x);
+  vnni ? Gemm<W, true>(a, x) : Gemm<W, false>(a, x);
   return true;
 }
 
-template bool LargeInt8Gemm<WFmt::kQ8>(const SmallArgs& a);
-template bool LargeInt8Gemm<WFmt::kQ4>(const SmallArgs& a);
+template bool LargeInt8Gemm<WFmt::kQ8>(const SmallArgs& a, bool vnni);
+template bool LargeInt8Gemm<WFmt::kQ4>(const SmallArgs& a, bool vnni);
 
 }  // namespace tgis::kernels::cpu

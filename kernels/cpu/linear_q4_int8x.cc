@@ -1,21 +1,22 @@
 // Linear's opt-in streaming kernel for 4-bit codes with x rounded to int8 (SetInt8Activations;
 // the shard's --cpu-int8-activations): llama.cpp's way of multiplying 4-bit weights, with
-// AVX-512 VNNI integer dot products 128 columns at a time.
+// integer dot products (AVX-512 VNNI 128 columns at a time, or AVX2 64).
 //
 // Why opt-in: x rounded to int8 per 32 columns (scale = the block's absmax / 127, as
 // llama.cpp's Q8_0) is an activation error of up to 0.4% per element, so outputs are no
 // longer those of transformers on the dequantized weights within 1e-4; what it buys is a third
-// of the instructions per weight of the exact kernel (linear_avx512.cc), whose 4-bit decode is
-// bound by them rather than by memory.
+// of the instructions per weight of the exact kernels, whose 4-bit decode is bound by them
+// rather than by memory.
 //
 // Layout. A 128-column chunk of a row is 64 code bytes; byte 16b + i holds columns 32b + 2i
 // (low nibble) and 32b + 2i + 1 (high nibble), so dword lane l of the chunk covers columns
 // [8l, 8l + 8) and block l / 4. x is prepared once per call as int8 in the same order (its even
 // columns' bytes, then its odd columns'), with, per lane, its block's scale and the sum of its 8
-// codes. Per lane: I = sum of code * xq over its 8 columns (vpdpbusd, exact), then
-// (I - zero * sum(xq)) exactly in f32 (integers below 2^24), times the weight's and x's
-// scales, added into 16 f32 lanes; the output is their sum, plus the bias. A row's result
-// depends only on its own x row: the same at any T, in any batch, on any number of threads.
+// codes. Per lane: I = sum of code * xq over its 8 columns (exact: vpdpbusd, or vpmaddubsw's
+// pair sums of at most 2 * 15 * 127 then vpmaddwd), then (I - zero * sum(xq)) exactly in f32
+// (integers below 2^24), times the weight's and x's scales, added into f32 lanes (16, or 2 x 8
+// with AVX2); the output is their sum, plus the bias. A row's result depends only on its own x
+// row: the same at any T, in any batch, on any number of threads.
 #include <immintrin.h>
 
 #include "kernels/cpu/linear_stream.h"
@@ -77,6 +78,61 @@ TGIS_VNNI void Dots(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, _
   for (int t = 0; t < TT; ++t) acc[t0 + t] = sum[t];
 }
 
+// AVX2: the chunk's two halves (lanes 0-7 and 8-15, 32 code bytes each) in turn, each into its
+// own accumulator, so that two f32 chains are in flight.
+template <int TT>
+TGIS_AVX2 void DotsAvx2(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, __m256* acc) {
+  const WRow row = RowOf<WFmt::kQ4>(a, n);
+  const int64_t chunks = a.k / kChunk;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 sum[TT][2];
+  for (int t = 0; t < TT; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const Int8X::Chunk& ch = x.chunks[c];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256i bytes =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.codes() + c * 64 + 32 * h));
+      const __m256i lo = _mm256_and_si256(bytes, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+      // Lanes 0-3 lie in block 2h of the chunk, lanes 4-7 in block 2h + 1.
+      const int32_t r0 = ch.run[2 * h], r1 = ch.run[2 * h + 1];
+      const __m256 w_scale =
+          _mm256_setr_m128(_mm_set1_ps(row.scale[r0]), _mm_set1_ps(row.scale[r1]));
+      const __m256 w_zero = _mm256_setr_m128(_mm_set1_ps(row.zero[r0]), _mm_set1_ps(row.zero[r1]));
+#pragma GCC unroll 2
+      for (int t = 0; t < TT; ++t) {
+        const int64_t at = ((t0 + t) * chunks + c);
+        const __m256i pairs = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                         &x.even[at * 64 + 32 * h]))),
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                         &x.odd[at * 64 + 32 * h]))));
+        const __m256i dot = _mm256_madd_epi16(pairs, ones);
+        const __m256 exact = _mm256_fnmadd_ps(w_zero, _mm256_loadu_ps(&x.lane_sum[at * 16 + 8 * h]),
+                                              _mm256_cvtepi32_ps(dot));
+        sum[t][h] = _mm256_fmadd_ps(
+            exact, _mm256_mul_ps(w_scale, _mm256_loadu_ps(&x.lane_scale[at * 16 + 8 * h])),
+            sum[t][h]);
+      }
+    }
+  }
+  for (int t = 0; t < TT; ++t) acc[t0 + t] = _mm256_add_ps(sum[t][0], sum[t][1]);
+}
+
+TGIS_AVX2 void RowAvx2(const SmallArgs& a, const Int8X& x, int64_t n) {
+  __m256 acc[kSmallT];
+  int64_t t0 = 0;
+  for (; t0 + 2 <= a.t; t0 += 2) DotsAvx2<2>(a, x, n, t0, acc);
+  if (t0 < a.t) DotsAvx2<1>(a, x, n, t0, acc);
+  for (int64_t t = 0; t < a.t; ++t) {
+    float v = HSum8(acc[t]);
+    if (a.bias) v += a.bias[n];
+    a.out[t * a.n + n] = v;
+  }
+}
+
 TGIS_VNNI void Row(const SmallArgs& a, const Int8X& x, int64_t n) {
   alignas(64) __m512 acc[kSmallT];
   int64_t t0 = 0;
@@ -100,7 +156,7 @@ bool Int8X::Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_r
     Chunk ch;
     bool uniform = true, consecutive = true;
     for (int b = 0; b < 4; ++b) {
-      ch.run[b] = run[4 * b];  // each block is one run (Avx512Takes)
+      ch.run[b] = run[4 * b];  // each block is one run (WholeBlockRuns)
       uniform &= ch.run[b] == run[0];
       consecutive &= ch.run[b] == run[0] + b;
     }
@@ -127,11 +183,11 @@ bool Int8X::Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_r
   return true;
 }
 
-void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, int64_t n0, int64_t n1) {
+void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, bool vnni, int64_t n0, int64_t n1) {
   // One row after another, as SmallQ8Int8X: measured on Zen 4 (kernels_bench --t=1
   // --int8-activations gptq4g32, 2 threads), 4096x4096 0.41 ms against 0.67 with tiles of 4
   // rows and software prefetch.
-  for (int64_t n = n0; n < n1; ++n) Row(a, x, n);
+  for (int64_t n = n0; n < n1; ++n) vnni ? Row(a, x, n) : RowAvx2(a, x, n);
 }
 
 }  // namespace tgis::kernels::cpu

@@ -1,17 +1,21 @@
 // Linear's opt-in streaming kernel for 8-bit codes with x rounded to int8 (SetInt8Activations;
-// the shard's --cpu-int8-activations), on AVX-512 VNNI: the decode half of the mode whose
-// prefill half is linear_int8_gemm.cc, and the way llama.cpp's Q8_0 and CTranslate2's int8
-// decode.
+// the shard's --cpu-int8-activations), on AVX-512 VNNI or AVX2: the decode half of the mode
+// whose prefill half is linear_int8_gemm.cc, and the way llama.cpp's Q8_0 and CTranslate2's
+// int8 decode.
 //
-// Why: the exact 8-bit kernel (linear_vnni.cc) needs two vpdpwssd per 32 weights and a
-// widening of the codes; where 512-bit operations run on 256-bit units (Zen 4) that leaves it
-// short of the memory's pace. Here one vpdpbusd takes 64 codes (unsigned bytes) against 64 of
-// x's int8 codes (Int8Blocks), each dword lane the 4 products of 4 consecutive columns; lane l
-// of a 64-column chunk lies in block l / 8. Per lane, (I - zero * sum of its 4 x codes) is
-// exact in f32 (integers below 2^24) and is added, times the weight's and x's scales, into 16
-// f32 lanes per output; the output is their sum, plus the bias. A row's result depends only
-// on its own x row: the same at any T up to kSmallT, in any batch, on any number of threads.
-// Rows go one at a time (see SmallQ8Int8X).
+// Why: the exact 8-bit kernels widen every code to f32 (AVX2) or need two vpdpwssd per 32
+// weights and a widening (VNNI); where 512-bit operations run on 256-bit units (Zen 4) that
+// leaves them short of the memory's pace. With VNNI one vpdpbusd takes 64 codes (unsigned
+// bytes) against 64 of x's int8 codes (Int8Blocks), each dword lane the 4 products of 4
+// consecutive columns; lane l of a 64-column chunk lies in block l / 8. AVX2 has no such
+// instruction, and vpmaddubsw's pair sums saturate at 2 * 255 * 127, so it multiplies
+// (code - 128) instead, as |code - 128| (unsigned, at most 128) against x's codes carrying its
+// sign: pair sums of at most 2 * 128 * 127, then vpmaddwd into the same dword lanes, and 128 *
+// sum(xq) added back. Per lane, (I - zero * sum of its 4 x codes) is exact in f32 (integers below
+// 2^24) and is added, times the weight's and x's scales, into f32 lanes per output (16, or 2 x 8
+// with AVX2); the output is their sum, plus the bias. A row's result depends only on its own x
+// row: the same at any T up to kSmallT, in any batch, on any number of threads. Rows go one at a
+// time (see SmallQ8Int8X).
 #include <immintrin.h>
 
 #include "kernels/cpu/linear_stream.h"
@@ -66,6 +70,56 @@ TGIS_VNNI void Dots(const SmallArgs& a, const Int8X8& x, int64_t n, int64_t t0, 
   for (int t = 0; t < TT; ++t) acc[t0 + t] = sum[t];
 }
 
+// AVX2: the chunk's two 32-column halves (one block each) in turn, each into its own
+// accumulator, so that two f32 chains are in flight.
+template <int TT>
+TGIS_AVX2 void DotsAvx2(const SmallArgs& a, const Int8X8& x, int64_t n, int64_t t0, __m256* acc) {
+  const WRow row = RowOf<WFmt::kQ8>(a, n);
+  const int64_t chunks = a.k / kChunk;
+  const int32_t* block_run = a.q->block_run.data<int32_t>();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 bias128 = _mm256_set1_ps(128.f);
+  __m256 sum[TT][2];
+  for (int t = 0; t < TT; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const int32_t run = block_run[(c * kChunk + 32 * h) / 8];
+      const __m256i centered = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.codes() + c * kChunk + 32 * h)),
+          _mm256_set1_epi8(static_cast<char>(0x80)));       // code - 128, as int8
+      const __m256i magnitude = _mm256_abs_epi8(centered);  // as uint8: 0..128
+      const __m256 w_scale = _mm256_set1_ps(row.scale[run]);
+      const __m256 w_zero = _mm256_set1_ps(row.zero[run]);
+#pragma GCC unroll 2
+      for (int t = 0; t < TT; ++t) {
+        const int64_t at = (t0 + t) * a.k + c * kChunk + 32 * h;  // x's column
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x.blocks.q[at]));
+        const __m256i dot = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, centered)), ones);
+        const __m256 lane_sum = _mm256_loadu_ps(&x.lane_sum[at / 4]);
+        const __m256 codes_x = _mm256_fmadd_ps(bias128, lane_sum, _mm256_cvtepi32_ps(dot));
+        const __m256 exact = _mm256_fnmadd_ps(w_zero, lane_sum, codes_x);
+        sum[t][h] = _mm256_fmadd_ps(
+            exact, _mm256_mul_ps(w_scale, _mm256_loadu_ps(&x.lane_scale[at / 4])), sum[t][h]);
+      }
+    }
+  }
+  for (int t = 0; t < TT; ++t) acc[t0 + t] = _mm256_add_ps(sum[t][0], sum[t][1]);
+}
+
+TGIS_AVX2 void RowAvx2(const SmallArgs& a, const Int8X8& x, int64_t n) {
+  __m256 acc[kSmallT];
+  int64_t t0 = 0;
+  for (; t0 + 2 <= a.t; t0 += 2) DotsAvx2<2>(a, x, n, t0, acc);
+  if (t0 < a.t) DotsAvx2<1>(a, x, n, t0, acc);
+  for (int64_t t = 0; t < a.t; ++t) {
+    float v = HSum8(acc[t]);
+    if (a.bias) v += a.bias[n];
+    a.out[t * a.n + n] = v;
+  }
+}
+
 TGIS_VNNI void Row(const SmallArgs& a, const Int8X8& x, int64_t n) {
   alignas(64) __m512 acc[kSmallT];
   int64_t t0 = 0;
@@ -92,12 +146,12 @@ bool Int8X8::Prepare(const float* x, int64_t t, int64_t k) {
   return true;
 }
 
-void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, int64_t n0, int64_t n1) {
+void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, bool vnni, int64_t n0, int64_t n1) {
   // One row after another: the weight is then one sequential stream, which the hardware
   // prefetcher serves best. Measured on Zen 4 (kernels_bench --t=1 --int8-activations int8,
   // 2 threads): 30-32 GB/s, against 21-26 with tiles of 4 rows and software prefetch (the
   // exact 8-bit kernel's way) and 16-25 with tiles of 4 and no prefetch.
-  for (int64_t n = n0; n < n1; ++n) Row(a, x, n);
+  for (int64_t n = n0; n < n1; ++n) vnni ? Row(a, x, n) : RowAvx2(a, x, n);
 }
 
 }  // namespace tgis::kernels::cpu

@@ -2,6 +2,8 @@
 // instruction set's kernel can live in its own file.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -10,10 +12,19 @@
 namespace tgis::kernels::cpu {
 
 constexpr int64_t kSmallT = 16;  // T up to this takes the streaming (decode) kernels
-// The AVX-512 and VNNI kernels' step: 32 columns, each inside one run (see Avx512Takes).
+// The AVX-512 and VNNI kernels' step: 32 columns, each inside one run (see WholeBlockRuns).
 constexpr int64_t kAvx512Block = 32;
 
 bool CpuHasAvx2();  // AVX2, FMA and F16C
+#define TGIS_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// The sum of v's 8 lanes, in one fixed order.
+TGIS_AVX2 inline float HSum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 
 // How a weight row is stored: a float dtype, or quantized codes of 8 or 4 bits.
 enum class WFmt { kF32, kBF16, kF16, kQ8, kQ4, kF8 };
@@ -54,9 +65,11 @@ inline WRow RowOf(const SmallArgs& a, int64_t n) {
 }
 
 // The AVX-512 streaming kernel (linear_avx512.cc). It takes every float weight and the
-// quantized ones whose runs are whole 32-column blocks (see Avx512Takes); others stay on AVX2.
+// quantized ones whose runs are whole 32-column blocks; others stay on AVX2.
 bool CpuHasAvx512();
-bool Avx512Takes(const QuantizedWeight* q);
+// True for float weights (null) and for quantized ones where every 32-column block of stored
+// columns lies inside one run (the usual group sizes 32, 64, 128 and per-row scales).
+bool WholeBlockRuns(const QuantizedWeight* q);
 // 4-bit codes are applied to x in the kernel's column order (each 32-column block's even
 // columns, then its odd ones): this reorders [t, k] rows of x into `out` accordingly.
 void Avx512Q4OrderX(const float* x, int64_t t, int64_t k, float* out);
@@ -67,7 +80,7 @@ void SmallAvx512(const SmallArgs& a, int64_t n0, int64_t n1);
 #define TGIS_VNNI \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
-// The VNNI kernel for 8-bit codes (linear_vnni.cc), on the weights Avx512Takes.
+// The VNNI kernel for 8-bit codes (linear_vnni.cc), on the weights WholeBlockRuns.
 bool CpuHasAvx512Vnni();
 // Each token's x as 31-bit fixed point (hi * 2^15 + lo) times 2^exponent, and the column
 // segments the kernel sums in integers (one run's columns each, bounded in length).
@@ -88,7 +101,12 @@ void SmallVnni(const SmallArgs& a, const FixedPointX& fx, int64_t n0, int64_t n1
 // x rounded to int8 as the opt-in int8-activation kernels multiply it (SetInt8Activations):
 // per token and per 32 columns, q = nearbyint(x * (127 / absmax)) with scale absmax / 127 (a
 // block of zeros, or of values so small that 127 / absmax overflows, is zeros with scale 0).
-// Prepared with AVX-512 (linear_int8_gemm.cc): callers have checked for VNNI.
+// Prepared with AVX2 (linear_int8_gemm.cc): callers have checked for it.
+//
+// Each int8-activation kernel comes in two builds of one layout: AVX-512 VNNI (vpdpbusd: 4
+// products summed per int32 lane in one instruction) and AVX2 (vpmaddubsw, then vpmaddwd into
+// int32 lanes). Both sum every 32-column block exactly in integers and differ only in the f32
+// order their lanes are added in.
 struct Int8Blocks {
   std::vector<int8_t> q;          // [t, k]
   std::vector<float> scale, sum;  // [t, k / 32]: the block's scale and the sum of its codes
@@ -97,9 +115,9 @@ struct Int8Blocks {
 };
 
 // The opt-in kernel for 4-bit codes against x rounded to int8 (linear_q4_int8x.cc), on the
-// weights Avx512Takes, with VNNI. x as that kernel reads it: per 128-column chunk, its 64
-// even-column and 64 odd-column int8 codes (Int8Blocks' codes reordered), and per dword lane
-// its block's scale and the sum of its 8 codes; plus each chunk's four blocks' runs.
+// weights WholeBlockRuns, with VNNI (`vnni`) or AVX2. x as that kernel reads it: per 128-column
+// chunk, its 64 even-column and 64 odd-column int8 codes (Int8Blocks' codes reordered), and per
+// dword lane its block's scale and the sum of its 8 codes; plus each chunk's four blocks' runs.
 struct Int8X {
   struct Chunk {
     int32_t run[4];
@@ -113,11 +131,11 @@ struct Int8X {
   // or inf.
   bool Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run);
 };
-void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, int64_t n0, int64_t n1);
+void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, bool vnni, int64_t n0, int64_t n1);
 
 // The opt-in kernel for 8-bit codes against x rounded to int8 (linear_q8_int8x.cc), on the
-// weights Avx512Takes, with VNNI. x as that kernel reads it: Int8Blocks' codes, and per dword
-// lane (4 columns) the sum of its codes and its block's scale.
+// weights WholeBlockRuns, with VNNI (`vnni`) or AVX2. x as that kernel reads it: Int8Blocks' codes,
+// and per dword lane (4 columns) the sum of its codes and its block's scale.
 struct Int8X8 {
   Int8Blocks blocks;
   std::vector<float> lane_sum, lane_scale;  // [t, k / 4]
@@ -125,12 +143,13 @@ struct Int8X8 {
   // or inf.
   bool Prepare(const float* x, int64_t t, int64_t k);
 };
-void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, int64_t n0, int64_t n1);
+void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, bool vnni, int64_t n0, int64_t n1);
 
 // The opt-in prefill GEMM (T > kSmallT) for 8- and 4-bit codes against x as Int8Blocks rounds it
-// (linear_int8_gemm.cc), on the weights Avx512Takes, with VNNI; it runs on the thread pool and
-// adds the bias. False (nothing written: the exact path runs) when x has a NaN or inf.
+// (linear_int8_gemm.cc), on the weights WholeBlockRuns, with VNNI (`vnni`) or AVX2; it runs on
+// the thread pool and adds the bias. False (nothing written: the exact path runs) when x has a
+// NaN or inf.
 template <WFmt W>
-bool LargeInt8Gemm(const SmallArgs& a);
+bool LargeInt8Gemm(const SmallArgs& a, bool vnni);
 
 }  // namespace tgis::kernels::cpu

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -1401,90 +1402,104 @@ TEST(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
 // A row's result is bitwise the same at any T on each path; off, Linear is bitwise the exact
 // kernel again.
 TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
-  if (!cpu::Int8ActivationsAvailable()) GTEST_SKIP() << "no AVX-512 VNNI on this CPU";
+  if (!cpu::Int8ActivationsAvailable()) GTEST_SKIP() << "no AVX2 on this CPU";
   const int64_t out_f = 37, in = 384;
   std::mt19937 rng(5);
-  for (int bits : {4, 8})
-    for (int64_t t_count : {3, 40})
-      for (int64_t group : {32, 64, 128, 384}) {
-        SCOPED_TRACE(std::to_string(bits) + " bits, T " + std::to_string(t_count) + ", group " +
-                     std::to_string(group));
-        const int64_t groups = in / group;
-        std::vector<uint8_t> codes(out_f * in);
-        for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() % (1u << bits));
-        std::vector<int32_t> group_of(in);
-        for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / group);
-        std::vector<float> scales = Random(out_f * groups, 11, 0.001f, 0.05f),
-                           zeros(out_f * groups);
-        for (float& z : zeros) z = static_cast<float>(rng() % (1u << bits));
-        const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(
-            BuildQuantized(bits, out_f, in, codes, group_of, groups, scales, zeros)));
-        const std::vector<float> dense = OpsTest::Host(Dequantize(*w.quantized()));
-        std::vector<float> xs = Random(t_count * in, 12, -2, 2);
-        for (int64_t k = 0; k < in; k += 37) xs[k] *= 40;  // blocks of very different ranges
-        for (int64_t k = 2 * in; k < 2 * in + 32; ++k) xs[k] = 0;  // a block of zeros
-        const std::vector<float> bias = Random(out_f, 13);
-        const Tensor x = Tensor::FromVector(xs, {t_count, in});
-        const Tensor b = Tensor::FromVector(bias, {out_f});
-        // Rows [1, T) on their own: row t of it is row t + 1 of the whole.
-        const int64_t skip = 1;
-        const Tensor x_rest = Tensor::FromVector(
-            std::vector<float>(xs.begin() + skip * in, xs.end()), {t_count - skip, in});
+  int isas_run = 0;
+  for (const cpu::Isa isa : {cpu::Isa::kAvx2, cpu::Isa::kAvx512Vnni}) {
+    if (!cpu::IsaAvailable(isa)) {
+      std::printf("[ SKIPPED  ] the AVX-512 VNNI build: not on this CPU\n");
+      continue;
+    }
+    cpu::SetIsaForTesting(isa);
+    ++isas_run;
+    for (int bits : {4, 8})
+      for (int64_t t_count : {3, 40})
+        for (int64_t group : {32, 64, 128, 384}) {
+          SCOPED_TRACE(std::string(isa == cpu::Isa::kAvx2 ? "AVX2, " : "VNNI, ") +
+                       std::to_string(bits) + " bits, T " + std::to_string(t_count) + ", group " +
+                       std::to_string(group));
+          const int64_t groups = in / group;
+          std::vector<uint8_t> codes(out_f * in);
+          for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() % (1u << bits));
+          std::vector<int32_t> group_of(in);
+          for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / group);
+          std::vector<float> scales = Random(out_f * groups, 11, 0.001f, 0.05f),
+                             zeros(out_f * groups);
+          for (float& z : zeros) z = static_cast<float>(rng() % (1u << bits));
+          const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(
+              BuildQuantized(bits, out_f, in, codes, group_of, groups, scales, zeros)));
+          const std::vector<float> dense = OpsTest::Host(Dequantize(*w.quantized()));
+          std::vector<float> xs = Random(t_count * in, 12, -2, 2);
+          for (int64_t k = 0; k < in; k += 37) xs[k] *= 40;  // blocks of very different ranges
+          for (int64_t k = 2 * in; k < 2 * in + 32; ++k) xs[k] = 0;  // a block of zeros
+          const std::vector<float> bias = Random(out_f, 13);
+          const Tensor x = Tensor::FromVector(xs, {t_count, in});
+          const Tensor b = Tensor::FromVector(bias, {out_f});
+          // Rows [1, T) on their own: row t of it is row t + 1 of the whole.
+          const int64_t skip = 1;
+          const Tensor x_rest = Tensor::FromVector(
+              std::vector<float>(xs.begin() + skip * in, xs.end()), {t_count - skip, in});
 
-        Tensor exact, rounded, rest;
-        Linear(x, w, &b, &exact);
-        ASSERT_TRUE(SetCpuInt8Activations(true));
-        Linear(x, w, &b, &rounded);
-        Linear(x_rest, w, &b, &rest);
-        ASSERT_TRUE(SetCpuInt8Activations(false));
-        Tensor exact_again;
-        Linear(x, w, &b, &exact_again);
-        EXPECT_EQ(OpsTest::Host(exact_again), OpsTest::Host(exact));
-
-        const std::vector<float> got = OpsTest::Host(rounded), base = OpsTest::Host(exact);
-        double max_moved = 0;
-        for (int64_t t = 0; t < t_count; ++t) {
-          // x as the kernel rounds it.
-          std::vector<double> xq(in);
-          for (int64_t b0 = 0; b0 < in; b0 += 32) {
-            float amax = 0;
-            for (int64_t k = b0; k < b0 + 32; ++k) amax = std::max(amax, std::fabs(xs[t * in + k]));
-            for (int64_t k = b0; k < b0 + 32; ++k) {
-              xq[k] = amax == 0
-                          ? 0
-                          : std::nearbyint(xs[t * in + k] * (127.f / amax)) * double{amax / 127.f};
-            }
-          }
-          for (int64_t n = 0; n < out_f; ++n) {
-            double ref = bias[n], mag = std::fabs(bias[n]);
-            for (int64_t k = 0; k < in; ++k) {
-              ref += double{dense[n * in + k]} * xq[k];
-              mag += std::fabs(double{dense[n * in + k]} * xq[k]);
-            }
-            EXPECT_NEAR(got[t * out_f + n], ref, 2e-6 * mag) << "t " << t << " n " << n;
-            max_moved =
-                std::max(max_moved, std::fabs(got[t * out_f + n] - base[t * out_f + n]) / mag);
-          }
-        }
-        EXPECT_GT(max_moved, 0) << "the rounded activations changed nothing: was the kernel used?";
-        const std::vector<float> part = OpsTest::Host(rest);
-        for (int64_t i = 0; i < (t_count - skip) * out_f; ++i) {
-          ASSERT_EQ(part[i], got[skip * out_f + i]) << "rows 1.. alone and inside T, at " << i;
-        }
-        // A NaN (or inf) in x takes the exact path, which carries it to the outputs, rather
-        // than rounding it to some int8 code.
-        for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
-          std::vector<float> xb = xs;
-          xb[in + 5] = bad;
-          Tensor with_bad;
+          Tensor exact, rounded, rest;
+          Linear(x, w, &b, &exact);
           ASSERT_TRUE(SetCpuInt8Activations(true));
-          Linear(Tensor::FromVector(xb, {t_count, in}), w, &b, &with_bad);
+          Linear(x, w, &b, &rounded);
+          Linear(x_rest, w, &b, &rest);
           ASSERT_TRUE(SetCpuInt8Activations(false));
-          const std::vector<float> v = OpsTest::Host(with_bad);
-          for (int64_t n = 0; n < out_f; ++n)
-            EXPECT_FALSE(std::isfinite(v[out_f + n])) << "n " << n << ", x has " << bad;
+          Tensor exact_again;
+          Linear(x, w, &b, &exact_again);
+          EXPECT_EQ(OpsTest::Host(exact_again), OpsTest::Host(exact));
+
+          const std::vector<float> got = OpsTest::Host(rounded), base = OpsTest::Host(exact);
+          double max_moved = 0;
+          for (int64_t t = 0; t < t_count; ++t) {
+            // x as the kernel rounds it.
+            std::vector<double> xq(in);
+            for (int64_t b0 = 0; b0 < in; b0 += 32) {
+              float amax = 0;
+              for (int64_t k = b0; k < b0 + 32; ++k)
+                amax = std::max(amax, std::fabs(xs[t * in + k]));
+              for (int64_t k = b0; k < b0 + 32; ++k) {
+                xq[k] = amax == 0 ? 0
+                                  : std::nearbyint(xs[t * in + k] * (127.f / amax)) *
+                                        double{amax / 127.f};
+              }
+            }
+            for (int64_t n = 0; n < out_f; ++n) {
+              double ref = bias[n], mag = std::fabs(bias[n]);
+              for (int64_t k = 0; k < in; ++k) {
+                ref += double{dense[n * in + k]} * xq[k];
+                mag += std::fabs(double{dense[n * in + k]} * xq[k]);
+              }
+              EXPECT_NEAR(got[t * out_f + n], ref, 2e-6 * mag) << "t " << t << " n " << n;
+              max_moved =
+                  std::max(max_moved, std::fabs(got[t * out_f + n] - base[t * out_f + n]) / mag);
+            }
+          }
+          EXPECT_GT(max_moved, 0)
+              << "the rounded activations changed nothing: was the kernel used?";
+          const std::vector<float> part = OpsTest::Host(rest);
+          for (int64_t i = 0; i < (t_count - skip) * out_f; ++i) {
+            ASSERT_EQ(part[i], got[skip * out_f + i]) << "rows 1.. alone and inside T, at " << i;
+          }
+          // A NaN (or inf) in x takes the exact path, which carries it to the outputs, rather
+          // than rounding it to some int8 code.
+          for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+            std::vector<float> xb = xs;
+            xb[in + 5] = bad;
+            Tensor with_bad;
+            ASSERT_TRUE(SetCpuInt8Activations(true));
+            Linear(Tensor::FromVector(xb, {t_count, in}), w, &b, &with_bad);
+            ASSERT_TRUE(SetCpuInt8Activations(false));
+            const std::vector<float> v = OpsTest::Host(with_bad);
+            for (int64_t n = 0; n < out_f; ++n)
+              EXPECT_FALSE(std::isfinite(v[out_f + n])) << "n " << n << ", x has " << bad;
+          }
         }
-      }
+  }
+  cpu::SetIsaForTesting(cpu::Isa::kAuto);
+  EXPECT_GT(isas_run, 0);
 }
 
 TEST(CpuThreadPool, ParallelForCoversEveryIndexOnce) {
