@@ -78,8 +78,8 @@ TGIS_VNNI void Dots(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, _
   for (int t = 0; t < TT; ++t) acc[t0 + t] = sum[t];
 }
 
-// AVX2: the chunk's two halves (lanes 0-7 and 8-15, 32 code bytes each) in turn, each into its
-// own accumulator, so that two f32 chains are in flight.
+// AVX2: the chunk's two halves (lanes 0-7 and 8-15, 32 code
+// bytes each) in turn, each into its own accumulator, so that two f32 chains are in flight.
 template <int TT>
 TGIS_AVX2 void DotsAvx2(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, __m256* acc) {
   const WRow row = RowOf<WFmt::kQ4>(a, n);

@@ -70,51 +70,76 @@ TGIS_VNNI void Dots(const SmallArgs& a, const Int8X8& x, int64_t n, int64_t t0, 
   for (int t = 0; t < TT; ++t) acc[t0 + t] = sum[t];
 }
 
-// AVX2: the chunk's two 32-column halves (one block each) in turn, each into its own
-// accumulator, so that two f32 chains are in flight.
+// Token t's x as the AVX2 kernel reads it: its int8 codes and its blocks' scales.
+struct TokenX {
+  const int8_t* q;
+  const float* scale;
+};
+
+// AVX2: block b (32 columns) of the row's codes against each token's, the 8 int32 lanes times
+// the token's block scale added into part[t].
 template <int TT>
-TGIS_AVX2 void DotsAvx2(const SmallArgs& a, const Int8X8& x, int64_t n, int64_t t0, __m256* acc) {
+TGIS_AVX2 inline __attribute__((always_inline)) void BlockAvx2(const uint8_t* codes,
+                                                               const TokenX* x, int64_t b,
+                                                               __m256* part) {
+  const __m256i centered =
+      _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * b)),
+                       _mm256_set1_epi8(static_cast<char>(0x80)));  // code - 128, as int8
+  const __m256i magnitude = _mm256_abs_epi8(centered);              // as uint8: 0..128
+#pragma GCC unroll 2
+  for (int t = 0; t < TT; ++t) {
+    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b));
+    const __m256i dot = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, centered)), _mm256_set1_epi16(1));
+    part[t] =
+        _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(x[t].scale + b), part[t]);
+  }
+}
+
+// AVX2, by the runs' segments (RunSegments): per block (BlockAvx2) into two f32 accumulators
+// (alternate blocks, two chains in flight); per segment, their sum times the weight's scale,
+// and its zero's share from zero_sum.
+template <int TT>
+TGIS_AVX2 void DotsAvx2(const SmallArgs& a, const Int8X8& x, int64_t n, int64_t t0, float* out) {
   const WRow row = RowOf<WFmt::kQ8>(a, n);
-  const int64_t chunks = a.k / kChunk;
-  const int32_t* block_run = a.q->block_run.data<int32_t>();
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256 bias128 = _mm256_set1_ps(128.f);
-  __m256 sum[TT][2];
-  for (int t = 0; t < TT; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const int32_t run = block_run[(c * kChunk + 32 * h) / 8];
-      const __m256i centered = _mm256_xor_si256(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.codes() + c * kChunk + 32 * h)),
-          _mm256_set1_epi8(static_cast<char>(0x80)));       // code - 128, as int8
-      const __m256i magnitude = _mm256_abs_epi8(centered);  // as uint8: 0..128
-      const __m256 w_scale = _mm256_set1_ps(row.scale[run]);
-      const __m256 w_zero = _mm256_set1_ps(row.zero[run]);
-#pragma GCC unroll 2
-      for (int t = 0; t < TT; ++t) {
-        const int64_t at = (t0 + t) * a.k + c * kChunk + 32 * h;  // x's column
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&x.blocks.q[at]));
-        const __m256i dot = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, centered)), ones);
-        const __m256 lane_sum = _mm256_loadu_ps(&x.lane_sum[at / 4]);
-        const __m256 codes_x = _mm256_fmadd_ps(bias128, lane_sum, _mm256_cvtepi32_ps(dot));
-        const __m256 exact = _mm256_fnmadd_ps(w_zero, lane_sum, codes_x);
-        sum[t][h] = _mm256_fmadd_ps(
-            exact, _mm256_mul_ps(w_scale, _mm256_loadu_ps(&x.lane_scale[at / 4])), sum[t][h]);
-      }
+  const RunSegments& seg = x.segments;
+  const int64_t blocks = a.k / 32;
+  TokenX tx[TT];
+  __m256 acc[TT];
+  float zero_part[TT];
+  for (int t = 0; t < TT; ++t) {
+    tx[t] = {&x.blocks.q[(t0 + t) * a.k], &x.blocks.scale[(t0 + t) * blocks]};
+    acc[t] = _mm256_setzero_ps();
+    zero_part[t] = 0;
+  }
+  for (size_t j = 0; j < seg.segs.size(); ++j) {
+    const RunSegments::Seg& sg = seg.segs[j];
+    __m256 even[TT], odd[TT];
+    for (int t = 0; t < TT; ++t) even[t] = odd[t] = _mm256_setzero_ps();
+    const int64_t b1 = sg.k1 / 32;
+    int64_t b = sg.k0 / 32;
+    for (; b + 2 <= b1; b += 2) {
+      BlockAvx2<TT>(row.codes(), tx, b, even);
+      BlockAvx2<TT>(row.codes(), tx, b + 1, odd);
+    }
+    if (b < b1) BlockAvx2<TT>(row.codes(), tx, b, even);
+    const float w_scale = row.scale[sg.run];
+    const float w_zero = (row.zero[sg.run] - 128.f) * w_scale;  // exact for integer zeros
+    for (int t = 0; t < TT; ++t) {
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(w_scale), _mm256_add_ps(even[t], odd[t]), acc[t]);
+      zero_part[t] += w_zero * seg.zero_sum[(t0 + t) * seg.segs.size() + j];
     }
   }
-  for (int t = 0; t < TT; ++t) acc[t0 + t] = _mm256_add_ps(sum[t][0], sum[t][1]);
+  for (int t = 0; t < TT; ++t) out[t0 + t] = HSum8(acc[t]) - zero_part[t];
 }
 
 TGIS_AVX2 void RowAvx2(const SmallArgs& a, const Int8X8& x, int64_t n) {
-  __m256 acc[kSmallT];
+  float sums[kSmallT];
   int64_t t0 = 0;
-  for (; t0 + 2 <= a.t; t0 += 2) DotsAvx2<2>(a, x, n, t0, acc);
-  if (t0 < a.t) DotsAvx2<1>(a, x, n, t0, acc);
+  for (; t0 + 2 <= a.t; t0 += 2) DotsAvx2<2>(a, x, n, t0, sums);
+  if (t0 < a.t) DotsAvx2<1>(a, x, n, t0, sums);
   for (int64_t t = 0; t < a.t; ++t) {
-    float v = HSum8(acc[t]);
+    float v = sums[t];
     if (a.bias) v += a.bias[n];
     a.out[t * a.n + n] = v;
   }
@@ -134,8 +159,32 @@ TGIS_VNNI void Row(const SmallArgs& a, const Int8X8& x, int64_t n) {
 
 }  // namespace
 
-bool Int8X8::Prepare(const float* x, int64_t t, int64_t k) {
+void RunSegments::Build(const Int8Blocks& x, int64_t t, int64_t k, const int32_t* block_run) {
+  constexpr int64_t kBlock = 32;
+  segs.clear();
+  for (int64_t c = 0; c < k; c += kBlock) {
+    const int32_t run = block_run[c / 8];  // the block's run (one: WholeBlockRuns)
+    if (!segs.empty() && segs.back().run == run) {
+      segs.back().k1 = c + kBlock;
+    } else {
+      segs.push_back({c, c + kBlock, run});
+    }
+  }
+  const int64_t blocks = k / kBlock;
+  zero_sum.assign(t * segs.size(), 0.f);
+  for (int64_t i = 0; i < t; ++i) {
+    for (size_t j = 0; j < segs.size(); ++j) {
+      float z = 0;
+      for (int64_t b = segs[j].k0 / kBlock; b < segs[j].k1 / kBlock; ++b)
+        z += x.scale[i * blocks + b] * x.sum[i * blocks + b];
+      zero_sum[i * segs.size() + j] = z;
+    }
+  }
+}
+
+bool Int8X8::Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run) {
   if (k % kChunk != 0 || !blocks.Prepare(x, t, k)) return false;
+  segments.Build(blocks, t, k, block_run);
   lane_sum.resize(t * k / 4);
   lane_scale.resize(t * k / 4);
   for (int64_t i = 0; i < t * k / 4; ++i) {

@@ -114,6 +114,22 @@ struct Int8Blocks {
   bool Prepare(const float* x, int64_t t, int64_t k);
 };
 
+// The stored columns cut where the weight's run changes, for the AVX2 8-bit int8 kernel
+// (linear_q8_int8x.cc): within a segment the weight's scale and zero are one pair, so a row's
+// integer sums are scaled by x's block scales alone and the weight's pair is applied once per
+// segment: out = sum over segments of scale * (sum of x-scaled integer sums - (zero - 128) *
+// zero_sum), the kernel having multiplied code - 128.
+struct RunSegments {
+  struct Seg {
+    int64_t k0, k1;  // columns, multiples of 32
+    int32_t run;
+  };
+  std::vector<Seg> segs;
+  std::vector<float> zero_sum;  // [t, segs]: sum over the segment's blocks of x scale * code sum
+  // On weights WholeBlockRuns.
+  void Build(const Int8Blocks& x, int64_t t, int64_t k, const int32_t* block_run);
+};
+
 // The opt-in kernel for 4-bit codes against x rounded to int8 (linear_q4_int8x.cc), on the
 // weights WholeBlockRuns, with VNNI (`vnni`) or AVX2. x as that kernel reads it: per 128-column
 // chunk, its 64 even-column and 64 odd-column int8 codes (Int8Blocks' codes reordered), and per
@@ -135,13 +151,15 @@ void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, bool vnni, int64_t n0, int
 
 // The opt-in kernel for 8-bit codes against x rounded to int8 (linear_q8_int8x.cc), on the
 // weights WholeBlockRuns, with VNNI (`vnni`) or AVX2. x as that kernel reads it: Int8Blocks' codes,
-// and per dword lane (4 columns) the sum of its codes and its block's scale.
+// and per dword lane (4 columns) the sum of its codes and its block's scale (VNNI), and the runs'
+// segments of 32 columns (AVX2).
 struct Int8X8 {
   Int8Blocks blocks;
+  RunSegments segments;
   std::vector<float> lane_sum, lane_scale;  // [t, k / 4]
   // False (and unusable: the exact kernel runs) when k is not a multiple of 64 or x has a NaN
   // or inf.
-  bool Prepare(const float* x, int64_t t, int64_t k);
+  bool Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run);
 };
 void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, bool vnni, int64_t n0, int64_t n1);
 
