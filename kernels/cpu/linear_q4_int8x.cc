@@ -78,8 +78,21 @@ TGIS_VNNI void Dots(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, _
   for (int t = 0; t < TT; ++t) acc[t0 + t] = sum[t];
 }
 
-// AVX2: the chunk's two halves (lanes 0-7 and 8-15, 32 code
-// bytes each) in turn, each into its own accumulator, so that two f32 chains are in flight.
+// The row's per-run values (scales or zeros) for half h of a chunk, one per AVX2 lane: lanes 0-3
+// lie in block 2h of the chunk, lanes 4-7 in block 2h + 1. Uniform: a broadcast load; runs of
+// 32 columns (consecutive): one 8-byte load and a permute.
+TGIS_AVX2 inline __m256 HalfLanes(const float* values, const Int8X::Chunk& c, int h) {
+  if (c.kind == Int8X::Chunk::kUniform) return _mm256_broadcast_ss(values + c.run[0]);
+  if (c.kind == Int8X::Chunk::kConsecutive) {
+    const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + c.run[2 * h]));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(two)),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  }
+  return _mm256_setr_m128(_mm_set1_ps(values[c.run[2 * h]]), _mm_set1_ps(values[c.run[2 * h + 1]]));
+}
+
+// AVX2: the chunk's two halves (lanes 0-7 and 8-15, 32 code bytes each) in turn, each into its
+// own accumulator, so that two f32 chains are in flight.
 template <int TT>
 TGIS_AVX2 void DotsAvx2(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, __m256* acc) {
   const WRow row = RowOf<WFmt::kQ4>(a, n);
@@ -96,11 +109,8 @@ TGIS_AVX2 void DotsAvx2(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.codes() + c * 64 + 32 * h));
       const __m256i lo = _mm256_and_si256(bytes, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      // Lanes 0-3 lie in block 2h of the chunk, lanes 4-7 in block 2h + 1.
-      const int32_t r0 = ch.run[2 * h], r1 = ch.run[2 * h + 1];
-      const __m256 w_scale =
-          _mm256_setr_m128(_mm_set1_ps(row.scale[r0]), _mm_set1_ps(row.scale[r1]));
-      const __m256 w_zero = _mm256_setr_m128(_mm_set1_ps(row.zero[r0]), _mm_set1_ps(row.zero[r1]));
+      const __m256 w_scale = HalfLanes(row.scale, ch, h);
+      const __m256 w_zero = HalfLanes(row.zero, ch, h);
 #pragma GCC unroll 2
       for (int t = 0; t < TT; ++t) {
         const int64_t at = ((t0 + t) * chunks + c);
