@@ -5,17 +5,23 @@
 //
 // Why: the exact 8-bit kernels widen every code to f32 (AVX2) or need two vpdpwssd per 32
 // weights and a widening (VNNI); where 512-bit operations run on 256-bit units (Zen 4) that
-// leaves them short of the memory's pace. With VNNI one vpdpbusd takes 64 codes (unsigned
-// bytes) against 64 of x's int8 codes (Int8Blocks), each dword lane the 4 products of 4
-// consecutive columns; lane l of a 64-column chunk lies in block l / 8. AVX2 has no such
-// instruction, and vpmaddubsw's pair sums saturate at 2 * 255 * 127, so it multiplies
-// (code - 128) instead, as |code - 128| (unsigned, at most 128) against x's codes carrying its
-// sign: pair sums of at most 2 * 128 * 127, then vpmaddwd into the same dword lanes, and 128 *
-// sum(xq) added back. Per lane, (I - zero * sum of its 4 x codes) is exact in f32 (integers below
-// 2^24) and is added, times the weight's and x's scales, into f32 lanes per output (16, or 2 x 8
-// with AVX2); the output is their sum, plus the bias. A row's result depends only on its own x
-// row: the same at any T up to kSmallT, in any batch, on any number of threads. Rows go one at a
-// time (see SmallQ8Int8X).
+// leaves them short of the memory's pace.
+//
+// VNNI: one vpdpbusd takes 64 codes (unsigned bytes) against 64 of x's int8 codes
+// (Int8Blocks), each dword lane the 4 products of 4 consecutive columns; lane l of a 64-column
+// chunk lies in block l / 8. Per lane, (I - zero * sum of its 4 x codes) is exact in f32
+// (integers below 2^24) and is added, times the weight's and x's scales, into 16 f32 lanes per
+// output; the output is their sum, plus the bias.
+//
+// AVX2 has no such instruction, and vpmaddubsw's pair sums saturate at 2 * 255 * 127, so it
+// multiplies (code - 128) instead, as |code - 128| (unsigned, at most 128) against x's codes
+// carrying its sign: pair sums of at most 2 * 128 * 127, then vpmaddwd into dword lanes (exact,
+// and exact in f32). It goes by the runs' segments (RunSegments): per 32-column block one cvt
+// and one FMA with x's block scale; per segment the weight's scale once, and (zero - 128) times
+// the segment's sum of x's scaled code sums subtracted.
+//
+// Either way a row's result depends only on its own x row: the same at any T up to kSmallT, in
+// any batch, on any number of threads. Rows go one at a time (see SmallQ8Int8X).
 #include <immintrin.h>
 
 #include "kernels/cpu/linear_stream.h"
