@@ -321,7 +321,8 @@ void SmallT(const SmallArgs& args) {
   } else if constexpr (W == WFmt::kQ8) {
     thread_local Int8X8 int8x;
     if (int8 != Int8Path::kNone &&
-        int8x.Prepare(args.x, args.t, args.k, args.q->block_run.data<int32_t>())) {
+        int8x.Prepare(args.x, args.t, args.k, args.q->block_run.data<int32_t>(),
+                      int8 == Int8Path::kVnni)) {
       const Int8X8* x = &int8x;
       ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
         SmallQ8Int8X(args, *x, int8 == Int8Path::kVnni, b * kTileRows,

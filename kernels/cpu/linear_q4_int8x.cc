@@ -136,11 +136,9 @@ TGIS_AVX2 void RowAvx2(const SmallArgs& a, const Int8X& x, int64_t n) {
   int64_t t0 = 0;
   for (; t0 + 2 <= a.t; t0 += 2) DotsAvx2<2>(a, x, n, t0, acc);
   if (t0 < a.t) DotsAvx2<1>(a, x, n, t0, acc);
-  for (int64_t t = 0; t < a.t; ++t) {
-    float v = HSum8(acc[t]);
-    if (a.bias) v += a.bias[n];
-    a.out[t * a.n + n] = v;
-  }
+  float sums[kSmallT];
+  for (int64_t t = 0; t < a.t; ++t) sums[t] = HSum8(acc[t]);
+  StoreRow(a, n, sums);
 }
 
 TGIS_VNNI void Row(const SmallArgs& a, const Int8X& x, int64_t n) {
@@ -148,11 +146,9 @@ TGIS_VNNI void Row(const SmallArgs& a, const Int8X& x, int64_t n) {
   int64_t t0 = 0;
   for (; t0 + 2 <= a.t; t0 += 2) Dots<2>(a, x, n, t0, acc);
   if (t0 < a.t) Dots<1>(a, x, n, t0, acc);
-  for (int64_t t = 0; t < a.t; ++t) {
-    float v = _mm512_reduce_add_ps(acc[t]);
-    if (a.bias) v += a.bias[n];
-    a.out[t * a.n + n] = v;
-  }
+  float sums[kSmallT];
+  for (int64_t t = 0; t < a.t; ++t) sums[t] = _mm512_reduce_add_ps(acc[t]);
+  StoreRow(a, n, sums);
 }
 
 }  // namespace

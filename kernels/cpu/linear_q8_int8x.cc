@@ -144,11 +144,7 @@ TGIS_AVX2 void RowAvx2(const SmallArgs& a, const Int8X8& x, int64_t n) {
   int64_t t0 = 0;
   for (; t0 + 2 <= a.t; t0 += 2) DotsAvx2<2>(a, x, n, t0, sums);
   if (t0 < a.t) DotsAvx2<1>(a, x, n, t0, sums);
-  for (int64_t t = 0; t < a.t; ++t) {
-    float v = sums[t];
-    if (a.bias) v += a.bias[n];
-    a.out[t * a.n + n] = v;
-  }
+  StoreRow(a, n, sums);
 }
 
 TGIS_VNNI void Row(const SmallArgs& a, const Int8X8& x, int64_t n) {
@@ -156,11 +152,9 @@ TGIS_VNNI void Row(const SmallArgs& a, const Int8X8& x, int64_t n) {
   int64_t t0 = 0;
   for (; t0 + 2 <= a.t; t0 += 2) Dots<2>(a, x, n, t0, acc);
   if (t0 < a.t) Dots<1>(a, x, n, t0, acc);
-  for (int64_t t = 0; t < a.t; ++t) {
-    float v = _mm512_reduce_add_ps(acc[t]);
-    if (a.bias) v += a.bias[n];
-    a.out[t * a.n + n] = v;
-  }
+  float sums[kSmallT];
+  for (int64_t t = 0; t < a.t; ++t) sums[t] = _mm512_reduce_add_ps(acc[t]);
+  StoreRow(a, n, sums);
 }
 
 }  // namespace
@@ -188,9 +182,12 @@ void RunSegments::Build(const Int8Blocks& x, int64_t t, int64_t k, const int32_t
   }
 }
 
-bool Int8X8::Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run) {
+bool Int8X8::Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run, bool vnni) {
   if (k % kChunk != 0 || !blocks.Prepare(x, t, k)) return false;
-  segments.Build(blocks, t, k, block_run);
+  if (!vnni) {
+    segments.Build(blocks, t, k, block_run);
+    return true;
+  }
   lane_sum.resize(t * k / 4);
   lane_scale.resize(t * k / 4);
   for (int64_t i = 0; i < t * k / 4; ++i) {

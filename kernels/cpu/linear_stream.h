@@ -51,6 +51,11 @@ struct SmallArgs {
   float* out;         // [T, N]
 };
 
+// out[t, n] = sums[t] (+ bias[n]) for every token: the end of each int8 kernel's row.
+inline void StoreRow(const SmallArgs& a, int64_t n, const float* sums) {
+  for (int64_t t = 0; t < a.t; ++t) a.out[t * a.n + n] = a.bias ? sums[t] + a.bias[n] : sums[t];
+}
+
 template <WFmt W>
 inline WRow RowOf(const SmallArgs& a, int64_t n) {
   if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4 || W == WFmt::kF8) {
@@ -159,7 +164,8 @@ struct Int8X8 {
   std::vector<float> lane_sum, lane_scale;  // [t, k / 4]
   // False (and unusable: the exact kernel runs) when k is not a multiple of 64 or x has a NaN
   // or inf.
-  bool Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run);
+  // `vnni`: the lane view for the VNNI kernel, else the segments for the AVX2 one.
+  bool Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run, bool vnni);
 };
 void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, bool vnni, int64_t n0, int64_t n1);
 
