@@ -30,8 +30,9 @@ Each engine's decode fraction of the bandwidth = its tok/s x the bytes of its ow
 format streamed per token (every linear layer and the lm_head; not the embedding) / the
 measured bandwidth. With --rounds N every engine is measured N times, the engines in
 alternation, and each keeps its best decode and prefill (and the bandwidth its best probe):
-on a VM whose bandwidth drifts, one pass can move a ratio by 10-20%. Python packages go to --work/pylib (pip --target); the interpreter with
-torch and transformers (/usr/bin/python3 here, Debian's python3-torch) converts.
+on a VM whose bandwidth drifts, one pass can move a ratio by 10-20%. Python packages go to
+--work/pylib (pip --target); the interpreter with torch and transformers (/usr/bin/python3
+here, Debian's python3-torch) converts.
 """
 
 from __future__ import annotations
