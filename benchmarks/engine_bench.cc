@@ -139,14 +139,15 @@ int main(int argc, char** argv) {
   }
   const auto& spec = (*model)->spec();
   // Bytes of weights a decode step streams: every linear layer plus the lm_head, in their
-  // stored format (quantized: codes plus an f32 scale and zero per row and group).
+  // stored format (quantized: codes plus a scale and zero per row and group: f32 ones, or for
+  // 4-bit codes the compact f16 scale and byte zero that GPTQ's and AWQ's f16 scales keep).
   const double wbytes = static_cast<double>(tgis::kernels::DTypeSize(dtype));
   const auto& q = *quant;
   auto linear_bytes = [&](double out, double in) {
     if (q.method == tgis::server::QuantMethod::kNone) return out * in * wbytes;
     if (q.method == tgis::server::QuantMethod::kInt8AtLoad) return out * in + out * 8;
     const double groups = q.group_size < 0 ? 1 : std::ceil(in / q.group_size);
-    return out * in * q.bits / 8 + out * groups * 8;
+    return out * in * q.bits / 8 + out * groups * (q.bits == 4 ? 3 : 8);
   };
   const double h = spec.hidden, qd = spec.num_heads * spec.head_dim;
   const double layer_bytes = linear_bytes(qd + 2 * spec.num_kv_heads * spec.head_dim, h) +

@@ -4,7 +4,7 @@
 //
 //   kernels_bench [--quick] [--hot] [--t=N] [--int8-activations]
 //                 [--isa=scalar|avx2|avx512|vnni] [format ...]
-// formats: bf16 f16 f32 int8 gptq8 gptq4 (g128) gptq4g32 fp8
+// formats: bf16 f16 f32 int8 gptq8 gptq4 (g128) gptq4g32 fp8 gptq4g32-f32 (f32 run constants)
 //
 // --hot adds a 1024x2048 weight read from cache (one copy, called repeatedly): the kernels'
 // compute ceiling, without DRAM in the way.
@@ -98,6 +98,7 @@ double MeasureBandwidth(size_t bytes) {
 
 struct LinearResult {
   double seconds;  // per call, best of the timed runs
+  double bytes;    // what one call streams: the weight, or codes, scales and zeros
 };
 
 // How the benchmarked weight is stored: a float dtype or one of the quantized layouts.
@@ -108,6 +109,9 @@ struct Format {
   int64_t group;   // quantized: input columns per scale (-1: the whole row)
   bool fp8;
   double bytes_per_weight;
+  // Quantized scales that are f16 values (as GPTQ and AWQ write them), which 4-bit weights
+  // keep compact (QuantizedWeight::compact); false: f32 values, kept as f32.
+  bool f16_scales = true;
 };
 
 // A weight of `f`'s layout with small deterministic values (speed does not depend on them).
@@ -131,7 +135,9 @@ Tensor MakeWeight(const Format& f, int64_t out_f, int64_t in, int c) {
   const int64_t groups = (in + group - 1) / group;
   std::vector<int32_t> group_of(in);
   for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / group);
-  std::vector<float> scales(out_f * groups, 0.01f), zeros(out_f * groups, 1 << (f.quant_bits - 1));
+  const float scale =
+      f.f16_scales ? tgis::kernels::F16ToF32(tgis::kernels::F32ToF16(0.01f)) : 0.01f;
+  std::vector<float> scales(out_f * groups, scale), zeros(out_f * groups, 1 << (f.quant_bits - 1));
   QuantizedWeight q =
       f.fp8 ? tgis::kernels::BuildFp8Rows(out_f, in, codes, std::vector<float>(out_f, 0.01f))
             : tgis::kernels::BuildQuantized(f.quant_bits, out_f, in, codes, group_of, groups,
@@ -158,7 +164,12 @@ LinearResult TimeLinear(int64_t out_f, int64_t in, const Format& f, int64_t t_co
     for (int i = 0; i < calls; ++i) tgis::kernels::Linear(x, ws[i % copies], nullptr, &out);
     best = std::min(best, Seconds(t0, Clock::now()) / calls);
   }
-  return {best};
+  const tgis::kernels::QuantizedWeight* q = ws[0].quantized();
+  const double bytes =
+      q == nullptr
+          ? static_cast<double>(ws[0].nbytes())
+          : static_cast<double>(q->codes.nbytes() + q->scales.nbytes() + q->zeros.nbytes());
+  return {best, bytes};
 }
 
 }  // namespace
@@ -208,10 +219,16 @@ int main(int argc, char** argv) {
     int64_t out_f, in;
   };
   const Format formats[] = {
-      {"bf16", DType::kBF16, 0, 0, false, 2},       {"f16", DType::kF16, 0, 0, false, 2},
-      {"f32", DType::kF32, 0, 0, false, 4},         {"int8", DType::kF32, 8, -1, false, 1},
-      {"gptq8", DType::kF32, 8, 128, false, 1},     {"gptq4", DType::kF32, 4, 128, false, 0.5},
-      {"gptq4g32", DType::kF32, 4, 32, false, 0.5}, {"fp8", DType::kF32, 8, -1, true, 1},
+      {"bf16", DType::kBF16, 0, 0, false, 2},
+      {"f16", DType::kF16, 0, 0, false, 2},
+      {"f32", DType::kF32, 0, 0, false, 4},
+      {"int8", DType::kF32, 8, -1, false, 1},
+      {"gptq8", DType::kF32, 8, 128, false, 1},
+      {"gptq4", DType::kF32, 4, 128, false, 0.5},
+      {"gptq4g32", DType::kF32, 4, 32, false, 0.5},
+      {"fp8", DType::kF32, 8, -1, true, 1},
+      // 4-bit g32 whose scales are not f16 values: f32 run constants, 8 bytes a run.
+      {"gptq4g32-f32", DType::kF32, 4, 32, false, 0.5, false},
   };
   for (const Format& f : formats) {
     if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), f.name) == wanted.end())
@@ -225,11 +242,7 @@ int main(int argc, char** argv) {
           only_t > 0 ? std::vector<int64_t>{only_t} : std::vector<int64_t>{1, 16, 64};
       for (int64_t t : ts) {
         const LinearResult r = TimeLinear(s.out_f, s.in, f, t, quick, hot);
-        // Quantized: the codes plus each row's f32 scale and zero per group (per row: one).
-        const int64_t group = f.quant_bits == 0 ? 0 : f.group < 0 ? s.in : f.group;
-        const double bytes = s.out_f * s.in * f.bytes_per_weight +
-                             (group > 0 ? s.out_f * ((s.in + group - 1) / group) * 8.0 : 0.0);
-        const double gbs = bytes / r.seconds / 1e9;
+        const double gbs = r.bytes / r.seconds / 1e9;
         const double gflops = 2.0 * s.out_f * s.in * t / r.seconds / 1e9;
         std::printf("%-8s %5lldx%-8lld %4lld %10.3f %10.1f %7.0f%% %10.1f\n", f.name,
                     static_cast<long long>(s.out_f), static_cast<long long>(s.in),

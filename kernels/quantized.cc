@@ -18,7 +18,45 @@ uint8_t CodeAt(const QuantizedWeight& q, const uint8_t* row, int64_t j) {
   return (row[j / 2] >> (4 * (j % 2))) & 0xF;
 }
 
+// Whether every scale is an f16 value (NaN never is) and every zero an integer in [0, 255].
+bool CompactExactly(const std::vector<float>& scales, const std::vector<float>& zeros) {
+  for (float s : scales) {
+    if (!(F16ToF32(F32ToF16(s)) == s)) return false;
+  }
+  for (float z : zeros) {
+    if (!(z >= 0.f && z <= 255.f && z == std::floor(z))) return false;
+  }
+  return true;
+}
+
 }  // namespace
+
+float RunScale(const QuantizedWeight& q, int64_t n, int64_t r) {
+  const int64_t i = n * q.runs() + r;
+  return q.compact() ? F16ToF32(q.scales.data<uint16_t>()[i]) : q.scales.data<float>()[i];
+}
+
+float RunZero(const QuantizedWeight& q, int64_t n, int64_t r) {
+  const int64_t i = n * q.runs() + r;
+  return q.compact() ? static_cast<float>(q.zeros.data<uint8_t>()[i]) : q.zeros.data<float>()[i];
+}
+
+QuantizedWeight ExpandRunConstants(const QuantizedWeight& q) {
+  if (!q.compact()) return q;
+  TGIS_CHECK(q.scales.device() == Device::kCpu, "ExpandRunConstants runs on the CPU");
+  QuantizedWeight e = q;
+  const int64_t runs = q.runs();
+  std::vector<float> s(q.out * runs), z(q.out * runs);
+  for (int64_t n = 0; n < q.out; ++n) {
+    for (int64_t r = 0; r < runs; ++r) {
+      s[n * runs + r] = RunScale(q, n, r);
+      z[n * runs + r] = RunZero(q, n, r);
+    }
+  }
+  e.scales = Tensor::FromVector(s, {q.out, runs});
+  e.zeros = Tensor::FromVector(z, {q.out, runs});
+  return e;
+}
 
 QuantizedWeight BuildQuantized(int bits, int64_t out, int64_t in, const std::vector<uint8_t>& codes,
                                const std::vector<int32_t>& group, int64_t groups,
@@ -67,8 +105,19 @@ QuantizedWeight BuildQuantized(int bits, int64_t out, int64_t in, const std::vec
       z[n * runs + r] = zeros[n * groups + run_group[r]];
     }
   }
-  q.scales = Tensor::FromVector(s, {out, runs});
-  q.zeros = Tensor::FromVector(z, {out, runs});
+  if (bits == 4 && CompactExactly(s, z)) {
+    std::vector<uint16_t> hs(s.size());
+    std::vector<int8_t> bz(z.size());
+    for (size_t i = 0; i < s.size(); ++i) {
+      hs[i] = F32ToF16(s[i]);
+      bz[i] = static_cast<int8_t>(static_cast<uint8_t>(z[i]));
+    }
+    q.scales = Tensor::FromHost(hs.data(), {out, runs}, DType::kF16);
+    q.zeros = Tensor::FromHost(bz.data(), {out, runs}, DType::kI8);
+  } else {
+    q.scales = Tensor::FromVector(s, {out, runs});
+    q.zeros = Tensor::FromVector(z, {out, runs});
+  }
   q.codes = Tensor::Zeros({out, std::max<int64_t>(q.code_bytes_per_row(), 1)}, DType::kI8);
   for (int64_t n = 0; n < out; ++n) {
     uint8_t* row = q.codes.data<uint8_t>() + n * q.codes.dim(1);
@@ -98,18 +147,31 @@ bool QuantizedCompatible(const QuantizedWeight& a, const QuantizedWeight& b) {
 
 QuantizedWeight ConcatQuantizedRows(const std::vector<const QuantizedWeight*>& parts) {
   TGIS_CHECK(!parts.empty(), "ConcatQuantizedRows: no parts");
-  QuantizedWeight q = *parts[0];
   int64_t out = 0;
+  bool same_form = true;
   for (const QuantizedWeight* p : parts) {
     TGIS_CHECK(QuantizedCompatible(*parts[0], *p), "ConcatQuantizedRows: incompatible parts");
     TGIS_CHECK(p->codes.device() == Device::kCpu, "ConcatQuantizedRows runs on the CPU");
     out += p->out;
+    same_form &= p->compact() == parts[0]->compact();
   }
+  // Parts whose run constants differ in form (one part's scales are not all f16 values) are
+  // stacked in f32.
+  std::vector<QuantizedWeight> widened;
+  std::vector<const QuantizedWeight*> use = parts;
+  if (!same_form) {
+    widened.reserve(parts.size());
+    for (size_t i = 0; i < parts.size(); ++i) {
+      widened.push_back(ExpandRunConstants(*parts[i]));
+      use[i] = &widened.back();
+    }
+  }
+  QuantizedWeight q = *use[0];
   auto stack = [&](auto member) {
-    const Tensor& first = parts[0]->*member;
+    const Tensor& first = use[0]->*member;
     Tensor t = Tensor::Empty({out, first.dim(1)}, first.dtype());
     char* dst = static_cast<char*>(t.raw());
-    for (const QuantizedWeight* p : parts) {
+    for (const QuantizedWeight* p : use) {
       const Tensor& src = p->*member;
       std::memcpy(dst, src.raw(), src.nbytes());
       dst += src.nbytes();
@@ -126,7 +188,6 @@ QuantizedWeight ConcatQuantizedRows(const std::vector<const QuantizedWeight*>& p
 Tensor Dequantize(const QuantizedWeight& q) {
   TGIS_CHECK(q.codes.device() == Device::kCpu, "Dequantize runs on the CPU");
   Tensor w = Tensor::Zeros({q.out, q.in}, DType::kF32);
-  const int64_t runs = q.runs();
   for (int64_t n = 0; n < q.out; ++n) {
     const uint8_t* row = q.codes.data<uint8_t>() + n * q.codes.dim(1);
     for (int64_t j = 0; j < q.stored_in; ++j) {
@@ -135,8 +196,7 @@ Tensor Dequantize(const QuantizedWeight& q) {
       const int64_t r = q.block_run.data<int32_t>()[j / kBlock];
       const float code =
           q.fp8 ? Fp8E4M3ToF32(CodeAt(q, row, j)) : static_cast<float>(CodeAt(q, row, j));
-      w.data<float>()[n * q.in + col] =
-          (code - q.zeros.data<float>()[n * runs + r]) * q.scales.data<float>()[n * runs + r];
+      w.data<float>()[n * q.in + col] = (code - RunZero(q, n, r)) * RunScale(q, n, r);
     }
   }
   return w;
@@ -180,7 +240,7 @@ QuantizedWeight BuildFp8Rows(int64_t out, int64_t in, const std::vector<uint8_t>
 }
 
 QuantizedWeight QuantizedToDevice(const QuantizedWeight& q, Device device) {
-  QuantizedWeight d = q;
+  QuantizedWeight d = device == Device::kCpu ? q : ExpandRunConstants(q);
   for (Tensor* t : {&d.codes, &d.scales, &d.zeros, &d.block_run, &d.gather}) {
     if (t->defined()) *t = t->ToDevice(device);
   }

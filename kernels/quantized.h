@@ -30,12 +30,20 @@ struct QuantizedWeight {
   int64_t in = 0;         // the dense weight's columns (x's features)
   int64_t stored_in = 0;  // stored columns: runs padded to multiples of 8
   Tensor codes;           // [out, stored_in * bits / 8] kI8 (bytes); 4-bit: low nibble first
-  Tensor scales;          // [out, runs] f32
-  Tensor zeros;           // [out, runs] f32, integer-valued
-  Tensor block_run;       // [stored_in / 8] kI32: the run of each block of 8 stored columns
-  Tensor gather;          // [stored_in] kI32 input column or -1 (padding); undefined: identity
+  // [out, runs] f32; or, compact, kF16 (see below)
+  Tensor scales;
+  // [out, runs] f32, integer-valued; or, compact, kI8 holding unsigned bytes
+  Tensor zeros;
+  Tensor block_run;  // [stored_in / 8] kI32: the run of each block of 8 stored columns
+  Tensor gather;     // [stored_in] kI32 input column or -1 (padding); undefined: identity
 
   int64_t runs() const { return scales.defined() ? scales.dim(1) : 0; }
+  // Compact run constants: 4-bit weights whose every scale is an f16 value and every zero an
+  // integer in [0, 255] (GPTQ and AWQ write f16 scales and integer zeros) keep them as f16 and
+  // a byte, 3 bytes a run instead of 8, the same values exactly. Decode streams them with the
+  // codes, and for groups of 32 they were a third of the bytes (f32 scale and zero per 16
+  // bytes of codes); BuildQuantized chooses it, and every reader takes both forms.
+  bool compact() const { return scales.defined() && scales.dtype() == DType::kF16; }
   int64_t code_bytes_per_row() const { return stored_in * bits / 8; }
 };
 
@@ -65,7 +73,15 @@ QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_
 QuantizedWeight BuildFp8Rows(int64_t out, int64_t in, const std::vector<uint8_t>& codes,
                              const std::vector<float>& row_scales);
 
-// The same weight on `device` (every component copied).
+// The same weight on `device` (every component copied). The CUDA kernels read f32 run
+// constants, so a compact weight goes there with them widened (ExpandRunConstants).
 QuantizedWeight QuantizedToDevice(const QuantizedWeight& q, Device device);
+
+// The same weight with f32 scales and zeros (a copy sharing the codes; as is if not compact).
+QuantizedWeight ExpandRunConstants(const QuantizedWeight& q);
+
+// Run r's scale and zero of row n (CPU; any form).
+float RunScale(const QuantizedWeight& q, int64_t n, int64_t r);
+float RunZero(const QuantizedWeight& q, int64_t n, int64_t r);
 
 }  // namespace tgis::kernels

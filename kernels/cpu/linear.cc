@@ -35,6 +35,8 @@
 
 namespace tgis::kernels::cpu {
 
+float WRow::ScalePortable(int64_t r) const { return compact() ? F16ToF32(scale_h[r]) : scale[r]; }
+
 bool CpuHasAvx2() {
   static const bool has = [] {
     __builtin_cpu_init();
@@ -122,7 +124,7 @@ inline float LoadScalar(const WRow& row, int64_t i) {
     const uint8_t* c = static_cast<const uint8_t*>(row.p);
     const int code = W == WFmt::kQ8 ? c[i] : (c[i / 2] >> (4 * (i % 2))) & 0xF;
     const int32_t r = row.block_run[i / 8];
-    return (static_cast<float>(code) - row.zero[r]) * row.scale[r];
+    return (static_cast<float>(code) - row.Zero(r)) * row.ScalePortable(r);
   }
 }
 
@@ -199,8 +201,8 @@ TGIS_AVX2 inline __m256 Load8(const WRow& row, int64_t i) {
                            _mm256_set1_epi32(0xF));
     }
     const int32_t r = row.block_run[i / 8];
-    return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(row.zero[r])),
-                         _mm256_set1_ps(row.scale[r]));
+    return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(row.Zero(r))),
+                         _mm256_set1_ps(row.Scale(r)));
   }
 }
 

@@ -121,8 +121,8 @@ struct Panel {
       }
       for (int64_t b = 0; b < blocks; ++b) {
         const int32_t run = row.block_run[b * kBlock / 8];  // one run per block (WholeBlockRuns)
-        scale[b * kPanel + r] = row.scale[run];
-        zero[b * kPanel + r] = row.zero[run];
+        scale[b * kPanel + r] = row.ScalePortable(run);
+        zero[b * kPanel + r] = row.Zero(run);
       }
     }
   }

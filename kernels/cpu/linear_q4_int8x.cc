@@ -19,6 +19,8 @@
 // row: the same at any T, in any batch, on any number of threads.
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "kernels/cpu/linear_stream.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -37,16 +39,31 @@ TGIS_VNNI inline __m512i DotAdd(__m512i acc, __m512i codes, __m512i x) {
   return acc;
 }
 
-// The row's per-run values (scales or zeros) of the chunk's four blocks, one per lane.
-TGIS_VNNI inline __m512 PerLane(const float* values, const Int8X::Chunk& c) {
-  if (c.kind == Int8X::Chunk::kUniform) return _mm512_set1_ps(values[c.run[0]]);
-  const __m128 v =
-      c.kind == Int8X::Chunk::kConsecutive
-          ? _mm_loadu_ps(values + c.run[0])
-          : _mm_setr_ps(values[c.run[0]], values[c.run[1]], values[c.run[2]], values[c.run[3]]);
-  const __m512 four = _mm512_castps128_ps512(v);
+// The row's scales and zeros of the chunk's four blocks (lane b: block b), in either form of
+// run constants (WRow).
+struct FourRuns {
+  __m128 scale, zero;
+};
+TGIS_AVX2 inline FourRuns RunsOf(const WRow& row, const Int8X::Chunk& c) {
+  const int32_t* run = c.run;
+  if (c.kind == Int8X::Chunk::kUniform) {
+    return {_mm_set1_ps(row.Scale(run[0])), _mm_set1_ps(row.Zero(run[0]))};
+  }
+  if (c.kind == Int8X::Chunk::kConsecutive) {
+    if (!row.compact()) return {_mm_loadu_ps(row.scale + run[0]), _mm_loadu_ps(row.zero + run[0])};
+    int32_t zeros;
+    std::memcpy(&zeros, row.zero_b + run[0], 4);
+    return {_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row.scale_h + run[0]))),
+            _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(zeros)))};
+  }
+  return {_mm_setr_ps(row.Scale(run[0]), row.Scale(run[1]), row.Scale(run[2]), row.Scale(run[3])),
+          _mm_setr_ps(row.Zero(run[0]), row.Zero(run[1]), row.Zero(run[2]), row.Zero(run[3]))};
+}
+
+// Four per-block values as the VNNI kernel's 16 dword lanes (lanes 4b to 4b + 3: block b).
+TGIS_VNNI inline __m512 PerLane(__m128 four) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                               four);
+                               _mm512_castps128_ps512(four));
 }
 
 // Row n against x rows [t0, t0 + TT): acc[t0 + t] gets each token's 16 lane sums.
@@ -62,8 +79,9 @@ TGIS_VNNI void Dots(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, _
     const __m512i bytes = _mm512_loadu_si512(row.codes() + c * 64);
     const __m512i lo = _mm512_and_si512(bytes, low);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-    const __m512 w_scale = PerLane(row.scale, ch);
-    const __m512 w_zero = PerLane(row.zero, ch);
+    const FourRuns runs = RunsOf(row, ch);
+    const __m512 w_scale = PerLane(runs.scale);
+    const __m512 w_zero = PerLane(runs.zero);
 #pragma GCC unroll 2
     for (int t = 0; t < TT; ++t) {
       const int64_t at = ((t0 + t) * chunks + c);
@@ -78,17 +96,12 @@ TGIS_VNNI void Dots(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, _
   for (int t = 0; t < TT; ++t) acc[t0 + t] = sum[t];
 }
 
-// The row's per-run values (scales or zeros) for half h of a chunk, one per AVX2 lane: lanes 0-3
-// lie in block 2h of the chunk, lanes 4-7 in block 2h + 1. Uniform: a broadcast load; runs of
-// 32 columns (consecutive): one 8-byte load and a permute.
-TGIS_AVX2 inline __m256 HalfLanes(const float* values, const Int8X::Chunk& c, int h) {
-  if (c.kind == Int8X::Chunk::kUniform) return _mm256_broadcast_ss(values + c.run[0]);
-  if (c.kind == Int8X::Chunk::kConsecutive) {
-    const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(values + c.run[2 * h]));
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(two)),
-                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-  }
-  return _mm256_setr_m128(_mm_set1_ps(values[c.run[2 * h]]), _mm_set1_ps(values[c.run[2 * h + 1]]));
+// Half h of a chunk's four per-block values as AVX2 lanes: lanes 0-3 lie in block 2h, lanes
+// 4-7 in block 2h + 1.
+TGIS_AVX2 inline __m256 HalfLanes(__m128 four, int h) {
+  return _mm256_permutevar8x32_ps(
+      _mm256_castps128_ps256(four),
+      _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1, 2 * h + 1, 2 * h + 1, 2 * h + 1));
 }
 
 // AVX2: the chunk's two halves (lanes 0-7 and 8-15, 32 code bytes each) in turn, each into its
@@ -102,15 +115,15 @@ TGIS_AVX2 void DotsAvx2(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t
   __m256 sum[TT][2];
   for (int t = 0; t < TT; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
-    const Int8X::Chunk& ch = x.chunks[c];
+    const FourRuns runs = RunsOf(row, x.chunks[c]);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256i bytes =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.codes() + c * 64 + 32 * h));
       const __m256i lo = _mm256_and_si256(bytes, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      const __m256 w_scale = HalfLanes(row.scale, ch, h);
-      const __m256 w_zero = HalfLanes(row.zero, ch, h);
+      const __m256 w_scale = HalfLanes(runs.scale, h);
+      const __m256 w_zero = HalfLanes(runs.zero, h);
 #pragma GCC unroll 2
       for (int t = 0; t < TT; ++t) {
         const int64_t at = ((t0 + t) * chunks + c);

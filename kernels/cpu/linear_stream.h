@@ -29,14 +29,25 @@ TGIS_AVX2 inline float HSum8(__m256 v) {
 // How a weight row is stored: a float dtype, or quantized codes of 8 or 4 bits.
 enum class WFmt { kF32, kBF16, kF16, kQ8, kQ4, kF8 };
 
-// One weight row: its values (or codes) and, quantized, its per-run scales and zeros.
+// One weight row: its values (or codes) and, quantized, its per-run scales and zeros: f32
+// (`scale`, `zero`), or for compact 4-bit weights (QuantizedWeight::compact) f16 scales and
+// byte zeros (`scale_h`, `zero_b`; `scale` and `zero` are then null). Readers of 4-bit rows
+// take the run constants through Scale and Zero (or their own vector loads of both forms).
 struct WRow {
   const void* p = nullptr;
   const float* scale = nullptr;
   const float* zero = nullptr;
   const int32_t* block_run = nullptr;  // shared by all rows: the run of each 8-column block
+  const uint16_t* scale_h = nullptr;
+  const uint8_t* zero_b = nullptr;
 
   const uint8_t* codes() const { return static_cast<const uint8_t*>(p); }
+  bool compact() const { return scale_h != nullptr; }
+  // Run r's constants. The f16 scale widens with F16C where the caller is compiled for it.
+  TGIS_AVX2 float Scale(int64_t r) const { return compact() ? _cvtsh_ss(scale_h[r]) : scale[r]; }
+  float Zero(int64_t r) const { return compact() ? static_cast<float>(zero_b[r]) : zero[r]; }
+  // The same for callers without AVX2 (the scalar kernel).
+  float ScalePortable(int64_t r) const;
 };
 
 // Arguments of one streaming-kernel call over output rows [n0, n1).
@@ -60,9 +71,16 @@ template <WFmt W>
 inline WRow RowOf(const SmallArgs& a, int64_t n) {
   if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4 || W == WFmt::kF8) {
     const int64_t runs = a.q->runs();
-    return {static_cast<const char*>(a.w) + n * a.q->codes.dim(1),
-            a.q->scales.data<float>() + n * runs, a.q->zeros.data<float>() + n * runs,
-            a.q->block_run.data<int32_t>()};
+    WRow row{static_cast<const char*>(a.w) + n * a.q->codes.dim(1)};
+    row.block_run = a.q->block_run.data<int32_t>();
+    if (a.q->compact()) {
+      row.scale_h = a.q->scales.data<uint16_t>() + n * runs;
+      row.zero_b = a.q->zeros.data<uint8_t>() + n * runs;
+    } else {
+      row.scale = a.q->scales.data<float>() + n * runs;
+      row.zero = a.q->zeros.data<float>() + n * runs;
+    }
+    return row;
   } else {
     constexpr size_t kSize = W == WFmt::kF32 ? 4 : 2;
     return {static_cast<const char*>(a.w) + n * a.k * static_cast<int64_t>(kSize)};

@@ -175,6 +175,8 @@ __global__ void DequantizeKernel(const uint8_t* codes, int64_t code_row, int bit
 // TODO(issue 14): a fused int4/int8 GEMM (Marlin/ExLlama style) in place of this
 // dequantize-then-GEMM, which reads the weight three times and allocates per call.
 Tensor DequantizeOnDevice(const QuantizedWeight& q, DType dtype) {
+  // QuantizedToDevice widened compact run constants to the f32 this kernel reads.
+  TGIS_CHECK(!q.compact(), "Linear: a compact quantized weight reached CUDA without widening");
   Tensor dense = Tensor::Empty({q.out, q.in}, dtype, Device::kCuda);
   const int64_t total = q.out * q.stored_in;
   if (total == 0) return dense;

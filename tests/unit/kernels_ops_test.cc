@@ -313,8 +313,10 @@ struct DenseQuant {
 
 // Groups: "channel" (one group), contiguous groups of `size`, or act-order (a seeded shuffle
 // of contiguous groups, as GPTQ's g_idx with desc_act).
+// `f16_scales`: scales that are f16 values, as GPTQ and AWQ write them (4-bit weights then keep
+// compact run constants).
 DenseQuant RandomQuant(int bits, int64_t out, int64_t in, int64_t group_size, bool act_order,
-                       uint32_t seed) {
+                       uint32_t seed, bool f16_scales = false) {
   DenseQuant q{bits, out, in, (in + group_size - 1) / group_size, {}, {}, {}, {}};
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> code(0, (1 << bits) - 1);
@@ -324,7 +326,8 @@ DenseQuant RandomQuant(int bits, int64_t out, int64_t in, int64_t group_size, bo
   for (int64_t k = 0; k < in; ++k) q.group.push_back(static_cast<int32_t>(k / group_size));
   if (act_order) std::shuffle(q.group.begin(), q.group.end(), rng);
   for (int64_t i = 0; i < out * q.groups; ++i) {
-    q.scales.push_back(scale(rng));
+    const float sc = scale(rng);
+    q.scales.push_back(f16_scales ? F16ToF32(F32ToF16(sc)) : sc);
     q.zeros.push_back(static_cast<float>(code(rng) + (bits == 4 && i % 7 == 0 ? 1 : 0)));
   }
   return q;
@@ -346,19 +349,24 @@ TEST_P(OpsTest, QuantizedLinearEqualsLinearOnTheDequantizedWeight) {
   for (const auto& [isa, isa_name] : Isas()) {
     cpu::SetIsaForTesting(isa);
     for (const Case& c : cases) {
-      const DenseQuant dq = RandomQuant(c.bits, c.out, c.in, c.group_size, c.act_order, ++seed);
-      std::vector<float> ws = dq.Weights();
-      Tensor w;
-      ASSERT_NO_FATAL_FAILURE(QuantizedWeightOnDevice(dq.Build(), &ws, &w));
-      std::vector<float> bs;
-      const Tensor b = Weight(Random(c.out, ++seed), {c.out}, &bs);
-      for (int64_t t : {1, 3, 17, 64}) {
-        const Tensor x = Act(Random(t * c.in, ++seed), {t, c.in});
-        const std::string what = isa_name + " bits=" + std::to_string(c.bits) +
-                                 " T=" + std::to_string(t) + " in=" + std::to_string(c.in) +
-                                 " group=" + std::to_string(c.group_size) +
-                                 (c.act_order ? " act-order" : "");
-        LinearCase(x, Host(x), w, ws, &b, bs, t, c.in, c.out, tol(), what);
+      for (bool f16_scales : {false, true}) {
+        const DenseQuant dq =
+            RandomQuant(c.bits, c.out, c.in, c.group_size, c.act_order, ++seed, f16_scales);
+        std::vector<float> ws = dq.Weights();
+        const QuantizedWeight q = dq.Build();
+        ASSERT_EQ(q.compact(), c.bits == 4 && f16_scales);  // 8-bit constants stay f32
+        Tensor w;
+        ASSERT_NO_FATAL_FAILURE(QuantizedWeightOnDevice(q, &ws, &w));
+        std::vector<float> bs;
+        const Tensor b = Weight(Random(c.out, ++seed), {c.out}, &bs);
+        for (int64_t t : {1, 3, 17, 64}) {
+          const Tensor x = Act(Random(t * c.in, ++seed), {t, c.in});
+          const std::string what =
+              isa_name + " bits=" + std::to_string(c.bits) + " T=" + std::to_string(t) +
+              " in=" + std::to_string(c.in) + " group=" + std::to_string(c.group_size) +
+              (c.act_order ? " act-order" : "") + (q.compact() ? " compact" : "");
+          LinearCase(x, Host(x), w, ws, &b, bs, t, c.in, c.out, tol(), what);
+        }
       }
     }
   }
@@ -423,9 +431,11 @@ TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {
   if (device() != Device::kCpu || dtype() != DType::kF32) GTEST_SKIP() << "CPU property";
   for (const auto& [isa, isa_name] : Isas()) {
     cpu::SetIsaForTesting(isa);
-    for (int bits : {8, 4}) {
+    for (int bits : {8, 4, 5}) {  // 5: 4-bit codes with compact run constants
+      const bool compact = bits == 5;
+      if (compact) bits = 4;
       if (isa == cpu::Isa::kAvx512Vnni || (bits == 4 && isa == cpu::Isa::kAvx512)) continue;
-      const DenseQuant dq = RandomQuant(bits, 37, 1024, 128, false, 7);
+      const DenseQuant dq = RandomQuant(bits, 37, 1024, 128, false, 7, compact);
       const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(dq.Build()));
       const Tensor dense = Tensor::FromVector(dq.Weights(), {37, 1024});
       const Tensor x = Act(Random(5 * 1024, 8), {5, 1024});
@@ -471,9 +481,12 @@ TEST_P(OpsTest, LinearSmallBatchIsBatchInvariant) {
                            isa_name + " dense " + std::to_string(in));
       if (dtype() != DType::kF32) continue;
       for (int bits : {8, 4}) {
-        const QuantizedWeight q = RandomQuant(bits, out_f, in, 128, false, 7).Build();
-        ExpectBatchInvariant(x, Tensor::Quantized(std::make_shared<const QuantizedWeight>(q)),
-                             out_f, isa_name + " bits=" + std::to_string(bits));
+        for (bool f16_scales : {false, true}) {
+          const QuantizedWeight q = RandomQuant(bits, out_f, in, 128, false, 7, f16_scales).Build();
+          ExpectBatchInvariant(
+              x, Tensor::Quantized(std::make_shared<const QuantizedWeight>(q)), out_f,
+              isa_name + " bits=" + std::to_string(bits) + (q.compact() ? " compact" : ""));
+        }
       }
       std::vector<uint8_t> codes(out_f * in);
       for (size_t i = 0; i < codes.size(); ++i)
@@ -547,6 +560,47 @@ TEST(QuantizedWeight, ConcatenatedRowsDequantizeToTheStackedWeights) {
   EXPECT_EQ(0, std::memcmp(both.raw(), want.data(), want.size() * sizeof(float)));
   const QuantizedWeight other = RandomQuant(4, 3, 96, 32, true, 3).Build();
   EXPECT_FALSE(QuantizedCompatible(qa, other));  // another column order
+}
+
+// 4-bit run constants that are f16 scales and integer zeros are kept compact (3 bytes a run),
+// holding the same values: Dequantize, the f32 form (ExpandRunConstants, which CUDA gets) and
+// concatenation with parts of either form all give the weights those constants define.
+TEST(QuantizedWeight, CompactRunConstantsHoldTheSameValues) {
+  const DenseQuant a = RandomQuant(4, 5, 96, 32, true, 1, /*f16_scales=*/true);
+  DenseQuant b = RandomQuant(4, 3, 96, 32, true, 2, /*f16_scales=*/false);
+  DenseQuant c = RandomQuant(4, 4, 96, 32, true, 4, /*f16_scales=*/true);
+  b.group = c.group = a.group;
+  const QuantizedWeight qa = a.Build(), qb = b.Build(), qc = c.Build();
+  ASSERT_TRUE(qa.compact());
+  ASSERT_FALSE(qb.compact());
+  EXPECT_EQ(qa.scales.nbytes() + qa.zeros.nbytes(), static_cast<size_t>(5 * qa.runs() * 3));
+  auto same_bits = [](const Tensor& t, const std::vector<float>& want) {
+    return t.numel() == static_cast<int64_t>(want.size()) &&
+           std::memcmp(t.raw(), want.data(), want.size() * sizeof(float)) == 0;
+  };
+  EXPECT_TRUE(same_bits(Dequantize(qa), a.Weights()));
+  const QuantizedWeight wide = ExpandRunConstants(qa);
+  EXPECT_FALSE(wide.compact());
+  EXPECT_TRUE(same_bits(Dequantize(wide), a.Weights()));
+  for (const auto& [second, dq] :
+       std::vector<std::pair<const QuantizedWeight*, const DenseQuant*>>{{&qb, &b}, {&qc, &c}}) {
+    const QuantizedWeight both = ConcatQuantizedRows({&qa, second});
+    EXPECT_EQ(both.compact(), second->compact());  // mixed forms are stacked in f32
+    std::vector<float> want = a.Weights();
+    const std::vector<float> rest = dq->Weights();
+    want.insert(want.end(), rest.begin(), rest.end());
+    EXPECT_TRUE(same_bits(Dequantize(both), want));
+  }
+  // A zero outside [0, 255] or a scale that is not an f16 value keeps the f32 form.
+  DenseQuant d = RandomQuant(4, 2, 64, 32, false, 5, /*f16_scales=*/true);
+  d.zeros[1] = 256;
+  EXPECT_FALSE(d.Build().compact());
+  d = RandomQuant(4, 2, 64, 32, false, 5, /*f16_scales=*/true);
+  d.zeros[1] = 2.5f;
+  EXPECT_FALSE(d.Build().compact());
+  d = RandomQuant(4, 2, 64, 32, false, 5, /*f16_scales=*/true);
+  d.scales[0] = 0.01f;  // not an f16 value
+  EXPECT_FALSE(d.Build().compact());
 }
 
 // ---- Norms and elementwise ----------------------------------------------------------------
@@ -1415,88 +1469,93 @@ TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
     ++isas_run;
     for (int bits : {4, 8})
       for (int64_t t_count : {3, 40})
-        for (int64_t group : {32, 64, 128, 384}) {
-          SCOPED_TRACE(std::string(isa == cpu::Isa::kAvx2 ? "AVX2, " : "VNNI, ") +
-                       std::to_string(bits) + " bits, T " + std::to_string(t_count) + ", group " +
-                       std::to_string(group));
-          const int64_t groups = in / group;
-          std::vector<uint8_t> codes(out_f * in);
-          for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() % (1u << bits));
-          std::vector<int32_t> group_of(in);
-          for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / group);
-          std::vector<float> scales = Random(out_f * groups, 11, 0.001f, 0.05f),
-                             zeros(out_f * groups);
-          for (float& z : zeros) z = static_cast<float>(rng() % (1u << bits));
-          const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(
-              BuildQuantized(bits, out_f, in, codes, group_of, groups, scales, zeros)));
-          const std::vector<float> dense = OpsTest::Host(Dequantize(*w.quantized()));
-          std::vector<float> xs = Random(t_count * in, 12, -2, 2);
-          for (int64_t k = 0; k < in; k += 37) xs[k] *= 40;  // blocks of very different ranges
-          for (int64_t k = 2 * in; k < 2 * in + 32; ++k) xs[k] = 0;  // a block of zeros
-          const std::vector<float> bias = Random(out_f, 13);
-          const Tensor x = Tensor::FromVector(xs, {t_count, in});
-          const Tensor b = Tensor::FromVector(bias, {out_f});
-          // Rows [1, T) on their own: row t of it is row t + 1 of the whole.
-          const int64_t skip = 1;
-          const Tensor x_rest = Tensor::FromVector(
-              std::vector<float>(xs.begin() + skip * in, xs.end()), {t_count - skip, in});
-
-          Tensor exact, rounded, rest;
-          Linear(x, w, &b, &exact);
-          ASSERT_TRUE(SetCpuInt8Activations(true));
-          Linear(x, w, &b, &rounded);
-          Linear(x_rest, w, &b, &rest);
-          ASSERT_TRUE(SetCpuInt8Activations(false));
-          Tensor exact_again;
-          Linear(x, w, &b, &exact_again);
-          EXPECT_EQ(OpsTest::Host(exact_again), OpsTest::Host(exact));
-
-          const std::vector<float> got = OpsTest::Host(rounded), base = OpsTest::Host(exact);
-          double max_moved = 0;
-          for (int64_t t = 0; t < t_count; ++t) {
-            // x as the kernel rounds it.
-            std::vector<double> xq(in);
-            for (int64_t b0 = 0; b0 < in; b0 += 32) {
-              float amax = 0;
-              for (int64_t k = b0; k < b0 + 32; ++k)
-                amax = std::max(amax, std::fabs(xs[t * in + k]));
-              for (int64_t k = b0; k < b0 + 32; ++k) {
-                xq[k] = amax == 0 ? 0
-                                  : std::nearbyint(xs[t * in + k] * (127.f / amax)) *
-                                        double{amax / 127.f};
-              }
+        for (int64_t group : {32, 64, 128, 384})
+          for (bool f16_scales : {false, true}) {
+            SCOPED_TRACE(std::string(isa == cpu::Isa::kAvx2 ? "AVX2, " : "VNNI, ") +
+                         std::to_string(bits) + " bits, T " + std::to_string(t_count) + ", group " +
+                         std::to_string(group) + (f16_scales ? ", f16 scales" : ""));
+            const int64_t groups = in / group;
+            std::vector<uint8_t> codes(out_f * in);
+            for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() % (1u << bits));
+            std::vector<int32_t> group_of(in);
+            for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / group);
+            std::vector<float> scales = Random(out_f * groups, 11, 0.001f, 0.05f),
+                               zeros(out_f * groups);
+            for (float& z : zeros) z = static_cast<float>(rng() % (1u << bits));
+            if (f16_scales) {
+              for (float& s : scales) s = F16ToF32(F32ToF16(s));
             }
-            for (int64_t n = 0; n < out_f; ++n) {
-              double ref = bias[n], mag = std::fabs(bias[n]);
-              for (int64_t k = 0; k < in; ++k) {
-                ref += double{dense[n * in + k]} * xq[k];
-                mag += std::fabs(double{dense[n * in + k]} * xq[k]);
-              }
-              EXPECT_NEAR(got[t * out_f + n], ref, 2e-6 * mag) << "t " << t << " n " << n;
-              max_moved =
-                  std::max(max_moved, std::fabs(got[t * out_f + n] - base[t * out_f + n]) / mag);
-            }
-          }
-          EXPECT_GT(max_moved, 0)
-              << "the rounded activations changed nothing: was the kernel used?";
-          const std::vector<float> part = OpsTest::Host(rest);
-          for (int64_t i = 0; i < (t_count - skip) * out_f; ++i) {
-            ASSERT_EQ(part[i], got[skip * out_f + i]) << "rows 1.. alone and inside T, at " << i;
-          }
-          // A NaN (or inf) in x takes the exact path, which carries it to the outputs, rather
-          // than rounding it to some int8 code.
-          for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
-            std::vector<float> xb = xs;
-            xb[in + 5] = bad;
-            Tensor with_bad;
+            const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(
+                BuildQuantized(bits, out_f, in, codes, group_of, groups, scales, zeros)));
+            ASSERT_EQ(w.quantized()->compact(), bits == 4 && f16_scales);
+            const std::vector<float> dense = OpsTest::Host(Dequantize(*w.quantized()));
+            std::vector<float> xs = Random(t_count * in, 12, -2, 2);
+            for (int64_t k = 0; k < in; k += 37) xs[k] *= 40;  // blocks of very different ranges
+            for (int64_t k = 2 * in; k < 2 * in + 32; ++k) xs[k] = 0;  // a block of zeros
+            const std::vector<float> bias = Random(out_f, 13);
+            const Tensor x = Tensor::FromVector(xs, {t_count, in});
+            const Tensor b = Tensor::FromVector(bias, {out_f});
+            // Rows [1, T) on their own: row t of it is row t + 1 of the whole.
+            const int64_t skip = 1;
+            const Tensor x_rest = Tensor::FromVector(
+                std::vector<float>(xs.begin() + skip * in, xs.end()), {t_count - skip, in});
+
+            Tensor exact, rounded, rest;
+            Linear(x, w, &b, &exact);
             ASSERT_TRUE(SetCpuInt8Activations(true));
-            Linear(Tensor::FromVector(xb, {t_count, in}), w, &b, &with_bad);
+            Linear(x, w, &b, &rounded);
+            Linear(x_rest, w, &b, &rest);
             ASSERT_TRUE(SetCpuInt8Activations(false));
-            const std::vector<float> v = OpsTest::Host(with_bad);
-            for (int64_t n = 0; n < out_f; ++n)
-              EXPECT_FALSE(std::isfinite(v[out_f + n])) << "n " << n << ", x has " << bad;
+            Tensor exact_again;
+            Linear(x, w, &b, &exact_again);
+            EXPECT_EQ(OpsTest::Host(exact_again), OpsTest::Host(exact));
+
+            const std::vector<float> got = OpsTest::Host(rounded), base = OpsTest::Host(exact);
+            double max_moved = 0;
+            for (int64_t t = 0; t < t_count; ++t) {
+              // x as the kernel rounds it.
+              std::vector<double> xq(in);
+              for (int64_t b0 = 0; b0 < in; b0 += 32) {
+                float amax = 0;
+                for (int64_t k = b0; k < b0 + 32; ++k)
+                  amax = std::max(amax, std::fabs(xs[t * in + k]));
+                for (int64_t k = b0; k < b0 + 32; ++k) {
+                  xq[k] = amax == 0 ? 0
+                                    : std::nearbyint(xs[t * in + k] * (127.f / amax)) *
+                                          double{amax / 127.f};
+                }
+              }
+              for (int64_t n = 0; n < out_f; ++n) {
+                double ref = bias[n], mag = std::fabs(bias[n]);
+                for (int64_t k = 0; k < in; ++k) {
+                  ref += double{dense[n * in + k]} * xq[k];
+                  mag += std::fabs(double{dense[n * in + k]} * xq[k]);
+                }
+                EXPECT_NEAR(got[t * out_f + n], ref, 2e-6 * mag) << "t " << t << " n " << n;
+                max_moved =
+                    std::max(max_moved, std::fabs(got[t * out_f + n] - base[t * out_f + n]) / mag);
+              }
+            }
+            EXPECT_GT(max_moved, 0)
+                << "the rounded activations changed nothing: was the kernel used?";
+            const std::vector<float> part = OpsTest::Host(rest);
+            for (int64_t i = 0; i < (t_count - skip) * out_f; ++i) {
+              ASSERT_EQ(part[i], got[skip * out_f + i]) << "rows 1.. alone and inside T, at " << i;
+            }
+            // A NaN (or inf) in x takes the exact path, which carries it to the outputs, rather
+            // than rounding it to some int8 code.
+            for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+              std::vector<float> xb = xs;
+              xb[in + 5] = bad;
+              Tensor with_bad;
+              ASSERT_TRUE(SetCpuInt8Activations(true));
+              Linear(Tensor::FromVector(xb, {t_count, in}), w, &b, &with_bad);
+              ASSERT_TRUE(SetCpuInt8Activations(false));
+              const std::vector<float> v = OpsTest::Host(with_bad);
+              for (int64_t n = 0; n < out_f; ++n)
+                EXPECT_FALSE(std::isfinite(v[out_f + n])) << "n " << n << ", x has " << bad;
+            }
           }
-        }
   }
   cpu::SetIsaForTesting(cpu::Isa::kAuto);
   EXPECT_GT(isas_run, 0);
