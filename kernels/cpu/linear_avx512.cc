@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 #include "kernels/cpu/linear_stream.h"
@@ -51,6 +52,13 @@ Mask TailMask(int64_t columns) {
   m.hi = static_cast<__mmask16>(columns <= 16 ? 0 : (1u << (columns - 16)) - 1);
   return m;
 }
+
+// Each byte's value as a float: compact zeros looked up rather than converted.
+constexpr auto kByteValue = [] {
+  std::array<float, 256> v{};
+  for (int i = 0; i < 256; ++i) v[i] = static_cast<float>(i);
+  return v;
+}();
 
 // A cache line of the row's run constants from run r on (16 runs of f32; compact: 32 of f16
 // and 64 of bytes), so that the next runs are in cache when the kernel gets there.
@@ -181,7 +189,9 @@ TGIS_AVX512 inline void Direct(RowDecoder<W>* dec, const float* x, int64_t ldx, 
 // row's 16-entry table in a register, the block's run looked up once for all rows, and one
 // code prefetch per cache line. (Direct's general decoder kept the tables in memory and
 // measured at a third of the DRAM bandwidth on 4-bit g32 weights.)
-template <int R, int TT>
+// kCompact: the weight's run constants are compact (f16 scales, byte zeros), read without a
+// branch per row and run, the zeros through a table (no int-to-float conversion on the way).
+template <int R, int TT, bool kCompact>
 TGIS_AVX512 inline void DirectQ4(const SmallArgs& a, int64_t n, int64_t full, __m512* acc) {
   WRow rows[R];
   for (int r = 0; r < R; ++r) rows[r] = RowOf<WFmt::kQ4>(a, n + r);
@@ -202,8 +212,9 @@ TGIS_AVX512 inline void DirectQ4(const SmallArgs& a, int64_t n, int64_t full, __
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         if (run % 16 == 0) PrefetchRuns(rows[r], run + runs_ahead);
-        table[r] = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(rows[r].Zero(run))),
-                                 _mm512_set1_ps(rows[r].Scale(run)));
+        const float zero = kCompact ? kByteValue[rows[r].zero_b[run]] : rows[r].zero[run];
+        const float scale = kCompact ? _cvtsh_ss(rows[r].scale_h[run]) : rows[r].scale[run];
+        table[r] = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(zero)), _mm512_set1_ps(scale));
       }
     }
     __m512 xl[TT], xh[TT];
@@ -294,10 +305,11 @@ TGIS_AVX512 void Tile(const SmallArgs& a, int64_t n) {
   if (t_count <= 2) {
     const int64_t prefetch = a.q ? 2 * kRows * a.q->codes.dim(1) : 0;  // bytes
     if constexpr (W == WFmt::kQ4) {                                    // no partial block
+      const bool compact = a.q->compact();
       if (t_count == 1) {
-        DirectQ4<R, 1>(a, n, full, acc);
+        compact ? DirectQ4<R, 1, true>(a, n, full, acc) : DirectQ4<R, 1, false>(a, n, full, acc);
       } else {
-        DirectQ4<R, 2>(a, n, full, acc);
+        compact ? DirectQ4<R, 2, true>(a, n, full, acc) : DirectQ4<R, 2, false>(a, n, full, acc);
       }
     } else if (t_count == 1) {
       Direct<R, 1, W, false>(dec, a.x, a.k, 0, full, Mask{}, prefetch, acc);
