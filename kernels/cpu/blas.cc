@@ -1,6 +1,7 @@
 #include "kernels/cpu/blas.h"
 
 #include <cblas.h>
+#include <cpuid.h>
 #include <dlfcn.h>
 
 #include <cstdlib>
@@ -66,13 +67,24 @@ const Blas& Load() {
 
 }  // namespace
 
+int CpuFamily() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return 0;
+  const int base = static_cast<int>((eax >> 8) & 0xF);
+  return base == 0xF ? base + static_cast<int>((eax >> 20) & 0xFF) : base;
+}
+
 std::string PreferredBlasCore() {
   __builtin_cpu_init();
-  // AMD first: Zen 4 runs AVX-512 on 256-bit units, and there OpenBLAS's AVX2 "Zen" sgemm is
-  // the faster (measured on an EPYC Zen 4, kernels_bench --t=512 f32: 206 GFLOP/s against
-  // SkylakeX's 195 and Cooperlake's 191).
-  if (CpuHasAvx2() && __builtin_cpu_is("amd")) return "Zen";
-  if (CpuHasAvx512() && __builtin_cpu_supports("avx512cd")) return "SkylakeX";
+  const bool avx512 = CpuHasAvx512() && __builtin_cpu_supports("avx512cd");
+  // AMD first. Zen 4 (family 0x19) runs AVX-512 on 256-bit units, and there OpenBLAS's AVX2
+  // "Zen" sgemm is the faster (measured on an EPYC Zen 4, kernels_bench --t=512 f32: 206
+  // GFLOP/s against SkylakeX's 195 and Cooperlake's 191). Zen 5 (0x1A) has 512-bit units:
+  // SkylakeX's sgemm is 1.8x Zen's there (EPYC Zen 5, the same command: 209-236 against
+  // 118-126).
+  if (CpuHasAvx2() && __builtin_cpu_is("amd"))
+    return avx512 && CpuFamily() >= 0x1A ? "SkylakeX" : "Zen";
+  if (avx512) return "SkylakeX";
   if (CpuHasAvx2()) return "Haswell";
   return "";
 }

@@ -21,9 +21,13 @@ void SgemmNT(int m, int n, int k, const float* a, int lda, const float* b, int l
 std::string BlasCoreName();
 
 // The OPENBLAS_CORETYPE we set when the operator has not: the best family this CPU runs
-// (AMD with AVX2/FMA: Zen, also on Zen 4's AVX-512; Intel with AVX-512 F/BW/VL/DQ/CD:
-// SkylakeX; AVX2/FMA: Haswell), or "" to
-// leave the choice to OpenBLAS.
+// (AMD with AVX2/FMA: Zen, also on Zen 4's AVX-512, but SkylakeX from Zen 5 (family 0x1A)
+// on, whose AVX-512 units are 512 bits wide; Intel with AVX-512 F/BW/VL/DQ/CD: SkylakeX;
+// AVX2/FMA: Haswell), or "" to leave the choice to OpenBLAS.
 std::string PreferredBlasCore();
+
+// The CPU's family as cpuid leaf 1 gives it (base family, plus the extended family when the
+// base is 0xF: AMD Zen 3 and 4 are 0x19, Zen 5 0x1A); 0 if cpuid has no leaf 1.
+int CpuFamily();
 
 }  // namespace tgis::kernels::cpu

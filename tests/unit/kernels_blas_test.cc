@@ -5,6 +5,7 @@
 #include <strings.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <string>
 
 #include "kernels/cpu/blas.h"
@@ -39,15 +40,32 @@ TEST(CpuBlas, RunsTheKernelsThisCpuCanRunOrTheOperatorsChoice) {
 TEST(CpuBlas, PrefersTheWidestFamilyTheCpuHas) {
   const std::string preferred = PreferredBlasCore();
   __builtin_cpu_init();
+  const bool avx512 = IsaAvailable(Isa::kAvx512) && __builtin_cpu_supports("avx512cd");
   if (IsaAvailable(Isa::kAvx2) && __builtin_cpu_is("amd")) {
-    EXPECT_EQ(preferred, "Zen");  // also with AVX-512 (Zen 4): measured the faster there
-  } else if (IsaAvailable(Isa::kAvx512) && __builtin_cpu_supports("avx512cd")) {
+    // Zen also with Zen 4's AVX-512 (256-bit units: measured the faster there); SkylakeX from
+    // Zen 5 (family 0x1A) on, whose units are 512 bits wide.
+    EXPECT_EQ(preferred, avx512 && CpuFamily() >= 0x1A ? "SkylakeX" : "Zen");
+  } else if (avx512) {
     EXPECT_EQ(preferred, "SkylakeX");
   } else if (IsaAvailable(Isa::kAvx2)) {
     EXPECT_EQ(preferred, "Haswell");
   } else {
     EXPECT_EQ(preferred, "");
   }
+}
+
+// The kernel choice above depends on the family: the kernel's own report (/proc/cpuinfo's
+// "cpu family", computed the same way from cpuid) is the oracle.
+TEST(CpuBlas, CpuFamilyIsWhatTheKernelReports) {
+  std::ifstream info("/proc/cpuinfo");
+  if (!info) GTEST_SKIP() << "no /proc/cpuinfo";
+  std::string line;
+  while (std::getline(info, line)) {
+    if (line.rfind("cpu family", 0) != 0) continue;
+    EXPECT_EQ(CpuFamily(), std::stoi(line.substr(line.find(':') + 1))) << line;
+    return;
+  }
+  GTEST_SKIP() << "/proc/cpuinfo has no cpu family line";
 }
 
 TEST(CpuBlas, SgemmNTMultipliesByTheTranspose) {
