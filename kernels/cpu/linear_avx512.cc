@@ -12,11 +12,13 @@
 // Every weight is the f32 value Dequantize gives (exactly), so the kernel equals a dense f32
 // Linear on the dequantized weight up to summation order, as the AVX2 one does.
 //
-// Summation order, fixed per row whatever T, the batch or the threads: 16 lanes, each adding
-// its column of the block's first half, then of its second half, block after block; then
-// _mm512_reduce_add_ps and the bias. A partial last block (float weights only) reads zeros.
-// T <= 2 applies each decoded weight vector to every x row in registers; larger T decodes a
-// chunk of rows into scratch once and sums from there, in the same order.
+// Summation order, fixed per row whatever T, the batch or the threads: two sets of 16 lanes,
+// one adding its column of each block's first half, the other of its second half, block after
+// block; then the two added lane by lane, _mm512_reduce_add_ps and the bias. (Two independent
+// FMA chains per row let a tile of one row keep up with the memory: see SmallAvx512.) A partial
+// last block (float weights only) reads zeros. T <= 2 applies each decoded weight vector to every x
+// row in registers; larger T decodes a chunk of rows into scratch once and sums from there, in the
+// same order.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -149,13 +151,15 @@ struct RowDecoder {
   }
 };
 
-// acc[r * T + t] += the blocks [k0, k1) of row r against x row t (T = TT here), in registers.
+// acc[2 (r * T + t) + h] += half h of the blocks [k0, k1) of row r against x row t (T = TT
+// here), in registers.
 template <int R, int TT, WFmt W, bool kTail>
 TGIS_AVX512 inline void Direct(RowDecoder<W>* dec, const float* x, int64_t ldx, int64_t k0,
                                int64_t k1, Mask m, int64_t prefetch, __m512* acc) {
-  __m512 a[R][TT];
+  __m512 a[R][TT][2];
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) a[r][t] = acc[r * TT + t];
+    for (int t = 0; t < TT; ++t)
+      for (int h = 0; h < 2; ++h) a[r][t][h] = acc[2 * (r * TT + t) + h];
   for (int64_t k = k0; k < k1; k += kBlock) {
     __m512 xl[TT], xh[TT];
 #pragma GCC unroll 2
@@ -176,13 +180,14 @@ TGIS_AVX512 inline void Direct(RowDecoder<W>* dec, const float* x, int64_t ldx, 
       dec[r].template Block<kTail>(k, m, &lo, &hi);
 #pragma GCC unroll 2
       for (int t = 0; t < TT; ++t) {
-        a[r][t] = _mm512_fmadd_ps(lo, xl[t], a[r][t]);
-        a[r][t] = _mm512_fmadd_ps(hi, xh[t], a[r][t]);
+        a[r][t][0] = _mm512_fmadd_ps(lo, xl[t], a[r][t][0]);
+        a[r][t][1] = _mm512_fmadd_ps(hi, xh[t], a[r][t][1]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) acc[r * TT + t] = a[r][t];
+    for (int t = 0; t < TT; ++t)
+      for (int h = 0; h < 2; ++h) acc[2 * (r * TT + t) + h] = a[r][t][h];
 }
 
 // Direct for 4-bit codes (whole blocks [0, full)): the same sums in the same order, with each
@@ -199,10 +204,11 @@ TGIS_AVX512 inline void DirectQ4(const SmallArgs& a, int64_t n, int64_t full, __
   const int64_t ahead = 2 * kRows * a.q->codes.dim(1);  // bytes: the rows two tiles on
   const int64_t runs_ahead = 2 * kRows * a.q->runs();   // their scales and zeros
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 acc_r[R][TT], table[R];
+  __m512 acc_r[R][TT][2], table[R];
   for (int r = 0; r < R; ++r) {
     table[r] = _mm512_setzero_ps();
-    for (int t = 0; t < TT; ++t) acc_r[r][t] = acc[r * TT + t];
+    for (int t = 0; t < TT; ++t)
+      for (int h = 0; h < 2; ++h) acc_r[r][t][h] = acc[2 * (r * TT + t) + h];
   }
   int32_t run = -1;
   for (int64_t k = 0; k < full; k += kBlock) {
@@ -233,13 +239,14 @@ TGIS_AVX512 inline void DirectQ4(const SmallArgs& a, int64_t n, int64_t full, __
       const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table[r]);
 #pragma GCC unroll 2
       for (int t = 0; t < TT; ++t) {
-        acc_r[r][t] = _mm512_fmadd_ps(lo, xl[t], acc_r[r][t]);
-        acc_r[r][t] = _mm512_fmadd_ps(hi, xh[t], acc_r[r][t]);
+        acc_r[r][t][0] = _mm512_fmadd_ps(lo, xl[t], acc_r[r][t][0]);
+        acc_r[r][t][1] = _mm512_fmadd_ps(hi, xh[t], acc_r[r][t][1]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) acc[r * TT + t] = acc_r[r][t];
+    for (int t = 0; t < TT; ++t)
+      for (int h = 0; h < 2; ++h) acc[2 * (r * TT + t) + h] = acc_r[r][t][h];
 }
 
 // The same sums from weights already decoded into scratch rows, or f32 weight rows read in
@@ -250,9 +257,10 @@ template <int R, int TT, bool kTail>
 TGIS_AVX512 inline void FromScratch(const float* w, int64_t ld, const float* x, int64_t ldx,
                                     int64_t k0, int64_t k1, Mask m, int64_t t0, int64_t t_count,
                                     __m512* acc) {
-  __m512 a[R][TT];
+  __m512 a[R][TT][2];
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) a[r][t] = acc[r * t_count + t0 + t];
+    for (int t = 0; t < TT; ++t)
+      for (int h = 0; h < 2; ++h) a[r][t][h] = acc[2 * (r * t_count + t0 + t) + h];
   for (int64_t k = k0; k < k1; k += kBlock) {
     __m512 xl[TT], xh[TT];
 #pragma GCC unroll 2
@@ -267,13 +275,14 @@ TGIS_AVX512 inline void FromScratch(const float* w, int64_t ld, const float* x, 
       const __m512 lo = _mm512_loadu_ps(wr), hi = _mm512_loadu_ps(wr + 16);
 #pragma GCC unroll 2
       for (int t = 0; t < TT; ++t) {
-        a[r][t] = _mm512_fmadd_ps(lo, xl[t], a[r][t]);
-        a[r][t] = _mm512_fmadd_ps(hi, xh[t], a[r][t]);
+        a[r][t][0] = _mm512_fmadd_ps(lo, xl[t], a[r][t][0]);
+        a[r][t][1] = _mm512_fmadd_ps(hi, xh[t], a[r][t][1]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < TT; ++t) acc[r * t_count + t0 + t] = a[r][t];
+    for (int t = 0; t < TT; ++t)
+      for (int h = 0; h < 2; ++h) acc[2 * (r * t_count + t0 + t) + h] = a[r][t][h];
 }
 
 // FromScratch over the chunk [c0, c0 + len): its whole blocks, then a partial one if any.
@@ -299,8 +308,8 @@ TGIS_AVX512 void Tile(const SmallArgs& a, int64_t n) {
     dec[r].row = RowOf<W>(a, n + r);
     if (a.q) dec[r].runs_ahead = 2 * kRows * a.q->runs();  // the rows two tiles on
   }
-  alignas(64) __m512 acc[R * kSmallT];
-  for (int64_t i = 0; i < R * t_count; ++i) acc[i] = _mm512_setzero_ps();
+  alignas(64) __m512 acc[2 * R * kSmallT];  // [R][T][2 halves]
+  for (int64_t i = 0; i < 2 * R * t_count; ++i) acc[i] = _mm512_setzero_ps();
 
   if (t_count <= 2) {
     const int64_t prefetch = a.q ? 2 * kRows * a.q->codes.dim(1) : 0;  // bytes
@@ -350,10 +359,11 @@ TGIS_AVX512 void Tile(const SmallArgs& a, int64_t n) {
         ChunkFromScratch<R, 1>(scratch, ld, a.x, a.k, c0, len, tail, t0, t_count, acc);
     }
   }
-  // The direct path keeps acc as [R][T] too (T = TT there).
+  // The direct path keeps acc as [R][T][2] too (T = TT there).
   for (int r = 0; r < R; ++r) {
     for (int64_t t = 0; t < t_count; ++t) {
-      float s = _mm512_reduce_add_ps(acc[r * t_count + t]);
+      const int64_t i = 2 * (r * t_count + t);
+      float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc[i + 1]));
       if (a.bias) s += a.bias[n + r];
       a.out[t * a.n + n + r] = s;
     }
@@ -399,11 +409,13 @@ template <WFmt W>
 void SmallAvx512(const SmallArgs& a, int64_t n0, int64_t n1) {
   // The tile height changes which rows share a pass, never how a row is summed.
   int64_t n = n0;
-  // Float rows at T = 1 go 8 at a time (8 FMA chains); quantized rows 4 at a time, which
-  // measured faster (fewer concurrent short streams: their rows are 1-4 KB of codes plus
-  // the scales and zeros).
+  // Float rows at T = 1 go one at a time: one sequential stream per thread, which the
+  // hardware prefetchers serve best (EPYC Zen 5, kernels_bench --quick --t=1 bf16, tiles
+  // alternated four times: 1 row 36-44 GB/s, 4 rows 33-38, 8 rows 33-38; a row's two FMA
+  // chains keep up with that). Quantized rows go 4 at a time, which measured faster on Zen 4
+  // (their rows are 1-4 KB of codes plus the scales and zeros).
   if (a.t == 1 && a.q == nullptr) {
-    for (; n + 2 * kRows <= n1; n += 2 * kRows) Tile<2 * kRows, W>(a, n);
+    for (; n < n1; ++n) Tile<1, W>(a, n);
   }
   for (; n + kRows <= n1; n += kRows) Tile<kRows, W>(a, n);
   for (; n < n1; ++n) Tile<1, W>(a, n);
