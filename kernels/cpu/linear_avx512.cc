@@ -41,7 +41,7 @@ namespace {
 
 constexpr int64_t kBlock = kAvx512Block;  // columns per step: two 16-lane vectors
 constexpr int64_t kChunk = 512;           // columns per scratch chunk; a multiple of kBlock
-constexpr int kRows = 4;                  // weight rows per tile (8 when T = 1)
+constexpr int kRows = 4;                  // weight rows per tile (float rows at T = 1: one)
 
 // Lanes of a block's two halves that hold columns (all, except in a float tail block).
 struct Mask {

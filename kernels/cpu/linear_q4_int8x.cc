@@ -33,12 +33,6 @@ namespace tgis::kernels::cpu {
 namespace {
 
 constexpr int64_t kChunk = 128;  // columns per step: 64 code bytes, 16 dword lanes
-// Codes are fetched this many bytes ahead of the chunk being read, one cache line per chunk,
-// across row ends (rows are consecutive): the hardware prefetcher alone left the stream at
-// 31-41 GB/s on EPYC Zen 5 (kernels_bench --quick --t=1 --int8-activations gptq4g32 gptq4:
-// 4096 bytes ahead measured +2-10% for groups of 32, +10-25% for 128; 512-2048 less, 16384
-// no better).
-constexpr int64_t kCodesAhead = 4096;
 
 TGIS_VNNI inline __m512i DotAdd(__m512i acc, __m512i codes, __m512i x) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(codes), "v"(x));
@@ -82,7 +76,7 @@ TGIS_VNNI void Dots(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, _
   for (int t = 0; t < TT; ++t) sum[t] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     const Int8X::Chunk& ch = x.chunks[c];
-    _mm_prefetch(reinterpret_cast<const char*>(row.codes() + c * 64 + kCodesAhead), _MM_HINT_T0);
+    PrefetchCodesAhead(row.codes() + c * 64);  // one cache line per chunk
     const __m512i bytes = _mm512_loadu_si512(row.codes() + c * 64);
     const __m512i lo = _mm512_and_si512(bytes, low);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
@@ -123,7 +117,7 @@ TGIS_AVX2 void DotsAvx2(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t
   for (int t = 0; t < TT; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     const FourRuns runs = RunsOf(row, x.chunks[c]);
-    _mm_prefetch(reinterpret_cast<const char*>(row.codes() + c * 64 + kCodesAhead), _MM_HINT_T0);
+    PrefetchCodesAhead(row.codes() + c * 64);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256i bytes =

@@ -37,12 +37,6 @@ namespace {
 
 constexpr int64_t kChunk = 64;  // columns per step: 64 code bytes, 16 dword lanes
 
-// Codes are fetched this many bytes ahead of the ones being read, across row ends (rows are
-// consecutive): on EPYC Zen 5 (kernels_bench --quick --t=1 --int8-activations int8, three
-// alternations) 4096 bytes ahead measured +5-20% over the hardware prefetcher alone, 2048
-// less, 8192 about the same.
-constexpr int64_t kCodesAhead = 4096;
-
 // acc += u8 a times s8 b, 4 products per int32 lane (asm: see linear_vnni.cc's DotAdd).
 TGIS_VNNI inline __m512i DotAdd(__m512i acc, __m512i a, __m512i b) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
@@ -65,8 +59,7 @@ TGIS_VNNI void Dots(const SmallArgs& a, const Int8X8& x, int64_t n, int64_t t0, 
   for (int t = 0; t < TT; ++t) sum[t] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     const int32_t run0 = block_run[c * kChunk / 8], run1 = block_run[c * kChunk / 8 + 4];
-    _mm_prefetch(reinterpret_cast<const char*>(row.codes() + c * kChunk + kCodesAhead),
-                 _MM_HINT_T0);
+    PrefetchCodesAhead(row.codes() + c * kChunk);
     const __m512i codes = _mm512_loadu_si512(row.codes() + c * kChunk);
     const __m512 w_scale = TwoRuns(row.scale, run0, run1);
     const __m512 w_zero = TwoRuns(row.zero, run0, run1);
@@ -133,7 +126,7 @@ TGIS_AVX2 void DotsAvx2(const SmallArgs& a, const Int8X8& x, int64_t n, int64_t 
     const int64_t b1 = sg.k1 / 32;
     int64_t b = sg.k0 / 32;
     for (; b + 2 <= b1; b += 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(row.codes() + 32 * b + kCodesAhead), _MM_HINT_T0);
+      PrefetchCodesAhead(row.codes() + 32 * b);  // a cache line per two blocks
       BlockAvx2<TT>(row.codes(), tx, b, even);
       BlockAvx2<TT>(row.codes(), tx, b + 1, odd);
     }

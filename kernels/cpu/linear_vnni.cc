@@ -40,8 +40,6 @@ namespace {
 constexpr int64_t kBlock = kAvx512Block;  // columns per instruction: 32 int16 lanes
 constexpr int64_t kSegment = 2048;        // |sum| < 64 * 2 * 256 * 2^15 = 2^30 per lane
 constexpr int kRows = 4;                  // weight rows per tile (T > 1)
-// How far ahead a one-row tile (T = 1) fetches its codes: see SmallVnni.
-constexpr int64_t kCodesAhead = 4096;
 
 // acc += pairwise products of a and b (int16) summed into int32 lanes: vpdpwssd. Through asm
 // because GCC 12 allocates the intrinsic's tied accumulator badly (a copy and a stack store
