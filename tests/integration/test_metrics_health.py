@@ -219,13 +219,20 @@ def test_every_metric_moves(server):
         request=pb.GenerationRequest(text="Hello"), params=params(pb, 250, 250)), timeout=60)
     next(stream)
     next(stream)  # the first token: the stream runs
+    # The big one must time out in the queue long before the stream ends, and the small one
+    # must get its first token well within the same limit and so join the running batch (a
+    # concatenation). A fixed limit raced the stream on a fast CPU (its 250 tokens took under
+    # 100 ms), so the limit is a third of the stream's remaining time as measured here: the
+    # mean gap between the tokens it is sending now, over ten of them.
+    gap_start = time.monotonic()
+    for _ in range(10):
+        next(stream)
+    gap = (time.monotonic() - gap_start) / 10
+    time_limit_ms = max(10, min(100, int(gap * 1000 * 238 / 3)))
     waiting = stub.Generate.future(pb.BatchedGenerationRequest(
         requests=[pb.GenerationRequest(text="word " * 300), pb.GenerationRequest(text="y")],
         params=pb.Parameters(truncate_input_tokens=230, stopping=pb.StoppingCriteria(
-            max_new_tokens=20, time_limit_millis=100))), timeout=60)
-    # 100 ms: the big one times out in the queue long before the stream ends (about 150 ms on
-    # an optimized build, more under sanitizers), while the small one gets its first token well
-    # within it and so joins the running batch (a concatenation), even under AddressSanitizer.
+            max_new_tokens=20, time_limit_millis=time_limit_ms))), timeout=60)
     during = []
     while not waiting.done():
         during.append(scrape(server))
@@ -233,7 +240,7 @@ def test_every_metric_moves(server):
     stream_messages = list(stream)
     assert stream_messages[-1].stop_reason == pb.MAX_TOKENS
     [big, small] = waiting.result().responses
-    assert big.stop_reason == pb.TIME_LIMIT and big.generated_token_count == 0
+    assert big.stop_reason == pb.TIME_LIMIT and big.generated_token_count == 0, time_limit_ms
     assert small.generated_token_count >= 1  # MAX_TOKENS, or TIME_LIMIT on a slow machine
 
     # Tokenize: one call of two inputs.
