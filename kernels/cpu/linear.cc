@@ -393,7 +393,16 @@ void LargeT(const SmallArgs& a) {
   }
   [[maybe_unused]] const bool avx2 = UseAvx2();
   const int64_t threads = ThreadPool::Global().size();
-  if constexpr (W == WFmt::kF32) {
+  if (UseAvx512(nullptr)) {
+    LargeAvx512Gemm(a, [&](int64_t n0, int rows, float* scratch) -> const float* {
+      if constexpr (W == WFmt::kF32) {
+        return static_cast<const float*>(a.w) + n0 * a.k;
+      } else {
+        ConvertRows<W>(a, n0, rows, scratch, avx2);
+        return scratch;
+      }
+    });
+  } else if constexpr (W == WFmt::kF32) {
     const int64_t grain = std::max<int64_t>(16, (a.n + threads - 1) / threads);
     ParallelFor(a.n, grain, [&](int64_t b, int64_t e) {
       SgemmNT(static_cast<int>(a.t), static_cast<int>(e - b), static_cast<int>(a.k), a.x,

@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "kernels/quantized.h"
@@ -197,6 +198,13 @@ struct Int8X8 {
   bool Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run, bool vnni);
 };
 void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, bool vnni, int64_t n0, int64_t n1);
+
+// The AVX-512 prefill GEMM (T > kSmallT; linear_gemm_avx512.cc) for every weight format: it
+// asks `rows_of` for weight rows [n0, n0 + rows) as f32 [rows, K], written into `scratch`
+// (room for 32 rows) or found elsewhere (f32 weights: the weight itself), and returns where
+// they are. It runs on the thread pool; the bias is the caller's.
+using PanelRows = std::function<const float*(int64_t n0, int rows, float* scratch)>;
+void LargeAvx512Gemm(const SmallArgs& a, const PanelRows& rows_of);
 
 // The opt-in prefill GEMM (T > kSmallT) for 8- and 4-bit codes against x as Int8Blocks rounds it
 // (linear_int8_gemm.cc), on the weights WholeBlockRuns, with VNNI (`vnni`) or AVX2; it runs on

@@ -498,6 +498,33 @@ TEST_P(OpsTest, LinearSmallBatchIsBatchInvariant) {
   }
 }
 
+// The AVX-512 prefill GEMM (T > 16) sums each output in one order whatever the batch: a
+// prompt's rows come out the same alone or beside others, at any offset in the register tiles.
+TEST_P(OpsTest, LinearPrefillOnAvx512IsBatchInvariant) {
+  if (device() != Device::kCpu || dtype() == DType::kF16) GTEST_SKIP() << "CPU property";
+  if (!cpu::IsaAvailable(cpu::Isa::kAvx512)) GTEST_SKIP() << "no AVX-512 on this CPU";
+  cpu::SetIsaForTesting(cpu::Isa::kAvx512);
+  const int64_t out_f = 45, t_count = 64;
+  for (int64_t in : {1030, 512}) {  // a partial last column block, and none
+    const Tensor x = Act(Random(t_count * in, 8), {t_count, in});
+    const QuantizedWeight q = RandomQuant(4, out_f, in, 128, false, 9, true).Build();
+    const std::pair<Tensor, std::string> weights[] = {
+        {Weight(Random(out_f * in, 5), {out_f, in}), "dense"},
+        {Tensor::Quantized(std::make_shared<const QuantizedWeight>(q)), "4-bit"}};
+    for (const auto& [w, name] : weights) {
+      Tensor all;
+      Linear(x, w, nullptr, &all);
+      for (const auto& [t0, rows] : {std::pair<int64_t, int64_t>{0, 17}, {7, 29}, {30, 34}}) {
+        Tensor some;
+        Linear(x.Rows(t0, t0 + rows), w, nullptr, &some);
+        for (int64_t i = 0; i < rows * out_f; ++i)
+          ASSERT_EQ(some.data<float>()[i], all.data<float>()[t0 * out_f + i])
+              << name << " in=" << in << " rows " << t0 << "+" << rows << " at " << i;
+      }
+    }
+  }
+}
+
 // Activations the way LLMs have them: an outlier far above the rest, values spread over many
 // orders of magnitude, an all-zero row, and a row with a NaN (which must come out NaN, not be
 // hidden). The VNNI path holds x as fixed point per token; it must keep f32's accuracy here.
