@@ -14,15 +14,21 @@
 //
 // Order: each output is one f32 FMA chain over k in column order (kc blocks in turn, stored
 // to and reloaded from `out` between them, which is exact), so its value depends on its own x
-// row only: the same at any T above kSmallT, in any tile, on any number of threads. A partial
-// last token tile is padded with zeros and its padding never stored.
+// row only: the same at any T above kSmallT, in any tile, on any number of threads.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/linear_stream.h"
 #include "kernels/cpu/thread_pool.h"
+
+#if defined(__GNUC__) && !defined(__clang__)  // GCC 12's own mask-load intrinsics trip these
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 #define TGIS_AVX512_GEMM __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma")))
 
@@ -55,28 +61,69 @@ void PackX(const float* x, int64_t t, int64_t k, std::vector<float>* out) {
   });
 }
 
+// dst[c * ldd + r] = src[r * ld + c] for a 16 x 16 block: four rounds of shuffles.
+TGIS_AVX512_GEMM void Transpose16(const float* src, int64_t ld, float* dst, int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
+  // Per 128-bit lane L (columns 4L to 4L + 3): pairs of rows interleaved, then t[4i + c] ...
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // ... r[4i + c]'s lane L holds rows 4i to 4i + 3 of column 4L + c.
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  // Lanes regrouped: t[c] holds columns c and c + 8 of rows 0-7, t[4 + c] columns c + 4 and
+  // c + 12; t[8 + c] and t[12 + c] the same of rows 8-15.
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+    t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+    t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm512_storeu_ps(dst + c * ldd, _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88));
+    _mm512_storeu_ps(dst + (c + 8) * ldd, _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD));
+    _mm512_storeu_ps(dst + (c + 4) * ldd, _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88));
+    _mm512_storeu_ps(dst + (c + 12) * ldd, _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xDD));
+  }
+}
+
 // Columns [k0, k0 + kc) of the panel's rows (rows [rows, k] f32; rows past `rows` are zeros)
-// as [kc][kNr].
-void PackPanel(const float* w, int rows, int64_t k, int64_t k0, int64_t kc, float* out) {
-  for (int r = 0; r < kNr; ++r) {
-    if (r < rows) {
-      const float* src = w + r * k + k0;
-      for (int64_t j = 0; j < kc; ++j) out[j * kNr + r] = src[j];
-    } else {
-      for (int64_t j = 0; j < kc; ++j) out[j * kNr + r] = 0.f;
+// as [kc][kNr]: whole 16 x 16 blocks transposed in registers (at small T this packing is a
+// large part of the work), the rest one value at a time.
+TGIS_AVX512_GEMM void PackPanel(const float* w, int rows, int64_t k, int64_t k0, int64_t kc,
+                                float* out) {
+  for (int r0 = 0; r0 < kNr; r0 += 16) {
+    int64_t j = 0;
+    if (r0 + 16 <= rows) {
+      for (; j + 16 <= kc; j += 16) Transpose16(w + r0 * k + k0 + j, k, out + j * kNr + r0, kNr);
+    }
+    for (int r = r0; r < r0 + 16; ++r) {
+      if (r < rows) {
+        for (int64_t i = j; i < kc; ++i) out[i * kNr + r] = w[r * k + k0 + i];
+      } else {
+        for (int64_t i = j; i < kc; ++i) out[i * kNr + r] = 0.f;
+      }
     }
   }
 }
 
-// One register tile: out[tokens, 32 rows] (+)= xp [kc][kMr] @ wp [kc][32]. `first`: the
-// accumulators start at zero, else from out. Only `tokens` rows and the rows in `m0`/`m1`
-// (the panel's first and second 16) are read and written.
+// One register tile: out[MR tokens, 32 rows] (+)= xp [kc][kMr] (its first MR tokens) @ wp
+// [kc][32]. `first`: the accumulators start at zero, else from out. Only the rows in `m0`/`m1`
+// (the panel's first and second 16) are read and written. A last tile of fewer than kMr
+// tokens takes its own MR, so no padding is multiplied.
+template <int MR>
 TGIS_AVX512_GEMM void Tile(const float* xp, const float* wp, int64_t kc, float* out, int64_t ldo,
-                           int tokens, __mmask16 m0, __mmask16 m1, bool first) {
-  __m512 acc[kMr][2];
-#pragma GCC unroll 12
-  for (int i = 0; i < kMr; ++i) {
-    if (first || i >= tokens) {
+                           __mmask16 m0, __mmask16 m1, bool first) {
+  __m512 acc[MR][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    if (first) {
       acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     } else {
       acc[i][0] = _mm512_maskz_loadu_ps(m0, out + i * ldo);
@@ -86,21 +133,28 @@ TGIS_AVX512_GEMM void Tile(const float* xp, const float* wp, int64_t kc, float* 
   for (int64_t j = 0; j < kc; ++j) {
     const __m512 w0 = _mm512_loadu_ps(wp + j * kNr);
     const __m512 w1 = _mm512_loadu_ps(wp + j * kNr + 16);
-#pragma GCC unroll 12
-    for (int i = 0; i < kMr; ++i) {
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
       const __m512 xv = _mm512_set1_ps(xp[j * kMr + i]);
       acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
       acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
     }
   }
-#pragma GCC unroll 12
-  for (int i = 0; i < kMr; ++i) {
-    if (i < tokens) {
-      _mm512_mask_storeu_ps(out + i * ldo, m0, acc[i][0]);
-      _mm512_mask_storeu_ps(out + i * ldo + 16, m1, acc[i][1]);
-    }
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    _mm512_mask_storeu_ps(out + i * ldo, m0, acc[i][0]);
+    _mm512_mask_storeu_ps(out + i * ldo + 16, m1, acc[i][1]);
   }
 }
+
+using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, __mmask16, __mmask16,
+                        bool);
+template <int... MR>
+constexpr std::array<TileFn, kMr + 1> TileTable(std::integer_sequence<int, MR...>) {
+  return {nullptr, &Tile<MR + 1>...};
+}
+// kTiles[m]: the tile of m tokens.
+constexpr std::array<TileFn, kMr + 1> kTiles = TileTable(std::make_integer_sequence<int, kMr>());
 
 }  // namespace
 
@@ -125,8 +179,8 @@ void LargeAvx512Gemm(const SmallArgs& a, const PanelRows& rows_of) {
         PackPanel(w, rows, a.k, k0, kc, wp.data());
         for (int64_t tile = 0; tile < tiles; ++tile) {
           const int64_t t0 = tile * kMr;
-          Tile(xp + (tile * a.k + k0) * kMr, wp.data(), kc, a.out + t0 * a.n + n0, a.n,
-               static_cast<int>(std::min<int64_t>(kMr, a.t - t0)), m0, m1, k0 == 0);
+          kTiles[std::min<int64_t>(kMr, a.t - t0)](xp + (tile * a.k + k0) * kMr, wp.data(), kc,
+                                                   a.out + t0 * a.n + n0, a.n, m0, m1, k0 == 0);
         }
       }
     }
