@@ -1,14 +1,15 @@
 // Linear's opt-in prefill GEMM for 8- and 4-bit codes with x rounded to int8 (SetInt8Activations;
 // the shard's --cpu-int8-activations), on AVX-512 VNNI or AVX2: CTranslate2's and llama.cpp's way
 // of running a quantized checkpoint's prompt, where the exact path (codes dequantized to f32, then
-// OpenBLAS sgemm) runs at f32's speed.
+// the f32 GEMM) runs at f32's speed.
 //
 // x is rounded as the mode's decode kernels round it (Int8Blocks): per token and per 32 stored
 // columns, q = nearbyint(x * (127 / absmax)), scale absmax / 127. The weights are
-// taken 16 rows (a panel) at a time and repacked once per panel, for every token tile to read:
-// 4 consecutive columns of the 16 rows per 64-byte vector, the codes as unsigned bytes (4-bit
-// codes widened). One vpdpbusd then adds 4 columns of 16 rows for one token (64 products,
-// against FMA's 16), with the token's 4 int8 codes broadcast. Per 32-column block the exact
+// taken 32 rows (a panel) at a time and repacked once per panel, for every token tile to read:
+// 4 consecutive columns of 16 rows per 64-byte vector, the codes as unsigned bytes (4-bit codes
+// widened). One vpdpbusd then adds 4 columns of 16 rows for one token (64 products, against
+// FMA's 16), with the token's 4 int8 codes broadcast; a register tile is 6 tokens x 32 rows, so
+// a broadcast serves two of them. Per 32-column block the exact
 // integer sum I (at most 32 * 255 * 127) becomes (I - zero * sum(q)) in f32 (exact: below
 // 2^24) and is added, times the weight's and x's scales, into one f32 accumulator per output:
 // every output sums its blocks in column order, so its value depends on its own x row only,
@@ -34,8 +35,8 @@ namespace tgis::kernels::cpu {
 namespace {
 
 constexpr int64_t kBlock = 32;  // columns per x scale and per weight run
-constexpr int kPanel = 16;      // VNNI: weight rows per panel, one zmm of f32 outputs
-constexpr int kTokens = 8;      // VNNI: tokens per register tile
+constexpr int kPanel = 32;      // VNNI: weight rows per panel, two zmm of f32 outputs
+constexpr int kTokens = 6;      // VNNI: tokens per register tile (24 of the 32 zmm accumulate)
 constexpr int kPanelAvx2 = 8;   // AVX2: one ymm of f32 outputs
 constexpr int kTokensAvx2 = 4;  // AVX2: 16 ymm registers hold 4 tokens' integer and f32 sums
 
@@ -128,43 +129,56 @@ struct Panel {
   }
 };
 
-// out[t0 .. t0 + TT) of the panel's rows.
+// out[t0 .. t0 + TT) of the panel's 32 rows (two zmm of 16).
 template <int TT>
 TGIS_VNNI void Tile(const SmallArgs& a, const Int8Blocks& x, const Panel<kPanel>& p, int64_t n0,
                     int64_t t0) {
   const int64_t blocks = a.k / kBlock;
-  __m512 acc[TT];
-  for (int t = 0; t < TT; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 acc[TT][2];
+  for (int t = 0; t < TT; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    __m512i dot[TT];
-    for (int t = 0; t < TT; ++t) dot[t] = _mm512_setzero_si512();
+    __m512i dot[TT][2];
+    for (int t = 0; t < TT; ++t) dot[t][0] = dot[t][1] = _mm512_setzero_si512();
     const uint8_t* w = &p.codes[b * kBlock * kPanel];
     const int8_t* xq = &x.q[t0 * a.k + b * kBlock];
 #pragma GCC unroll 8
     for (int s = 0; s < kBlock / 4; ++s) {
-      const __m512i wv = _mm512_loadu_si512(w + s * 4 * kPanel);
+      const __m512i w0 = _mm512_loadu_si512(w + s * 4 * kPanel);
+      const __m512i w1 = _mm512_loadu_si512(w + s * 4 * kPanel + 64);
 #pragma GCC unroll 8
       for (int t = 0; t < TT; ++t) {
         int32_t four;
         std::memcpy(&four, xq + t * a.k + 4 * s, 4);
-        dot[t] = DotAdd(dot[t], wv, _mm512_set1_epi32(four));
+        const __m512i xv = _mm512_set1_epi32(four);
+        dot[t][0] = DotAdd(dot[t][0], w0, xv);
+        dot[t][1] = DotAdd(dot[t][1], w1, xv);
       }
     }
-    const __m512 ws = _mm512_loadu_ps(&p.scale[b * kPanel]);
-    const __m512 wz = _mm512_loadu_ps(&p.zero[b * kPanel]);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512 ws = _mm512_loadu_ps(&p.scale[b * kPanel + 16 * h]);
+      const __m512 wz = _mm512_loadu_ps(&p.zero[b * kPanel + 16 * h]);
 #pragma GCC unroll 8
-    for (int t = 0; t < TT; ++t) {
-      const int64_t at = (t0 + t) * blocks + b;
-      const __m512 exact =
-          _mm512_fnmadd_ps(wz, _mm512_set1_ps(x.sum[at]), _mm512_cvtepi32_ps(dot[t]));
-      acc[t] = _mm512_fmadd_ps(exact, _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[at])), acc[t]);
+      for (int t = 0; t < TT; ++t) {
+        const int64_t at = (t0 + t) * blocks + b;
+        const __m512 exact =
+            _mm512_fnmadd_ps(wz, _mm512_set1_ps(x.sum[at]), _mm512_cvtepi32_ps(dot[t][h]));
+        acc[t][h] =
+            _mm512_fmadd_ps(exact, _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[at])), acc[t][h]);
+      }
     }
   }
   const int rows = static_cast<int>(std::min<int64_t>(kPanel, a.n - n0));
-  const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
-  const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0) : _mm512_setzero_ps();
-  for (int t = 0; t < TT; ++t)
-    _mm512_mask_storeu_ps(a.out + (t0 + t) * a.n + n0, mask, _mm512_add_ps(acc[t], bias));
+  for (int h = 0; h < 2; ++h) {
+    const int in_half = std::clamp(rows - 16 * h, 0, 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << in_half) - 1);
+    const __m512 bias =
+        a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n0 + 16 * h) : _mm512_setzero_ps();
+    for (int t = 0; t < TT; ++t) {
+      _mm512_mask_storeu_ps(a.out + (t0 + t) * a.n + n0 + 16 * h, mask,
+                            _mm512_add_ps(acc[t][h], bias));
+    }
+  }
 }
 
 // Integer adds through asm: GCC 12 reassociates the fully unrolled sums of TileAvx2 into trees
@@ -258,9 +272,9 @@ void Gemm(const SmallArgs& a, const Int8Blocks& x) {
       int64_t t0 = 0;
       if constexpr (kVnni) {
         for (; t0 + kTokens <= a.t; t0 += kTokens) Tile<kTokens>(a, x, p, n0, t0);
-        if (t0 + 4 <= a.t) {
-          Tile<4>(a, x, p, n0, t0);
-          t0 += 4;
+        if (t0 + 3 <= a.t) {
+          Tile<3>(a, x, p, n0, t0);
+          t0 += 3;
         }
         for (; t0 < a.t; ++t0) Tile<1>(a, x, p, n0, t0);
       } else {
