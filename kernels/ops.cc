@@ -2,7 +2,6 @@
 #include "kernels/ops.h"
 
 #include "kernels/check.h"
-#include "kernels/cpu/blas.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda_ops.h"
@@ -17,8 +16,8 @@ bool SetCpuInt8Activations(bool on) {
 
 std::string CpuBackendSummary() {
   return std::string("linear isa ") + cpu::ActiveIsaName() + ", " +
-         std::to_string(cpu::ThreadPool::Global().size()) + " threads, OpenBLAS kernels " +
-         cpu::BlasCoreName();
+         std::to_string(cpu::ThreadPool::Global().size()) + " threads, prefill GEMM " +
+         cpu::PrefillGemmName();
 }
 
 namespace {

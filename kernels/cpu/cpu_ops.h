@@ -2,6 +2,7 @@
 // dispatcher in ops.cc, plus hooks for tests and benchmarks.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "kernels/ops.h"
@@ -28,5 +29,9 @@ bool Int8ActivationsAvailable();
 
 // The path kAuto resolves to on this machine ("avx512+vnni", "avx512", "avx2+fma", "scalar").
 const char* ActiveIsaName();
+
+// What runs prefill's matrix products (T above the streaming kernels'): "avx512" (ours), or
+// "OpenBLAS <its kernel family>" (loading OpenBLAS to ask it).
+std::string PrefillGemmName();
 
 }  // namespace tgis::kernels::cpu

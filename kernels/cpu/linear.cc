@@ -473,6 +473,10 @@ const char* ActiveIsaName() {
   return UseAvx2() ? "avx2+fma" : "scalar";
 }
 
+std::string PrefillGemmName() {
+  return UseAvx512(nullptr) ? "avx512" : "OpenBLAS " + BlasCoreName();
+}
+
 void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
   const char* op = "Linear";
   CheckF32(x, op, "x");
