@@ -205,6 +205,46 @@ void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, bool vnni, int64_t n0, in
 // they are. It runs on the thread pool; the bias is the caller's.
 using PanelRows = std::function<const float*(int64_t n0, int rows, float* scratch)>;
 void LargeAvx512Gemm(const SmallArgs& a, const PanelRows& rows_of);
+// dst[c * ldd + r] = src[r * ld + c] for a 16 x 16 block of 32-bit values, in four rounds of
+// shuffles (AVX-512 callers only).
+#if defined(__GNUC__) && !defined(__clang__)  // GCC 12's own intrinsics' undefined operands
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+__attribute__((target("avx512f"))) inline void Transpose16(const float* src, int64_t ld, float* dst,
+                                                           int64_t ldd) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld);
+  // Per 128-bit lane L (columns 4L to 4L + 3): pairs of rows interleaved, then t[4i + c] ...
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // ... r[4i + c]'s lane L holds rows 4i to 4i + 3 of column 4L + c.
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  // Lanes regrouped: t[c] holds columns c and c + 8 of rows 0-7, t[4 + c] columns c + 4 and
+  // c + 12; t[8 + c] and t[12 + c] the same of rows 8-15.
+  for (int c = 0; c < 4; ++c) {
+    t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+    t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+    t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm512_storeu_ps(dst + c * ldd, _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88));
+    _mm512_storeu_ps(dst + (c + 8) * ldd, _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD));
+    _mm512_storeu_ps(dst + (c + 4) * ldd, _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88));
+    _mm512_storeu_ps(dst + (c + 12) * ldd, _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xDD));
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 // The opt-in prefill GEMM (T > kSmallT) for 8- and 4-bit codes against x as Int8Blocks rounds it
 // (linear_int8_gemm.cc), on the weights WholeBlockRuns, with VNNI (`vnni`) or AVX2; it runs on

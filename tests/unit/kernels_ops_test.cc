@@ -1479,7 +1479,7 @@ TEST(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
 // The opt-in int8-activation kernels compute exactly what their definition says: x rounded
 // per 32 stored columns to nearbyint(x * 127 / absmax), times absmax / 127, against the
 // dequantized weight. That is decode (T <= 16: the streaming kernels) and the prefill GEMM
-// (T = 40, over more than one panel of 16 rows plus a partial one), for 8- and 4-bit codes.
+// (T = 40, over a whole panel of 32 rows plus a partial one), for 8- and 4-bit codes.
 // A row's result is bitwise the same at any T on each path; off, Linear is bitwise the exact
 // kernel again.
 TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
