@@ -9,9 +9,11 @@
 //    Each output element is summed in one fixed order (8 lanes over k, a fixed horizontal sum,
 //    then the k % 8 tail), so a row's result does not depend on T, on the other rows in the
 //    batch, or on the number of threads.
-//  - Large T (prefill): OpenBLAS sgemm (blas.h: loaded at run time, with the kernels this
-//    CPU runs), one single-threaded call per block of output rows on our pool (bf16/f16 weight
-//    blocks are converted to f32 into a per-thread scratch first).
+//  - Large T (prefill): with AVX-512, our GEMM (linear_gemm_avx512.cc: weight panels of 32
+//    rows converted to f32 once, each output one FMA chain in column order); otherwise
+//    OpenBLAS sgemm (blas.h: loaded at run time, with the kernels this CPU runs), one
+//    single-threaded call per block of output rows on our pool (bf16/f16 weight blocks are
+//    converted to f32 into a per-thread scratch first).
 // Quantized weights (kernels/quantized.h) take both paths too: their codes are dequantized
 // where bf16 would be converted ((code - zero) * scale, exactly the f32 weight transformers
 // would multiply by), over the stored columns, against x gathered into the stored order.
@@ -362,7 +364,7 @@ void SmallT(const SmallArgs& args) {
   });
 }
 
-// ---- large T: OpenBLAS ---------------------------------------------------------------------
+// ---- large T: our AVX-512 GEMM, or OpenBLAS -----------------------------------------------
 
 template <WFmt W>
 TGIS_AVX2 void ConvertRowAvx2(const WRow& src, int64_t n, float* dst) {
