@@ -11,7 +11,9 @@
 // FMA's 16), with the token's 4 int8 codes broadcast; a register tile is 6 tokens x 32 rows, so
 // a broadcast serves two of them. Per 32-column block the exact
 // integer sum I (at most 32 * 255 * 127) becomes (I - zero * sum(q)) in f32 (exact: below
-// 2^24) and is added, times the weight's and x's scales, into one f32 accumulator per output:
+// 2^24) and is added, times the weight's and x's scales, into one f32 accumulator per output
+// (a weight with one run per row, as bitsandbytes' int8: times x's scale only, the weight's
+// applied once at the end):
 // every output sums its blocks in column order, so its value depends on its own x row only,
 // never on T, the tiles or the threads. AVX2 has no vpdpbusd: panels of 8 rows (a ymm), and
 // TileAvx2 says how the same integer sums are made there.
@@ -175,7 +177,7 @@ struct Panel {
 };
 
 // out[t0 .. t0 + TT) of the panel's 32 rows (two zmm of 16).
-template <int TT>
+template <int TT, bool kOneRun>
 TGIS_VNNI void Tile(const SmallArgs& a, const Int8Blocks& x, const Panel<kPanel>& p, int64_t n0,
                     int64_t t0) {
   const int64_t blocks = a.k / kBlock;
@@ -208,9 +210,17 @@ TGIS_VNNI void Tile(const SmallArgs& a, const Int8Blocks& x, const Panel<kPanel>
         const int64_t at = (t0 + t) * blocks + b;
         const __m512 exact =
             _mm512_fnmadd_ps(wz, _mm512_set1_ps(x.sum[at]), _mm512_cvtepi32_ps(dot[t][h]));
-        acc[t][h] =
-            _mm512_fmadd_ps(exact, _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[at])), acc[t][h]);
+        // One run per row: the weight's scale is applied once, at the end.
+        const __m512 by =
+            kOneRun ? _mm512_set1_ps(x.scale[at]) : _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[at]));
+        acc[t][h] = _mm512_fmadd_ps(exact, by, acc[t][h]);
       }
+    }
+  }
+  if constexpr (kOneRun) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512 ws = _mm512_loadu_ps(&p.scale[16 * h]);
+      for (int t = 0; t < TT; ++t) acc[t][h] = _mm512_mul_ps(acc[t][h], ws);
     }
   }
   const int rows = static_cast<int>(std::min<int64_t>(kPanel, a.n - n0));
@@ -309,6 +319,7 @@ template <WFmt W, bool kVnni>
 void Gemm(const SmallArgs& a, const Int8Blocks& x) {
   constexpr int kRows = kVnni ? kPanel : kPanelAvx2;
   const int64_t panels = (a.n + kRows - 1) / kRows;
+  [[maybe_unused]] const bool one_run = a.q->runs() == 1;
   ParallelFor(panels, 1, [&](int64_t b, int64_t e) {
     thread_local Panel<kRows> p;
     for (int64_t i = b; i < e; ++i) {
@@ -316,12 +327,21 @@ void Gemm(const SmallArgs& a, const Int8Blocks& x) {
       p.template Pack<W>(a, n0);
       int64_t t0 = 0;
       if constexpr (kVnni) {
-        for (; t0 + kTokens <= a.t; t0 += kTokens) Tile<kTokens>(a, x, p, n0, t0);
-        if (t0 + 3 <= a.t) {
-          Tile<3>(a, x, p, n0, t0);
-          t0 += 3;
+        if (one_run) {
+          for (; t0 + kTokens <= a.t; t0 += kTokens) Tile<kTokens, true>(a, x, p, n0, t0);
+          if (t0 + 3 <= a.t) {
+            Tile<3, true>(a, x, p, n0, t0);
+            t0 += 3;
+          }
+          for (; t0 < a.t; ++t0) Tile<1, true>(a, x, p, n0, t0);
+        } else {
+          for (; t0 + kTokens <= a.t; t0 += kTokens) Tile<kTokens, false>(a, x, p, n0, t0);
+          if (t0 + 3 <= a.t) {
+            Tile<3, false>(a, x, p, n0, t0);
+            t0 += 3;
+          }
+          for (; t0 < a.t; ++t0) Tile<1, false>(a, x, p, n0, t0);
         }
-        for (; t0 < a.t; ++t0) Tile<1>(a, x, p, n0, t0);
       } else {
         for (; t0 + kTokensAvx2 <= a.t; t0 += kTokensAvx2)
           TileAvx2<W, kTokensAvx2>(a, x, p, n0, t0);
