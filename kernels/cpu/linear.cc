@@ -165,6 +165,38 @@ void SmallScalar(const SmallArgs& a, int64_t n0, int64_t n1) {
 
 // ---- AVX2 / FMA / F16C --------------------------------------------------------------------
 
+// The codes of columns [i, i + 8) of a quantized row, one per int32 lane; i a multiple of 8.
+template <WFmt W>
+TGIS_AVX2 inline __attribute__((always_inline)) __m256i Codes8(const uint8_t* codes, int64_t i) {
+  if constexpr (W == WFmt::kQ8) {
+    int64_t eight;
+    std::memcpy(&eight, codes + i, 8);
+    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
+  } else {
+    uint32_t packed;
+    std::memcpy(&packed, codes + i / 2, 4);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(packed)), shifts),
+                            _mm256_set1_epi32(0xF));
+  }
+}
+
+// Weights [i, i + 8 * N) of a quantized row whose columns there all lie in run `r`, as N
+// vectors: (code - zero) * scale, each rounded once, as Dequantize computes them. Taking a
+// whole 32-column block at once reads the run's constants once instead of per 8 columns,
+// which was most of the AVX2 kernel's instructions for 4-bit codes.
+template <WFmt W, int N>
+TGIS_AVX2 inline __attribute__((always_inline)) void LoadRun(const WRow& row, int64_t i, int32_t r,
+                                                             __m256* out) {
+  const __m256 zero = _mm256_set1_ps(row.Zero(r));
+  const __m256 scale = _mm256_set1_ps(row.Scale(r));
+#pragma GCC unroll 4
+  for (int j = 0; j < N; ++j) {
+    const __m256 code = _mm256_cvtepi32_ps(Codes8<W>(row.codes(), i + 8 * j));
+    out[j] = _mm256_mul_ps(_mm256_sub_ps(code, zero), scale);
+  }
+}
+
 // Weights [i, i + 8) of a row as f32; i is a multiple of 8 for quantized rows.
 template <WFmt W>
 TGIS_AVX2 inline __m256 Load8(const WRow& row, int64_t i) {
@@ -189,23 +221,38 @@ TGIS_AVX2 inline __m256 Load8(const WRow& row, int64_t i) {
     return _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f)),
                          _mm256_set1_ps(row.scale[0]));
   } else {
-    __m256i codes;
-    if constexpr (W == WFmt::kQ8) {
-      int64_t eight;
-      std::memcpy(&eight, static_cast<const uint8_t*>(row.p) + i, 8);
-      codes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
-    } else {
-      uint32_t packed;
-      std::memcpy(&packed, static_cast<const uint8_t*>(row.p) + i / 2, 4);
-      const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-      codes =
-          _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(packed)), shifts),
-                           _mm256_set1_epi32(0xF));
-    }
-    const int32_t r = row.block_run[i / 8];
-    return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(codes), _mm256_set1_ps(row.Zero(r))),
-                         _mm256_set1_ps(row.Scale(r)));
+    __m256 v;
+    LoadRun<W, 1>(row, i, row.block_run[i / 8], &v);
+    return v;
   }
+}
+
+// Weights [i, i + 32) of a quantized row as four vectors: when the block lies in one run
+// (the usual group sizes), from that run's constants read once.
+template <WFmt W>
+TGIS_AVX2 inline __attribute__((always_inline)) void LoadBlock(const WRow& row, int64_t i,
+                                                               __m256* out) {
+  const int32_t* run = row.block_run + i / 8;
+  if (run[0] == run[3]) {  // runs are contiguous: the first and last block's run is all of it
+    LoadRun<W, 4>(row, i, run[0], out);
+  } else {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) LoadRun<W, 1>(row, i + 8 * j, run[j], out + j);
+  }
+}
+
+// Weights [i0, i0 + len) of a row as f32 into dst; i0 and len multiples of 8.
+template <WFmt W>
+TGIS_AVX2 inline void ConvertAvx2(const WRow& row, int64_t i0, int64_t len, float* dst) {
+  int64_t k = 0;
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
+    for (; k + 32 <= len; k += 32) {
+      __m256 v[4];
+      LoadBlock<W>(row, i0 + k, v);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(dst + k + 8 * j, v[j]);
+    }
+  }
+  for (; k < len; k += 8) _mm256_storeu_ps(dst + k, Load8<W>(row, i0 + k));
 }
 
 // acc[r * acc_stride + t] += sum over k in [0, len) of w_r[k0 + k] * x[t * ldx + k], per lane.
@@ -218,7 +265,25 @@ TGIS_AVX2 inline void Micro(const WRow* wrows, int64_t k0, const float* x, int64
 #pragma GCC unroll 4
     for (int t = 0; t < TT; ++t) a[r][t] = acc[r * acc_stride + t];
   }
-  for (int64_t k = 0; k < len; k += 8) {
+  int64_t k = 0;
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
+    // 32 columns at a time, each row's four weight vectors at once. The FMAs into each
+    // accumulator keep their column order, so the sums are bitwise those of 8-column steps.
+    for (; k + 32 <= len; k += 32) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        __m256 wv[4];
+        LoadBlock<W>(wrows[r], k0 + k, wv);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+#pragma GCC unroll 4
+          for (int t = 0; t < TT; ++t)
+            a[r][t] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(x + t * ldx + k + 8 * j), a[r][t]);
+        }
+      }
+    }
+  }
+  for (; k < len; k += 8) {
     if constexpr (TT == 1) {
       const __m256 xv = _mm256_loadu_ps(x + k);
 #pragma GCC unroll 8
@@ -270,7 +335,7 @@ TGIS_AVX2 void TileAvx2(const SmallArgs& a, int64_t n) {
       WRow sr[R];
       for (int r = 0; r < R; ++r) {
         float* dst = scratch + r * kChunk;
-        for (int64_t k = 0; k < len; k += 8) _mm256_store_ps(dst + k, Load8<Wt>(wr[r], c0 + k));
+        ConvertAvx2<Wt>(wr[r], c0, len, dst);
         sr[r].p = dst;
       }
       int64_t t0 = 0;
@@ -368,9 +433,9 @@ void SmallT(const SmallArgs& args) {
 
 template <WFmt W>
 TGIS_AVX2 void ConvertRowAvx2(const WRow& src, int64_t n, float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, Load8<W>(src, i));
-  for (; i < n; ++i) dst[i] = LoadScalar<W>(src, i);
+  const int64_t n8 = n & ~int64_t{7};
+  ConvertAvx2<W>(src, 0, n8, dst);
+  for (int64_t i = n8; i < n; ++i) dst[i] = LoadScalar<W>(src, i);
 }
 
 // Rows [r0, r0 + rows) of the weight as f32 into dst [rows, K].
