@@ -96,8 +96,10 @@ void LogSoftmax(Tensor* x);
 // Greedy choice per row of f32 logits [R, V], modified in place: the tokens listed in row r of
 // `banned` ([R, M] i32, -1 = none; may be undefined) become -inf first (EOS before
 // min_new_tokens); then ids[r] = the first index of the row's maximum and logprobs[r] = its
-// log-softmax value. ids: [R] i32, logprobs: [R] f32 (allocated when undefined). On CUDA this
-// keeps the logits on the device: only the ids and logprobs are copied back.
+// log-softmax value. A row holding a NaN or +inf (a model that overflowed) has no choice:
+// ids[r] = -1 and logprobs[r] = NaN, for the caller to fail that row's request alone.
+// ids: [R] i32, logprobs: [R] f32 (allocated when undefined). On CUDA this keeps the logits
+// on the device: only the ids and logprobs are copied back.
 void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logprobs);
 
 // The paged KV cache of one layer: [num_blocks, block_size, Hk, D] for keys and for values.

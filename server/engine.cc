@@ -16,6 +16,8 @@ using kernels::Tensor;
 
 namespace {
 
+constexpr float kInfinity = std::numeric_limits<float>::infinity();
+
 // Prefix caching shares the keys and values a sequence computed with any later one that starts
 // with the same tokens (and the same prompt-tuning prefix), and preemption computes a
 // sequence's tokens again in one pass: both need a token's keys and values to be the same
@@ -224,7 +226,7 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
     batch.push_back(s.get());
     seqs_[n.id] = std::move(s);
   }
-  if (!batch.empty()) RunStep(batch, /*prefill=*/true, prompt_budget, out, prefilling);
+  if (!batch.empty()) RunStep(batch, /*prefill=*/true, prompt_budget, out, errors, prefilling);
 }
 
 void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* out,
@@ -259,7 +261,7 @@ void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* o
   batch = ReserveOrPreempt(batch, errors, keys_independent_of_length_ ? preempted : nullptr);
   last_drafts_ = {};
   AddDrafts(batch);
-  if (!batch.empty()) RunStep(batch, /*prefill=*/false, prompt_budget, out, prefilling);
+  if (!batch.empty()) RunStep(batch, /*prefill=*/false, prompt_budget, out, errors, prefilling);
 }
 
 std::vector<int32_t> Engine::ProposeDraft(const Sequence& s, size_t limit) const {
@@ -389,11 +391,12 @@ bool Engine::Chunkable(const Sequence& s) const {
 }
 
 void Engine::RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t prompt_budget,
-                     std::vector<StepOutput>* out, std::vector<uint64_t>* prefilling) {
+                     std::vector<StepOutput>* out, std::vector<SequenceError>* errors,
+                     std::vector<uint64_t>* prefilling) {
   if (prompt_budget == 0 || prefilling == nullptr) {
     std::vector<size_t> ends;
     for (const Sequence* s : seqs) ends.push_back(s->tokens.size());
-    Run(seqs, ends, prefill, out);
+    Run(seqs, ends, prefill, out, errors);
     return;
   }
   // The budget goes to the oldest sequences first; a decode row (one token) is never held up.
@@ -423,11 +426,11 @@ void Engine::RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t pr
       ends.push_back(end_of[i]);
     }
   }
-  if (!step.empty()) Run(step, ends, prefill, out);
+  if (!step.empty()) Run(step, ends, prefill, out, errors);
 }
 
 void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& ends, bool prefill,
-                 std::vector<StepOutput>* out) {
+                 std::vector<StepOutput>* out, std::vector<SequenceError>* errors) {
   const int bs = cache_->block_size();
   std::vector<int32_t> ids, positions, slots, query_start{0}, context_lens;
   size_t max_blocks = 0;
@@ -516,6 +519,17 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
           .count();
   const int64_t v = logits.dim(1);
   std::vector<float> lp;
+  // A NaN or +inf in a sequence's logits (its activations overflowed, or a prompt-tuning
+  // prefix held one) fails that sequence alone: no token is made up for it, and its blocks,
+  // which may hold non-finite keys and values, go back (attention never reads past a
+  // sequence's own length, so whoever reuses them is unaffected).
+  std::vector<uint64_t> failed;
+  auto fail = [&](const Sequence* s) {
+    errors->push_back({s->id, absl::InternalError(
+                                  "the model's logits for this request are NaN or infinite "
+                                  "(a numerical overflow); the request was stopped")});
+    failed.push_back(s->id);
+  };
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence* s = seqs[i];
     if (seq_rows[i].second == 0) {  // a prompt chunk: its keys and values are in the cache
@@ -524,12 +538,22 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
       continue;
     }
     if (picked[i].has_value()) {
-      Append(s, std::move(*picked[i]), out);
+      if (picked[i]->id < 0) {  // GreedyPick found a NaN or +inf
+        fail(s);
+      } else {
+        Append(s, std::move(*picked[i]), out);
+      }
       continue;
     }
     auto [first_row, count] = seq_rows[i];
     Tensor rows = logits.Rows(first_row, first_row + count);
     if (rows.device() != kernels::Device::kCpu) rows = rows.ToDevice(kernels::Device::kCpu);
+    const float* const row_begin = rows.data<float>();
+    if (std::any_of(row_begin, row_begin + count * v,
+                    [](float f) { return std::isnan(f) || f == kInfinity; })) {
+      fail(s);
+      continue;
+    }
     if (!s->draft.empty()) {
       VerifyDraft(s, rows.data<float>(), v, out);
       continue;
@@ -575,6 +599,7 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
     Advance(s, o.token.id);
     out->push_back(std::move(o));
   }
+  for (uint64_t id : failed) Release(id);
 }
 
 Tensor Engine::OnDevice(const std::vector<int32_t>& v, const kernels::Shape& shape) const {

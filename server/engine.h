@@ -180,14 +180,16 @@ class Engine {
   // Registers s's blocks that are full and computed, for later sequences to share.
   void RegisterFullBlocks(Sequence* s);
   // Runs one forward pass over seqs[i]'s tokens [cached, ends[i]); a sequence whose end is its
-  // last token gets its next token, the others only advance `cached`.
+  // last token gets its next token, the others only advance `cached`. A sequence whose logits
+  // hold a NaN or +inf gets an error instead and is released; the others go on.
   void Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& ends, bool prefill,
-           std::vector<StepOutput>* out);
+           std::vector<StepOutput>* out, std::vector<SequenceError>* errors);
   // Plans a step: each sequence's end under the prompt budget (0: everything), and the
   // sequences with tokens to compute in it; those still short of their last token after it
   // are listed in `prefilling`.
   void RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t prompt_budget,
-               std::vector<StepOutput>* out, std::vector<uint64_t>* prefilling);
+               std::vector<StepOutput>* out, std::vector<SequenceError>* errors,
+               std::vector<uint64_t>* prefilling);
   bool Chunkable(const Sequence& s) const;
   // Prompt lookup: the tokens that followed the latest earlier occurrence of s's last 3 (else
   // 2, else 1) tokens, at most `limit` of them.

@@ -244,6 +244,7 @@ void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logpr
   TGIS_CHECK(ids->dtype() == DType::kI32 && ids->numel() == rows && logprobs->numel() == rows &&
                  logprobs->dtype() == DType::kF32,
              "GreedyPick: ids [R] i32 and logprobs [R] f32");
+  constexpr float kInf = std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     float* x = logits->data<float>() + r * v;
     if (has_banned) {
@@ -251,6 +252,11 @@ void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logpr
         const int64_t t = IndexAt(banned, r * banned.dim(1) + m);
         if (0 <= t && t < v) x[t] = -std::numeric_limits<float>::infinity();
       }
+    }
+    if (std::any_of(x, x + v, [](float f) { return std::isnan(f) || f == kInf; })) {
+      ids->data<int32_t>()[r] = -1;
+      logprobs->data<float>()[r] = std::numeric_limits<float>::quiet_NaN();
+      continue;
     }
     const int64_t best = std::max_element(x, x + v) - x;
     double sum = 0;

@@ -30,7 +30,12 @@ __global__ void GreedyKernel(const float* logits, int64_t v, int* ids, float* lo
   const float* x = logits + blockIdx.x * v;
   float bv = -INFINITY;
   int bi = 0x7fffffff;
-  for (int64_t i = threadIdx.x; i < v; i += blockDim.x) Better(bv, bi, x[i], static_cast<int>(i));
+  int bad = 0;  // a NaN or +inf: the row has no choice (GreedyPick's contract)
+  for (int64_t i = threadIdx.x; i < v; i += blockDim.x) {
+    bad |= isnan(x[i]) || x[i] == INFINITY;
+    Better(bv, bi, x[i], static_cast<int>(i));
+  }
+  bad = __syncthreads_or(bad);
   for (int o = 16; o > 0; o >>= 1) {
     Better(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
   }
@@ -49,8 +54,8 @@ __global__ void GreedyKernel(const float* logits, int64_t v, int* ids, float* lo
   for (int64_t i = threadIdx.x; i < v; i += blockDim.x) sum += expf(x[i] - bv);
   sum = BlockSum(sum, scratch);
   if (threadIdx.x == 0) {
-    ids[blockIdx.x] = bi;
-    logprobs[blockIdx.x] = -logf(sum);
+    ids[blockIdx.x] = bad ? -1 : bi;
+    logprobs[blockIdx.x] = bad ? NAN : -logf(sum);
   }
 }
 

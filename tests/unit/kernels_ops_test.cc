@@ -947,6 +947,31 @@ TEST_P(OpsTest, GreedyPickFirstMaximumAfterBans) {
   ExpectClose(Host(lps), want_lp, std::vector<double>(rows, 10.0), 1e-6, "greedy logprob");
 }
 
+// A row with a NaN or +inf anywhere (not only at its maximum) has no choice: id -1 and a NaN
+// logprob, on every device; -inf (a banned token) is a normal value; the other rows are as
+// always.
+TEST_P(OpsTest, GreedyPickRefusesNonFiniteRows) {
+  if (dtype() != DType::kF32) GTEST_SKIP() << "logits are f32 on every device";
+  const int64_t rows = 5, v = 2049;
+  std::vector<float> x = Random(rows * v, 61, -10, 10);
+  x[0 * v + 1000] = NAN;       // a NaN below the row's maximum
+  x[1 * v + 7] = INFINITY;     // +inf
+  x[2 * v + 2048] = -INFINITY;  // -inf: an ordinary (banned-like) value
+  x[2 * v + 3] = 40.0f;
+  for (int64_t i = 0; i < v; ++i) x[3 * v + i] = NAN;  // all NaN
+  x[4 * v + 9] = 35.0f;
+  Tensor logits = Tensor::FromVector(x, {rows, v});
+  if (device() != Device::kCpu) logits = logits.ToDevice(device());
+  Tensor ids, lps;
+  GreedyPick(&logits, Tensor(), &ids, &lps);
+  const Tensor ids_h = ids.device() == Device::kCpu ? ids : ids.ToDevice(Device::kCpu);
+  const std::vector<float> lps_h = Host(lps);
+  EXPECT_EQ(std::vector<int32_t>(ids_h.data<int32_t>(), ids_h.data<int32_t>() + rows),
+            (std::vector<int32_t>{-1, -1, 3, -1, 9}));
+  for (int64_t r : {0, 1, 3}) EXPECT_TRUE(std::isnan(lps_h[r])) << r;
+  for (int64_t r : {2, 4}) EXPECT_TRUE(std::isfinite(lps_h[r])) << r;
+}
+
 // ---- Rotary -------------------------------------------------------------------------------
 
 // HF: freqs = inv_freq (f32) * position (f32), rounded to f32; cos and sin of that.

@@ -795,6 +795,50 @@ TEST_P(ParityTest, OutOfBlocksIsReportedNotFatal) {
       /*blocks=*/2);  // 8 token slots
 }
 
+// A sequence whose logits come out NaN (here: its prompt-tuning prefix holds one) fails alone
+// with a clear error, on the greedy, sampling and prompt-details paths, and is released; the
+// sequence beside it in the same steps keeps its golden tokens, and so does a later one in
+// the blocks it gave back.
+TEST_P(ParityTest, NonFiniteLogitsFailOnlyTheirSequence) {
+  const Golden& g = goldens_[0];
+  OnEveryRank([&](Engine& engine) {
+    const int64_t hidden = engine.model().spec().EmbedDim();
+    std::vector<float> values(static_cast<size_t>(2 * hidden), 0.1f);
+    values[hidden + 3] = std::nanf("");
+    auto nan_prefix = std::make_shared<const tgis::kernels::Tensor>(
+        tgis::kernels::Tensor::FromVector(values, {2, hidden}));
+    NewSequence greedy = Seq(2, g), sampled = Seq(3, g), detailed = Seq(4, g, true);
+    sampled.params.do_sample = true;
+    sampled.params.seed = 7;
+    for (NewSequence* n : {&greedy, &sampled, &detailed}) n->prefix = nan_prefix;
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    engine.Prefill({Seq(1, g), greedy, sampled, detailed}, &out, &errors);
+    ASSERT_EQ(out.size(), 1u);
+    EXPECT_EQ(out[0].id, 1u);
+    std::set<uint64_t> failed;
+    for (const SequenceError& e : errors) {
+      EXPECT_EQ(e.status.code(), absl::StatusCode::kInternal) << e.status;
+      EXPECT_NE(e.status.message().find("NaN or infinite"), std::string::npos) << e.status;
+      failed.insert(e.id);
+    }
+    EXPECT_EQ(failed, (std::set<uint64_t>{2, 3, 4}));
+    std::vector<StepOutput> none;
+    std::vector<SequenceError> gone;
+    engine.Decode({2}, &none, &gone);  // released: nothing to decode
+    ASSERT_EQ(gone.size(), 1u);
+    EXPECT_EQ(gone[0].status.code(), absl::StatusCode::kNotFound);
+    DecodeAndCompare(engine, 1, out[0], g);
+    engine.Release(1);
+    out.clear();
+    engine.Prefill({Seq(5, g)}, &out, &errors);
+    ASSERT_EQ(out.size(), 1u);
+    DecodeAndCompare(engine, 5, out[0], g);
+    engine.Release(5);
+    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+  });
+}
+
 // The same goldens on CUDA, in f32 and in bf16. Teacher-forced: one prefill of the prompt and
 // the golden continuation gives our logprob and rank of every golden token, so one early
 // near-tie cannot derail the rest of the comparison.
