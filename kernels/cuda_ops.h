@@ -19,8 +19,11 @@ void Free(void* p);
 void Memset(void* p, int value, size_t nbytes);
 // A synchronous copy between any two devices (host <-> device, device <-> device).
 void Copy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes);
-// Selects this process's GPU; call before any other CUDA work.
+// Selects this process's GPU; call before any other CUDA work. Every thread that later runs
+// CUDA work through these functions is bound to it on its first call.
 void SetDevice(int index);
+// The calling thread's current device (tests, logs).
+int CurrentDevice();
 // The process's stream (a cudaStream_t), for libraries that queue work on it (NCCL).
 void* NativeStream();
 // Waits for everything queued on the process's stream.

@@ -525,9 +525,9 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
   // sequence's own length, so whoever reuses them is unaffected).
   std::vector<uint64_t> failed;
   auto fail = [&](const Sequence* s) {
-    errors->push_back({s->id, absl::InternalError(
-                                  "the model's logits for this request are NaN or infinite "
-                                  "(a numerical overflow); the request was stopped")});
+    errors->push_back(
+        {s->id, absl::InternalError("the model's logits for this request are NaN or infinite "
+                                    "(a numerical overflow); the request was stopped")});
     failed.push_back(s->id);
   };
   for (size_t i = 0; i < seqs.size(); ++i) {

@@ -32,6 +32,12 @@ using f16 = __half;
 // the host code free of events; it is a non-default stream so that decode steps can be
 // captured into CUDA graphs.
 cudaStream_t Stream();
+// Makes the shard's GPU (SetDevice) the calling thread's current device, once per thread. The
+// CUDA runtime's current device is per host thread, and the gRPC workers that run steps are
+// not the thread that chose the GPU: without this they would run on device 0. Stream() calls
+// it, so every launch and copy is covered; code that touches CUDA before asking for the
+// stream (handle creation, memory queries) calls it first.
+void BindThread();
 
 template <typename T>
 __device__ __forceinline__ float ToF32(T v);

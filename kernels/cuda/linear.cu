@@ -76,6 +76,7 @@ class Gemms {
 
  private:
   Gemms() {
+    BindThread();  // the workspace goes on the shard's GPU
     TGIS_CUBLAS_CHECK(cublasLtCreate(&handle_));
     TGIS_CUDA_CHECK(cudaMalloc(&workspace_, kWorkspaceBytes));
   }

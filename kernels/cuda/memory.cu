@@ -2,6 +2,7 @@
 // pool (cudaMallocAsync), which keeps freed memory for reuse: a forward pass allocates and
 // frees its activations every step, and cudaMalloc/cudaFree would synchronize the device
 // each time.
+#include <atomic>
 #include <cstdint>
 
 #include "kernels/cuda/common.cuh"
@@ -9,7 +10,23 @@
 
 namespace tgis::kernels::cuda {
 
+namespace {
+
+std::atomic<int> g_device{-1};   // the GPU SetDevice chose; -1: none chosen (the runtime's 0)
+thread_local int t_device = -1;  // the GPU this thread is bound to
+
+}  // namespace
+
+void BindThread() {
+  const int device = g_device.load(std::memory_order_relaxed);
+  if (device >= 0 && t_device != device) {
+    TGIS_CUDA_CHECK(cudaSetDevice(device));
+    t_device = device;
+  }
+}
+
 cudaStream_t Stream() {
+  BindThread();  // every launch, copy and GEMM asks for the stream first
   static cudaStream_t stream = [] {
     cudaStream_t s = nullptr;
     TGIS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -64,19 +81,31 @@ void Copy(void* dst, Device dst_device, const void* src, Device src_device, size
   if (kind != cudaMemcpyDeviceToDevice) TGIS_CUDA_CHECK(cudaStreamSynchronize(Stream()));
 }
 
-void SetDevice(int index) { TGIS_CUDA_CHECK(cudaSetDevice(index)); }
+void SetDevice(int index) {
+  TGIS_CUDA_CHECK(cudaSetDevice(index));
+  t_device = index;
+  g_device.store(index, std::memory_order_relaxed);
+}
+
+int CurrentDevice() {
+  int device = -1;
+  TGIS_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
 
 void* NativeStream() { return Stream(); }
 
 void Synchronize() { TGIS_CUDA_CHECK(cudaStreamSynchronize(Stream())); }
 
 size_t FreeMemory() {
+  BindThread();
   size_t free_bytes = 0, total = 0;
   TGIS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
   return free_bytes;
 }
 
 size_t TotalMemory() {
+  BindThread();
   size_t free_bytes = 0, total = 0;
   TGIS_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
   return total;

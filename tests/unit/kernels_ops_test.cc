@@ -954,8 +954,8 @@ TEST_P(OpsTest, GreedyPickRefusesNonFiniteRows) {
   if (dtype() != DType::kF32) GTEST_SKIP() << "logits are f32 on every device";
   const int64_t rows = 5, v = 2049;
   std::vector<float> x = Random(rows * v, 61, -10, 10);
-  x[0 * v + 1000] = NAN;       // a NaN below the row's maximum
-  x[1 * v + 7] = INFINITY;     // +inf
+  x[0 * v + 1000] = NAN;        // a NaN below the row's maximum
+  x[1 * v + 7] = INFINITY;      // +inf
   x[2 * v + 2048] = -INFINITY;  // -inf: an ordinary (banned-like) value
   x[2 * v + 3] = 40.0f;
   for (int64_t i = 0; i < v; ++i) x[3 * v + i] = NAN;  // all NaN
@@ -1642,6 +1642,38 @@ TEST(CpuThreadPool, NestedAndConcurrentCallsComplete) {
   for (int t = 0; t < 4; ++t) threads.emplace_back(work);
   for (std::thread& t : threads) t.join();
   EXPECT_EQ(total.load(), 4 * 64 * 10);
+}
+
+// The CUDA runtime's current device is per host thread: a thread other than the one that chose
+// the shard's GPU (a gRPC worker running a step) must work on that GPU, not on device 0. The
+// choice is the process's, once, before any CUDA work: so it runs in a fresh process (a
+// re-executed death test). On a one-GPU machine the chosen GPU is device 0 and this shows
+// only that nothing breaks.
+TEST(CudaDevice, EveryThreadWorksOnTheSelectedGpu) {
+#ifdef TGIS_WITH_CUDA
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "CUDA not built/available";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        const int chosen = cuda::DeviceCount() - 1;
+        SelectGpu(chosen);
+        int seen = -1;
+        std::vector<float> back;
+        std::thread worker([&] {
+          const Tensor t =
+              Tensor::FromVector(std::vector<float>{1, 2, 3}, {3}).ToDevice(Device::kCuda);
+          seen = cuda::CurrentDevice();
+          const Tensor h = t.ToDevice(Device::kCpu);
+          back.assign(h.data<float>(), h.data<float>() + 3);
+        });
+        worker.join();
+        std::fprintf(stderr, "worker on device %d of chosen %d\n", seen, chosen);
+        std::exit(seen == chosen && back == std::vector<float>{1, 2, 3} ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "worker on device");
+#else
+  GTEST_SKIP() << "CUDA not built/available";
+#endif
 }
 
 INSTANTIATE_TEST_SUITE_P(
