@@ -24,6 +24,9 @@ void Copy(void* dst, Device dst_device, const void* src, Device src_device, size
 void SetDevice(int index);
 // The calling thread's current device (tests, logs).
 int CurrentDevice();
+// While on, Linear runs the fallback GEMM, which otherwise runs only for the shapes and
+// alignments cuBLASLt has no algorithm for (tests).
+void ForceGemmFallbackForTesting(bool on);
 // The process's stream (a cudaStream_t), for libraries that queue work on it (NCCL).
 void* NativeStream();
 // Waits for everything queued on the process's stream.

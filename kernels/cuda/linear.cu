@@ -4,6 +4,8 @@
 // cached per shape, so a step's GEMMs cost no planning after the first time.
 #include <cublasLt.h>
 
+#include <atomic>
+#include <cstdio>
 #include <initializer_list>
 #include <map>
 #include <mutex>
@@ -44,6 +46,7 @@ struct PlanKey {
   int64_t m, n, k;
   bool bias;
   uint32_t align;  // the least alignment of the operands' addresses, in bytes (<= 256)
+  bool forced_fallback = false;  // ForceGemmFallbackForTesting
   auto operator<=>(const PlanKey&) const = default;
 };
 
@@ -51,7 +54,40 @@ struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  bool fallback = false;  // cuBLASLt has no algorithm for it: FallbackGemm runs it
 };
+
+std::atomic<bool> g_force_fallback{false};
+
+// out[n, m] = x[n, k] @ w[m, k]^T (+ bias[m]), f32 accumulation: a plain tiled GEMM for the
+// shapes and alignments cuBLASLt offers no algorithm for (a slow path that keeps the shard up,
+// never the usual one). 16 x 16 output tiles; the bias is added in f32 before the one
+// rounding, as cuBLASLt's epilogue does.
+constexpr int kFallbackTile = 16;
+
+template <typename T, typename TOut>
+__global__ void FallbackGemmKernel(const T* w, const T* x, const T* bias, TOut* out, int64_t m,
+                                   int64_t n, int64_t k) {
+  __shared__ float xs[kFallbackTile][kFallbackTile + 1], ws[kFallbackTile][kFallbackTile + 1];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t row = static_cast<int64_t>(blockIdx.y) * kFallbackTile + ty;  // of x and out
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kFallbackTile + tx;  // of w and out
+  const int64_t w_row = static_cast<int64_t>(blockIdx.x) * kFallbackTile + ty;
+  float acc = 0.0f;
+  for (int64_t k0 = 0; k0 < k; k0 += kFallbackTile) {
+    const int64_t kk = k0 + tx;
+    xs[ty][tx] = row < n && kk < k ? ToF32(x[row * k + kk]) : 0.0f;
+    ws[ty][tx] = w_row < m && kk < k ? ToF32(w[w_row * k + kk]) : 0.0f;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kFallbackTile; ++j) acc += xs[ty][j] * ws[tx][j];
+    __syncthreads();
+  }
+  if (row < n && col < m) {
+    if (bias != nullptr) acc += ToF32(bias[col]);
+    out[row * m + col] = FromF32<TOut>(acc);
+  }
+}
 
 class Gemms {
  public:
@@ -65,13 +101,21 @@ class Gemms {
   void Run(const PlanKey& key, const void* w, const void* x, const void* bias, void* out) {
     std::lock_guard<std::mutex> lock(mu_);
     Plan& p = PlanFor(key);
-    if (key.bias) {
-      TGIS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                       &bias, sizeof(bias)));
+    if (!p.fallback) {
+      if (key.bias) {
+        TGIS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                         &bias, sizeof(bias)));
+      }
+      const float one = 1.0f, zero = 0.0f;
+      const cublasStatus_t st =
+          cublasLtMatmul(handle_, p.desc, &one, w, p.a, x, p.b, &zero, out, p.c, out, p.c, &p.algo,
+                         workspace_, kWorkspaceBytes, Stream());
+      if (st == CUBLAS_STATUS_SUCCESS) return;
+      // The heuristic's algorithm refused the call (CUBLAS_STATUS_NOT_SUPPORTED and the like):
+      // this shape takes the fallback from now on.
+      Refuse(key, "cublasLtMatmul", st, &p);
     }
-    const float one = 1.0f, zero = 0.0f;
-    TGIS_CUBLAS_CHECK(cublasLtMatmul(handle_, p.desc, &one, w, p.a, x, p.b, &zero, out, p.c, out,
-                                     p.c, &p.algo, workspace_, kWorkspaceBytes, Stream()));
+    FallbackGemm(key, w, x, bias, out);
   }
 
  private:
@@ -119,15 +163,48 @@ class Gemms {
     }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    TGIS_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref, 1,
-                                                     &result, &found));
+    const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c,
+                                                             pref, 1, &result, &found);
     cublasLtMatmulPreferenceDestroy(pref);
-    TGIS_CHECK(
-        found > 0, "Linear: cuBLASLt has no algorithm for %s x %s -> %s, m=%lld n=%lld k=%lld",
-        DTypeName(key.in), DTypeName(key.in), DTypeName(key.out), static_cast<long long>(key.m),
-        static_cast<long long>(key.n), static_cast<long long>(key.k));
     p.algo = result.algo;
+    if (key.forced_fallback) {
+      p.fallback = true;
+    } else if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+      Refuse(key, "cublasLtMatmulAlgoGetHeuristic",
+             st != CUBLAS_STATUS_SUCCESS ? st : CUBLAS_STATUS_NOT_SUPPORTED, &p);
+    }
     return plans_.emplace(key, p).first->second;
+  }
+
+  // Marks a plan for the fallback GEMM, saying so once on stderr (the kernels log nowhere else).
+  static void Refuse(const PlanKey& key, const char* call, cublasStatus_t st, Plan* p) {
+    std::fprintf(stderr,
+                 "Linear: %s gave cuBLAS status %d for %s -> %s, m=%lld n=%lld k=%lld (operands "
+                 "aligned to %u bytes): this shape runs on the fallback GEMM\n",
+                 call, static_cast<int>(st), DTypeName(key.in), DTypeName(key.out),
+                 static_cast<long long>(key.m), static_cast<long long>(key.n),
+                 static_cast<long long>(key.k), key.align);
+    p->fallback = true;
+  }
+
+  static void FallbackGemm(const PlanKey& key, const void* w, const void* x, const void* bias,
+                           void* out) {
+    const dim3 block(kFallbackTile, kFallbackTile);
+    const dim3 grid(static_cast<unsigned>((key.m + kFallbackTile - 1) / kFallbackTile),
+                    static_cast<unsigned>((key.n + kFallbackTile - 1) / kFallbackTile));
+    TGIS_DISPATCH_FLOAT(key.in, "Linear", {
+      const T* bt = key.bias ? static_cast<const T*>(bias) : nullptr;
+      if (key.out == DType::kF32) {
+        FallbackGemmKernel<T, float>
+            <<<grid, block, 0, Stream()>>>(static_cast<const T*>(w), static_cast<const T*>(x), bt,
+                                           static_cast<float*>(out), key.m, key.n, key.k);
+      } else {
+        FallbackGemmKernel<T, T>
+            <<<grid, block, 0, Stream()>>>(static_cast<const T*>(w), static_cast<const T*>(x), bt,
+                                           static_cast<T*>(out), key.m, key.n, key.k);
+      }
+    });
+    TGIS_CUDA_LAUNCHED();
   }
 
   std::mutex mu_;
@@ -195,6 +272,8 @@ Tensor DequantizeOnDevice(const QuantizedWeight& q, DType dtype) {
 
 }  // namespace
 
+void ForceGemmFallbackForTesting(bool on) { g_force_fallback.store(on, std::memory_order_relaxed); }
+
 void Linear(const Tensor& x, const Tensor& w_in, const Tensor* bias, Tensor* out) {
   const char* op = "Linear";
   CheckCudaFloat(x, op, "x");
@@ -225,8 +304,9 @@ void Linear(const Tensor& x, const Tensor& w_in, const Tensor* bias, Tensor* out
   }
   const void* b = has_bias ? bias->raw() : nullptr;
   const uint32_t align = Alignment({w.raw(), x.raw(), b, out->raw()});
-  Gemms::Get().Run({x.dtype(), out_dtype, out_f, rows, in, has_bias, align}, w.raw(), x.raw(), b,
-                   out->raw());
+  Gemms::Get().Run({x.dtype(), out_dtype, out_f, rows, in, has_bias, align,
+                    g_force_fallback.load(std::memory_order_relaxed)},
+                   w.raw(), x.raw(), b, out->raw());
 }
 
 }  // namespace tgis::kernels::cuda

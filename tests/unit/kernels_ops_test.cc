@@ -778,6 +778,49 @@ TEST_P(OpsTest, LinearIntoF32Logits) {
   ExpectClose(Host(out), ref, scale, RelTol(DType::kF32) * 10, "f32 logits");
 }
 
+// cuBLASLt may offer no algorithm for a shape or an alignment: Linear then runs its own tiled
+// GEMM instead of aborting the shard, with the same results within the dtype's tolerance
+// (odd sizes across the 16 x 16 tiles, a bias, and f32 logits from any dtype).
+TEST_P(OpsTest, LinearWithoutACublasLtAlgorithm) {
+  if (device() != Device::kCuda) GTEST_SKIP() << "the CUDA Linear's fallback";
+#ifdef TGIS_WITH_CUDA
+  struct Fallback {
+    Fallback() { cuda::ForceGemmFallbackForTesting(true); }
+    ~Fallback() { cuda::ForceGemmFallbackForTesting(false); }
+  } fallback;
+  uint32_t seed = 70;
+  for (const auto& [in, out_f] : std::vector<std::pair<int64_t, int64_t>>{{67, 35}, {1030, 45}}) {
+    std::vector<float> ws, bs;
+    Tensor w = Weight(Random(out_f * in, ++seed), {out_f, in}, &ws);
+    Tensor b = Weight(Random(out_f, ++seed), {out_f}, &bs);
+    for (int64_t t : {1, 17}) {
+      Tensor x = Act(Random(t * in, ++seed), {t, in});
+      const std::vector<float> xs = Host(x);
+      for (bool with_bias : {false, true}) {
+        const std::string what = "fallback T=" + std::to_string(t) + " in=" + std::to_string(in) +
+                                 (with_bias ? " bias" : "");
+        LinearCase(x, xs, w, ws, with_bias ? &b : nullptr, bs, t, in, out_f, tol(), what);
+      }
+      Tensor logits = Tensor::Empty({t, out_f}, DType::kF32, device());
+      Linear(x, w, nullptr, &logits);
+      std::vector<double> ref, scale;
+      for (int64_t r = 0; r < t; ++r) {
+        for (int64_t n = 0; n < out_f; ++n) {
+          double sum = 0, mag = 0;
+          for (int64_t k = 0; k < in; ++k) {
+            sum += double{xs[r * in + k]} * ws[n * in + k];
+            mag += std::fabs(double{xs[r * in + k]} * ws[n * in + k]);
+          }
+          ref.push_back(sum);
+          scale.push_back(mag);
+        }
+      }
+      ExpectClose(Host(logits), ref, scale, RelTol(DType::kF32) * 10, "fallback f32 logits");
+    }
+  }
+#endif
+}
+
 TEST_P(OpsTest, GatedActivation) {
   const int64_t t_count = 3, inter = 37;
   std::vector<float> v = Random(t_count * 2 * inter, 14, -8, 8);
