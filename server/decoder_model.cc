@@ -367,8 +367,8 @@ Tensor CausalLM::InputRows(const ForwardInput& in) const {
   return x;
 }
 
-Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
-                         const std::vector<int32_t>& logit_rows) const {
+Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
+                               const std::vector<int32_t>& logit_rows) const {
   const DecoderSpec& s = spec_;
   const int64_t t = in.input_ids.dim(0);
   const int64_t hq = layout_.q_heads.size(), hk = layout_.kv_heads.size(), d = s.head_dim;
@@ -444,7 +444,7 @@ Tensor CausalLM::Forward(const ForwardInput& in, std::vector<kernels::KvCacheLay
     kernels::Linear(normed, w_.project_out, nullptr, &projected);
     normed = projected;
   }
-  return LmHead(normed);
+  return normed;
 }
 
 }  // namespace tgis::server

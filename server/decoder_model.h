@@ -65,8 +65,9 @@ class CausalLM : public Model {
   // `weights` hold the part of the model that `comm`'s rank owns (ShardLayout::Make of `spec`);
   // a null `comm` means world size 1.
   CausalLM(DecoderSpec spec, DecoderWeights weights, std::shared_ptr<Communicator> comm = nullptr);
-  kernels::Tensor Forward(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
-                          const std::vector<int32_t>& logit_rows) const override;
+  kernels::Tensor ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
+                                const std::vector<int32_t>& logit_rows) const override;
+  kernels::Tensor Logits(const kernels::Tensor& hidden) const override { return LmHead(hidden); }
   // On CUDA the activations and the KV cache take the linear weights' dtype, and every other
   // tensor (norms, biases) is converted to it too.
   void MoveTo(kernels::Device device) override;

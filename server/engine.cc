@@ -1,6 +1,7 @@
 #include "server/engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -16,7 +17,19 @@ using kernels::Tensor;
 
 namespace {
 
-constexpr float kInfinity = std::numeric_limits<float>::infinity();
+// No NaN and no +inf (-inf is a banned token's logit).
+bool AllFinite(const float* logits, int64_t n) {
+  return std::none_of(logits, logits + n, [](float f) {
+    return std::isnan(f) || f == std::numeric_limits<float>::infinity();
+  });
+}
+
+// Prompt details take their logits this many rows at a time: at most ~64 MB of f32 (128 rows of
+// a 128K vocabulary), at least one row.
+std::atomic<int64_t> g_detail_chunk_bytes{int64_t{64} << 20};
+int32_t DetailRowsPerChunk(int64_t vocab) {
+  return static_cast<int32_t>(std::max<int64_t>(1, g_detail_chunk_bytes.load() / (4 * vocab)));
+}
 
 // Prefix caching shares the keys and values a sequence computed with any later one that starts
 // with the same tokens (and the same prompt-tuning prefix), and preemption computes a
@@ -30,6 +43,8 @@ bool PrefixCachingApplies(const Model& model) {
 }
 
 }  // namespace
+
+void SetDetailChunkBytesForTesting(int64_t bytes) { g_detail_chunk_bytes.store(bytes); }
 
 bool KeysIndependentOfLength(const Model& model) {
   return !model.spec().rope_by_length.has_value();
@@ -436,10 +451,12 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
   size_t max_blocks = 0;
   for (Sequence* s : seqs) max_blocks = std::max(max_blocks, s->blocks.size());
   std::vector<int32_t> tables(seqs.size() * std::max<size_t>(max_blocks, 1), 0);
-  std::vector<int32_t> logit_rows;
-  // For each sequence: the rows of its logits that we asked for, in order.
-  std::vector<std::pair<int32_t, int32_t>> seq_rows;  // [first logit row, count]
-  std::vector<bool> details;                          // prompt details requested
+  std::vector<int32_t> logit_rows;   // the rows a token is chosen from (or a draft verified)
+  std::vector<int32_t> detail_rows;  // the rows whose logits give prompt details
+  // For each sequence: its rows of the logits, in order, and of the details.
+  std::vector<std::pair<int32_t, int32_t>> seq_rows;     // [first logit row, count]
+  std::vector<std::pair<int32_t, int32_t>> detail_span;  // [first detail row, count]
+  std::vector<bool> details;                             // prompt details requested
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence* s = seqs[i];
     const size_t begin = s->cached, end = ends[i];
@@ -455,21 +472,23 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
     std::copy(s->blocks.begin(), s->blocks.end(),
               tables.begin() + i * std::max<size_t>(max_blocks, 1));
     const int32_t n = static_cast<int32_t>(end - begin);
+    detail_span.emplace_back(static_cast<int32_t>(detail_rows.size()), 0);
     if (!complete) {
       seq_rows.emplace_back(static_cast<int32_t>(logit_rows.size()), 0);
       details.push_back(false);
       continue;
     }
-    // Prompt logprobs come from the logits of every prompt row (decoder-only models; an
-    // encoder-decoder model's input tokens have none); a draft is verified on every row.
-    const bool all_rows =
-        (prefill && s->input_logprobs && !model_->encoder_decoder()) || !s->draft.empty();
-    seq_rows.emplace_back(static_cast<int32_t>(logit_rows.size()), all_rows ? n : 1);
+    // A draft is verified on every row; the next token comes from the last row.
+    const int32_t rows = s->draft.empty() ? 1 : n;
+    seq_rows.emplace_back(static_cast<int32_t>(logit_rows.size()), rows);
+    for (int32_t r = n - rows; r < n; ++r) logit_rows.push_back(row0 + r);
     details.push_back(prefill && s->input_logprobs);
-    if (all_rows) {
-      for (int32_t r = 0; r < n; ++r) logit_rows.push_back(row0 + r);
-    } else {
-      logit_rows.push_back(row0 + n - 1);
+    // Prompt logprobs of tokens p in [max(prefix_len, 1), n) come from rows p - 1 (decoder-only
+    // models; an encoder-decoder model's input tokens have none).
+    if (details.back() && !model_->encoder_decoder()) {
+      const int32_t first = std::max<int32_t>(static_cast<int32_t>(s->prefix_len), 1) - 1;
+      detail_span.back().second = std::max<int32_t>(0, n - 1 - first);
+      for (int32_t r = first; r < n - 1; ++r) detail_rows.push_back(row0 + r);
     }
   }
   const int64_t t = static_cast<int64_t>(ids.size());
@@ -510,7 +529,14 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
   // A step of prompt chunks only still asks for one row (unused): no op sees zero rows.
   if (logit_rows.empty()) logit_rows.push_back(static_cast<int32_t>(t - 1));
   const auto t0 = std::chrono::steady_clock::now();
-  Tensor logits = model_->Forward(in, cache_->layers(), logit_rows);
+  // The final hidden rows: the choosing rows first, then the detail rows, whose logits are
+  // made a chunk at a time below (a long prompt's [prompt, vocabulary] f32 logits at once
+  // would be gigabytes).
+  const int64_t choosing = static_cast<int64_t>(logit_rows.size());
+  std::vector<int32_t> hidden_rows = logit_rows;
+  hidden_rows.insert(hidden_rows.end(), detail_rows.begin(), detail_rows.end());
+  const Tensor hidden = model_->ForwardHidden(in, cache_->layers(), hidden_rows);
+  Tensor logits = model_->Logits(hidden.Rows(0, choosing));
   // Plain greedy rows pick where the logits are (on CUDA only their ids and logprobs come
   // back); the other sequences' rows are read on the host.
   std::vector<std::optional<TokenInfo>> picked = PickGreedy(seqs, details, seq_rows, &logits);
@@ -548,9 +574,7 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
     auto [first_row, count] = seq_rows[i];
     Tensor rows = logits.Rows(first_row, first_row + count);
     if (rows.device() != kernels::Device::kCpu) rows = rows.ToDevice(kernels::Device::kCpu);
-    const float* const row_begin = rows.data<float>();
-    if (std::any_of(row_begin, row_begin + count * v,
-                    [](float f) { return std::isnan(f) || f == kInfinity; })) {
+    if (!AllFinite(rows.data<float>(), count * v)) {
       fail(s);
       continue;
     }
@@ -573,19 +597,34 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
     } else if (details[i]) {
       // Prompt details of the input's own tokens: token p's logprob comes from the logits after
       // token p - 1 (the last virtual token's, for the first input token after a prefix).
-      for (int32_t p = static_cast<int32_t>(s->prefix_len); p < count; ++p) {
+      if (s->prefix_len == 0) {
         TokenInfo ti;
-        ti.id = s->tokens[p];
-        if (p == 0) {
-          ti.logprob = std::numeric_limits<float>::quiet_NaN();
-          ti.rank = 0;
-        } else {
-          std::span<const float> row(rows.data<float>() + (p - 1) * v, v);
-          LogSoftmaxInto(row, &lp);
+        ti.id = s->tokens[0];
+        ti.logprob = std::numeric_limits<float>::quiet_NaN();
+        ti.rank = 0;
+        o.input_tokens.push_back(std::move(ti));
+      }
+      const auto [first_detail, detail_count] = detail_span[i];
+      const int32_t first_token = std::max<int32_t>(static_cast<int32_t>(s->prefix_len), 1);
+      bool finite = true;
+      for (int32_t c0 = 0; c0 < detail_count && finite; c0 += DetailRowsPerChunk(v)) {
+        const int32_t c1 = std::min(detail_count, c0 + DetailRowsPerChunk(v));
+        const int64_t at = choosing + first_detail;
+        Tensor chunk = model_->Logits(hidden.Rows(at + c0, at + c1));
+        if (chunk.device() != kernels::Device::kCpu) chunk = chunk.ToDevice(kernels::Device::kCpu);
+        finite = AllFinite(chunk.data<float>(), (c1 - c0) * v);
+        for (int32_t r = c0; r < c1 && finite; ++r) {
+          TokenInfo ti;
+          ti.id = s->tokens[first_token + r];
+          LogSoftmaxInto(std::span<const float>(chunk.data<float>() + (r - c0) * v, v), &lp);
           ti.logprob = lp[ti.id];
           RankAndTop(lp, ti.id, s->top_n, &ti.rank, &ti.top);
+          o.input_tokens.push_back(std::move(ti));
         }
-        o.input_tokens.push_back(std::move(ti));
+      }
+      if (!finite) {
+        fail(s);
+        continue;
       }
     }
     std::span<float> last(rows.data<float>() + (count - 1) * v, v);

@@ -52,6 +52,9 @@ struct StepOutput {
   std::vector<TokenInfo> input_tokens;  // prompt details, when asked (first has NaN logprob)
 };
 
+// The most bytes of f32 logits a prompt's details take at once (64 MB; tests make it small).
+void SetDetailChunkBytesForTesting(int64_t bytes);
+
 struct SequenceError {
   uint64_t id = 0;
   absl::Status status;

@@ -128,8 +128,17 @@ class Model {
   // Runs the batch, writing its keys/values into `cache` (one entry per decoder layer), and
   // returns the logits [rows, V] (the whole vocabulary, on every rank) of the token rows listed
   // in `logit_rows`. Every rank of the group must run the same batch at the same time.
-  virtual kernels::Tensor Forward(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
-                                  const std::vector<int32_t>& logit_rows) const = 0;
+  kernels::Tensor Forward(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
+                          const std::vector<int32_t>& logit_rows) const {
+    return Logits(ForwardHidden(in, cache, logit_rows));
+  }
+  // Forward in two parts: the final hidden states of the `logit_rows` ([rows, EmbedDim], as
+  // the lm_head takes them), then the logits of any rows of those, as many calls as wanted (a
+  // long prompt's details a chunk at a time). Every rank makes the same calls.
+  virtual kernels::Tensor ForwardHidden(const ForwardInput& in,
+                                        std::vector<kernels::KvCacheLayer>* cache,
+                                        const std::vector<int32_t>& logit_rows) const = 0;
+  virtual kernels::Tensor Logits(const kernels::Tensor& hidden) const = 0;
 
   virtual bool encoder_decoder() const { return false; }
   virtual int32_t decoder_start_token() const { return 0; }

@@ -123,8 +123,8 @@ class T5Model : public Model {
     }
   }
 
-  Tensor Forward(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
-                 const std::vector<int32_t>& logit_rows) const override {
+  Tensor ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
+                       const std::vector<int32_t>& logit_rows) const override {
     const int64_t t = in.input_ids.dim(0);
     const int64_t hq = layout_.q_heads.size(), d = spec_.head_dim;
     Tensor x = Buf({t, spec_.hidden});
@@ -150,7 +150,11 @@ class T5Model : public Model {
     // With tied embeddings the final norm's weight carries the d_model^-0.5 output scaling.
     Tensor normed = Buf(last.shape());
     kernels::RmsNorm(last, decoder_final_ln, spec_.norm_eps, &normed);
-    return VocabLogits(normed, lm_head, layout_, spec_.vocab, *comm_);
+    return normed;
+  }
+
+  Tensor Logits(const Tensor& hidden) const override {
+    return VocabLogits(hidden, lm_head, layout_, spec_.vocab, *comm_);
   }
 
  private:

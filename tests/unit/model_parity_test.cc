@@ -206,6 +206,35 @@ TEST_P(ParityTest, EachPromptAloneMatchesTransformers) {
   });
 }
 
+// Prompt details are made from the logits a chunk of rows at a time (a long prompt's at once
+// would be gigabytes): here one row at a time, and every prompt's details still match. (Set
+// for the whole test: the ranks of a group must chunk alike.)
+TEST_P(ParityTest, PromptDetailsInChunksMatchTransformers) {
+  struct OneRowChunks {
+    OneRowChunks() { tgis::server::SetDetailChunkBytesForTesting(1); }
+    ~OneRowChunks() { tgis::server::SetDetailChunkBytesForTesting(int64_t{64} << 20); }
+  } one_row_chunks;
+  OnEveryRank([&](Engine& engine) {
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      const Golden& g = goldens_[i];
+      std::vector<StepOutput> out;
+      std::vector<SequenceError> errors;
+      engine.Prefill({Seq(i, g, /*input_logprobs=*/true)}, &out, &errors);
+      ASSERT_TRUE(errors.empty()) << errors[0].status;
+      ASSERT_EQ(out.size(), 1u);
+      ASSERT_EQ(out[0].input_tokens.size(), g.input.size());
+      EXPECT_TRUE(std::isnan(out[0].input_tokens[0].logprob));
+      for (size_t p = 1; p < g.input.size(); ++p) {
+        EXPECT_EQ(out[0].input_tokens[p].id, g.input[p]);
+        EXPECT_NEAR(out[0].input_tokens[p].logprob, g.prompt_logprobs[p], kLogprobTolerance)
+            << "prompt " << i << " token " << p;
+      }
+      EXPECT_EQ(out[0].token.id, g.generated[0]);
+      engine.Release(i);
+    }
+  });
+}
+
 TEST_P(ParityTest, AllPromptsInOneRaggedBatch) {
   OnEveryRank([&](Engine& engine) {
     std::vector<NewSequence> seqs;
