@@ -927,6 +927,52 @@ TEST_P(CudaParityTest, GoldenTokensAreOursWithinDtypeNoise) {
   });
 }
 
+// On the GPU too, a sequence whose logits come out NaN (a NaN prompt-tuning prefix) fails alone,
+// on the greedy (GreedyPick on the device), sampling and prompt-details paths, and the one
+// beside it runs on: its first token is the one it gets alone, and it decodes to the end.
+TEST_P(CudaParityTest, NonFiniteLogitsFailOnlyTheirSequence) {
+  const Golden& g = goldens_[0];
+  OnEveryRank([&](Engine& engine) {
+    std::vector<StepOutput> alone;
+    std::vector<SequenceError> errors;
+    engine.Prefill({Seq(1, g)}, &alone, &errors);
+    ASSERT_EQ(alone.size(), 1u);
+    engine.Release(1);
+    const int64_t hidden = engine.model().spec().EmbedDim();
+    std::vector<float> values(static_cast<size_t>(2 * hidden), 0.1f);
+    values[hidden + 3] = std::nanf("");
+    auto nan_prefix = std::make_shared<const tgis::kernels::Tensor>(
+        tgis::kernels::Tensor::FromVector(values, {2, hidden})
+            .To(engine.model().act_dtype())
+            .ToDevice(tgis::kernels::Device::kCuda));
+    NewSequence greedy = Seq(2, g), sampled = Seq(3, g), detailed = Seq(4, g, true);
+    sampled.params.do_sample = true;
+    sampled.params.seed = 7;
+    for (NewSequence* n : {&greedy, &sampled, &detailed}) n->prefix = nan_prefix;
+    std::vector<StepOutput> out;
+    engine.Prefill({Seq(1, g), greedy, sampled, detailed}, &out, &errors);
+    ASSERT_EQ(out.size(), 1u);
+    EXPECT_EQ(out[0].id, 1u);
+    EXPECT_EQ(out[0].token.id, alone[0].token.id);
+    std::set<uint64_t> failed;
+    for (const SequenceError& e : errors) {
+      EXPECT_EQ(e.status.code(), absl::StatusCode::kInternal) << e.status;
+      failed.insert(e.id);
+    }
+    EXPECT_EQ(failed, (std::set<uint64_t>{2, 3, 4}));
+    errors.clear();
+    for (size_t k = 1; k < g.generated.size(); ++k) {
+      out.clear();
+      engine.Decode({1}, &out, &errors);
+      ASSERT_TRUE(errors.empty()) << errors[0].status;
+      ASSERT_EQ(out.size(), 1u);
+      EXPECT_GE(out[0].token.id, 0);
+    }
+    engine.Release(1);
+    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+  });
+}
+
 // Encoder-decoder models (T5 family): the engine encodes the input once and decodes from the
 // decoder start token; goldens from transformers (golden_seq2seq.json), alone, ragged, with
 // others joining and leaving, at world sizes 1 and 2.
