@@ -17,6 +17,9 @@ using kernels::Tensor;
 
 namespace {
 
+// A step end that marks a sequence refused (RefuseBeyondStepLimit).
+constexpr size_t kRefused = std::numeric_limits<size_t>::max();
+
 // No NaN and no +inf (-inf is a banned token's logit).
 bool AllFinite(const float* logits, int64_t n) {
   return std::none_of(logits, logits + n, [](float f) {
@@ -300,14 +303,18 @@ void Engine::AddDrafts(const std::vector<Sequence*>& seqs) {
   // A draft's keys are computed at the length the step reaches, which length-dependent rotary
   // would rotate differently from step-by-step decoding.
   if (!keys_independent_of_length_) return;
+  // Drafts are extra rows: together with one row per sequence they stay within the step limit.
+  int64_t step_room = max_step_tokens_ == 0 ? std::numeric_limits<int64_t>::max()
+                                            : static_cast<int64_t>(max_step_tokens_) -
+                                                  static_cast<int64_t>(seqs.size());
   for (Sequence* s : seqs) {
     s->draft.clear();
     // Decoding greedy sequences only (a prompt still being computed has no next token yet),
     // never past max_new_tokens or the model's positions.
     if (s->speculate == 0 || s->cached + 1 != s->tokens.size() || s->tokens.size() < 2) continue;
-    const int64_t room =
-        std::min<int64_t>(static_cast<int64_t>(s->max_new) - static_cast<int64_t>(s->generated) - 1,
-                          max_positions_ - static_cast<int64_t>(s->tokens.size()) - 1);
+    const int64_t room = std::min<int64_t>(
+        {static_cast<int64_t>(s->max_new) - static_cast<int64_t>(s->generated) - 1,
+         max_positions_ - static_cast<int64_t>(s->tokens.size()) - 1, step_room});
     if (room <= 0) continue;
     s->draft = ProposeDraft(*s, std::min<size_t>(s->speculate, static_cast<size_t>(room)));
     if (s->draft.empty()) continue;
@@ -323,6 +330,7 @@ void Engine::AddDrafts(const std::vector<Sequence*>& seqs) {
       continue;
     }
     last_drafts_.proposed += static_cast<uint32_t>(s->draft.size());
+    step_room -= static_cast<int64_t>(s->draft.size());
   }
 }
 
@@ -398,6 +406,28 @@ std::vector<Engine::Sequence*> Engine::ReserveOrPreempt(const std::vector<Sequen
   return kept;
 }
 
+void Engine::RefuseBeyondStepLimit(const std::vector<Sequence*>& seqs,
+                                   const std::vector<size_t>& by_age, std::vector<size_t>* ends,
+                                   std::vector<SequenceError>* errors) {
+  if (max_step_tokens_ == 0) return;
+  size_t total = 0;
+  for (size_t i : by_age) {
+    const size_t tokens = (*ends)[i] - seqs[i]->cached;
+    if (total + tokens <= max_step_tokens_ || tokens == 0) {
+      total += tokens;
+      continue;
+    }
+    // The oldest sequences keep their places; this one would take the step past what the
+    // shard's memory was sized for.
+    errors->push_back(
+        {seqs[i]->id, absl::ResourceExhaustedError(absl::StrCat(
+                          "this step would compute ", total + tokens, " tokens, more than the ",
+                          max_step_tokens_, " this shard's memory was sized for at warmup"))});
+    Release(seqs[i]->id);
+    (*ends)[i] = kRefused;
+  }
+}
+
 bool Engine::Chunkable(const Sequence& s) const {
   // Prompt logprobs need every prompt row's logits in one pass; an encoder-decoder model's
   // prompt is its encoder's; length-dependent rotary computes a chunk's keys at its length.
@@ -409,9 +439,22 @@ void Engine::RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t pr
                      std::vector<StepOutput>* out, std::vector<SequenceError>* errors,
                      std::vector<uint64_t>* prefilling) {
   if (prompt_budget == 0 || prefilling == nullptr) {
-    std::vector<size_t> ends;
-    for (const Sequence* s : seqs) ends.push_back(s->tokens.size());
-    Run(seqs, ends, prefill, out, errors);
+    std::vector<size_t> ends, by_age(seqs.size());
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      ends.push_back(seqs[i]->tokens.size());
+      by_age[i] = i;
+    }
+    std::sort(by_age.begin(), by_age.end(),
+              [&](size_t a, size_t b) { return seqs[a]->order < seqs[b]->order; });
+    RefuseBeyondStepLimit(seqs, by_age, &ends, errors);
+    std::vector<Sequence*> step;
+    std::vector<size_t> step_ends;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (ends[i] == kRefused) continue;
+      step.push_back(seqs[i]);
+      step_ends.push_back(ends[i]);
+    }
+    if (!step.empty()) Run(step, step_ends, prefill, out, errors);
     return;
   }
   // The budget goes to the oldest sequences first; a decode row (one token) is never held up.
@@ -431,9 +474,11 @@ void Engine::RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t pr
       left -= end_of[i] - s->cached;
     }
   }
+  RefuseBeyondStepLimit(seqs, by_age, &end_of, errors);
   std::vector<Sequence*> step;
   std::vector<size_t> ends;
   for (size_t i = 0; i < seqs.size(); ++i) {
+    if (end_of[i] == kRefused) continue;
     // Short of its last token: no new token this step (even when one prompt token is left).
     if (end_of[i] < seqs[i]->tokens.size()) prefilling->push_back(seqs[i]->id);
     if (end_of[i] > seqs[i]->cached) {

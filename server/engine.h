@@ -134,6 +134,12 @@ class Engine {
   // Nanoseconds spent in the last step's forward pass.
   uint64_t last_forward_ns() const { return last_forward_ns_; }
 
+  // The most tokens one step may compute (0: no limit): the largest step the shard's memory was
+  // sized and proven for at Warmup. A step that would compute more refuses its newest prompts
+  // (RESOURCE_EXHAUSTED) until it fits, so no step asks for memory that warmup did not.
+  void set_max_step_tokens(size_t tokens) { max_step_tokens_ = tokens; }
+  size_t max_step_tokens() const { return max_step_tokens_; }
+
  private:
   struct Sequence {
     uint64_t id;
@@ -194,6 +200,10 @@ class Engine {
                std::vector<StepOutput>* out, std::vector<SequenceError>* errors,
                std::vector<uint64_t>* prefilling);
   bool Chunkable(const Sequence& s) const;
+  // Refuses (error, released, end set to kRefused) the sequences, newest first, that would take
+  // a step past max_step_tokens_; `ends` are the step's planned ends, `by_age` the order.
+  void RefuseBeyondStepLimit(const std::vector<Sequence*>& seqs, const std::vector<size_t>& by_age,
+                             std::vector<size_t>* ends, std::vector<SequenceError>* errors);
   // Prompt lookup: the tokens that followed the latest earlier occurrence of s's last 3 (else
   // 2, else 1) tokens, at most `limit` of them.
   std::vector<int32_t> ProposeDraft(const Sequence& s, size_t limit) const;
@@ -234,6 +244,7 @@ class Engine {
   std::unique_ptr<KvCache> cache_;
   std::map<uint64_t, std::unique_ptr<Sequence>> seqs_;
   uint64_t last_forward_ns_ = 0;
+  size_t max_step_tokens_ = 0;
   bool prefix_caching_ = false;
   // KeysIndependentOfLength(model): preemption, chunking and speculation all rely on it.
   bool keys_independent_of_length_ = false;

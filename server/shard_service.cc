@@ -204,18 +204,43 @@ grpc::Status ShardService::Warmup(grpc::ServerContext*, const pb::WarmupRequest*
         (req->max_batch_total_tokens() + options_.block_size - 1) / options_.block_size);
   }
   if (auto st = EnsureEngine(); !st.ok()) return st;
-  // One real forward pass proves the model runs before the router admits traffic.
-  const int tokens = static_cast<int>(
-      std::min<int64_t>(std::max<uint32_t>(1, std::min<uint32_t>(req->max_input_length(), 64)),
-                        static_cast<int64_t>(engine_->free_blocks()) * engine_->block_size()));
-  if (tokens > 0) {
+  // The largest step the router will send: a prefill of its prefill limit (which it raises to
+  // one request of the longest length) beside a decode row for every other request. The engine
+  // refuses anything larger, so no step needs more memory than this.
+  const int64_t max_input = std::max<uint32_t>(1, req->max_input_length());
+  const int64_t step_limit = std::max<int64_t>(max_prefill_tokens_, max_input) +
+                             std::max<uint32_t>(1, req->max_batch_size());
+  engine_->set_max_step_tokens(static_cast<size_t>(step_limit));
+  // One real forward pass proves the model runs before the router admits traffic. On CUDA it
+  // is the largest prefill those limits allow (as TGIS sizes memory): the stream-ordered pool
+  // keeps what it took, so later steps find their memory there and never ask the driver for
+  // more mid-traffic (an out-of-memory then would abort the shard; at start it names itself).
+  // On the CPU a short prompt proves the model (host memory has no pool to fill).
+  const bool cuda = engine_->model().device() == kernels::Device::kCuda;
+  int64_t total = cuda ? step_limit : std::min<int64_t>(max_input, 64);
+  total = std::min<int64_t>(total,
+                            static_cast<int64_t>(engine_->free_blocks()) * engine_->block_size());
+  const int64_t per_probe =
+      max_positions_ > 0 ? std::min<int64_t>(max_input, max_positions_) : max_input;
+  const int64_t vocab = engine_->model().spec().vocab;
+  std::vector<NewSequence> probes;
+  for (int64_t left = total; left > 0 && per_probe > 0; left -= per_probe) {
     NewSequence probe;
-    probe.id = std::numeric_limits<uint64_t>::max();
-    probe.input_ids.assign(tokens, 0);
+    probe.id = std::numeric_limits<uint64_t>::max() - probes.size();
+    // Distinct first tokens: prefix caching must not let one probe reuse another's blocks.
+    for (int64_t i = 0; i < std::min(left, per_probe); ++i) {
+      probe.input_ids.push_back(static_cast<int32_t>((static_cast<int64_t>(probes.size()) + i) %
+                                                     std::max<int64_t>(1, vocab)));
+    }
+    probes.push_back(std::move(probe));
+  }
+  if (!probes.empty()) {
+    std::vector<uint64_t> ids;
+    for (const NewSequence& p : probes) ids.push_back(p.id);
     std::vector<StepOutput> outs;
     std::vector<SequenceError> errors;
-    engine_->Prefill({probe}, &outs, &errors);
-    engine_->Release(probe.id);
+    engine_->Prefill(std::move(probes), &outs, &errors);
+    for (uint64_t id : ids) engine_->Release(id);
     if (!errors.empty()) {
       return grpc::Status(grpc::StatusCode::INTERNAL,
                           absl::StrCat("warmup failed: ", errors[0].status.message()));

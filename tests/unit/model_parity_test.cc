@@ -824,6 +824,44 @@ TEST_P(ParityTest, OutOfBlocksIsReportedNotFatal) {
       /*blocks=*/2);  // 8 token slots
 }
 
+// A step never computes more tokens than the shard's memory was sized for (Warmup sets the
+// limit): the newest prompts that would take it past are refused with RESOURCE_EXHAUSTED and
+// released, the older ones run as ever.
+TEST_P(ParityTest, StepsStayWithinTheTokenLimit) {
+  const Golden& g = *std::max_element(
+      goldens_.begin(), goldens_.end(),
+      [](const Golden& x, const Golden& y) { return x.input.size() < y.input.size(); });
+  const size_t prompt = g.input.size();
+  if (prompt < 2) GTEST_SKIP() << "no prompt of two tokens";
+  OnEveryRank([&](Engine& engine) {
+    engine.set_max_step_tokens(prompt + prompt / 2);
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    engine.Prefill({Seq(1, g), Seq(2, g)}, &out, &errors);
+    ASSERT_EQ(out.size(), 1u);
+    EXPECT_EQ(out[0].id, 1u);
+    ASSERT_EQ(errors.size(), 1u);
+    EXPECT_EQ(errors[0].id, 2u);
+    EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kResourceExhausted) << errors[0].status;
+    EXPECT_FALSE(engine.Has(2));
+    DecodeAndCompare(engine, 1, out[0], g);
+    engine.Release(1);
+    // A prompt longer than the limit alone cannot run at all (another prompt than the one
+    // whose blocks prefix caching keeps).
+    engine.set_max_step_tokens(prompt - 1);
+    out.clear();
+    errors.clear();
+    NewSequence other = Seq(3, g);
+    other.input_ids[0] =
+        (other.input_ids[0] + 1) % static_cast<int32_t>(engine.model().spec().vocab);
+    engine.Prefill({other}, &out, &errors);
+    EXPECT_TRUE(out.empty());
+    ASSERT_EQ(errors.size(), 1u);
+    EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+  });
+}
+
 // A sequence whose logits come out NaN (here: its prompt-tuning prefix holds one) fails alone
 // with a clear error, on the greedy, sampling and prompt-details paths, and is released; the
 // sequence beside it in the same steps keeps its golden tokens, and so does a later one in
