@@ -207,6 +207,30 @@ TEST_P(OpsTest, Embedding) {
 
 // ---- Linear -------------------------------------------------------------------------------
 
+// Linear into f32 logits (the lm_head's way, from activations of any dtype) against the
+// double reference: f32 accumulation and no rounding of the result, so f32's tolerance
+// whatever the inputs.
+void ExpectF32Logits(const Tensor& x, const std::vector<float>& xs, const Tensor& w,
+                     const std::vector<float>& ws, int64_t t_count, int64_t in, int64_t out_f,
+                     const std::string& what) {
+  Tensor out = Tensor::Empty({t_count, out_f}, DType::kF32, x.device());
+  Linear(x, w, nullptr, &out);
+  ASSERT_EQ(out.dtype(), DType::kF32);
+  std::vector<double> ref, scale;
+  for (int64_t t = 0; t < t_count; ++t) {
+    for (int64_t n = 0; n < out_f; ++n) {
+      double s = 0, a = 0;
+      for (int64_t k = 0; k < in; ++k) {
+        s += double{xs[t * in + k]} * ws[n * in + k];
+        a += std::fabs(double{xs[t * in + k]} * ws[n * in + k]);
+      }
+      ref.push_back(s);
+      scale.push_back(a);
+    }
+  }
+  ExpectClose(OpsTest::Host(out), ref, scale, RelTol(DType::kF32) * 10, what);
+}
+
 void LinearCase(const Tensor& x, const std::vector<float>& xs, const Tensor& w,
                 const std::vector<float>& ws, const Tensor* bias, const std::vector<float>& bs,
                 int64_t t_count, int64_t in, int64_t out_f, double tol, const std::string& what) {
@@ -759,23 +783,7 @@ TEST_P(OpsTest, LinearIntoF32Logits) {
   Tensor w = Weight(Random(out_f * in, 55), {out_f, in}, &ws);
   Tensor x = Act(Random(t_count * in, 56), {t_count, in});
   const std::vector<float> xs = Host(x);
-  Tensor out = Tensor::Empty({t_count, out_f}, DType::kF32, device());
-  Linear(x, w, nullptr, &out);
-  ASSERT_EQ(out.dtype(), DType::kF32);
-  std::vector<double> ref, scale;
-  for (int64_t t = 0; t < t_count; ++t) {
-    for (int64_t n = 0; n < out_f; ++n) {
-      double s = 0, a = 0;
-      for (int64_t k = 0; k < in; ++k) {
-        s += double{xs[t * in + k]} * ws[n * in + k];
-        a += std::fabs(double{xs[t * in + k]} * ws[n * in + k]);
-      }
-      ref.push_back(s);
-      scale.push_back(a);
-    }
-  }
-  // f32 accumulation and no rounding of the result: f32 tolerance whatever the inputs.
-  ExpectClose(Host(out), ref, scale, RelTol(DType::kF32) * 10, "f32 logits");
+  ExpectF32Logits(x, xs, w, ws, t_count, in, out_f, "f32 logits");
 }
 
 // cuBLASLt may offer no algorithm for a shape or an alignment: Linear then runs its own tiled
@@ -801,21 +809,7 @@ TEST_P(OpsTest, LinearWithoutACublasLtAlgorithm) {
                                  (with_bias ? " bias" : "");
         LinearCase(x, xs, w, ws, with_bias ? &b : nullptr, bs, t, in, out_f, tol(), what);
       }
-      Tensor logits = Tensor::Empty({t, out_f}, DType::kF32, device());
-      Linear(x, w, nullptr, &logits);
-      std::vector<double> ref, scale;
-      for (int64_t r = 0; r < t; ++r) {
-        for (int64_t n = 0; n < out_f; ++n) {
-          double sum = 0, mag = 0;
-          for (int64_t k = 0; k < in; ++k) {
-            sum += double{xs[r * in + k]} * ws[n * in + k];
-            mag += std::fabs(double{xs[r * in + k]} * ws[n * in + k]);
-          }
-          ref.push_back(sum);
-          scale.push_back(mag);
-        }
-      }
-      ExpectClose(Host(logits), ref, scale, RelTol(DType::kF32) * 10, "fallback f32 logits");
+      ExpectF32Logits(x, xs, w, ws, t, in, out_f, "fallback f32 logits");
     }
   }
 #endif

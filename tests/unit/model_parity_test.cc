@@ -153,6 +153,29 @@ class ParityFixture {
     }
   }
 
+  // Every golden prompt alone, with its prompt details, decoded to the golden's length.
+  const std::function<void(Engine&)> EachPromptAlone = [this](Engine& engine) {
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      const Golden& g = goldens_[i];
+      std::vector<StepOutput> out;
+      std::vector<SequenceError> errors;
+      engine.Prefill({Seq(i, g, /*input_logprobs=*/true)}, &out, &errors);
+      ASSERT_TRUE(errors.empty()) << errors[0].status;
+      ASSERT_EQ(out.size(), 1u);
+      // Prompt logprobs (none for the first token).
+      ASSERT_EQ(out[0].input_tokens.size(), g.input.size());
+      EXPECT_TRUE(std::isnan(out[0].input_tokens[0].logprob));
+      for (size_t p = 1; p < g.input.size(); ++p) {
+        EXPECT_EQ(out[0].input_tokens[p].id, g.input[p]);
+        EXPECT_NEAR(out[0].input_tokens[p].logprob, g.prompt_logprobs[p], kLogprobTolerance)
+            << "prompt " << i << " token " << p;
+      }
+      DecodeAndCompare(engine, i, out[0], g);
+      engine.Release(i);
+    }
+    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+  };
+
   static NewSequence Seq(uint64_t id, const Golden& g, bool input_logprobs = false) {
     NewSequence n;
     n.id = id;
@@ -184,27 +207,7 @@ class ParityTest : public ParityFixture,
   }
 };
 
-TEST_P(ParityTest, EachPromptAloneMatchesTransformers) {
-  OnEveryRank([&](Engine& engine) {
-    for (size_t i = 0; i < goldens_.size(); ++i) {
-      const Golden& g = goldens_[i];
-      std::vector<StepOutput> out;
-      std::vector<SequenceError> errors;
-      engine.Prefill({Seq(i, g, /*input_logprobs=*/true)}, &out, &errors);
-      ASSERT_TRUE(errors.empty()) << errors[0].status;
-      ASSERT_EQ(out.size(), 1u);
-      // Prompt logprobs.
-      ASSERT_EQ(out[0].input_tokens.size(), g.input.size());
-      for (size_t p = 1; p < g.input.size(); ++p) {
-        EXPECT_NEAR(out[0].input_tokens[p].logprob, g.prompt_logprobs[p], kLogprobTolerance)
-            << "prompt " << i << " token " << p;
-      }
-      DecodeAndCompare(engine, i, out[0], g);
-      engine.Release(i);
-    }
-    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
-  });
-}
+TEST_P(ParityTest, EachPromptAloneMatchesTransformers) { OnEveryRank(EachPromptAlone); }
 
 // Prompt details are made from the logits a chunk of rows at a time (a long prompt's at once
 // would be gigabytes): here one row at a time, and every prompt's details still match. (Set
@@ -214,25 +217,7 @@ TEST_P(ParityTest, PromptDetailsInChunksMatchTransformers) {
     OneRowChunks() { tgis::server::SetDetailChunkBytesForTesting(1); }
     ~OneRowChunks() { tgis::server::SetDetailChunkBytesForTesting(int64_t{64} << 20); }
   } one_row_chunks;
-  OnEveryRank([&](Engine& engine) {
-    for (size_t i = 0; i < goldens_.size(); ++i) {
-      const Golden& g = goldens_[i];
-      std::vector<StepOutput> out;
-      std::vector<SequenceError> errors;
-      engine.Prefill({Seq(i, g, /*input_logprobs=*/true)}, &out, &errors);
-      ASSERT_TRUE(errors.empty()) << errors[0].status;
-      ASSERT_EQ(out.size(), 1u);
-      ASSERT_EQ(out[0].input_tokens.size(), g.input.size());
-      EXPECT_TRUE(std::isnan(out[0].input_tokens[0].logprob));
-      for (size_t p = 1; p < g.input.size(); ++p) {
-        EXPECT_EQ(out[0].input_tokens[p].id, g.input[p]);
-        EXPECT_NEAR(out[0].input_tokens[p].logprob, g.prompt_logprobs[p], kLogprobTolerance)
-            << "prompt " << i << " token " << p;
-      }
-      EXPECT_EQ(out[0].token.id, g.generated[0]);
-      engine.Release(i);
-    }
-  });
+  OnEveryRank(EachPromptAlone);
 }
 
 TEST_P(ParityTest, AllPromptsInOneRaggedBatch) {
