@@ -170,10 +170,14 @@ grpc::Status ShardService::EnsureEngine() {
   const double per_token = static_cast<double>(PrefillBytesPerToken(*pending_model_));
   max_prefill_tokens_ = static_cast<uint32_t>(std::min<double>(
       usable * (1.0 - options_.memory_fraction) / per_token, std::numeric_limits<uint32_t>::max()));
-  // Tensor-parallel shards run every step together, so they must have the same blocks: the
-  // fewest any of them can hold. Every shard gets this call (the first Warmup, Prefill or
-  // Decode), so every one takes part.
-  pending_model_->communicator().AllReduceMin(std::span<int64_t>(&blocks, 1));
+  // Tensor-parallel shards run every step together, so they must have the same blocks and the
+  // same prefill limit (which sets the engine's step limit: one rank refusing what another runs
+  // would part their collectives): the least of them. Every shard gets this call (the first
+  // Warmup, Prefill or Decode), so every one takes part.
+  int64_t agreed[2] = {blocks, static_cast<int64_t>(max_prefill_tokens_)};
+  pending_model_->communicator().AllReduceMin(std::span<int64_t>(agreed, 2));
+  blocks = agreed[0];
+  max_prefill_tokens_ = static_cast<uint32_t>(agreed[1]);
   if (blocks <= 0) {
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         "not enough memory for a single KV cache block");
