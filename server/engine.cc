@@ -303,10 +303,13 @@ void Engine::AddDrafts(const std::vector<Sequence*>& seqs) {
   // A draft's keys are computed at the length the step reaches, which length-dependent rotary
   // would rotate differently from step-by-step decoding.
   if (!keys_independent_of_length_) return;
-  // Drafts are extra rows: together with one row per sequence they stay within the step limit.
-  int64_t step_room = max_step_tokens_ == 0 ? std::numeric_limits<int64_t>::max()
-                                            : static_cast<int64_t>(max_step_tokens_) -
-                                                  static_cast<int64_t>(seqs.size());
+  // Drafts are extra rows: with every sequence's tokens still to compute (a prompt's whole rest,
+  // on the safe side of its chunk) they stay within the step limit, never crowding a prompt out.
+  int64_t step_room = std::numeric_limits<int64_t>::max();
+  if (max_step_tokens_ > 0) {
+    step_room = static_cast<int64_t>(max_step_tokens_);
+    for (const Sequence* s : seqs) step_room -= static_cast<int64_t>(s->tokens.size() - s->cached);
+  }
   for (Sequence* s : seqs) {
     s->draft.clear();
     // Decoding greedy sequences only (a prompt still being computed has no next token yet),
@@ -463,7 +466,9 @@ void Engine::RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t pr
   std::sort(by_age.begin(), by_age.end(),
             [&](size_t a, size_t b) { return seqs[a]->order < seqs[b]->order; });
   std::vector<size_t> end_of(seqs.size());
-  size_t left = prompt_budget;
+  // Prompt chunks share the budget, which never exceeds the step limit (PREFILL_CHUNK_TOKENS
+  // above what warmup sized is cut to it, not refused).
+  size_t left = max_step_tokens_ > 0 ? std::min(prompt_budget, max_step_tokens_) : prompt_budget;
   for (size_t i : by_age) {
     const Sequence* s = seqs[i];
     const size_t remaining = s->tokens.size() - s->cached;

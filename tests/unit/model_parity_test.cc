@@ -843,6 +843,28 @@ TEST_P(ParityTest, StepsStayWithinTheTokenLimit) {
     EXPECT_TRUE(out.empty());
     ASSERT_EQ(errors.size(), 1u);
     EXPECT_EQ(errors[0].status.code(), absl::StatusCode::kResourceExhausted);
+    // Chunked prefill: a chunk budget above the limit is cut to it, and the same prompt runs
+    // in chunks (more than one step) instead of being refused.
+    if (engine.can_preempt() && !engine.model().encoder_decoder()) {  // chunkable prompts
+      out.clear();
+      errors.clear();
+      other.id = 4;
+      std::vector<uint64_t> prefilling;
+      engine.Prefill({other}, &out, &errors, nullptr, /*prompt_budget=*/1000, &prefilling);
+      ASSERT_TRUE(errors.empty()) << errors[0].status;
+      int steps = 1;
+      while (out.empty() && steps < 100) {
+        ASSERT_EQ(prefilling, std::vector<uint64_t>{4});
+        prefilling.clear();
+        engine.Decode({4}, &out, &errors, nullptr, /*prompt_budget=*/1000, &prefilling);
+        ASSERT_TRUE(errors.empty()) << errors[0].status;
+        ++steps;
+      }
+      ASSERT_EQ(out.size(), 1u);
+      EXPECT_EQ(out[0].id, 4u);
+      EXPECT_GE(steps, 2);
+      engine.Release(4);
+    }
     EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
   });
 }
