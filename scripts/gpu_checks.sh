@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool) from the repository root, with .device/ carried (made
 # by scripts/gpu_bundle.sh): the CUDA op tests, the CUDA model parity tests, then the GPU
-# benchmark. Logs and figures go to $OUT when the device tool sets it.
+# benchmark. Logs and figures go to $OUT when the device tool sets it; $OUT/summary.txt says
+# in one page what passed, what failed and the benchmark's figures.
 #   GPU_CHECKS="ops parity bench"   which parts to run (default: all three)
 #   BENCH_ARGS="..."                extra arguments for benchmarks/gpu_bench.py
 set -uo pipefail
@@ -45,4 +46,19 @@ if [[ " $parts " == *" bench "* ]]; then
     --out "$OUT/gpu_bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
+# One file to read first: the GPU, each part's gtest verdicts (and which tests failed), the
+# benchmark's last lines.
+{
+  cat "$OUT/gpu.txt"
+  for part in ops parity; do
+    [ -f "$OUT/$part.log" ] || continue
+    echo "== $part"
+    grep -E "^\[  (PASSED|FAILED|SKIPPED) +\]|^\[  FAILED  \] .*\(" "$OUT/$part.log" | head -80
+  done
+  if [ -f "$OUT/bench.log" ]; then
+    echo "== bench"
+    tail -40 "$OUT/bench.log"
+  fi
+  echo "== exit $rc"
+} > "$OUT/summary.txt" 2>&1
 exit $rc
