@@ -55,7 +55,18 @@ void* Malloc(size_t nbytes) {
   void* p = nullptr;
   if (nbytes == 0) nbytes = 1;  // a distinct pointer, as malloc gives
   const cudaError_t err = cudaMallocAsync(&p, nbytes, Stream());
-  TGIS_CHECK(err == cudaSuccess, "cudaMallocAsync(%zu bytes): %s", nbytes, cudaGetErrorString(err));
+  if (err != cudaSuccess) {
+    // Warmup ran the largest step, so this is at start or a sizing that did not hold: say what
+    // to change, with the numbers.
+    (void)cudaGetLastError();
+    size_t free_bytes = 0, total = 0;
+    (void)cudaMemGetInfo(&free_bytes, &total);
+    TGIS_FATAL(
+        "CUDA out of memory: cudaMallocAsync(%zu bytes) failed (%s) with %zu of %zu MiB free on "
+        "GPU %d; lower KV_CACHE_MEMORY_FRACTION, MAX_BATCH_WEIGHT or MAX_SEQUENCE_LENGTH, or "
+        "raise BATCH_SAFETY_MARGIN",
+        nbytes, cudaGetErrorString(err), free_bytes >> 20, total >> 20, CurrentDevice());
+  }
   return p;
 }
 
