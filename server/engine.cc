@@ -409,19 +409,29 @@ std::vector<Engine::Sequence*> Engine::ReserveOrPreempt(const std::vector<Sequen
   return kept;
 }
 
-void Engine::RefuseBeyondStepLimit(const std::vector<Sequence*>& seqs,
-                                   const std::vector<size_t>& by_age, std::vector<size_t>* ends,
+std::vector<size_t> Engine::OldestFirst(const std::vector<Sequence*>& seqs) {
+  std::vector<size_t> by_age(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) by_age[i] = i;
+  std::sort(by_age.begin(), by_age.end(),
+            [&](size_t a, size_t b) { return seqs[a]->order < seqs[b]->order; });
+  return by_age;
+}
+
+bool Engine::RefuseBeyondStepLimit(const std::vector<Sequence*>& seqs, std::vector<size_t>* ends,
                                    std::vector<SequenceError>* errors) {
-  if (max_step_tokens_ == 0) return;
+  if (max_step_tokens_ == 0) return false;
   size_t total = 0;
-  for (size_t i : by_age) {
+  for (size_t i = 0; i < seqs.size(); ++i) total += (*ends)[i] - seqs[i]->cached;
+  if (total <= max_step_tokens_) return false;  // the usual case: no order to work out
+  // The oldest sequences keep their places; the newer ones that would take the step past what
+  // the shard's memory was sized for are refused.
+  total = 0;
+  for (size_t i : OldestFirst(seqs)) {
     const size_t tokens = (*ends)[i] - seqs[i]->cached;
     if (total + tokens <= max_step_tokens_ || tokens == 0) {
       total += tokens;
       continue;
     }
-    // The oldest sequences keep their places; this one would take the step past what the
-    // shard's memory was sized for.
     errors->push_back(
         {seqs[i]->id, absl::ResourceExhaustedError(absl::StrCat(
                           "this step would compute ", total + tokens, " tokens, more than the ",
@@ -429,6 +439,7 @@ void Engine::RefuseBeyondStepLimit(const std::vector<Sequence*>& seqs,
     Release(seqs[i]->id);
     (*ends)[i] = kRefused;
   }
+  return true;
 }
 
 bool Engine::Chunkable(const Sequence& s) const {
@@ -442,14 +453,12 @@ void Engine::RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t pr
                      std::vector<StepOutput>* out, std::vector<SequenceError>* errors,
                      std::vector<uint64_t>* prefilling) {
   if (prompt_budget == 0 || prefilling == nullptr) {
-    std::vector<size_t> ends, by_age(seqs.size());
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      ends.push_back(seqs[i]->tokens.size());
-      by_age[i] = i;
+    std::vector<size_t> ends;
+    for (const Sequence* s : seqs) ends.push_back(s->tokens.size());
+    if (!RefuseBeyondStepLimit(seqs, &ends, errors)) {
+      Run(seqs, ends, prefill, out, errors);
+      return;
     }
-    std::sort(by_age.begin(), by_age.end(),
-              [&](size_t a, size_t b) { return seqs[a]->order < seqs[b]->order; });
-    RefuseBeyondStepLimit(seqs, by_age, &ends, errors);
     std::vector<Sequence*> step;
     std::vector<size_t> step_ends;
     for (size_t i = 0; i < seqs.size(); ++i) {
@@ -461,10 +470,7 @@ void Engine::RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t pr
     return;
   }
   // The budget goes to the oldest sequences first; a decode row (one token) is never held up.
-  std::vector<size_t> by_age(seqs.size());
-  for (size_t i = 0; i < seqs.size(); ++i) by_age[i] = i;
-  std::sort(by_age.begin(), by_age.end(),
-            [&](size_t a, size_t b) { return seqs[a]->order < seqs[b]->order; });
+  const std::vector<size_t> by_age = OldestFirst(seqs);
   std::vector<size_t> end_of(seqs.size());
   // Prompt chunks share the budget, which never exceeds the step limit (PREFILL_CHUNK_TOKENS
   // above what warmup sized is cut to it, not refused).
@@ -479,7 +485,7 @@ void Engine::RunStep(const std::vector<Sequence*>& seqs, bool prefill, size_t pr
       left -= end_of[i] - s->cached;
     }
   }
-  RefuseBeyondStepLimit(seqs, by_age, &end_of, errors);
+  RefuseBeyondStepLimit(seqs, &end_of, errors);
   std::vector<Sequence*> step;
   std::vector<size_t> ends;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -656,9 +662,10 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
       }
       const auto [first_detail, detail_count] = detail_span[i];
       const int32_t first_token = std::max<int32_t>(static_cast<int32_t>(s->prefix_len), 1);
+      const int32_t chunk_rows = DetailRowsPerChunk(v);
       bool finite = true;
-      for (int32_t c0 = 0; c0 < detail_count && finite; c0 += DetailRowsPerChunk(v)) {
-        const int32_t c1 = std::min(detail_count, c0 + DetailRowsPerChunk(v));
+      for (int32_t c0 = 0; c0 < detail_count && finite; c0 += chunk_rows) {
+        const int32_t c1 = std::min(detail_count, c0 + chunk_rows);
         const int64_t at = choosing + first_detail;
         Tensor chunk = model_->Logits(hidden.Rows(at + c0, at + c1));
         if (chunk.device() != kernels::Device::kCpu) chunk = chunk.ToDevice(kernels::Device::kCpu);

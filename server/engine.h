@@ -200,10 +200,12 @@ class Engine {
                std::vector<StepOutput>* out, std::vector<SequenceError>* errors,
                std::vector<uint64_t>* prefilling);
   bool Chunkable(const Sequence& s) const;
-  // Refuses (error, released, end set to kRefused) the sequences, newest first, that would take
-  // a step past max_step_tokens_; `ends` are the step's planned ends, `by_age` the order.
-  void RefuseBeyondStepLimit(const std::vector<Sequence*>& seqs, const std::vector<size_t>& by_age,
-                             std::vector<size_t>* ends, std::vector<SequenceError>* errors);
+  // The indices of `seqs`, oldest sequence first.
+  static std::vector<size_t> OldestFirst(const std::vector<Sequence*>& seqs);
+  // Refuses (error, released, end set to kRefused) the newest sequences that would take a step
+  // past max_step_tokens_; `ends` are the step's planned ends. False when none was refused.
+  bool RefuseBeyondStepLimit(const std::vector<Sequence*>& seqs, std::vector<size_t>* ends,
+                             std::vector<SequenceError>* errors);
   // Prompt lookup: the tokens that followed the latest earlier occurrence of s's last 3 (else
   // 2, else 1) tokens, at most `limit` of them.
   std::vector<int32_t> ProposeDraft(const Sequence& s, size_t limit) const;

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cpu/linear_stream.h"
@@ -327,20 +328,20 @@ void Gemm(const SmallArgs& a, const Int8Blocks& x) {
       p.template Pack<W>(a, n0);
       int64_t t0 = 0;
       if constexpr (kVnni) {
+        // Tiles of kTokens tokens, then one of 3, then single tokens.
+        auto tiles = [&](auto one_run_constant) {
+          constexpr bool kOneRun = decltype(one_run_constant)::value;
+          for (; t0 + kTokens <= a.t; t0 += kTokens) Tile<kTokens, kOneRun>(a, x, p, n0, t0);
+          if (t0 + 3 <= a.t) {
+            Tile<3, kOneRun>(a, x, p, n0, t0);
+            t0 += 3;
+          }
+          for (; t0 < a.t; ++t0) Tile<1, kOneRun>(a, x, p, n0, t0);
+        };
         if (one_run) {
-          for (; t0 + kTokens <= a.t; t0 += kTokens) Tile<kTokens, true>(a, x, p, n0, t0);
-          if (t0 + 3 <= a.t) {
-            Tile<3, true>(a, x, p, n0, t0);
-            t0 += 3;
-          }
-          for (; t0 < a.t; ++t0) Tile<1, true>(a, x, p, n0, t0);
+          tiles(std::true_type{});
         } else {
-          for (; t0 + kTokens <= a.t; t0 += kTokens) Tile<kTokens, false>(a, x, p, n0, t0);
-          if (t0 + 3 <= a.t) {
-            Tile<3, false>(a, x, p, n0, t0);
-            t0 += 3;
-          }
-          for (; t0 < a.t; ++t0) Tile<1, false>(a, x, p, n0, t0);
+          tiles(std::false_type{});
         }
       } else {
         for (; t0 + kTokensAvx2 <= a.t; t0 += kTokensAvx2)
