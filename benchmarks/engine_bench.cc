@@ -138,6 +138,7 @@ int main(int argc, char** argv) {
     std::cerr << model.status() << "\n";
     return 1;
   }
+  (*model)->MoveTo(tgis::kernels::Device::kCpu);  // as the shard: the kernels' layouts at load
   const auto& spec = (*model)->spec();
   // Bytes of weights a decode step streams: every linear layer plus the lm_head, in their
   // stored format (quantized: codes plus a scale and zero per row and group: f32 ones, or for

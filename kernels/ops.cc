@@ -14,6 +14,10 @@ bool SetCpuInt8Activations(bool on) {
   return true;
 }
 
+void PrepareCpuWeight(const Tensor& w) {
+  if (w.quantized() != nullptr && w.device() == Device::kCpu) cpu::PrepareQuantized(*w.quantized());
+}
+
 std::string CpuBackendSummary() {
   return std::string("linear isa ") + cpu::ActiveIsaName() + ", " +
          std::to_string(cpu::ThreadPool::Global().size()) + " threads, prefill GEMM " +

@@ -34,6 +34,12 @@ std::string CpuBackendSummary();
 // CPU lacks AVX2 (AVX-512 VNNI is used where the CPU has it).
 bool SetCpuInt8Activations(bool on);
 
+// Makes now what the CPU kernels would otherwise derive from a Linear weight on its first use
+// under the current settings (with int8 activations on AVX2: 4-bit codes interleaved 8 rows at
+// a time, a second copy of the codes), so that the memory is taken at load, before the KV cache
+// is sized from what is left. Nothing for other weights, devices or settings.
+void PrepareCpuWeight(const Tensor& w);
+
 // out[t, :] = weight[ids[t], :]. ids: [T] i32; weight: [V, H]; out: [T, H].
 void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out);
 

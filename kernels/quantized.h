@@ -15,11 +15,41 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "kernels/tensor.h"
 
 namespace tgis::kernels {
+
+namespace cpu {
+struct Q4Panels;  // kernels/cpu/linear_stream.h
+}
+
+// A layout of a weight's codes that a CPU kernel derives from them once and keeps with the
+// weight: the 4-bit codes interleaved 8 rows at a time for the int8-activation kernels on AVX2
+// (cpu::Q4Panels). Made at load (PrepareCpuWeight) or else on first use. A copy of the weight
+// starts without it, so that no layout outlives the codes it was made from.
+class DerivedCpuLayout {
+ public:
+  DerivedCpuLayout() = default;
+  DerivedCpuLayout(const DerivedCpuLayout&) {}
+  DerivedCpuLayout& operator=(const DerivedCpuLayout&) { return *this; }
+
+  // The layout, made by `build` (returning a shared_ptr, or null where the weight has none) on
+  // the first call only; callers at the same time wait for it.
+  template <typename Build>
+  const cpu::Q4Panels* Q4Panels(Build build) const {
+    std::call_once(once_, [&] { q4_panels_ = build(); });
+    return q4_panels_.get();
+  }
+  // Whether it has been made (tests; not synchronized with a concurrent first use).
+  bool made() const { return q4_panels_ != nullptr; }
+
+ private:
+  mutable std::once_flag once_;
+  mutable std::shared_ptr<const cpu::Q4Panels> q4_panels_;
+};
 
 struct QuantizedWeight {
   int bits = 8;  // 4 or 8: codes are in [0, 2^bits)
@@ -36,6 +66,7 @@ struct QuantizedWeight {
   Tensor zeros;
   Tensor block_run;  // [stored_in / 8] kI32: the run of each block of 8 stored columns
   Tensor gather;     // [stored_in] kI32 input column or -1 (padding); undefined: identity
+  DerivedCpuLayout cpu_layout;
 
   int64_t runs() const { return scales.defined() ? scales.dim(1) : 0; }
   // Compact run constants: 4-bit weights whose every scale is an f16 value and every zero an

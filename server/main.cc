@@ -246,7 +246,7 @@ int main(int argc, char** argv) {
   }
   auto model = tgis::server::ModelRegistry::Get().Build(*config, **weights, dtype, comm);
   if (!model.ok()) return Fail(std::string(model.status().message()));
-  if (cuda) (*model)->MoveTo(tgis::kernels::Device::kCuda);
+  (*model)->MoveTo(cuda ? tgis::kernels::Device::kCuda : tgis::kernels::Device::kCpu);
   (*weights)->FinishLoading();
   LOG(INFO) << "loaded " << config->model_type << " from " << model_dir << " (" << FLAGS_dtype
             << (FLAGS_world_size > 1 ? ", rank " + std::to_string(FLAGS_rank) + " of " +

@@ -150,7 +150,9 @@ class Model {
     (void)cache;
   }
 
-  // Moves the weights to `device` (CPU: no-op); call once, before the first Forward.
+  // Moves the weights to `device`; on the CPU, where they are, makes what the CPU kernels
+  // derive from them (kernels::PrepareCpuWeight: at load, before the KV cache is sized from the
+  // memory left). Call once, before the first Forward.
   virtual void MoveTo(kernels::Device device) = 0;
   virtual kernels::Device device() const = 0;
   // The dtype of activations and of the KV cache: f32 on the CPU.

@@ -22,10 +22,14 @@ void SetIsaForTesting(Isa isa);
 bool IsaAvailable(Isa isa);
 // Opt-in, process-wide: 8- and 4-bit codes are multiplied by x rounded to int8 per 32 columns
 // (llama.cpp's way: linear_q4_int8x.cc and linear_q8_int8x.cc in decode, linear_int8_gemm.cc
-// in prefill; AVX-512 VNNI where the CPU has it, else AVX2), where the weight's runs and width
-// allow it; other weights (float, fp8) stay exact.
+// in prefill, with AVX-512 VNNI where the CPU has it; on AVX2, 4-bit codes take
+// linear_q4_panels.cc at every T), where the weight's runs and width allow it; other weights
+// (float, fp8) stay exact.
 void SetInt8Activations(bool on);
 bool Int8ActivationsAvailable();
+// Derives now the layouts the current settings' kernels read from `q` (ops.h's
+// PrepareCpuWeight).
+void PrepareQuantized(const QuantizedWeight& q);
 
 // The path kAuto resolves to on this machine ("avx512+vnni", "avx512", "avx2+fma", "scalar").
 const char* ActiveIsaName();

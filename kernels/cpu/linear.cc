@@ -108,6 +108,20 @@ Int8Path Int8PathFor(const QuantizedWeight* q) {
   return UseAvx2() && WholeBlockRuns(q) ? Int8Path::kAvx2 : Int8Path::kNone;
 }
 
+// Whether the VNNI row kernel for 4-bit codes (linear_q4_int8x.cc) takes this weight's decode:
+// it steps 128 columns at a time.
+bool VnniQ4RowsTake(const QuantizedWeight& q) { return q.stored_in % 128 == 0; }
+
+// 4-bit codes against int8-rounded x with AVX2 code, at any T (linear_q4_panels.cc). False
+// (nothing written: the exact path runs) when x has a NaN or inf.
+bool Q4PanelsInt8(const SmallArgs& a) {
+  const Q4Panels* panels = Q4PanelsOf(*a.q);
+  thread_local Int8Blocks x;
+  if (panels == nullptr || !x.Prepare(a.x, a.t, a.k)) return false;
+  Q4PanelsLinear(a, x, *panels);
+  return true;
+}
+
 template <WFmt W>
 inline float LoadScalar(const WRow& row, int64_t i) {
   if constexpr (W == WFmt::kF32) {
@@ -378,15 +392,17 @@ void SmallT(const SmallArgs& args) {
   const Int8Path int8 = Int8PathFor(args.q);
   if constexpr (W == WFmt::kQ4) {
     thread_local Int8X int8x;
-    if (int8 != Int8Path::kNone &&
+    if (int8 == Int8Path::kVnni && VnniQ4RowsTake(*args.q) &&
         int8x.Prepare(args.x, args.t, args.k, args.q->block_run.data<int32_t>())) {
       const Int8X* x = &int8x;  // workers read the calling thread's copy
       ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
-        SmallQ4Int8X(args, *x, int8 == Int8Path::kVnni, b * kTileRows,
-                     std::min(args.n, e * kTileRows));
+        SmallQ4Int8X(args, *x, b * kTileRows, std::min(args.n, e * kTileRows));
       });
       return;
     }
+    // Otherwise the panels, on VNNI machines too (for widths the row kernel does not take):
+    // which linears round x must not depend on the CPU.
+    if (int8 != Int8Path::kNone && Q4PanelsInt8(args)) return;
   } else if constexpr (W == WFmt::kQ8) {
     thread_local Int8X8 int8x;
     if (int8 != Int8Path::kNone &&
@@ -456,6 +472,9 @@ template <WFmt W>
 void LargeT(const SmallArgs& a) {
   if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
     const Int8Path int8 = Int8PathFor(a.q);
+    if constexpr (W == WFmt::kQ4) {
+      if (int8 == Int8Path::kAvx2 && Q4PanelsInt8(a)) return;
+    }
     if (int8 != Int8Path::kNone && LargeInt8Gemm<W>(a, int8 == Int8Path::kVnni)) return;
   }
   [[maybe_unused]] const bool avx2 = UseAvx2();
@@ -517,6 +536,12 @@ void SetIsaForTesting(Isa isa) { g_isa.store(isa); }
 bool Int8ActivationsAvailable() { return CpuHasAvx2(); }
 
 void SetInt8Activations(bool on) { g_int8_activations.store(on); }
+
+void PrepareQuantized(const QuantizedWeight& q) {
+  if (q.bits != 4 || q.fp8) return;
+  const Int8Path path = Int8PathFor(&q);
+  if (path == Int8Path::kAvx2 || (path == Int8Path::kVnni && !VnniQ4RowsTake(q))) Q4PanelsOf(q);
+}
 
 bool UseAvx2Kernels() { return UseAvx2(); }
 

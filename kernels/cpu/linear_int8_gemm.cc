@@ -15,8 +15,9 @@
 // (a weight with one run per row, as bitsandbytes' int8: times x's scale only, the weight's
 // applied once at the end):
 // every output sums its blocks in column order, so its value depends on its own x row only,
-// never on T, the tiles or the threads. AVX2 has no vpdpbusd: panels of 8 rows (a ymm), and
-// TileAvx2 says how the same integer sums are made there.
+// never on T, the tiles or the threads. AVX2 has no vpdpbusd: 8-bit codes in panels of 8 rows
+// (a ymm), TileAvx2 saying how the same integer sums are made there; 4-bit codes take the
+// panels made once per weight (linear_q4_panels.cc), whose kernel runs every T.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/cpu/common.h"
 #include "kernels/cpu/linear_stream.h"
 #include "kernels/cpu/thread_pool.h"
 
@@ -237,29 +239,10 @@ TGIS_VNNI void Tile(const SmallArgs& a, const Int8Blocks& x, const Panel<kPanel>
   }
 }
 
-// Integer adds through asm: GCC 12 reassociates the fully unrolled sums of TileAvx2 into trees
-// and spills every product to the stack (2-3x slower); these keep each token's sum one chain.
-TGIS_AVX2 inline __m256i AddI16(__m256i a, __m256i b) {
-  asm("vpaddw %1, %0, %0" : "+x"(a) : "x"(b));
-  return a;
-}
-TGIS_AVX2 inline __m256i AddI32(__m256i a, __m256i b) {
-  asm("vpaddd %1, %0, %0" : "+x"(a) : "x"(b));
-  return a;
-}
-
-// Four int8 codes at p, in every dword.
-TGIS_AVX2 inline __m256i Broadcast4(const int8_t* p) {
-  int32_t four;
-  std::memcpy(&four, p, 4);
-  return _mm256_set1_epi32(four);
-}
-
-// AVX2: out[t0 .. t0 + TT) of the panel's 8 rows. 4-bit codes: vpmaddubsw (code times x's
-// code, pairs summed: at most 2 * 15 * 127), a block's 8 steps summed in int16 (at most 30480),
-// then vpmaddwd into int32. 8-bit codes: as linear_q8_int8x.cc's AVX2 kernel, (code - 128)
-// against x's codes, vpmaddwd after every step, and 128 * sum(xq) added back in f32 (exact).
-template <WFmt W, int TT>
+// AVX2, 8-bit codes (4-bit ones take Q4Panels): out[t0 .. t0 + TT) of the panel's 8 rows, as
+// linear_q8_int8x.cc's AVX2 kernel, (code - 128) against x's codes, vpmaddwd after every step,
+// and 128 * sum(xq) added back in f32 (exact).
+template <int TT>
 TGIS_AVX2 void TileAvx2(const SmallArgs& a, const Int8Blocks& x, const Panel<kPanelAvx2>& p,
                         int64_t n0, int64_t t0) {
   const int64_t blocks = a.k / kBlock;
@@ -270,30 +253,18 @@ TGIS_AVX2 void TileAvx2(const SmallArgs& a, const Int8Blocks& x, const Panel<kPa
     __m256i dot[TT];
     const uint8_t* w = &p.codes[b * kBlock * kPanelAvx2];
     const int8_t* xq = &x.q[t0 * a.k + b * kBlock];
-    if constexpr (W == WFmt::kQ4) {
-      for (int t = 0; t < TT; ++t) dot[t] = _mm256_setzero_si256();
+    for (int t = 0; t < TT; ++t) dot[t] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int s = 0; s < kBlock / 4; ++s) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32));
+    for (int s = 0; s < kBlock / 4; ++s) {
+      const __m256i centered =
+          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32)),
+                           _mm256_set1_epi8(static_cast<char>(0x80)));
+      const __m256i magnitude = _mm256_abs_epi8(centered);
 #pragma GCC unroll 4
-        for (int t = 0; t < TT; ++t)
-          dot[t] = AddI16(dot[t], _mm256_maddubs_epi16(wv, Broadcast4(xq + t * a.k + 4 * s)));
-      }
-      for (int t = 0; t < TT; ++t) dot[t] = _mm256_madd_epi16(dot[t], ones);
-    } else {
-      for (int t = 0; t < TT; ++t) dot[t] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int s = 0; s < kBlock / 4; ++s) {
-        const __m256i centered =
-            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32)),
-                             _mm256_set1_epi8(static_cast<char>(0x80)));
-        const __m256i magnitude = _mm256_abs_epi8(centered);
-#pragma GCC unroll 4
-        for (int t = 0; t < TT; ++t) {
-          const __m256i pairs = _mm256_maddubs_epi16(
-              magnitude, _mm256_sign_epi8(Broadcast4(xq + t * a.k + 4 * s), centered));
-          dot[t] = AddI32(dot[t], _mm256_madd_epi16(pairs, ones));
-        }
+      for (int t = 0; t < TT; ++t) {
+        const __m256i pairs = _mm256_maddubs_epi16(
+            magnitude, _mm256_sign_epi8(Broadcast4(xq + t * a.k + 4 * s), centered));
+        dot[t] = AddI32(dot[t], _mm256_madd_epi16(pairs, ones));
       }
     }
     const __m256 ws = _mm256_loadu_ps(&p.scale[b * kPanelAvx2]);
@@ -302,18 +273,13 @@ TGIS_AVX2 void TileAvx2(const SmallArgs& a, const Int8Blocks& x, const Panel<kPa
     for (int t = 0; t < TT; ++t) {
       const int64_t at = (t0 + t) * blocks + b;
       const __m256 sum = _mm256_set1_ps(x.sum[at]);
-      __m256 codes_x = _mm256_cvtepi32_ps(dot[t]);
-      if constexpr (W == WFmt::kQ8) codes_x = _mm256_fmadd_ps(_mm256_set1_ps(128.f), sum, codes_x);
+      const __m256 codes_x =
+          _mm256_fmadd_ps(_mm256_set1_ps(128.f), sum, _mm256_cvtepi32_ps(dot[t]));
       const __m256 exact = _mm256_fnmadd_ps(wz, sum, codes_x);
       acc[t] = _mm256_fmadd_ps(exact, _mm256_mul_ps(ws, _mm256_set1_ps(x.scale[at])), acc[t]);
     }
   }
-  const int rows = static_cast<int>(std::min<int64_t>(kPanelAvx2, a.n - n0));
-  const __m256i mask =
-      _mm256_cmpgt_epi32(_mm256_set1_epi32(rows), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256 bias = a.bias ? _mm256_maskload_ps(a.bias + n0, mask) : _mm256_setzero_ps();
-  for (int t = 0; t < TT; ++t)
-    _mm256_maskstore_ps(a.out + (t0 + t) * a.n + n0, mask, _mm256_add_ps(acc[t], bias));
+  StorePanel8(a, n0, t0, TT, acc);
 }
 
 template <WFmt W, bool kVnni>
@@ -344,9 +310,8 @@ void Gemm(const SmallArgs& a, const Int8Blocks& x) {
           tiles(std::false_type{});
         }
       } else {
-        for (; t0 + kTokensAvx2 <= a.t; t0 += kTokensAvx2)
-          TileAvx2<W, kTokensAvx2>(a, x, p, n0, t0);
-        for (; t0 < a.t; ++t0) TileAvx2<W, 1>(a, x, p, n0, t0);
+        for (; t0 + kTokensAvx2 <= a.t; t0 += kTokensAvx2) TileAvx2<kTokensAvx2>(a, x, p, n0, t0);
+        for (; t0 < a.t; ++t0) TileAvx2<1>(a, x, p, n0, t0);
       }
     }
   });
@@ -363,7 +328,13 @@ bool LargeInt8Gemm(const SmallArgs& a, bool vnni) {
   static_assert(W == WFmt::kQ8 || W == WFmt::kQ4);
   thread_local Int8Blocks x;
   if (!x.Prepare(a.x, a.t, a.k)) return false;
-  vnni ? Gemm<W, true>(a, x) : Gemm<W, false>(a, x);
+  if constexpr (W == WFmt::kQ4) {
+    // On AVX2, 4-bit codes take Q4Panels (linear_q4_panels.cc) at every T.
+    TGIS_CHECK(vnni, "LargeInt8Gemm: 4-bit codes on AVX2 take Q4PanelsLinear");
+    Gemm<W, true>(a, x);
+  } else {
+    vnni ? Gemm<W, true>(a, x) : Gemm<W, false>(a, x);
+  }
   return true;
 }
 

@@ -1,6 +1,8 @@
 // Linear's opt-in streaming kernel for 4-bit codes with x rounded to int8 (SetInt8Activations;
-// the shard's --cpu-int8-activations): llama.cpp's way of multiplying 4-bit weights, with
-// integer dot products (AVX-512 VNNI 128 columns at a time, or AVX2 64).
+// the shard's --cpu-int8-activations) on AVX-512 VNNI: llama.cpp's way of multiplying 4-bit
+// weights, with integer dot products 128 columns at a time, one weight row after another. (On
+// AVX2 the codes interleaved 8 rows at a time run faster: linear_q4_panels.cc. Not yet measured
+// here on VNNI, where this row kernel stays.)
 //
 // Why opt-in: x rounded to int8 per 32 columns (scale = the block's absmax / 127, as
 // llama.cpp's Q8_0) is an activation error of up to 0.4% per element, so outputs are no
@@ -12,11 +14,10 @@
 // (low nibble) and 32b + 2i + 1 (high nibble), so dword lane l of the chunk covers columns
 // [8l, 8l + 8) and block l / 4. x is prepared once per call as int8 in the same order (its even
 // columns' bytes, then its odd columns'), with, per lane, its block's scale and the sum of its 8
-// codes. Per lane: I = sum of code * xq over its 8 columns (exact: vpdpbusd, or vpmaddubsw's
-// pair sums of at most 2 * 15 * 127 then vpmaddwd), then (I - zero * sum(xq)) exactly in f32
-// (integers below 2^24), times the weight's and x's scales, added into f32 lanes (16, or 2 x 8
-// with AVX2); the output is their sum, plus the bias. A row's result depends only on its own x
-// row: the same at any T, in any batch, on any number of threads.
+// codes. Per lane: I = sum of code * xq over its 8 columns (exact: vpdpbusd), then
+// (I - zero * sum(xq)) exactly in f32 (integers below 2^24), times the weight's and x's scales,
+// added into 16 f32 lanes; the output is their sum, plus the bias. A row's result depends only on
+// its own x row: the same at any T, in any batch, on any number of threads.
 #include <immintrin.h>
 
 #include <cstring>
@@ -97,65 +98,6 @@ TGIS_VNNI void Dots(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, _
   for (int t = 0; t < TT; ++t) acc[t0 + t] = sum[t];
 }
 
-// Half h of a chunk's four per-block values as AVX2 lanes: lanes 0-3 lie in block 2h, lanes
-// 4-7 in block 2h + 1.
-TGIS_AVX2 inline __m256 HalfLanes(__m128 four, int h) {
-  return _mm256_permutevar8x32_ps(
-      _mm256_castps128_ps256(four),
-      _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1, 2 * h + 1, 2 * h + 1, 2 * h + 1));
-}
-
-// AVX2: the chunk's two halves (lanes 0-7 and 8-15, 32 code bytes each) in turn, each into its
-// own accumulator, so that two f32 chains are in flight.
-template <int TT>
-TGIS_AVX2 void DotsAvx2(const SmallArgs& a, const Int8X& x, int64_t n, int64_t t0, __m256* acc) {
-  const WRow row = RowOf<WFmt::kQ4>(a, n);
-  const int64_t chunks = a.k / kChunk;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 sum[TT][2];
-  for (int t = 0; t < TT; ++t) sum[t][0] = sum[t][1] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    const FourRuns runs = RunsOf(row, x.chunks[c]);
-    PrefetchCodesAhead(row.codes() + c * 64);
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const __m256i bytes =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.codes() + c * 64 + 32 * h));
-      const __m256i lo = _mm256_and_si256(bytes, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      const __m256 w_scale = HalfLanes(runs.scale, h);
-      const __m256 w_zero = HalfLanes(runs.zero, h);
-#pragma GCC unroll 2
-      for (int t = 0; t < TT; ++t) {
-        const int64_t at = ((t0 + t) * chunks + c);
-        const __m256i pairs = _mm256_add_epi16(
-            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                         &x.even[at * 64 + 32 * h]))),
-            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-                                         &x.odd[at * 64 + 32 * h]))));
-        const __m256i dot = _mm256_madd_epi16(pairs, ones);
-        const __m256 exact = _mm256_fnmadd_ps(w_zero, _mm256_loadu_ps(&x.lane_sum[at * 16 + 8 * h]),
-                                              _mm256_cvtepi32_ps(dot));
-        sum[t][h] = _mm256_fmadd_ps(
-            exact, _mm256_mul_ps(w_scale, _mm256_loadu_ps(&x.lane_scale[at * 16 + 8 * h])),
-            sum[t][h]);
-      }
-    }
-  }
-  for (int t = 0; t < TT; ++t) acc[t0 + t] = _mm256_add_ps(sum[t][0], sum[t][1]);
-}
-
-TGIS_AVX2 void RowAvx2(const SmallArgs& a, const Int8X& x, int64_t n) {
-  __m256 acc[kSmallT];
-  int64_t t0 = 0;
-  for (; t0 + 2 <= a.t; t0 += 2) DotsAvx2<2>(a, x, n, t0, acc);
-  if (t0 < a.t) DotsAvx2<1>(a, x, n, t0, acc);
-  float sums[kSmallT];
-  for (int64_t t = 0; t < a.t; ++t) sums[t] = HSum8(acc[t]);
-  StoreRow(a, n, sums);
-}
-
 TGIS_VNNI void Row(const SmallArgs& a, const Int8X& x, int64_t n) {
   alignas(64) __m512 acc[kSmallT];
   int64_t t0 = 0;
@@ -204,11 +146,11 @@ bool Int8X::Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_r
   return true;
 }
 
-void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, bool vnni, int64_t n0, int64_t n1) {
+void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, int64_t n0, int64_t n1) {
   // One row after another, as SmallQ8Int8X: measured on Zen 4 (kernels_bench --t=1
   // --int8-activations gptq4g32, 2 threads), 4096x4096 0.41 ms against 0.67 with tiles of 4
   // rows and software prefetch.
-  for (int64_t n = n0; n < n1; ++n) vnni ? Row(a, x, n) : RowAvx2(a, x, n);
+  for (int64_t n = n0; n < n1; ++n) Row(a, x, n);
 }
 
 }  // namespace tgis::kernels::cpu

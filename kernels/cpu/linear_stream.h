@@ -4,7 +4,9 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -165,8 +167,8 @@ struct RunSegments {
   void Build(const Int8Blocks& x, int64_t t, int64_t k, const int32_t* block_run);
 };
 
-// The opt-in kernel for 4-bit codes against x rounded to int8 (linear_q4_int8x.cc), on the
-// weights WholeBlockRuns, with VNNI (`vnni`) or AVX2. x as that kernel reads it: per 128-column
+// The opt-in VNNI kernel for 4-bit codes against x rounded to int8 (linear_q4_int8x.cc), on
+// the weights WholeBlockRuns (AVX2: Q4Panels below). x as that kernel reads it: per 128-column
 // chunk, its 64 even-column and 64 odd-column int8 codes (Int8Blocks' codes reordered), and per
 // dword lane its block's scale and the sum of its 8 codes; plus each chunk's four blocks' runs.
 struct Int8X {
@@ -182,7 +184,7 @@ struct Int8X {
   // or inf.
   bool Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run);
 };
-void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, bool vnni, int64_t n0, int64_t n1);
+void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, int64_t n0, int64_t n1);
 
 // The opt-in kernel for 8-bit codes against x rounded to int8 (linear_q8_int8x.cc), on the
 // weights WholeBlockRuns, with VNNI (`vnni`) or AVX2. x as that kernel reads it: Int8Blocks' codes,
@@ -198,6 +200,58 @@ struct Int8X8 {
   bool Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run, bool vnni);
 };
 void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, bool vnni, int64_t n0, int64_t n1);
+
+// 4-bit codes as the int8-activation kernel on AVX2 reads them at every T
+// (linear_q4_panels.cc): llama.cpp's Q4_0 "8x8" interleave, for our runs. Rows are taken 8 at a
+// time (a panel; rows past N are zero codes with zero constants); per panel and 32-column block,
+// 4 vectors of 32 bytes, vector j's dword lane r holding row r's code bytes [4j, 4j + 4) of the
+// block (columns 8j to 8j + 7, even ones in the low nibbles), so that one vpmaddubsw against a
+// broadcast dword of x multiplies 4 columns of all 8 rows at once and a block's integer sums end
+// in one lane per row: the weight's per-run constants then apply to 8 rows in one vector, where
+// the row-at-a-time kernel spread each row over lanes and widened its constants per lane.
+struct Q4Panels {
+  int64_t panels = 0, blocks = 0, runs = 0;
+  std::vector<uint8_t> codes;      // [panels, blocks, 4, 8, 4]
+  std::vector<int32_t> block_run;  // [blocks]: each block's run (WholeBlockRuns)
+  std::vector<uint16_t> scale_h;   // compact weights: [panels, runs, 8] f16 scales
+  std::vector<uint8_t> zero_b;     //   and byte zeros
+  std::vector<float> scale, zero;  // others: [panels, runs, 8] f32
+  bool compact() const { return !scale_h.empty(); }
+};
+// The weight's panels (made on the first call, kept with it), or null where the kernel does not
+// take it: codes other than 4-bit, runs not whole 32-column blocks, a CPU without AVX2.
+const Q4Panels* Q4PanelsOf(const QuantizedWeight& q);
+// out = x @ w^T (+ bias) for any T, x as Int8Blocks rounds it, on the thread pool. Its row
+// results equal LargeInt8Gemm's AVX2 ones bit for bit: the same integer sums and f32 steps.
+void Q4PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const Q4Panels& p);
+
+// Integer adds through asm: GCC 12 reassociates fully unrolled integer sums into trees and
+// spills every product to the stack (2-3x slower); these keep each token's sum one chain.
+TGIS_AVX2 inline __m256i AddI16(__m256i a, __m256i b) {
+  asm("vpaddw %1, %0, %0" : "+x"(a) : "x"(b));
+  return a;
+}
+TGIS_AVX2 inline __m256i AddI32(__m256i a, __m256i b) {
+  asm("vpaddd %1, %0, %0" : "+x"(a) : "x"(b));
+  return a;
+}
+// Four int8 codes at p, in every dword.
+TGIS_AVX2 inline __m256i Broadcast4(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return _mm256_set1_epi32(four);
+}
+// An int8 GEMM's panel of 8 output rows [n0, n0 + 8) for tokens [t0, t0 + tt): acc[t] plus the
+// bias, the rows past N left out.
+TGIS_AVX2 inline void StorePanel8(const SmallArgs& a, int64_t n0, int64_t t0, int tt,
+                                  const __m256* acc) {
+  const int rows = static_cast<int>(std::min<int64_t>(8, a.n - n0));
+  const __m256i mask =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(rows), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256 bias = a.bias ? _mm256_maskload_ps(a.bias + n0, mask) : _mm256_setzero_ps();
+  for (int t = 0; t < tt; ++t)
+    _mm256_maskstore_ps(a.out + (t0 + t) * a.n + n0, mask, _mm256_add_ps(acc[t], bias));
+}
 
 // The AVX-512 prefill GEMM (T > kSmallT; linear_gemm_avx512.cc) for every weight format: it
 // asks `rows_of` for weight rows [n0, n0 + rows) as f32 [rows, K], written into `scratch`

@@ -70,7 +70,22 @@ class T5Model : public Model {
   }
 
   void MoveTo(kernels::Device device) override {
-    if (device == device_) return;
+    if (device == device_) {
+      if (device == kernels::Device::kCpu) {
+        kernels::PrepareCpuWeight(lm_head);
+        for (const EncoderLayer& l : encoder) {
+          for (const Tensor* t : {&l.qkv_w, &l.o_w, &l.ff.up_w, &l.ff.down_w})
+            kernels::PrepareCpuWeight(*t);
+        }
+        for (const DecoderLayer& l : decoder) {
+          for (const Tensor* t : {&l.qkv_w, &l.o_w, &l.cross_q_w, &l.cross_kv_w, &l.cross_o_w,
+                                  &l.ff.up_w, &l.ff.down_w}) {
+            kernels::PrepareCpuWeight(*t);
+          }
+        }
+      }
+      return;
+    }
     const DType dtype = decoder[0].qkv_w.dtype();
     auto move = [&](Tensor* t) { MoveWeight(t, dtype, device); };
     const bool tied = lm_head.raw() == embed.raw();

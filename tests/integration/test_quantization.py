@@ -60,7 +60,7 @@ INT8_ACTIVATION_CASES = [("llama_gptq4", []), ("llama_int8", ["--quantize", "bit
 def test_int8_activations(model, shard_args):
     """CPU_INT8_ACTIVATIONS=true gives what transformers gives with each linear's input rounded
     to int8 per 32 stored columns where the server's int8 kernels run (the prompts' prefill in
-    one batch: the GEMM, 8- and 4-bit; decode where the width is a multiple of 128 (4-bit) or
+    one batch: the GEMM, 8- and 4-bit; decode where the width is a multiple of 32 (4-bit) or
     64 (8-bit)), on whichever of the AVX2 and VNNI kernels this CPU runs:
     golden_int8_activations.json, made by tests/fixtures/make_quantized_fixtures.py."""
     missing = binaries_missing()
@@ -80,17 +80,19 @@ def test_int8_activations(model, shard_args):
         got = server.stub.Generate(pb.BatchedGenerationRequest(requests=reqs, params=p),
                                    timeout=60).responses
         # An activation within float rounding of a rounding boundary may land on either int8
-        # step here or in torch: a few such flips move a logprob by ~1e-3. Against that, what
-        # the rounding moves from the exact goldens is ~50x larger on average.
+        # step here or in torch: such a flip moves a logprob by ~1e-4 to ~3e-2 (seen: 2 of 64
+        # logprobs of llama_gptq4, 1.7e-4 and 2.9e-2, the others within 3e-6). Against that,
+        # what the rounding moves from the exact goldens is ~50x larger on average.
         off, moved = [], []
         for i, (r, prompt, exact) in enumerate(zip(got, golden, oracle.prompts)):
             want = [oracle.tokenizer.id_to_token(t) for t in prompt["generated_ids"]]
             assert [t.text for t in r.tokens] == want[:len(r.tokens)], i
             lps = [t.logprob for t in r.tokens]
-            assert lps == pytest.approx(prompt["logprobs"][:len(lps)], abs=1e-2), i
+            assert lps == pytest.approx(prompt["logprobs"][:len(lps)], abs=0.1), i
             off += [abs(a - b) for a, b in zip(lps, prompt["logprobs"])]
             if prompt["generated_ids"] == exact["generated_ids"]:
                 moved += [abs(a - b) for a, b in zip(prompt["logprobs"], exact["logprobs"])]
+        assert sum(d > 1e-2 for d in off) <= 2, sorted(off)[-4:]  # a flip or two, no more
         mean_off, mean_moved = sum(off) / len(off), sum(moved) / max(1, len(moved))
         print(f"logprobs: off the simulation by {mean_off:.2e} on average (max {max(off):.2e}), "
               f"the rounding moves them by {mean_moved:.2e}")

@@ -1542,8 +1542,8 @@ TEST(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
 // per 32 stored columns to nearbyint(x * 127 / absmax), times absmax / 127, against the
 // dequantized weight. That is decode (T <= 16: the streaming kernels) and the prefill GEMM
 // (T = 40, over a whole panel of 32 rows plus a partial one), for 8- and 4-bit codes.
-// A row's result is bitwise the same at any T on each path; off, Linear is bitwise the exact
-// kernel again.
+// A row's result is bitwise the same at any T on each path (4-bit codes on AVX2: across decode
+// and prefill too, one kernel); off, Linear is bitwise the exact kernel again.
 TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
   if (!cpu::Int8ActivationsAvailable()) GTEST_SKIP() << "no AVX2 on this CPU";
   const int64_t out_f = 37, in = 384;
@@ -1631,6 +1631,19 @@ TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
             for (int64_t i = 0; i < (t_count - skip) * out_f; ++i) {
               ASSERT_EQ(part[i], got[skip * out_f + i]) << "rows 1.. alone and inside T, at " << i;
             }
+            if (isa == cpu::Isa::kAvx2 && bits == 4) {
+              // One kernel at every T (Q4Panels): two rows alone, decode-sized, give the bits
+              // they have inside a T of 3 (token tiles of 2 and 1) or of 40 (the prefill).
+              Tensor two;
+              ASSERT_TRUE(SetCpuInt8Activations(true));
+              Linear(
+                  Tensor::FromVector(std::vector<float>(xs.begin(), xs.begin() + 2 * in), {2, in}),
+                  w, &b, &two);
+              ASSERT_TRUE(SetCpuInt8Activations(false));
+              const std::vector<float> alone = OpsTest::Host(two);
+              for (int64_t i = 0; i < 2 * out_f; ++i)
+                ASSERT_EQ(alone[i], got[i]) << "rows 0-1 alone and inside T, at " << i;
+            }
             // A NaN (or inf) in x takes the exact path, which carries it to the outputs, rather
             // than rounding it to some int8 code.
             for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
@@ -1648,6 +1661,34 @@ TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
   }
   cpu::SetIsaForTesting(cpu::Isa::kAuto);
   EXPECT_GT(isas_run, 0);
+}
+
+// The int8-activation layout of 4-bit codes (a second copy of them) is made at load when the
+// mode is on, so that the shard sizes its KV cache from the memory left after it; never when
+// the mode is off, nor for 8-bit codes.
+TEST(CpuInt8Activations, PrepareCpuWeightMakesThePanelsAtLoad) {
+  if (!cpu::Int8ActivationsAvailable()) GTEST_SKIP() << "no AVX2 on this CPU";
+  const int64_t out_f = 16, in = 64;
+  std::vector<int32_t> group_of(in);
+  for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / 32);
+  auto weight = [&](int bits) {
+    std::vector<uint8_t> codes(out_f * in, 3);
+    return Tensor::Quantized(std::make_shared<const QuantizedWeight>(
+        BuildQuantized(bits, out_f, in, codes, group_of, 2, std::vector<float>(out_f * 2, 0.5f),
+                       std::vector<float>(out_f * 2, 1.f))));
+  };
+  const Tensor w4 = weight(4), w8 = weight(8);
+  PrepareCpuWeight(w4);
+  EXPECT_FALSE(w4.quantized()->cpu_layout.made()) << "made with the mode off";
+  ASSERT_TRUE(SetCpuInt8Activations(true));
+  PrepareCpuWeight(w4);
+  PrepareCpuWeight(w8);
+  ASSERT_TRUE(SetCpuInt8Activations(false));
+  EXPECT_TRUE(w4.quantized()->cpu_layout.made());
+  EXPECT_FALSE(w8.quantized()->cpu_layout.made());
+  // A copy of the weight starts without it.
+  const QuantizedWeight copy = *w4.quantized();
+  EXPECT_FALSE(copy.cpu_layout.made());
 }
 
 TEST(CpuThreadPool, ParallelForCoversEveryIndexOnce) {
