@@ -63,6 +63,9 @@ def parse_args(argv=None, description: str | None = None):
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--hf-new-tokens", type=int, default=200,
                     help="new tokens per sequence in HF's batch run (default 200)")
+    ap.add_argument("--quantize", choices=("bitsandbytes",),
+                    help="ours only: QUANTIZE for the shard (bitsandbytes: int8 per row at load, "
+                         "decode through the quantized GEMV); the roofline counts 1 byte a weight")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_bench.json"))
     args = ap.parse_args(argv)
     if args.model_dir is None:
@@ -94,6 +97,8 @@ def main(argv=None, description: str | None = None) -> int:
     log(f"device: {results['device_name']}")
     model_dir = Path(args.model_dir)
     results["checkpoint"] = make_checkpoint(model_dir, TINY if args.tiny else LLAMA3_8B)
+    if args.quantize == "bitsandbytes":  # 16-bit weights become 1 byte each (scales: ~0.01%)
+        results["checkpoint"]["weight_bytes_per_token"] //= 2
 
     torch_py, why = (None, f"--device {args.device}") if args.device == "cpu" else \
         find_torch_python(args.hf_python)

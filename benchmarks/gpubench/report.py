@@ -30,7 +30,8 @@ def report(results: dict, args) -> str:
     lines = [
         f"## GPU benchmark: {title}",
         "",
-        f"- device: {results['device_name']} (TGIS_DEVICE={args.device}, DTYPE_STR={args.dtype})",
+        f"- device: {results['device_name']} (TGIS_DEVICE={args.device}, DTYPE_STR={args.dtype}"
+        f"{', QUANTIZE=' + args.quantize if getattr(args, 'quantize', None) else ''})",
         f"- weights read per decoded token (all but the embedding table): "
         f"{ck['weight_bytes_per_token'] / 1e9:.3f} GB",
         f"- HBM bandwidth: {bw_text}",

@@ -44,6 +44,8 @@ class Server:
         })
         if args.kv_cache_blocks:
             env["KV_CACHE_BLOCKS"] = str(args.kv_cache_blocks)
+        if getattr(args, "quantize", None):
+            env["QUANTIZE"] = args.quantize
         launcher = Path(args.build_dir) / "launcher" / "text-generation-launcher"
         if not launcher.is_absolute():
             launcher = REPO / launcher
@@ -52,8 +54,9 @@ class Server:
         self.env = {k: env[k] for k in ("MODEL_NAME", "DTYPE_STR", "TGIS_DEVICE",
                                         "MAX_SEQUENCE_LENGTH", "MAX_NEW_TOKENS", "MAX_BATCH_SIZE",
                                         "MAX_CONCURRENT_REQUESTS")}
-        if "KV_CACHE_BLOCKS" in env:
-            self.env["KV_CACHE_BLOCKS"] = env["KV_CACHE_BLOCKS"]
+        for key in ("KV_CACHE_BLOCKS", "QUANTIZE"):
+            if key in env:
+                self.env[key] = env[key]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = open(log_path, "wb")
         log(f"starting {launcher} (log: {log_path}) with " +

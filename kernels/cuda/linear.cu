@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda_ops.h"
@@ -249,8 +250,85 @@ __global__ void DequantizeKernel(const uint8_t* codes, int64_t code_row, int bit
   dense[n * in + col] = FromF32<T>((value - zeros[r]) * scales[r]);
 }
 
-// The dense weight of x's dtype that a quantized one stands for.
-// TODO(issue 14): a fused int4/int8 GEMM (Marlin/ExLlama style) in place of this
+// Decode-sized calls (at most kGemvTokens rows of x) on a quantized weight: out[t, n] =
+// sum over stored columns j of x[t, gather(j)] * w(n, j) (+ bias[n]), where w(n, j) is the
+// value DequantizeKernel would write (dequantized in f32, rounded to x's dtype), multiplied and
+// summed in f32: what the dequantize-then-GEMM path computes, up to the order of the sum, while
+// reading each code once (4-bit: a quarter of the bytes of a bf16 weight) and allocating
+// nothing. One warp per output row; lane l reads 4 code bytes at a time, so each warp load is
+// 128 contiguous bytes of the row, and every 4 bytes lie in one 8-column block (one run).
+constexpr int kGemvTokens = 8;
+constexpr int kGemvWarps = 8;  // output rows per thread block
+
+template <typename T, typename TOut>
+__global__ void QuantizedGemvKernel(const uint8_t* codes, int64_t code_row, int bits, bool fp8,
+                                    const float* scales, const float* zeros, int64_t runs,
+                                    const int32_t* block_run, const int32_t* gather, int64_t out,
+                                    int64_t in, const T* x, int tokens, const T* bias, TOut* y) {
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (n >= out) return;  // the whole warp: n is the same for its lanes
+  const uint32_t* row = reinterpret_cast<const uint32_t*>(codes + n * code_row);
+  const float* row_scale = scales + n * runs;
+  const float* row_zero = zeros + n * runs;
+  const int per_word = bits == 8 ? 4 : 8;
+  const int64_t words = code_row / 4;
+  float acc[kGemvTokens] = {};
+  for (int64_t wi = lane; wi < words; wi += 32) {
+    const uint32_t word = row[wi];
+    const int64_t j0 = wi * per_word;
+    const int64_t run = block_run[j0 / 8];
+    const float scale = row_scale[run], zero = row_zero[run];
+    for (int i = 0; i < per_word; ++i) {
+      const int64_t col = gather != nullptr ? gather[j0 + i] : j0 + i;
+      if (col < 0) continue;  // padding
+      const uint32_t code = bits == 8 ? (word >> (8 * i)) & 0xFF : (word >> (4 * i)) & 0xF;
+      const float value =
+          fp8 ? Fp8E4M3ToF32Device(static_cast<uint8_t>(code)) : static_cast<float>(code);
+      const float w = ToF32(FromF32<T>((value - zero) * scale));
+#pragma unroll
+      for (int t = 0; t < kGemvTokens; ++t) {
+        if (t < tokens) acc[t] += w * ToF32(x[t * in + col]);
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kGemvTokens; ++t) {
+    if (t >= tokens) break;
+    const float sum = WarpSum(acc[t]);
+    if (lane == 0) y[t * out + n] = FromF32<TOut>(bias != nullptr ? sum + ToF32(bias[n]) : sum);
+  }
+}
+
+void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, const Tensor* bias,
+                   Tensor* out) {
+  TGIS_CHECK(!q.compact(), "Linear: a compact quantized weight reached CUDA without widening");
+  TGIS_CHECK(q.code_bytes_per_row() % 4 == 0, "Linear: quantized rows of %lld code bytes",
+             static_cast<long long>(q.code_bytes_per_row()));
+  const unsigned blocks = Blocks(q.out, kGemvWarps);
+  const bool f32_out = out->dtype() == DType::kF32;
+  TGIS_DISPATCH_FLOAT(x.dtype(), "Linear", {
+    const T* b = bias != nullptr && bias->defined() ? bias->data<T>() : nullptr;
+    auto launch = [&](auto* y) {
+      using TOut = std::remove_pointer_t<decltype(y)>;
+      QuantizedGemvKernel<T, TOut><<<blocks, kGemvWarps * 32, 0, Stream()>>>(
+          q.codes.data<uint8_t>(), q.codes.dim(1), q.bits, q.fp8, q.scales.data<float>(),
+          q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(),
+          q.gather.defined() ? q.gather.data<int32_t>() : nullptr, q.out, q.in, x.data<T>(),
+          static_cast<int>(tokens), b, y);
+    };
+    if (f32_out) {
+      launch(out->data<float>());
+    } else {
+      launch(out->data<T>());
+    }
+  });
+  TGIS_CUDA_LAUNCHED();
+}
+
+// The dense weight of x's dtype that a quantized one stands for, for calls of more tokens than
+// the GEMV takes.
+// TODO(issue 14): a fused int4/int8 GEMM (Marlin style) for prefill in place of this
 // dequantize-then-GEMM, which reads the weight three times and allocates per call.
 Tensor DequantizeOnDevice(const QuantizedWeight& q, DType dtype) {
   // QuantizedToDevice widened compact run constants to the f32 this kernel reads.
@@ -277,7 +355,24 @@ void ForceGemmFallbackForTesting(bool on) { g_force_fallback.store(on, std::memo
 void Linear(const Tensor& x, const Tensor& w_in, const Tensor* bias, Tensor* out) {
   const char* op = "Linear";
   CheckCudaFloat(x, op, "x");
-  const Tensor w = w_in.quantized() ? DequantizeOnDevice(*w_in.quantized(), x.dtype()) : w_in;
+  const QuantizedWeight* q = w_in.quantized();
+  if (q != nullptr && q->in > 0 && x.dim(-1) == q->in && x.numel() / q->in <= kGemvTokens) {
+    const int64_t rows = x.numel() / q->in;
+    const bool has_bias = bias != nullptr && bias->defined();
+    if (has_bias) {
+      CheckCudaFloat(*bias, op, "bias");
+      TGIS_CHECK(bias->numel() == q->out && bias->dtype() == x.dtype(),
+                 "%s: bias must be [%lld] %s", op, static_cast<long long>(q->out),
+                 DTypeName(x.dtype()));
+    }
+    Shape shape = x.shape();
+    shape.back() = q->out;
+    const DType out_dtype = out->defined() && out->dtype() == DType::kF32 ? DType::kF32 : x.dtype();
+    PrepareOut(out, shape, out_dtype, op);
+    if (rows > 0 && q->out > 0) QuantizedGemv(*q, x, rows, bias, out);
+    return;
+  }
+  const Tensor w = q != nullptr ? DequantizeOnDevice(*q, x.dtype()) : w_in;
   CheckCudaFloat(w, op, "w");
   TGIS_CHECK(w.rank() == 2 && w.dtype() == x.dtype(), "%s: w must be [out, in] of x's dtype (%s)",
              op, DTypeName(x.dtype()));
