@@ -16,7 +16,9 @@
 //    converted to f32 into a per-thread scratch first).
 // Quantized weights (kernels/quantized.h) take both paths too: their codes are dequantized
 // where bf16 would be converted ((code - zero) * scale, exactly the f32 weight transformers
-// would multiply by), over the stored columns, against x gathered into the stored order.
+// would multiply by), over the stored columns, against x gathered into the stored order; on
+// AVX2, decode of 8- and 4-bit codes whose runs are whole 32-column blocks takes each block's
+// scale and zero out of its sum instead (linear_factored_avx2.cc: the same up to rounding).
 // With int8 activations on (SetInt8Activations, opt-in), 8- and 4-bit codes take the integer
 // kernels instead on both paths: linear_q8_int8x.cc / linear_q4_int8x.cc and
 // linear_int8_gemm.cc.
@@ -422,6 +424,17 @@ void SmallT(const SmallArgs& args) {
     ordered.resize(a.t * a.k);
     Avx512Q4OrderX(a.x, a.t, a.k, ordered.data());
     a.x = ordered.data();
+  }
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
+    if (!avx512 && avx2 && !a.q->fp8 && a.k % 32 == 0 && WholeBlockRuns(a.q)) {
+      thread_local FactoredX factored;
+      factored.Prepare(a.x, a.t, a.k, W == WFmt::kQ4);
+      const FactoredX* fx = &factored;  // workers read the calling thread's copy
+      ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
+        SmallFactoredAvx2<W>(a, *fx, b * kTileRows, std::min(a.n, e * kTileRows));
+      });
+      return;
+    }
   }
   thread_local FixedPointX fixed;
   // 8-bit codes only: 4-bit codes are faster through the AVX-512 kernel's permute table

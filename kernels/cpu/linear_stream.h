@@ -201,6 +201,19 @@ struct Int8X8 {
 };
 void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, bool vnni, int64_t n0, int64_t n1);
 
+// The exact AVX2 streaming kernel for 8- and 4-bit codes on weights WholeBlockRuns
+// (linear_factored_avx2.cc): each block's sum of code * x, less zero times x's sum, times the
+// scale. x as it reads it: f32 in its column order (4-bit: each block's even columns, then its
+// odd ones), and per token, block and dword lane the sum of the lane's four x values.
+struct FactoredX {
+  std::vector<float> x;         // [t, k]
+  std::vector<float> lane_sum;  // [t, k / 32, 8]
+  // k a multiple of 32.
+  TGIS_AVX2 void Prepare(const float* x, int64_t t, int64_t k, bool q4);
+};
+template <WFmt W>
+void SmallFactoredAvx2(const SmallArgs& a, const FactoredX& fx, int64_t n0, int64_t n1);
+
 // 4-bit codes as the int8-activation kernel on AVX2 reads them at every T
 // (linear_q4_panels.cc): llama.cpp's Q4_0 "8x8" interleave, for our runs. Rows are taken 8 at a
 // time (a panel; rows past N are zero codes with zero constants); per panel and 32-column block,
