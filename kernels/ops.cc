@@ -18,6 +18,8 @@ void PrepareCpuWeight(const Tensor& w) {
   if (w.quantized() != nullptr && w.device() == Device::kCpu) cpu::PrepareQuantized(*w.quantized());
 }
 
+size_t CpuDerivedLayoutBytes() { return cpu::DerivedLayoutBytes(); }
+
 std::string CpuBackendSummary() {
   return std::string("linear isa ") + cpu::ActiveIsaName() + ", " +
          std::to_string(cpu::ThreadPool::Global().size()) + " threads, prefill GEMM " +

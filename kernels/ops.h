@@ -39,6 +39,8 @@ bool SetCpuInt8Activations(bool on);
 // a time, a second copy of the codes), so that the memory is taken at load, before the KV cache
 // is sized from what is left. Nothing for other weights, devices or settings.
 void PrepareCpuWeight(const Tensor& w);
+// Bytes the CPU kernels' derived layouts hold now, for the start-up log.
+size_t CpuDerivedLayoutBytes();
 
 // out[t, :] = weight[ids[t], :]. ids: [T] i32; weight: [V, H]; out: [T, H].
 void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out);

@@ -18,7 +18,9 @@
 #include <filesystem>
 #include <thread>
 
+#include "absl/strings/str_format.h"
 #include "common/env_flags.h"
+#include "kernels/ops.h"
 #include "kernels/tensor.h"
 #include "server/cli_tools.h"
 #include "server/gloo_communicator.h"
@@ -247,6 +249,11 @@ int main(int argc, char** argv) {
   auto model = tgis::server::ModelRegistry::Get().Build(*config, **weights, dtype, comm);
   if (!model.ok()) return Fail(std::string(model.status().message()));
   (*model)->MoveTo(cuda ? tgis::kernels::Device::kCuda : tgis::kernels::Device::kCpu);
+  if (const size_t derived = tgis::kernels::CpuDerivedLayoutBytes(); derived > 0) {
+    LOG(INFO) << "CPU kernels: the int8-activation kernels' 8-row copy of the 4-bit weights' "
+                 "codes takes "
+              << absl::StrFormat("%.1f", static_cast<double>(derived) / (1 << 20)) << " MiB";
+  }
   (*weights)->FinishLoading();
   LOG(INFO) << "loaded " << config->model_type << " from " << model_dir << " (" << FLAGS_dtype
             << (FLAGS_world_size > 1 ? ", rank " + std::to_string(FLAGS_rank) + " of " +

@@ -30,6 +30,8 @@ bool Int8ActivationsAvailable();
 // Derives now the layouts the current settings' kernels read from `q` (ops.h's
 // PrepareCpuWeight).
 void PrepareQuantized(const QuantizedWeight& q);
+// Bytes of memory those derived layouts hold now (ops.h's CpuDerivedLayoutBytes).
+size_t DerivedLayoutBytes();
 
 // The path kAuto resolves to on this machine ("avx512+vnni", "avx512", "avx2+fma", "scalar").
 const char* ActiveIsaName();

@@ -550,6 +550,8 @@ bool Int8ActivationsAvailable() { return CpuHasAvx2(); }
 
 void SetInt8Activations(bool on) { g_int8_activations.store(on); }
 
+size_t DerivedLayoutBytes() { return Q4PanelBytes(); }
+
 void PrepareQuantized(const QuantizedWeight& q) {
   if (q.bits != 4 || q.fp8) return;
   const Int8Path path = Int8PathFor(&q);

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 
@@ -31,12 +32,23 @@ constexpr int64_t kBlock = 32;        // columns per x scale and per weight run
 constexpr int kRows = 8;              // rows per panel: one ymm of int32 or f32 lanes
 constexpr int64_t kBlockBytes = 128;  // a panel's codes per block: 8 rows x 16 bytes
 
+std::atomic<size_t> g_panel_bytes{0};  // held by every weight's panels, for the start-up log
+
+size_t BytesOf(const Q4Panels& p) {
+  return p.codes.size() + p.block_run.size() * 4 + p.scale_h.size() * 2 + p.zero_b.size() +
+         (p.scale.size() + p.zero.size()) * 4;
+}
+
 std::shared_ptr<const Q4Panels> Build(const QuantizedWeight& q) {
   if (q.bits != 4 || q.fp8 || q.codes.device() != Device::kCpu || !CpuHasAvx2() ||
       q.stored_in % kBlock != 0 || !WholeBlockRuns(&q)) {
     return nullptr;
   }
-  auto p = std::make_shared<Q4Panels>();
+  // Counted while they live.
+  std::shared_ptr<Q4Panels> p(new Q4Panels, [](Q4Panels* gone) {
+    g_panel_bytes -= BytesOf(*gone);
+    delete gone;
+  });
   p->blocks = q.stored_in / kBlock;
   p->runs = q.runs();
   p->panels = (q.out + kRows - 1) / kRows;
@@ -76,6 +88,7 @@ std::shared_ptr<const Q4Panels> Build(const QuantizedWeight& q) {
       }
     }
   });
+  g_panel_bytes += BytesOf(*p);
   return p;
 }
 
@@ -166,6 +179,8 @@ void Panels(const SmallArgs& a, const Int8Blocks& x, const int8_t* xs, const Q4P
 }
 
 }  // namespace
+
+size_t Q4PanelBytes() { return g_panel_bytes.load(); }
 
 const Q4Panels* Q4PanelsOf(const QuantizedWeight& q) {
   return q.cpu_layout.Q4Panels([&] { return Build(q); });

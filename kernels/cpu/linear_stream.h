@@ -234,6 +234,8 @@ struct Q4Panels {
 // The weight's panels (made on the first call, kept with it), or null where the kernel does not
 // take it: codes other than 4-bit, runs not whole 32-column blocks, a CPU without AVX2.
 const Q4Panels* Q4PanelsOf(const QuantizedWeight& q);
+// Bytes held by all weights' panels now.
+size_t Q4PanelBytes();
 // out = x @ w^T (+ bias) for any T, x as Int8Blocks rounds it, on the thread pool. Its row
 // results equal LargeInt8Gemm's AVX2 ones bit for bit: the same integer sums and f32 steps.
 void Q4PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const Q4Panels& p);

@@ -74,6 +74,9 @@ def test_int8_activations(model, shard_args):
     pb = server.pb
     try:
         assert "int8 activations for 8- and 4-bit weights" in server.shard.output()
+        # 4-bit weights get their 8-row copy at load, and the log says what it takes.
+        copy_logged = "8-row copy of the 4-bit weights' codes takes" in server.shard.output()
+        assert copy_logged == (model == "llama_gptq4")
         p = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=16),
                           response=pb.ResponseOptions(generated_tokens=True, token_logprobs=True))
         reqs = [pb.GenerationRequest(text=prompt["text"]) for prompt in golden]

@@ -1681,18 +1681,24 @@ TEST(CpuInt8Activations, PrepareCpuWeightMakesThePanelsAtLoad) {
         BuildQuantized(bits, out_f, in, codes, group_of, 2, std::vector<float>(out_f * 2, 0.5f),
                        std::vector<float>(out_f * 2, 1.f))));
   };
-  const Tensor w4 = weight(4), w8 = weight(8);
-  PrepareCpuWeight(w4);
-  EXPECT_FALSE(w4.quantized()->cpu_layout.made()) << "made with the mode off";
-  ASSERT_TRUE(SetCpuInt8Activations(true));
-  PrepareCpuWeight(w4);
-  PrepareCpuWeight(w8);
-  ASSERT_TRUE(SetCpuInt8Activations(false));
-  EXPECT_TRUE(w4.quantized()->cpu_layout.made());
-  EXPECT_FALSE(w8.quantized()->cpu_layout.made());
-  // A copy of the weight starts without it.
-  const QuantizedWeight copy = *w4.quantized();
-  EXPECT_FALSE(copy.cpu_layout.made());
+  const size_t before = CpuDerivedLayoutBytes();
+  {
+    const Tensor w4 = weight(4), w8 = weight(8);
+    PrepareCpuWeight(w4);
+    EXPECT_FALSE(w4.quantized()->cpu_layout.made()) << "made with the mode off";
+    ASSERT_TRUE(SetCpuInt8Activations(true));
+    PrepareCpuWeight(w4);
+    PrepareCpuWeight(w8);
+    ASSERT_TRUE(SetCpuInt8Activations(false));
+    EXPECT_TRUE(w4.quantized()->cpu_layout.made());
+    EXPECT_FALSE(w8.quantized()->cpu_layout.made());
+    // The start-up log's figure: at least the codes' second copy (16 rows x 32 bytes).
+    EXPECT_GE(CpuDerivedLayoutBytes(), before + out_f * in / 2);
+    // A copy of the weight starts without it.
+    const QuantizedWeight copy = *w4.quantized();
+    EXPECT_FALSE(copy.cpu_layout.made());
+  }
+  EXPECT_EQ(CpuDerivedLayoutBytes(), before) << "freed with the weight";
 }
 
 TEST(CpuThreadPool, ParallelForCoversEveryIndexOnce) {
