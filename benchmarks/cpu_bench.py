@@ -351,6 +351,11 @@ def main() -> int:
     py = torch_python()
     pylib = ensure_pylib(work) if {"llama.cpp", "ctranslate2"} & set(engines) else None
     src = ensure_llama_cpp(work) if "llama.cpp" in engines else None
+    if "llama.cpp" in engines and py is None:
+        log("llama.cpp: no python with torch and transformers for convert_hf_to_gguf.py (Debian "
+            "12: apt-get install python3-torch; /usr/bin/python3 -m pip install "
+            "--break-system-packages transformers==4.49.0): GGUFs converted before are used, "
+            "others fail to convert")
     if "ctranslate2" in engines and py is None:
         log("ctranslate2: skipped (its converter needs a python with torch and transformers)")
         engines.remove("ctranslate2")
