@@ -30,12 +30,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/intrinsics_warnings.h"
 #include "kernels/cpu/linear_stream.h"
-
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 
 namespace tgis::kernels::cpu {
 

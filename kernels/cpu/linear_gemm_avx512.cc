@@ -22,13 +22,9 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/cpu/intrinsics_warnings.h"
 #include "kernels/cpu/linear_stream.h"
 #include "kernels/cpu/thread_pool.h"
-
-#if defined(__GNUC__) && !defined(__clang__)  // GCC 12's own mask-load intrinsics trip these
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 
 #define TGIS_AVX512_GEMM __attribute__((target("avx512f,avx512vl,avx512dq,avx2,fma")))
 

@@ -16,13 +16,9 @@
 #include <cstring>
 #include <memory>
 
+#include "kernels/cpu/intrinsics_warnings.h"
 #include "kernels/cpu/linear_stream.h"
 #include "kernels/cpu/thread_pool.h"
-
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 
 namespace tgis::kernels::cpu {
 

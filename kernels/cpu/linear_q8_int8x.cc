@@ -24,12 +24,8 @@
 // any batch, on any number of threads. Rows go one at a time (see SmallQ8Int8X).
 #include <immintrin.h>
 
+#include "kernels/cpu/intrinsics_warnings.h"
 #include "kernels/cpu/linear_stream.h"
-
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 
 namespace tgis::kernels::cpu {
 

@@ -24,14 +24,8 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/cpu/intrinsics_warnings.h"
 #include "kernels/cpu/linear_stream.h"
-
-// GCC 12 reports the deliberately undefined pass-through operand of its own AVX-512 intrinsics
-// (_mm512_undefined_* in _mm512_cvtepi32_ps, _mm512_inserti64x4) as uninitialized.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 
 namespace tgis::kernels::cpu {
 
