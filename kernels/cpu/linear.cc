@@ -20,8 +20,8 @@
 // AVX2, decode of 8- and 4-bit codes whose runs are whole 32-column blocks takes each block's
 // scale and zero out of its sum instead (linear_factored_avx2.cc: the same up to rounding).
 // With int8 activations on (SetInt8Activations, opt-in), 8- and 4-bit codes take the integer
-// kernels instead on both paths: linear_q8_int8x.cc / linear_q4_int8x.cc and
-// linear_int8_gemm.cc.
+// kernels instead on both paths: linear_q8_int8x.cc and linear_int8_gemm.cc, and for 4-bit
+// codes linear_q4_panels.cc (decode on every CPU, prefill without VNNI).
 #include <cpuid.h>
 #include <immintrin.h>
 
@@ -109,10 +109,6 @@ Int8Path Int8PathFor(const QuantizedWeight* q) {
   if (UseAvx512(q) && UseVnni()) return Int8Path::kVnni;
   return UseAvx2() && WholeBlockRuns(q) ? Int8Path::kAvx2 : Int8Path::kNone;
 }
-
-// Whether the VNNI row kernel for 4-bit codes (linear_q4_int8x.cc) takes this weight's decode:
-// it steps 128 columns at a time.
-bool VnniQ4RowsTake(const QuantizedWeight& q) { return q.stored_in % 128 == 0; }
 
 // 4-bit codes against int8-rounded x with AVX2 code, at any T (linear_q4_panels.cc). False
 // (nothing written: the exact path runs) when x has a NaN or inf.
@@ -393,17 +389,10 @@ void SmallT(const SmallArgs& args) {
       1, static_cast<int64_t>((64 << 10) / (kTileRows * args.k * BytesPerWeight<W>() + 1)));
   const Int8Path int8 = Int8PathFor(args.q);
   if constexpr (W == WFmt::kQ4) {
-    thread_local Int8X int8x;
-    if (int8 == Int8Path::kVnni && VnniQ4RowsTake(*args.q) &&
-        int8x.Prepare(args.x, args.t, args.k, args.q->block_run.data<int32_t>())) {
-      const Int8X* x = &int8x;  // workers read the calling thread's copy
-      ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
-        SmallQ4Int8X(args, *x, b * kTileRows, std::min(args.n, e * kTileRows));
-      });
-      return;
-    }
-    // Otherwise the panels, on VNNI machines too (for widths the row kernel does not take):
-    // which linears round x must not depend on the CPU.
+    // The panels, on VNNI machines too. Not measured there yet: the VNNI row-at-a-time kernel
+    // they replaced measured 0.5-0.66x llama.cpp's repacked Q4_0 on Zen 4 and Zen 5, and per
+    // weight took about as many vector instructions, twice as wide (Zen 4 runs a zmm
+    // instruction as two), with the per-lane scaling the panels do without.
     if (int8 != Int8Path::kNone && Q4PanelsInt8(args)) return;
   } else if constexpr (W == WFmt::kQ8) {
     thread_local Int8X8 int8x;
@@ -555,7 +544,7 @@ size_t DerivedLayoutBytes() { return Q4PanelBytes(); }
 void PrepareQuantized(const QuantizedWeight& q) {
   if (q.bits != 4 || q.fp8) return;
   const Int8Path path = Int8PathFor(&q);
-  if (path == Int8Path::kAvx2 || (path == Int8Path::kVnni && !VnniQ4RowsTake(q))) Q4PanelsOf(q);
+  if (path != Int8Path::kNone) Q4PanelsOf(q);
 }
 
 bool UseAvx2Kernels() { return UseAvx2(); }

@@ -1,11 +1,11 @@
 // Linear for 4-bit codes with x rounded to int8 (SetInt8Activations; the shard's
-// --cpu-int8-activations) on AVX2, at every T: the codes interleaved 8 rows at a time
-// (Q4Panels, made once per weight), so that decode streams them as llama.cpp's repacked Q4_0
-// streams its blocks. Per 32-column block and token: 8 vpmaddubsw (4 columns of 8 rows each,
-// against a broadcast dword of x's codes; pair sums at most 2 * 15 * 127) summed in int16 (at
-// most 30480), one vpmaddwd into int32, then (I - zero * sum(xq)) exactly in f32 (below 2^24),
-// times the weight's and x's scales, added into the row's f32 lane in block order: the steps
-// of LargeInt8Gemm's AVX2 kernel, so decode and prefill give a row the same bits.
+// --cpu-int8-activations) in AVX2 code, on every CPU for decode and without VNNI for prefill: the
+// codes interleaved 8 rows at a time (Q4Panels, made once per weight), so that decode streams them
+// as llama.cpp's repacked Q4_0 streams its blocks. Per 32-column block and token: 8 vpmaddubsw (4
+// columns of 8 rows each, against a broadcast dword of x's codes; pair sums at most 2 * 15 * 127)
+// summed in int16 (at most 30480), one vpmaddwd into int32, then (I - zero * sum(xq)) exactly in
+// f32 (below 2^24), times the weight's and x's scales, added into the row's f32 lane in block
+// order: the steps of LargeInt8Gemm's AVX2 kernel, so decode and prefill give a row the same bits.
 //
 // Measured on AMD EPYC Zen 3, 2 threads (kernels_bench --quick --t=1 --int8-activations
 // gptq4g32): see benchmarks/README.md, session 17.

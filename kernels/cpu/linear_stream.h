@@ -113,7 +113,8 @@ void Avx512Q4OrderX(const float* x, int64_t t, int64_t k, float* out);
 template <WFmt W>
 void SmallAvx512(const SmallArgs& a, int64_t n0, int64_t n1);
 
-// What the VNNI kernels (linear_vnni.cc, linear_q4_int8x.cc) are compiled for.
+// What the VNNI kernels (linear_vnni.cc, linear_q8_int8x.cc, linear_int8_gemm.cc) are compiled
+// for.
 #define TGIS_VNNI \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
 
@@ -140,10 +141,10 @@ void SmallVnni(const SmallArgs& a, const FixedPointX& fx, int64_t n0, int64_t n1
 // block of zeros, or of values so small that 127 / absmax overflows, is zeros with scale 0).
 // Prepared with AVX2 (linear_int8_gemm.cc): callers have checked for it.
 //
-// Each int8-activation kernel comes in two builds of one layout: AVX-512 VNNI (vpdpbusd: 4
-// products summed per int32 lane in one instruction) and AVX2 (vpmaddubsw, then vpmaddwd into
-// int32 lanes). Both sum every 32-column block exactly in integers and differ only in the f32
-// order their lanes are added in.
+// The 8-bit kernels and the prefill GEMM come in two builds of one layout: AVX-512 VNNI
+// (vpdpbusd: 4 products summed per int32 lane in one instruction) and AVX2 (vpmaddubsw, then
+// vpmaddwd into int32 lanes); 4-bit decode is AVX2 code everywhere (Q4Panels). All sum every
+// 32-column block exactly in integers and differ only in the f32 order their lanes are added in.
 struct Int8Blocks {
   std::vector<int8_t> q;          // [t, k]
   std::vector<float> scale, sum;  // [t, k / 32]: the block's scale and the sum of its codes
@@ -166,25 +167,6 @@ struct RunSegments {
   // On weights WholeBlockRuns.
   void Build(const Int8Blocks& x, int64_t t, int64_t k, const int32_t* block_run);
 };
-
-// The opt-in VNNI kernel for 4-bit codes against x rounded to int8 (linear_q4_int8x.cc), on
-// the weights WholeBlockRuns (AVX2: Q4Panels below). x as that kernel reads it: per 128-column
-// chunk, its 64 even-column and 64 odd-column int8 codes (Int8Blocks' codes reordered), and per
-// dword lane its block's scale and the sum of its 8 codes; plus each chunk's four blocks' runs.
-struct Int8X {
-  struct Chunk {
-    int32_t run[4];
-    enum Kind { kUniform, kConsecutive, kAny } kind;  // how the kernel loads their scales
-  };
-  std::vector<Chunk> chunks;
-  std::vector<int8_t> even, odd;            // [t, chunks, 64]
-  std::vector<float> lane_scale, lane_sum;  // [t, chunks, 16]
-  Int8Blocks blocks;
-  // False (and unusable: the exact kernel runs) when k is not a multiple of 128 or x has a NaN
-  // or inf.
-  bool Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run);
-};
-void SmallQ4Int8X(const SmallArgs& a, const Int8X& x, int64_t n0, int64_t n1);
 
 // The opt-in kernel for 8-bit codes against x rounded to int8 (linear_q8_int8x.cc), on the
 // weights WholeBlockRuns, with VNNI (`vnni`) or AVX2. x as that kernel reads it: Int8Blocks' codes,
