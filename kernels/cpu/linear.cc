@@ -415,7 +415,7 @@ void SmallT(const SmallArgs& args) {
     a.x = ordered.data();
   }
   if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
-    if (!avx512 && avx2 && !a.q->fp8 && a.k % 32 == 0 && WholeBlockRuns(a.q)) {
+    if (!avx512 && avx2 && WholeBlockRuns(a.q)) {
       thread_local FactoredX factored;
       factored.Prepare(a.x, a.t, a.k, W == WFmt::kQ4);
       const FactoredX* fx = &factored;  // workers read the calling thread's copy
@@ -474,10 +474,12 @@ template <WFmt W>
 void LargeT(const SmallArgs& a) {
   if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
     const Int8Path int8 = Int8PathFor(a.q);
-    if constexpr (W == WFmt::kQ4) {
-      if (int8 == Int8Path::kAvx2 && Q4PanelsInt8(a)) return;
+    // 4-bit codes take the panels at every T without VNNI (linear_q4_panels.cc).
+    const bool panels = W == WFmt::kQ4 && int8 == Int8Path::kAvx2;
+    if (panels ? Q4PanelsInt8(a)
+               : int8 != Int8Path::kNone && LargeInt8Gemm<W>(a, int8 == Int8Path::kVnni)) {
+      return;
     }
-    if (int8 != Int8Path::kNone && LargeInt8Gemm<W>(a, int8 == Int8Path::kVnni)) return;
   }
   [[maybe_unused]] const bool avx2 = UseAvx2();
   const int64_t threads = ThreadPool::Global().size();
@@ -542,9 +544,7 @@ void SetInt8Activations(bool on) { g_int8_activations.store(on); }
 size_t DerivedLayoutBytes() { return Q4PanelBytes(); }
 
 void PrepareQuantized(const QuantizedWeight& q) {
-  if (q.bits != 4 || q.fp8) return;
-  const Int8Path path = Int8PathFor(&q);
-  if (path != Int8Path::kNone) Q4PanelsOf(q);
+  if (q.bits == 4 && Int8PathFor(&q) != Int8Path::kNone) Q4PanelsOf(q);
 }
 
 bool UseAvx2Kernels() { return UseAvx2(); }

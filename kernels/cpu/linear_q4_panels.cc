@@ -36,8 +36,7 @@ size_t BytesOf(const Q4Panels& p) {
 }
 
 std::shared_ptr<const Q4Panels> Build(const QuantizedWeight& q) {
-  if (q.bits != 4 || q.fp8 || q.codes.device() != Device::kCpu || !CpuHasAvx2() ||
-      q.stored_in % kBlock != 0 || !WholeBlockRuns(&q)) {
+  if (q.bits != 4 || q.codes.device() != Device::kCpu || !CpuHasAvx2() || !WholeBlockRuns(&q)) {
     return nullptr;
   }
   // Counted while they live.

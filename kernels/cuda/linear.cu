@@ -356,27 +356,12 @@ void Linear(const Tensor& x, const Tensor& w_in, const Tensor* bias, Tensor* out
   const char* op = "Linear";
   CheckCudaFloat(x, op, "x");
   const QuantizedWeight* q = w_in.quantized();
-  if (q != nullptr && q->in > 0 && x.dim(-1) == q->in && x.numel() / q->in <= kGemvTokens) {
-    const int64_t rows = x.numel() / q->in;
-    const bool has_bias = bias != nullptr && bias->defined();
-    if (has_bias) {
-      CheckCudaFloat(*bias, op, "bias");
-      TGIS_CHECK(bias->numel() == q->out && bias->dtype() == x.dtype(),
-                 "%s: bias must be [%lld] %s", op, static_cast<long long>(q->out),
-                 DTypeName(x.dtype()));
-    }
-    Shape shape = x.shape();
-    shape.back() = q->out;
-    const DType out_dtype = out->defined() && out->dtype() == DType::kF32 ? DType::kF32 : x.dtype();
-    PrepareOut(out, shape, out_dtype, op);
-    if (rows > 0 && q->out > 0) QuantizedGemv(*q, x, rows, bias, out);
-    return;
+  if (q == nullptr) {
+    CheckCudaFloat(w_in, op, "w");
+    TGIS_CHECK(w_in.rank() == 2 && w_in.dtype() == x.dtype(),
+               "%s: w must be [out, in] of x's dtype (%s)", op, DTypeName(x.dtype()));
   }
-  const Tensor w = q != nullptr ? DequantizeOnDevice(*q, x.dtype()) : w_in;
-  CheckCudaFloat(w, op, "w");
-  TGIS_CHECK(w.rank() == 2 && w.dtype() == x.dtype(), "%s: w must be [out, in] of x's dtype (%s)",
-             op, DTypeName(x.dtype()));
-  const int64_t in = w.dim(1), out_f = w.dim(0);
+  const int64_t in = w_in.dim(1), out_f = w_in.dim(0);
   TGIS_CHECK(x.dim(-1) == in, "%s: x has %lld features, w wants %lld", op,
              static_cast<long long>(x.dim(-1)), static_cast<long long>(in));
   const int64_t rows = x.numel() / in;
@@ -397,6 +382,8 @@ void Linear(const Tensor& x, const Tensor& w_in, const Tensor* bias, Tensor* out
     TGIS_CHECK(!has_bias, "%s: a bias with no input features", op);
     return;
   }
+  if (q != nullptr && rows <= kGemvTokens) return QuantizedGemv(*q, x, rows, bias, out);
+  const Tensor w = q != nullptr ? DequantizeOnDevice(*q, x.dtype()) : w_in;
   const void* b = has_bias ? bias->raw() : nullptr;
   const uint32_t align = Alignment({w.raw(), x.raw(), b, out->raw()});
   Gemms::Get().Run({x.dtype(), out_dtype, out_f, rows, in, has_bias, align,
