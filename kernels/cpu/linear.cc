@@ -18,7 +18,8 @@
 // where bf16 would be converted ((code - zero) * scale, exactly the f32 weight transformers
 // would multiply by), over the stored columns, against x gathered into the stored order; on
 // AVX2, decode of 8- and 4-bit codes whose runs are whole 32-column blocks takes each block's
-// scale and zero out of its sum instead (linear_factored_avx2.cc: the same up to rounding).
+// scale and zero out of its sum instead (the same up to rounding): 8-bit codes row by row
+// (linear_factored_avx2.cc), 4-bit ones from their 8-row panels (linear_q4_panels_exact.cc).
 // With int8 activations on (SetInt8Activations, opt-in), 8- and 4-bit codes take the integer
 // kernels instead on both paths: linear_q8_int8x.cc and linear_int8_gemm.cc, and for 4-bit
 // codes linear_q4_panels.cc (decode on every CPU, prefill without VNNI).
@@ -394,6 +395,9 @@ void SmallT(const SmallArgs& args) {
     // weight took about as many vector instructions, twice as wide (Zen 4 runs a zmm
     // instruction as two), with the per-lane scaling the panels do without.
     if (int8 != Int8Path::kNone && Q4PanelsInt8(args)) return;
+    if (!avx512 && avx2) {
+      if (const Q4Panels* panels = Q4PanelsOf(*args.q)) return Q4PanelsExactLinear(args, *panels);
+    }
   } else if constexpr (W == WFmt::kQ8) {
     thread_local Int8X8 int8x;
     if (int8 != Int8Path::kNone &&
@@ -414,13 +418,13 @@ void SmallT(const SmallArgs& args) {
     Avx512Q4OrderX(a.x, a.t, a.k, ordered.data());
     a.x = ordered.data();
   }
-  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
+  if constexpr (W == WFmt::kQ8) {
     if (!avx512 && avx2 && WholeBlockRuns(a.q)) {
       thread_local FactoredX factored;
-      factored.Prepare(a.x, a.t, a.k, W == WFmt::kQ4);
+      factored.Prepare(a.x, a.t, a.k);
       const FactoredX* fx = &factored;  // workers read the calling thread's copy
       ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
-        SmallFactoredAvx2<W>(a, *fx, b * kTileRows, std::min(a.n, e * kTileRows));
+        SmallFactoredAvx2(a, *fx, b * kTileRows, std::min(a.n, e * kTileRows));
       });
       return;
     }
@@ -544,7 +548,10 @@ void SetInt8Activations(bool on) { g_int8_activations.store(on); }
 size_t DerivedLayoutBytes() { return Q4PanelBytes(); }
 
 void PrepareQuantized(const QuantizedWeight& q) {
-  if (q.bits == 4 && Int8PathFor(&q) != Int8Path::kNone) Q4PanelsOf(q);
+  // The panels serve 4-bit decode on AVX2 in both modes, and prefill with int8 activations.
+  if (q.bits == 4 && (Int8PathFor(&q) != Int8Path::kNone || (UseAvx2() && !UseAvx512(&q)))) {
+    Q4PanelsOf(q);
+  }
 }
 
 bool UseAvx2Kernels() { return UseAvx2(); }

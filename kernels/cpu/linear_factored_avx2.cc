@@ -1,29 +1,25 @@
-// Linear's exact streaming kernel for 8- and 4-bit codes on AVX2 (decode, T <= kSmallT), for
-// weights whose runs are whole 32-column blocks (the usual group sizes and per-row scales).
+// Linear's exact streaming kernel for 8-bit codes on AVX2 (decode, T <= kSmallT), for weights
+// whose runs are whole 32-column blocks (the usual group sizes and per-row scales). (4-bit codes
+// take the 8-row panels: linear_q4_panels_exact.cc.)
 //
 // Per row, block and token, the scale and zero are taken out of the block's sum:
 //   sum_k x[k] * (code[k] - zero) * scale  =  scale * (sum_k x[k] * code[k] - zero * sum_k x[k])
-// so the inner loop only widens codes and multiplies them into x (8-bit: widen, convert, FMA;
-// 4-bit: 9 integer steps per 32 codes, then convert and FMA), where dequantizing every weight
-// first took a subtraction and a multiply more and, for 4-bit codes, a broadcast and a variable
-// shift per 8: 7-8 instructions per 8 weights, which bound decode at 20-40% of DRAM
-// bandwidth. Per dword lane (4 columns of the block) the sum of the products less zero times
-// the lane's x sum is formed in f32, times the scale, added into the row's f32 lanes, block
-// after block; the output is their sum, plus the bias. x stays f32: the result differs from
-// transformers' dequantize-then-matmul by rounding only (the zero's product cancels part of
-// the code's, so a few ulps of the block sum more than the dense order), and a row's result
-// depends on its own x row only: the same at any T, in any batch, on any number of threads.
-//
-// 4-bit codes are applied in the order the bytes give them (each block's even columns, then
-// its odd ones): x is reordered the same way once per call.
+// so the inner loop only widens codes, converts them and multiplies them into x, where
+// dequantizing every weight first took a subtraction and a multiply more. Per dword lane (4
+// columns of the block) the sum of the products less zero times the lane's x sum is formed in
+// f32, times the scale, added into the row's f32 lanes, block after block; the output is their
+// sum, plus the bias. x stays f32: the result differs from transformers'
+// dequantize-then-matmul by rounding only (the zero's product cancels part of the code's, so a
+// few ulps of the block sum more than the dense order), and a row's result depends on its own
+// x row only: the same at any T, in any batch, on any number of threads.
 //
 // Measured on AMD EPYC Zen 3, 2 threads, against the dequantizing kernel it replaces (old and
 // new builds alternated): kernels_bench --quick --hot --t=1, 1024x2048 in cache: int8 20.3 ->
-// 25 GB/s, gptq8 22.9 -> 27, gptq4g32 9.4 -> 10.6; engine_bench on the cpu_bench TinyLlama
-// shape, decode: --quantize bitsandbytes 13.7-14.6 -> 17.4-18.0 tok/s, GPTQ 4-bit g32
-// 12.1-12.4 -> 13.6-14.5. 4-bit codes stay bound by widening them to f32 lanes (13 of the ~27
-// instructions per row and block); the int8-activation kernels (linear_q4_panels.cc) are what
-// reaches the memory roofline there.
+// 25 GB/s, gptq8 22.9 -> 27; engine_bench on the cpu_bench TinyLlama shape, decode:
+// --quantize bitsandbytes 13.7-14.6 -> 17.4-18.0 tok/s. Still compute-bound (about 20 G
+// weights/s from DRAM, 55-60% of its bandwidth; masking the code bytes in place instead of
+// widening them, as the 4-bit panels do, measured the same): the per-row, per-block scaling
+// and lane sums cost about as much again as the products.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -39,25 +35,13 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
-// A block's 32 codes as four f32 vectors, in the order FactoredX puts x in.
-template <WFmt W>
+// A block's 32 codes as four f32 vectors.
 TGIS_AVX2 inline __attribute__((always_inline)) void BlockCodes(const uint8_t* codes, int64_t b,
                                                                 __m256* c) {
-  if constexpr (W == WFmt::kQ8) {
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      c[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + b * kBlock + 8 * j))));
-    }
-  } else {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b * kBlock / 2));
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m128i even = _mm_and_si128(v, low);
-    const __m128i odd = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-    c[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(even));
-    c[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(even, 8)));
-    c[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(odd));
-    c[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(odd, 8)));
+  for (int j = 0; j < 4; ++j) {
+    c[j] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + b * kBlock + 8 * j))));
   }
 }
 
@@ -87,13 +71,13 @@ TGIS_AVX2 inline __attribute__((always_inline)) void EightRuns(const WRow& row, 
 }
 
 // Rows [n, n + R) against tokens [t0, t0 + TT).
-template <int R, int TT, WFmt W>
+template <int R, int TT>
 TGIS_AVX2 void Tile(const SmallArgs& a, const FactoredX& fx, int64_t n, int64_t t0) {
   const int64_t blocks = a.k / kBlock;
   const int64_t runs = a.q->runs();
   const int32_t* block_run = a.q->block_run.data<int32_t>();
   WRow rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = RowOf<W>(a, n + r);
+  for (int r = 0; r < R; ++r) rows[r] = RowOf<WFmt::kQ8>(a, n + r);
   __m256 acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_setzero_ps();
@@ -109,9 +93,9 @@ TGIS_AVX2 void Tile(const SmallArgs& a, const FactoredX& fx, int64_t n, int64_t 
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      PrefetchCodesAhead(rows[r].codes() + (W == WFmt::kQ8 ? b * kBlock : b * kBlock / 2));
+      PrefetchCodesAhead(rows[r].codes() + b * kBlock);
       __m256 c[4];
-      BlockCodes<W>(rows[r].codes(), b, c);
+      BlockCodes(rows[r].codes(), b, c);
       const __m256 s = _mm256_broadcast_ss(&scale[r][run - r0]);
       const __m256 z = _mm256_broadcast_ss(&zero[r][run - r0]);
 #pragma GCC unroll 4
@@ -135,48 +119,34 @@ TGIS_AVX2 void Tile(const SmallArgs& a, const FactoredX& fx, int64_t n, int64_t 
 }
 
 // Rows [n, n + R) against every token: pairs of tokens, then one.
-template <int R, WFmt W>
+template <int R>
 TGIS_AVX2 void Rows(const SmallArgs& a, const FactoredX& fx, int64_t n) {
   int64_t t0 = 0;
-  for (; t0 + 2 <= a.t; t0 += 2) Tile<R, 2, W>(a, fx, n, t0);
-  if (t0 < a.t) Tile<R, 1, W>(a, fx, n, t0);
+  for (; t0 + 2 <= a.t; t0 += 2) Tile<R, 2>(a, fx, n, t0);
+  if (t0 < a.t) Tile<R, 1>(a, fx, n, t0);
 }
 
 }  // namespace
 
-void FactoredX::Prepare(const float* xs, int64_t t, int64_t k, bool q4) {
+void FactoredX::Prepare(const float* xs, int64_t t, int64_t k) {
   const int64_t blocks = k / kBlock;
-  x.resize(t * k);
+  x.assign(xs, xs + t * k);
   lane_sum.resize(t * blocks * 8);
   for (int64_t i = 0; i < t * blocks; ++i) {
-    const float* src = xs + i * kBlock;
-    float* dst = &x[i * kBlock];
-    if (q4) {  // the block's even columns, then its odd ones
-      for (int j = 0; j < 16; ++j) {
-        dst[j] = src[2 * j];
-        dst[16 + j] = src[2 * j + 1];
-      }
-    } else {
-      std::memcpy(dst, src, kBlock * sizeof(float));
-    }
     // Lane l's x sum: its column in each of the four vectors, in order.
-    __m256 s = _mm256_loadu_ps(dst);
-    for (int j = 1; j < 4; ++j) s = _mm256_add_ps(s, _mm256_loadu_ps(dst + 8 * j));
+    const float* src = xs + i * kBlock;
+    __m256 s = _mm256_loadu_ps(src);
+    for (int j = 1; j < 4; ++j) s = _mm256_add_ps(s, _mm256_loadu_ps(src + 8 * j));
     _mm256_storeu_ps(&lane_sum[i * 8], s);
   }
 }
 
-template <WFmt W>
 void SmallFactoredAvx2(const SmallArgs& a, const FactoredX& fx, int64_t n0, int64_t n1) {
-  static_assert(W == WFmt::kQ8 || W == WFmt::kQ4);
   // Tiles of 4 rows share each x load; the tile height changes which rows share a pass, never
   // how a row is summed.
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) Rows<4, W>(a, fx, n);
-  for (; n < n1; ++n) Rows<1, W>(a, fx, n);
+  for (; n + 4 <= n1; n += 4) Rows<4>(a, fx, n);
+  for (; n < n1; ++n) Rows<1>(a, fx, n);
 }
-
-template void SmallFactoredAvx2<WFmt::kQ8>(const SmallArgs&, const FactoredX&, int64_t, int64_t);
-template void SmallFactoredAvx2<WFmt::kQ4>(const SmallArgs&, const FactoredX&, int64_t, int64_t);
 
 }  // namespace tgis::kernels::cpu

@@ -183,17 +183,16 @@ struct Int8X8 {
 };
 void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, bool vnni, int64_t n0, int64_t n1);
 
-// The exact AVX2 streaming kernel for 8- and 4-bit codes on weights WholeBlockRuns
+// The exact AVX2 streaming kernel for 8-bit codes on weights WholeBlockRuns
 // (linear_factored_avx2.cc): each block's sum of code * x, less zero times x's sum, times the
-// scale. x as it reads it: f32 in its column order (4-bit: each block's even columns, then its
-// odd ones), and per token, block and dword lane the sum of the lane's four x values.
+// scale. x as it reads it: f32, and per token, block and dword lane the sum of the lane's four
+// x values (columns l, l + 8, l + 16, l + 24 of the block).
 struct FactoredX {
   std::vector<float> x;         // [t, k]
   std::vector<float> lane_sum;  // [t, k / 32, 8]
   // k a multiple of 32.
-  TGIS_AVX2 void Prepare(const float* x, int64_t t, int64_t k, bool q4);
+  TGIS_AVX2 void Prepare(const float* x, int64_t t, int64_t k);
 };
-template <WFmt W>
 void SmallFactoredAvx2(const SmallArgs& a, const FactoredX& fx, int64_t n0, int64_t n1);
 
 // 4-bit codes as the int8-activation kernel on AVX2 reads them at every T
@@ -221,6 +220,9 @@ size_t Q4PanelBytes();
 // out = x @ w^T (+ bias) for any T, x as Int8Blocks rounds it, on the thread pool. Its row
 // results equal LargeInt8Gemm's AVX2 ones bit for bit: the same integer sums and f32 steps.
 void Q4PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const Q4Panels& p);
+// out = x @ w^T (+ bias) for T <= kSmallT with x in f32 (linear_q4_panels_exact.cc): the exact
+// decode of 4-bit codes on AVX2, on the thread pool.
+void Q4PanelsExactLinear(const SmallArgs& a, const Q4Panels& p);
 
 // Integer adds through asm: GCC 12 reassociates fully unrolled integer sums into trees and
 // spills every product to the stack (2-3x slower); these keep each token's sum one chain.

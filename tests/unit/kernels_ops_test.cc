@@ -451,8 +451,9 @@ TEST_P(OpsTest, Fp8LinearEqualsLinearOnTheDequantizedWeight) {
 // Without act-order or padding the quantized path sums like the dense f32 one: the same bits
 // as Linear on the dequantized weight (the decode path, T <= 16). The AVX-512 kernel applies
 // 4-bit codes in its own column order (even columns of each 32, then odd), so there 8-bit only;
-// the AVX2 kernel takes each 32-column block's scale and zero out of its sum
-// (linear_factored_avx2.cc) where runs are whole blocks, so there groups of 16 (which are not),
+// the AVX2 kernels take each 32-column block's scale and zero out of its sum
+// (linear_factored_avx2.cc, linear_q4_panels_exact.cc) where runs are whole blocks, so there
+// groups of 16 (which are not),
 // the rest being checked within rounding by QuantizedLinearEqualsLinearOnTheDequantizedWeight.
 TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {
   if (device() != Device::kCpu || dtype() != DType::kF32) GTEST_SKIP() << "CPU property";
@@ -555,7 +556,8 @@ TEST_P(OpsTest, LinearPrefillOnAvx512IsBatchInvariant) {
 
 // Activations the way LLMs have them: an outlier far above the rest, values spread over many
 // orders of magnitude, an all-zero row, and a row with a NaN (which must come out NaN, not be
-// hidden). The VNNI path holds x as fixed point per token; it must keep f32's accuracy here.
+// hidden). The VNNI path holds x as fixed point per token, and the AVX2 4-bit panels scale x's
+// columns by powers of two down to 2^-24: they must keep f32's accuracy here.
 TEST_P(OpsTest, QuantizedLinearOnWideRangeActivations) {
   if (device() != Device::kCpu || dtype() != DType::kF32) GTEST_SKIP() << "CPU paths";
   const int64_t in = 1024, out_f = 21, t_count = 4;
@@ -569,15 +571,33 @@ TEST_P(OpsTest, QuantizedLinearOnWideRangeActivations) {
   xs[3 * in + 100] = std::numeric_limits<float>::quiet_NaN();  // row 3
   for (const auto& [isa, isa_name] : Isas()) {
     cpu::SetIsaForTesting(isa);
-    for (int64_t group : {in, int64_t{128}}) {
-      const DenseQuant dq = RandomQuant(8, out_f, in, group, false, 3);
+    for (const auto& [bits, group] : {std::pair<int, int64_t>{8, in}, {8, 128}, {4, 32}}) {
+      const DenseQuant dq = RandomQuant(bits, out_f, in, group, false, 3);
       const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(dq.Build()));
-      const std::string what = isa_name + " group=" + std::to_string(group);
-      // Rows 0-2 against the f64 reference; then all four, where only row 3 may be NaN.
-      LinearCase(Act(std::vector<float>(finite.begin(), finite.begin() + 3 * in), {3, in}),
-                 std::vector<float>(finite.begin(), finite.begin() + 3 * in), w, dq.Weights(),
-                 nullptr, {}, 3, in, out_f, tol(), what);
+      const std::string what =
+          isa_name + " bits=" + std::to_string(bits) + " group=" + std::to_string(group);
+      // Rows 0-2 against the f64 reference. The AVX2 kernels sum code * x and take zero *
+      // sum(x) out of each block, so their rounding is relative to those terms, |x| * (code +
+      // zero) * scale, rather than to |x * w| (the outlier's code may be near its zero).
+      const std::vector<float> ws = dq.Weights();
+      std::vector<double> ref(3 * out_f), terms(3 * out_f);
+      for (int64_t t = 0; t < 3; ++t) {
+        for (int64_t n = 0; n < out_f; ++n) {
+          for (int64_t k = 0; k < in; ++k) {
+            const int64_t g = n * dq.groups + dq.group[k];
+            const double x = finite[t * in + k];
+            ref[t * out_f + n] += x * ws[n * in + k];
+            terms[t * out_f + n] +=
+                std::fabs(x) * (dq.codes[n * in + k] + dq.zeros[g]) * dq.scales[g];
+          }
+        }
+      }
       Tensor out;
+      Linear(Act(std::vector<float>(finite.begin(), finite.begin() + 3 * in), {3, in}), w, nullptr,
+             &out);
+      ExpectClose(Host(out), ref, terms, tol(), what);
+      // Then all four, where only row 3 may be NaN.
+      out = Tensor();
       Linear(Act(xs, {t_count, in}), w, nullptr, &out);
       for (int64_t i = 0; i < t_count * out_f; ++i) {
         EXPECT_EQ(std::isnan(out.data<float>()[i]), i >= 3 * out_f) << what << " " << i;
@@ -1667,9 +1687,9 @@ TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
   EXPECT_GT(isas_run, 0);
 }
 
-// The int8-activation layout of 4-bit codes (a second copy of them) is made at load when the
-// mode is on, so that the shard sizes its KV cache from the memory left after it; never when
-// the mode is off, nor for 8-bit codes.
+// The 8-row panel layout of 4-bit codes (a second copy of them) is made at load when a kernel
+// will read it (the int8-activation mode, or exact decode on AVX2), so that the shard sizes its
+// KV cache from the memory left after it; never for 8-bit codes.
 TEST(CpuInt8Activations, PrepareCpuWeightMakesThePanelsAtLoad) {
   if (!cpu::Int8ActivationsAvailable()) GTEST_SKIP() << "no AVX2 on this CPU";
   const int64_t out_f = 16, in = 64;
@@ -1685,7 +1705,10 @@ TEST(CpuInt8Activations, PrepareCpuWeightMakesThePanelsAtLoad) {
   {
     const Tensor w4 = weight(4), w8 = weight(8);
     PrepareCpuWeight(w4);
-    EXPECT_FALSE(w4.quantized()->cpu_layout.made()) << "made with the mode off";
+    // With the mode off the panels serve exact decode on AVX2 (linear_q4_panels_exact.cc),
+    // where the AVX-512 kernel does not take the weight instead.
+    EXPECT_EQ(w4.quantized()->cpu_layout.made(), !cpu::IsaAvailable(cpu::Isa::kAvx512))
+        << "with the mode off";
     ASSERT_TRUE(SetCpuInt8Activations(true));
     PrepareCpuWeight(w4);
     PrepareCpuWeight(w8);
