@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <optional>
 #include <random>
@@ -65,6 +66,15 @@ double MeasureBandwidthGBs() {
     if (sums[0] < 0) std::cout << "";  // keep the loads
   }
   return best;
+}
+
+// This process's resident memory now (/proc/self/status VmRSS), or -1 where unreadable.
+long ResidentMiB() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6)) / 1024;
+  }
+  return -1;
 }
 
 }  // namespace
@@ -139,6 +149,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   (*model)->MoveTo(tgis::kernels::Device::kCpu);  // as the shard: the kernels' layouts at load
+  std::cout << "resident after load: " << ResidentMiB() << " MiB (CPU kernels' derived layouts "
+            << tgis::kernels::CpuDerivedLayoutBytes() / (1 << 20) << " MiB, row-major codes let go "
+            << tgis::kernels::CpuReleasedCodeBytes() / (1 << 20) << " MiB)\n";
   const auto& spec = (*model)->spec();
   // Bytes of weights a decode step streams: every linear layer plus the lm_head, in their
   // stored format (quantized: codes plus a scale and zero per row and group: f32 ones, or for

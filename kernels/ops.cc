@@ -1,10 +1,13 @@
 // The dispatcher: each op runs on the device of its tensors (all must agree).
 #include "kernels/ops.h"
 
+#include <atomic>
+
 #include "kernels/check.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/cuda_ops.h"
+#include "kernels/quantized.h"
 
 namespace tgis::kernels {
 
@@ -14,11 +17,25 @@ bool SetCpuInt8Activations(bool on) {
   return true;
 }
 
-void PrepareCpuWeight(const Tensor& w) {
-  if (w.quantized() != nullptr && w.device() == Device::kCpu) cpu::PrepareQuantized(*w.quantized());
+namespace {
+std::atomic<size_t> g_released_code_bytes{0};
+}
+
+void PrepareCpuWeight(Tensor* w) {
+  const QuantizedWeight* q = w->quantized();
+  if (q == nullptr || w->device() != Device::kCpu || q->codes_only_in_panels) return;
+  if (!cpu::PrepareQuantized(*q)) return;
+  auto kept = std::make_shared<QuantizedWeight>(*q);
+  kept->cpu_layout.ShareFrom(q->cpu_layout);
+  kept->codes = Tensor::Zeros({q->out, 0}, DType::kI8);
+  kept->codes_only_in_panels = true;
+  g_released_code_bytes += q->codes.nbytes();
+  *w = Tensor::Quantized(std::move(kept));
 }
 
 size_t CpuDerivedLayoutBytes() { return cpu::DerivedLayoutBytes(); }
+
+size_t CpuReleasedCodeBytes() { return g_released_code_bytes.load(); }
 
 std::string CpuBackendSummary() {
   return std::string("linear isa ") + cpu::ActiveIsaName() + ", " +

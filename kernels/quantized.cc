@@ -146,6 +146,10 @@ bool QuantizedCompatible(const QuantizedWeight& a, const QuantizedWeight& b) {
 }
 
 QuantizedWeight ConcatQuantizedRows(const std::vector<const QuantizedWeight*>& parts) {
+  for (const QuantizedWeight* p : parts) {
+    TGIS_CHECK(!p->codes_only_in_panels,
+               "ConcatQuantizedRows: a part's codes are only in the CPU panels");
+  }
   TGIS_CHECK(!parts.empty(), "ConcatQuantizedRows: no parts");
   int64_t out = 0;
   bool same_form = true;
@@ -187,6 +191,7 @@ QuantizedWeight ConcatQuantizedRows(const std::vector<const QuantizedWeight*>& p
 
 Tensor Dequantize(const QuantizedWeight& q) {
   TGIS_CHECK(q.codes.device() == Device::kCpu, "Dequantize runs on the CPU");
+  TGIS_CHECK(!q.codes_only_in_panels, "Dequantize: the weight's codes are only in the CPU panels");
   Tensor w = Tensor::Zeros({q.out, q.in}, DType::kF32);
   for (int64_t n = 0; n < q.out; ++n) {
     const uint8_t* row = q.codes.data<uint8_t>() + n * q.codes.dim(1);
@@ -240,6 +245,8 @@ QuantizedWeight BuildFp8Rows(int64_t out, int64_t in, const std::vector<uint8_t>
 }
 
 QuantizedWeight QuantizedToDevice(const QuantizedWeight& q, Device device) {
+  TGIS_CHECK(!q.codes_only_in_panels || device == Device::kCpu,
+             "QuantizedToDevice: the weight's codes are only in the CPU panels");
   QuantizedWeight d = device == Device::kCpu ? q : ExpandRunConstants(q);
   for (Tensor* t : {&d.codes, &d.scales, &d.zeros, &d.block_run, &d.gather}) {
     if (t->defined()) *t = t->ToDevice(device);

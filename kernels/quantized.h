@@ -27,9 +27,10 @@ struct Q4Panels;  // kernels/cpu/linear_stream.h
 }
 
 // A layout of a weight's codes that a CPU kernel derives from them once and keeps with the
-// weight: the 4-bit codes interleaved 8 rows at a time for the int8-activation kernels on AVX2
-// (cpu::Q4Panels). Made at load (PrepareCpuWeight) or else on first use. A copy of the weight
-// starts without it, so that no layout outlives the codes it was made from.
+// weight: the 4-bit codes interleaved 8 rows at a time (cpu::Q4Panels), which AVX2 decode reads
+// in both modes and int8-activation prefill too. Made at load (PrepareCpuWeight) or else on
+// first use. A copy of the weight starts without it, so that no layout outlives the codes it
+// was made from (ShareFrom aside).
 class DerivedCpuLayout {
  public:
   DerivedCpuLayout() = default;
@@ -45,6 +46,11 @@ class DerivedCpuLayout {
   }
   // Whether it has been made (tests; not synchronized with a concurrent first use).
   bool made() const { return q4_panels_ != nullptr; }
+  // This weight's layout is `other`'s (made from the same codes): for a copy that replaces the
+  // weight it was made from.
+  void ShareFrom(const DerivedCpuLayout& other) {
+    std::call_once(once_, [&] { q4_panels_ = other.q4_panels_; });
+  }
 
  private:
   mutable std::once_flag once_;
@@ -67,6 +73,10 @@ struct QuantizedWeight {
   Tensor block_run;  // [stored_in / 8] kI32: the run of each block of 8 stored columns
   Tensor gather;     // [stored_in] kI32 input column or -1 (padding); undefined: identity
   DerivedCpuLayout cpu_layout;
+  // The codes live only in cpu_layout's 8-row panels: PrepareCpuWeight let the row-major copy
+  // go (`codes` is then an empty CPU tensor) where every CPU kernel path for the weight reads
+  // the panels. Only those kernels can use the weight then (not Dequantize, nor another device).
+  bool codes_only_in_panels = false;
 
   int64_t runs() const { return scales.defined() ? scales.dim(1) : 0; }
   // Compact run constants: 4-bit weights whose every scale is an f16 value and every zero an

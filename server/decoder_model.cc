@@ -159,12 +159,11 @@ size_t CausalLM::KvBytesPerToken() const {
 void CausalLM::MoveTo(kernels::Device device) {
   if (device == device_) {
     if (device == kernels::Device::kCpu) {
-      kernels::PrepareCpuWeight(w_.lm_head);
-      kernels::PrepareCpuWeight(w_.project_in);
-      kernels::PrepareCpuWeight(w_.project_out);
-      for (const LayerWeights& l : w_.layers) {
-        for (const Tensor* t : {&l.qkv_w, &l.o_w, &l.up_w, &l.down_w})
-          kernels::PrepareCpuWeight(*t);
+      kernels::PrepareCpuWeight(&w_.lm_head);
+      kernels::PrepareCpuWeight(&w_.project_in);
+      kernels::PrepareCpuWeight(&w_.project_out);
+      for (LayerWeights& l : w_.layers) {
+        for (Tensor* t : {&l.qkv_w, &l.o_w, &l.up_w, &l.down_w}) kernels::PrepareCpuWeight(t);
       }
     }
     return;

@@ -250,9 +250,14 @@ int main(int argc, char** argv) {
   if (!model.ok()) return Fail(std::string(model.status().message()));
   (*model)->MoveTo(cuda ? tgis::kernels::Device::kCuda : tgis::kernels::Device::kCpu);
   if (const size_t derived = tgis::kernels::CpuDerivedLayoutBytes(); derived > 0) {
-    LOG(INFO) << "CPU kernels: the int8-activation kernels' 8-row copy of the 4-bit weights' "
-                 "codes takes "
-              << absl::StrFormat("%.1f", static_cast<double>(derived) / (1 << 20)) << " MiB";
+    const size_t released = tgis::kernels::CpuReleasedCodeBytes();
+    LOG(INFO) << "CPU kernels: 4-bit weights' codes interleaved 8 rows at a time take "
+              << absl::StrFormat("%.1f", static_cast<double>(derived) / (1 << 20)) << " MiB; "
+              << (released > 0
+                      ? absl::StrFormat("their row-major copy (%.1f MiB) was let go",
+                                        static_cast<double>(released) / (1 << 20))
+                      : std::string("a second copy: the row-major codes stay for the AVX-512 "
+                                    "kernels"));
   }
   (*weights)->FinishLoading();
   LOG(INFO) << "loaded " << config->model_type << " from " << model_dir << " (" << FLAGS_dtype

@@ -28,8 +28,9 @@ bool IsaAvailable(Isa isa);
 void SetInt8Activations(bool on);
 bool Int8ActivationsAvailable();
 // Derives now the layouts the current settings' kernels read from `q` (ops.h's
-// PrepareCpuWeight).
-void PrepareQuantized(const QuantizedWeight& q);
+// PrepareCpuWeight). True when every kernel path for `q` reads them, so that its row-major
+// codes may go.
+bool PrepareQuantized(const QuantizedWeight& q);
 // Bytes of memory those derived layouts hold now (ops.h's CpuDerivedLayoutBytes).
 size_t DerivedLayoutBytes();
 

@@ -380,10 +380,20 @@ TGIS_AVX2 void SmallAvx2(const SmallArgs& a, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) TileAvx2<1, W>(a, n);
 }
 
+// A weight whose codes PrepareCpuWeight kept only in the panels runs only where the kernels
+// read them.
+void CheckCodesReadable(const QuantizedWeight* q, bool panels_path) {
+  TGIS_CHECK(q == nullptr || !q->codes_only_in_panels || panels_path,
+             "Linear: the weight's 4-bit codes are kept only in the AVX2 panels "
+             "(PrepareCpuWeight), which the %s path does not read",
+             ActiveIsaName());
+}
+
 template <WFmt W>
 void SmallT(const SmallArgs& args) {
   const bool avx512 = UseAvx512(args.q);
   const bool avx2 = UseAvx2();
+  CheckCodesReadable(args.q, !avx512 && avx2);
   const int64_t tiles = (args.n + kTileRows - 1) / kTileRows;
   // At least ~64 KB of weights per parallel chunk.
   const int64_t grain = std::max<int64_t>(
@@ -463,6 +473,9 @@ TGIS_AVX2 void ConvertRowAvx2(const WRow& src, int64_t n, float* dst) {
 // Rows [r0, r0 + rows) of the weight as f32 into dst [rows, K].
 template <WFmt W>
 void ConvertRows(const SmallArgs& a, int64_t r0, int64_t rows, float* dst, bool avx2) {
+  if constexpr (W == WFmt::kQ4) {
+    if (a.q->codes_only_in_panels) return Q4PanelRowsF32(*Q4PanelsOf(*a.q), r0, rows, dst);
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const WRow src = RowOf<W>(a, r0 + r);
     float* d = dst + r * a.k;
@@ -486,6 +499,7 @@ void LargeT(const SmallArgs& a) {
     }
   }
   [[maybe_unused]] const bool avx2 = UseAvx2();
+  CheckCodesReadable(a.q, !UseAvx512(a.q) && avx2);
   const int64_t threads = ThreadPool::Global().size();
   if (UseAvx512(nullptr)) {
     LargeAvx512Gemm(a, [&](int64_t n0, int rows, float* scratch) -> const float* {
@@ -547,11 +561,14 @@ void SetInt8Activations(bool on) { g_int8_activations.store(on); }
 
 size_t DerivedLayoutBytes() { return Q4PanelBytes(); }
 
-void PrepareQuantized(const QuantizedWeight& q) {
-  // The panels serve 4-bit decode on AVX2 in both modes, and prefill with int8 activations.
-  if (q.bits == 4 && (Int8PathFor(&q) != Int8Path::kNone || (UseAvx2() && !UseAvx512(&q)))) {
-    Q4PanelsOf(q);
-  }
+bool PrepareQuantized(const QuantizedWeight& q) {
+  if (q.bits != 4 || q.fp8) return false;
+  // On AVX2 without AVX-512 the panels serve every 4-bit path: decode in both modes, prefill
+  // with int8 activations, and exact prefill's f32 rows (Q4PanelRowsF32). With AVX-512 they
+  // serve int8-activation decode only.
+  const bool everywhere = UseAvx2() && !UseAvx512(&q);
+  if (!everywhere && Int8PathFor(&q) == Int8Path::kNone) return false;
+  return Q4PanelsOf(q) != nullptr && everywhere;
 }
 
 bool UseAvx2Kernels() { return UseAvx2(); }

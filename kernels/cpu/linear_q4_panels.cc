@@ -16,6 +16,7 @@
 #include <cstring>
 #include <memory>
 
+#include "kernels/check.h"
 #include "kernels/cpu/intrinsics_warnings.h"
 #include "kernels/cpu/linear_stream.h"
 #include "kernels/cpu/thread_pool.h"
@@ -36,6 +37,8 @@ size_t BytesOf(const Q4Panels& p) {
 }
 
 std::shared_ptr<const Q4Panels> Build(const QuantizedWeight& q) {
+  TGIS_CHECK(!q.codes_only_in_panels,
+             "a copy of a weight whose codes were kept only in its panels has neither");
   if (q.bits != 4 || q.codes.device() != Device::kCpu || !CpuHasAvx2() || !WholeBlockRuns(&q)) {
     return nullptr;
   }

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/intrinsics_warnings.h"
@@ -162,7 +163,81 @@ void Panels(const SmallArgs& a, const ScaledX& x, const Q4Panels& p) {
   });
 }
 
+// One panel's 8 rows as f32 into dst rows 0-7 (row stride `ld`): per block and 8 columns,
+// the 8 rows' weights of each column, (code - zero) * scale in one vector, then transposed.
+TGIS_AVX2 void PanelF32(const Q4Panels& p, int64_t panel, float* dst, int64_t ld) {
+  const uint8_t* w = &p.codes[panel * p.blocks * kBlockBytes];
+  const __m256 unscale[8] = {_mm256_set1_ps(1.f),      _mm256_set1_ps(0x1p-4f),
+                             _mm256_set1_ps(0x1p-8f),  _mm256_set1_ps(0x1p-12f),
+                             _mm256_set1_ps(0x1p-16f), _mm256_set1_ps(0x1p-20f),
+                             _mm256_set1_ps(0x1p-24f), _mm256_set1_ps(1.f)};
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const int64_t at = (panel * p.runs + p.block_run[b]) * kRows;
+    __m256 ws, wz;
+    if (p.compact()) {
+      ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(&p.scale_h[at])));
+      wz = _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(&p.zero_b[at]))));
+    } else {
+      ws = _mm256_loadu_ps(&p.scale[at]);
+      wz = _mm256_loadu_ps(&p.zero[at]);
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlockBytes + 32 * j));
+      // c[k] lane r: row r's weight of column 8j + k (the code exact in f32 after the power
+      // of two; code - zero exact; one rounding in the product).
+      __m256 c[8];
+      c[0] = Nibble<0>(v);
+      c[1] = Nibble<1>(v);
+      c[2] = Nibble<2>(v);
+      c[3] = Nibble<3>(v);
+      c[4] = Nibble<4>(v);
+      c[5] = Nibble<5>(v);
+      c[6] = Nibble<6>(v);
+      c[7] = Nibble<7>(v);
+      for (int k = 0; k < 8; ++k)
+        c[k] = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(c[k], unscale[k]), wz), ws);
+      // 8 x 8 transpose: t[r] lane k = c[k] lane r.
+      __m256 u[8], t[8];
+      for (int i = 0; i < 4; ++i) {
+        u[2 * i] = _mm256_unpacklo_ps(c[2 * i], c[2 * i + 1]);
+        u[2 * i + 1] = _mm256_unpackhi_ps(c[2 * i], c[2 * i + 1]);
+      }
+      for (int i = 0; i < 2; ++i) {
+        t[4 * i] = _mm256_shuffle_ps(u[4 * i], u[4 * i + 2], 0x44);
+        t[4 * i + 1] = _mm256_shuffle_ps(u[4 * i], u[4 * i + 2], 0xEE);
+        t[4 * i + 2] = _mm256_shuffle_ps(u[4 * i + 1], u[4 * i + 3], 0x44);
+        t[4 * i + 3] = _mm256_shuffle_ps(u[4 * i + 1], u[4 * i + 3], 0xEE);
+      }
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(dst + i * ld + b * kBlock + 8 * j,
+                         _mm256_permute2f128_ps(t[i], t[4 + i], 0x20));
+        _mm256_storeu_ps(dst + (4 + i) * ld + b * kBlock + 8 * j,
+                         _mm256_permute2f128_ps(t[i], t[4 + i], 0x31));
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void Q4PanelRowsF32(const Q4Panels& p, int64_t n0, int64_t rows, float* dst) {
+  const int64_t k = p.blocks * kBlock;
+  thread_local std::vector<float> scratch;
+  for (int64_t panel = n0 / kRows; panel * kRows < n0 + rows; ++panel) {
+    const int64_t first = std::max(n0, panel * kRows),
+                  last = std::min(n0 + rows, (panel + 1) * kRows);
+    if (first == panel * kRows && last == first + kRows) {
+      PanelF32(p, panel, dst + (first - n0) * k, k);
+    } else {  // a panel the range cuts: all 8 rows aside, then the ones asked for
+      scratch.resize(kRows * k);
+      PanelF32(p, panel, scratch.data(), k);
+      std::memcpy(dst + (first - n0) * k, &scratch[(first - panel * kRows) * k],
+                  (last - first) * k * sizeof(float));
+    }
+  }
+}
 
 void Q4PanelsExactLinear(const SmallArgs& a, const Q4Panels& p) {
   thread_local ScaledX x;

@@ -195,8 +195,9 @@ struct FactoredX {
 };
 void SmallFactoredAvx2(const SmallArgs& a, const FactoredX& fx, int64_t n0, int64_t n1);
 
-// 4-bit codes as the int8-activation kernel on AVX2 reads them at every T
-// (linear_q4_panels.cc): llama.cpp's Q4_0 "8x8" interleave, for our runs. Rows are taken 8 at a
+// 4-bit codes as the AVX2 kernels read them: exact decode (linear_q4_panels_exact.cc) and the
+// int8-activation kernel at every T (linear_q4_panels.cc), and where PrepareCpuWeight kept the
+// codes only here, exact prefill's f32 rows too. llama.cpp's Q4_0 "8x8" interleave, for our runs. Rows are taken 8 at a
 // time (a panel; rows past N are zero codes with zero constants); per panel and 32-column block,
 // 4 vectors of 32 bytes, vector j's dword lane r holding row r's code bytes [4j, 4j + 4) of the
 // block (columns 8j to 8j + 7, even ones in the low nibbles), so that one vpmaddubsw against a
@@ -223,6 +224,10 @@ void Q4PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const Q4Panels& p);
 // out = x @ w^T (+ bias) for T <= kSmallT with x in f32 (linear_q4_panels_exact.cc): the exact
 // decode of 4-bit codes on AVX2, on the thread pool.
 void Q4PanelsExactLinear(const SmallArgs& a, const Q4Panels& p);
+// Rows [n0, n0 + rows) of the weight as f32 [rows, k] (its stored columns) into dst, from the
+// panels: (code - zero) * scale, rounded once, as Dequantize and the row kernels compute them.
+// For exact prefill of weights whose codes are kept only in the panels.
+void Q4PanelRowsF32(const Q4Panels& p, int64_t n0, int64_t rows, float* dst);
 
 // Integer adds through asm: GCC 12 reassociates fully unrolled integer sums into trees and
 // spills every product to the stack (2-3x slower); these keep each token's sum one chain.

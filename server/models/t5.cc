@@ -72,15 +72,15 @@ class T5Model : public Model {
   void MoveTo(kernels::Device device) override {
     if (device == device_) {
       if (device == kernels::Device::kCpu) {
-        kernels::PrepareCpuWeight(lm_head);
-        for (const EncoderLayer& l : encoder) {
-          for (const Tensor* t : {&l.qkv_w, &l.o_w, &l.ff.up_w, &l.ff.down_w})
-            kernels::PrepareCpuWeight(*t);
+        kernels::PrepareCpuWeight(&lm_head);
+        for (EncoderLayer& l : encoder) {
+          for (Tensor* t : {&l.qkv_w, &l.o_w, &l.ff.up_w, &l.ff.down_w})
+            kernels::PrepareCpuWeight(t);
         }
-        for (const DecoderLayer& l : decoder) {
-          for (const Tensor* t : {&l.qkv_w, &l.o_w, &l.cross_q_w, &l.cross_kv_w, &l.cross_o_w,
-                                  &l.ff.up_w, &l.ff.down_w}) {
-            kernels::PrepareCpuWeight(*t);
+        for (DecoderLayer& l : decoder) {
+          for (Tensor* t : {&l.qkv_w, &l.o_w, &l.cross_q_w, &l.cross_kv_w, &l.cross_o_w, &l.ff.up_w,
+                            &l.ff.down_w}) {
+            kernels::PrepareCpuWeight(t);
           }
         }
       }

@@ -1687,11 +1687,12 @@ TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
   EXPECT_GT(isas_run, 0);
 }
 
-// The 8-row panel layout of 4-bit codes (a second copy of them) is made at load when a kernel
-// will read it (the int8-activation mode, or exact decode on AVX2), so that the shard sizes its
-// KV cache from the memory left after it; never for 8-bit codes.
-TEST(CpuInt8Activations, PrepareCpuWeightMakesThePanelsAtLoad) {
-  if (!cpu::Int8ActivationsAvailable()) GTEST_SKIP() << "no AVX2 on this CPU";
+// The 8-row panel layout of 4-bit codes is made at load when a kernel will read it (exact
+// decode on AVX2, or the int8-activation mode), so that the shard sizes its KV cache from the
+// memory left after it; never for 8-bit codes. Where every path reads the panels (AVX2 without
+// AVX-512), the prepared weight keeps its codes only there and the row-major copy goes.
+TEST(CpuPanels, PrepareCpuWeightMakesThePanelsAtLoad) {
+  if (!cpu::IsaAvailable(cpu::Isa::kAvx2)) GTEST_SKIP() << "no AVX2 on this CPU";
   const int64_t out_f = 16, in = 64;
   std::vector<int32_t> group_of(in);
   for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / 32);
@@ -1702,26 +1703,78 @@ TEST(CpuInt8Activations, PrepareCpuWeightMakesThePanelsAtLoad) {
                        std::vector<float>(out_f * 2, 1.f))));
   };
   const size_t before = CpuDerivedLayoutBytes();
-  {
-    const Tensor w4 = weight(4), w8 = weight(8);
-    PrepareCpuWeight(w4);
-    // With the mode off the panels serve exact decode on AVX2 (linear_q4_panels_exact.cc),
-    // where the AVX-512 kernel does not take the weight instead.
-    EXPECT_EQ(w4.quantized()->cpu_layout.made(), !cpu::IsaAvailable(cpu::Isa::kAvx512))
-        << "with the mode off";
-    ASSERT_TRUE(SetCpuInt8Activations(true));
-    PrepareCpuWeight(w4);
-    PrepareCpuWeight(w8);
-    ASSERT_TRUE(SetCpuInt8Activations(false));
-    EXPECT_TRUE(w4.quantized()->cpu_layout.made());
-    EXPECT_FALSE(w8.quantized()->cpu_layout.made());
-    // The start-up log's figure: at least the codes' second copy (16 rows x 32 bytes).
-    EXPECT_GE(CpuDerivedLayoutBytes(), before + out_f * in / 2);
-    // A copy of the weight starts without it.
-    const QuantizedWeight copy = *w4.quantized();
-    EXPECT_FALSE(copy.cpu_layout.made());
+  for (const cpu::Isa isa : {cpu::Isa::kAvx2, cpu::Isa::kAvx512}) {
+    if (!cpu::IsaAvailable(isa)) continue;
+    cpu::SetIsaForTesting(isa);
+    const bool avx2 = isa == cpu::Isa::kAvx2;
+    const std::string what = avx2 ? "avx2" : "avx512";
+    {
+      Tensor w4 = weight(4);
+      const Tensor held = w4;  // another holder of the same weight
+      const size_t released = CpuReleasedCodeBytes();
+      PrepareCpuWeight(&w4);
+      EXPECT_EQ(w4.quantized()->cpu_layout.made(), avx2) << what << ", the mode off";
+      EXPECT_EQ(w4.quantized()->codes_only_in_panels, avx2) << what;
+      EXPECT_FALSE(held.quantized()->codes_only_in_panels) << "the other holder keeps its rows";
+      EXPECT_EQ(CpuReleasedCodeBytes(), released + (avx2 ? out_f * in / 2 : 0)) << what;
+      EXPECT_EQ(w4.quantized()->codes.nbytes(), avx2 ? 0u : out_f * in / 2u) << what;
+
+      Tensor w4_int8 = weight(4), w8 = weight(8);
+      ASSERT_TRUE(SetCpuInt8Activations(true));
+      PrepareCpuWeight(&w4_int8);
+      PrepareCpuWeight(&w8);
+      ASSERT_TRUE(SetCpuInt8Activations(false));
+      EXPECT_TRUE(w4_int8.quantized()->cpu_layout.made()) << what << ", the mode on";
+      EXPECT_EQ(w4_int8.quantized()->codes_only_in_panels, avx2) << what << ", the mode on";
+      EXPECT_FALSE(w8.quantized()->cpu_layout.made()) << what;
+      // The start-up log's figure: at least the panels' codes (16 rows x 32 bytes).
+      EXPECT_GE(CpuDerivedLayoutBytes(), before + out_f * in / 2) << what;
+      // A copy of the weight starts without it.
+      const QuantizedWeight copy = *w4_int8.quantized();
+      EXPECT_FALSE(copy.cpu_layout.made());
+    }
+    EXPECT_EQ(CpuDerivedLayoutBytes(), before) << what << ": freed with the weight";
   }
-  EXPECT_EQ(CpuDerivedLayoutBytes(), before) << "freed with the weight";
+  cpu::SetIsaForTesting(cpu::Isa::kAuto);
+}
+
+// A weight whose codes PrepareCpuWeight kept only in the panels gives the bits the weight with
+// its rows gives, on every path: decode and prefill (T > 16: f32 rows made from the panels,
+// also where a thread's range of rows cuts a panel), exact and with int8 activations (and
+// their fallback to the exact path when x has a NaN).
+TEST(CpuPanels, WeightKeptOnlyInThePanelsGivesTheSameBits) {
+  if (!cpu::IsaAvailable(cpu::Isa::kAvx2)) GTEST_SKIP() << "no AVX2 on this CPU";
+  cpu::SetIsaForTesting(cpu::Isa::kAvx2);
+  const int64_t out_f = 45, in = 1024;
+  uint32_t seed = 70;
+  for (const int64_t group : {int64_t{32}, int64_t{128}}) {
+    for (const bool f16_scales : {false, true}) {
+      const Tensor rows = Tensor::Quantized(std::make_shared<const QuantizedWeight>(
+          RandomQuant(4, out_f, in, group, false, ++seed, f16_scales).Build()));
+      Tensor panels = rows;
+      PrepareCpuWeight(&panels);
+      ASSERT_TRUE(panels.quantized()->codes_only_in_panels);
+      for (const bool int8 : {false, true}) {
+        ASSERT_TRUE(SetCpuInt8Activations(int8));
+        for (const int64_t t : {1, 3, 16, 17, 40}) {
+          std::vector<float> xs = Random(t * in, ++seed);
+          if (int8 && t == 3) xs[in + 7] = std::numeric_limits<float>::quiet_NaN();
+          const Tensor x = Tensor::FromVector(xs, {t, in});
+          Tensor want, got;
+          Linear(x, rows, nullptr, &want);
+          Linear(x, panels, nullptr, &got);
+          const std::string what = "group " + std::to_string(group) + (f16_scales ? " f16" : "") +
+                                   (int8 ? " int8" : " exact") + " T=" + std::to_string(t);
+          for (int64_t i = 0; i < t * out_f; ++i) {
+            const float a = want.data<float>()[i], b = got.data<float>()[i];
+            ASSERT_TRUE(std::isnan(a) ? std::isnan(b) : a == b) << what << " at " << i;
+          }
+        }
+      }
+      ASSERT_TRUE(SetCpuInt8Activations(false));
+    }
+  }
+  cpu::SetIsaForTesting(cpu::Isa::kAuto);
 }
 
 TEST(CpuThreadPool, ParallelForCoversEveryIndexOnce) {
