@@ -197,13 +197,14 @@ void SmallFactoredAvx2(const SmallArgs& a, const FactoredX& fx, int64_t n0, int6
 
 // 4-bit codes as the AVX2 kernels read them: exact decode (linear_q4_panels_exact.cc) and the
 // int8-activation kernel at every T (linear_q4_panels.cc), and where PrepareCpuWeight kept the
-// codes only here, exact prefill's f32 rows too. llama.cpp's Q4_0 "8x8" interleave, for our runs. Rows are taken 8 at a
-// time (a panel; rows past N are zero codes with zero constants); per panel and 32-column block,
-// 4 vectors of 32 bytes, vector j's dword lane r holding row r's code bytes [4j, 4j + 4) of the
-// block (columns 8j to 8j + 7, even ones in the low nibbles), so that one vpmaddubsw against a
-// broadcast dword of x multiplies 4 columns of all 8 rows at once and a block's integer sums end
-// in one lane per row: the weight's per-run constants then apply to 8 rows in one vector, where
-// the row-at-a-time kernel spread each row over lanes and widened its constants per lane.
+// codes only here, exact prefill's f32 rows too. llama.cpp's Q4_0 "8x8" interleave, for our runs.
+// Rows are taken 8 at a time (a panel; rows past N are zero codes with zero constants); per panel
+// and 32-column block, 4 vectors of 32 bytes, vector j's dword lane r holding row r's code bytes
+// [4j, 4j + 4) of the block (columns 8j to 8j + 7, even ones in the low nibbles), so that one
+// vpmaddubsw against a broadcast dword of x multiplies 4 columns of all 8 rows at once and a
+// block's integer sums end in one lane per row: the weight's per-run constants then apply to 8 rows
+// in one vector, where the row-at-a-time kernel spread each row over lanes and widened its
+// constants per lane.
 struct Q4Panels {
   int64_t panels = 0, blocks = 0, runs = 0;
   std::vector<uint8_t> codes;      // [panels, blocks, 4, 8, 4]
