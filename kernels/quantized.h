@@ -23,11 +23,11 @@
 namespace tgis::kernels {
 
 namespace cpu {
-struct Q4Panels;  // kernels/cpu/linear_stream.h
+struct CodePanels;  // kernels/cpu/linear_stream.h
 }
 
 // A layout of a weight's codes that a CPU kernel derives from them once and keeps with the
-// weight: the 4-bit codes interleaved 8 rows at a time (cpu::Q4Panels), which AVX2 decode reads
+// weight: the 4-bit codes interleaved 8 rows at a time (cpu::CodePanels), which AVX2 decode reads
 // in both modes and int8-activation prefill too. Made at load (PrepareCpuWeight) or else on
 // first use. A copy of the weight starts without it, so that no layout outlives the codes it
 // was made from (ShareFrom aside).
@@ -40,21 +40,21 @@ class DerivedCpuLayout {
   // The layout, made by `build` (returning a shared_ptr, or null where the weight has none) on
   // the first call only; callers at the same time wait for it.
   template <typename Build>
-  const cpu::Q4Panels* Q4Panels(Build build) const {
-    std::call_once(once_, [&] { q4_panels_ = build(); });
-    return q4_panels_.get();
+  const cpu::CodePanels* Panels(Build build) const {
+    std::call_once(once_, [&] { panels_ = build(); });
+    return panels_.get();
   }
   // Whether it has been made (tests; not synchronized with a concurrent first use).
-  bool made() const { return q4_panels_ != nullptr; }
+  bool made() const { return panels_ != nullptr; }
   // This weight's layout is `other`'s (made from the same codes): for a copy that replaces the
   // weight it was made from.
   void ShareFrom(const DerivedCpuLayout& other) {
-    std::call_once(once_, [&] { q4_panels_ = other.q4_panels_; });
+    std::call_once(once_, [&] { panels_ = other.panels_; });
   }
 
  private:
   mutable std::once_flag once_;
-  mutable std::shared_ptr<const cpu::Q4Panels> q4_panels_;
+  mutable std::shared_ptr<const cpu::CodePanels> panels_;
 };
 
 struct QuantizedWeight {

@@ -19,7 +19,7 @@
 // would multiply by), over the stored columns, against x gathered into the stored order; on
 // AVX2, decode of 8- and 4-bit codes whose runs are whole 32-column blocks takes each block's
 // scale and zero out of its sum instead (the same up to rounding): 8-bit codes row by row
-// (linear_factored_avx2.cc), 4-bit ones from their 8-row panels (linear_q4_panels_exact.cc).
+// (linear_factored_avx2.cc), 4-bit ones from their 8-row panels (linear_panels.cc).
 // With int8 activations on (SetInt8Activations, opt-in), 8- and 4-bit codes take the integer
 // kernels instead on both paths: linear_q8_int8x.cc and linear_int8_gemm.cc, and for 4-bit
 // codes linear_q4_panels.cc (decode on every CPU, prefill without VNNI).
@@ -105,8 +105,11 @@ bool UseVnni() {
 // VNNI where the AVX-512 kernels run, else AVX2, on the same weights (the rounding, and so the
 // result up to f32 summation order, does not depend on which).
 enum class Int8Path { kNone, kVnni, kAvx2 };
+// 8-bit codes kept only in the panels (PrepareCpuWeight, with the mode off) stay exact: their
+// int8 kernels read rows.
 Int8Path Int8PathFor(const QuantizedWeight* q) {
   if (!g_int8_activations.load(std::memory_order_relaxed)) return Int8Path::kNone;
+  if (q != nullptr && q->bits == 8 && q->codes_only_in_panels) return Int8Path::kNone;
   if (UseAvx512(q) && UseVnni()) return Int8Path::kVnni;
   return UseAvx2() && WholeBlockRuns(q) ? Int8Path::kAvx2 : Int8Path::kNone;
 }
@@ -114,7 +117,7 @@ Int8Path Int8PathFor(const QuantizedWeight* q) {
 // 4-bit codes against int8-rounded x with AVX2 code, at any T (linear_q4_panels.cc). False
 // (nothing written: the exact path runs) when x has a NaN or inf.
 bool Q4PanelsInt8(const SmallArgs& a) {
-  const Q4Panels* panels = Q4PanelsOf(*a.q);
+  const CodePanels* panels = CodePanelsOf(*a.q);
   thread_local Int8Blocks x;
   if (panels == nullptr || !x.Prepare(a.x, a.t, a.k)) return false;
   Q4PanelsLinear(a, x, *panels);
@@ -406,7 +409,7 @@ void SmallT(const SmallArgs& args) {
     // instruction as two), with the per-lane scaling the panels do without.
     if (int8 != Int8Path::kNone && Q4PanelsInt8(args)) return;
     if (!avx512 && avx2) {
-      if (const Q4Panels* panels = Q4PanelsOf(*args.q)) return Q4PanelsExactLinear(args, *panels);
+      if (const CodePanels* panels = CodePanelsOf(*args.q)) return PanelsExactLinear(args, *panels);
     }
   } else if constexpr (W == WFmt::kQ8) {
     thread_local Int8X8 int8x;
@@ -419,6 +422,11 @@ void SmallT(const SmallArgs& args) {
                      std::min(args.n, e * kTileRows));
       });
       return;
+    }
+    // Exact: the panels, unless the int8 kernels (which read rows) fell back here; then the
+    // row kernels below, rather than a second copy of the codes made for the odd call.
+    if (!avx512 && avx2 && int8 == Int8Path::kNone) {
+      if (const CodePanels* panels = CodePanelsOf(*args.q)) return PanelsExactLinear(args, *panels);
     }
   }
   SmallArgs a = args;
@@ -473,8 +481,8 @@ TGIS_AVX2 void ConvertRowAvx2(const WRow& src, int64_t n, float* dst) {
 // Rows [r0, r0 + rows) of the weight as f32 into dst [rows, K].
 template <WFmt W>
 void ConvertRows(const SmallArgs& a, int64_t r0, int64_t rows, float* dst, bool avx2) {
-  if constexpr (W == WFmt::kQ4) {
-    if (a.q->codes_only_in_panels) return Q4PanelRowsF32(*Q4PanelsOf(*a.q), r0, rows, dst);
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
+    if (a.q->codes_only_in_panels) return PanelRowsF32(*CodePanelsOf(*a.q), r0, rows, dst);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const WRow src = RowOf<W>(a, r0 + r);
@@ -559,16 +567,18 @@ bool Int8ActivationsAvailable() { return CpuHasAvx2(); }
 
 void SetInt8Activations(bool on) { g_int8_activations.store(on); }
 
-size_t DerivedLayoutBytes() { return Q4PanelBytes(); }
+size_t DerivedLayoutBytes() { return PanelBytes(); }
 
 bool PrepareQuantized(const QuantizedWeight& q) {
-  if (q.bits != 4 || q.fp8) return false;
-  // On AVX2 without AVX-512 the panels serve every 4-bit path: decode in both modes, prefill
-  // with int8 activations, and exact prefill's f32 rows (Q4PanelRowsF32). With AVX-512 they
-  // serve int8-activation decode only.
-  const bool everywhere = UseAvx2() && !UseAvx512(&q);
-  if (!everywhere && Int8PathFor(&q) == Int8Path::kNone) return false;
-  return Q4PanelsOf(q) != nullptr && everywhere;
+  if ((q.bits != 4 && q.bits != 8) || q.fp8) return false;
+  const bool avx2_only = UseAvx2() && !UseAvx512(&q);
+  const bool int8 = Int8PathFor(&q) != Int8Path::kNone;
+  // On AVX2 without AVX-512 the panels serve every path of 4-bit codes (decode in both modes,
+  // prefill with int8 activations, and exact prefill's f32 rows: PanelRowsF32), and of 8-bit
+  // ones in the exact mode (with int8 activations their kernels read rows, and no panels are
+  // made). With AVX-512 they serve 4-bit int8-activation decode only, beside the rows.
+  if (q.bits == 8 ? !avx2_only || int8 : !avx2_only && !int8) return false;
+  return CodePanelsOf(q) != nullptr && avx2_only;
 }
 
 bool UseAvx2Kernels() { return UseAvx2(); }

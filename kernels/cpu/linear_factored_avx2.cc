@@ -1,6 +1,6 @@
 // Linear's exact streaming kernel for 8-bit codes on AVX2 (decode, T <= kSmallT), for weights
 // whose runs are whole 32-column blocks (the usual group sizes and per-row scales). (4-bit codes
-// take the 8-row panels: linear_q4_panels_exact.cc.)
+// take the 8-row panels: linear_panels.cc.)
 //
 // Per row, block and token, the scale and zero are taken out of the block's sum:
 //   sum_k x[k] * (code[k] - zero) * scale  =  scale * (sum_k x[k] * code[k] - zero * sum_k x[k])

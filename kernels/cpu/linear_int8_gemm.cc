@@ -235,7 +235,7 @@ TGIS_VNNI void Tile(const SmallArgs& a, const Int8Blocks& x, const Panel<kPanel>
   }
 }
 
-// AVX2, 8-bit codes (4-bit ones take Q4Panels): out[t0 .. t0 + TT) of the panel's 8 rows, as
+// AVX2, 8-bit codes (4-bit ones take the panels): out[t0 .. t0 + TT) of the panel's 8 rows, as
 // linear_q8_int8x.cc's AVX2 kernel, (code - 128) against x's codes, vpmaddwd after every step,
 // and 128 * sum(xq) added back in f32 (exact).
 template <int TT>
@@ -325,8 +325,8 @@ bool LargeInt8Gemm(const SmallArgs& a, bool vnni) {
   thread_local Int8Blocks x;
   if (!x.Prepare(a.x, a.t, a.k)) return false;
   if constexpr (W == WFmt::kQ4) {
-    // On AVX2, 4-bit codes take Q4Panels (linear_q4_panels.cc) at every T.
-    TGIS_CHECK(vnni, "LargeInt8Gemm: 4-bit codes on AVX2 take Q4PanelsLinear");
+    // On AVX2, 4-bit codes take the panels (linear_q4_panels.cc) at every T.
+    TGIS_CHECK(vnni, "LargeInt8Gemm: 4-bit codes on AVX2 take the panelsLinear");
     Gemm<W, true>(a, x);
   } else {
     vnni ? Gemm<W, true>(a, x) : Gemm<W, false>(a, x);

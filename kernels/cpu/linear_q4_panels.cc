@@ -1,10 +1,10 @@
 // Linear for 4-bit codes with x rounded to int8 (SetInt8Activations; the shard's
 // --cpu-int8-activations) in AVX2 code, on every CPU for decode and without VNNI for prefill: the
-// codes interleaved 8 rows at a time (Q4Panels, made once per weight), so that decode streams them
-// as llama.cpp's repacked Q4_0 streams its blocks. Per 32-column block and token: 8 vpmaddubsw (4
-// columns of 8 rows each, against a broadcast dword of x's codes; pair sums at most 2 * 15 * 127)
-// summed in int16 (at most 30480), one vpmaddwd into int32, then (I - zero * sum(xq)) exactly in
-// f32 (below 2^24), times the weight's and x's scales, added into the row's f32 lane in block
+// codes interleaved 8 rows at a time (CodePanels, made once per weight), so that decode streams
+// them as llama.cpp's repacked Q4_0 streams its blocks. Per 32-column block and token: 8 vpmaddubsw
+// (4 columns of 8 rows each, against a broadcast dword of x's codes; pair sums at most 2 * 15 *
+// 127) summed in int16 (at most 30480), one vpmaddwd into int32, then (I - zero * sum(xq)) exactly
+// in f32 (below 2^24), times the weight's and x's scales, added into the row's f32 lane in block
 // order: the steps of LargeInt8Gemm's AVX2 kernel, so decode and prefill give a row the same bits.
 //
 // Measured on AMD EPYC Zen 3, 2 threads (kernels_bench --quick --t=1 --int8-activations
@@ -12,11 +12,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
-#include <memory>
 
-#include "kernels/check.h"
 #include "kernels/cpu/intrinsics_warnings.h"
 #include "kernels/cpu/linear_stream.h"
 #include "kernels/cpu/thread_pool.h"
@@ -28,67 +25,6 @@ namespace {
 constexpr int64_t kBlock = 32;        // columns per x scale and per weight run
 constexpr int kRows = 8;              // rows per panel: one ymm of int32 or f32 lanes
 constexpr int64_t kBlockBytes = 128;  // a panel's codes per block: 8 rows x 16 bytes
-
-std::atomic<size_t> g_panel_bytes{0};  // held by every weight's panels, for the start-up log
-
-size_t BytesOf(const Q4Panels& p) {
-  return p.codes.size() + p.block_run.size() * 4 + p.scale_h.size() * 2 + p.zero_b.size() +
-         (p.scale.size() + p.zero.size()) * 4;
-}
-
-std::shared_ptr<const Q4Panels> Build(const QuantizedWeight& q) {
-  TGIS_CHECK(!q.codes_only_in_panels,
-             "a copy of a weight whose codes were kept only in its panels has neither");
-  if (q.bits != 4 || q.codes.device() != Device::kCpu || !CpuHasAvx2() || !WholeBlockRuns(&q)) {
-    return nullptr;
-  }
-  // Counted while they live.
-  std::shared_ptr<Q4Panels> p(new Q4Panels, [](Q4Panels* gone) {
-    g_panel_bytes -= BytesOf(*gone);
-    delete gone;
-  });
-  p->blocks = q.stored_in / kBlock;
-  p->runs = q.runs();
-  p->panels = (q.out + kRows - 1) / kRows;
-  p->codes.assign(p->panels * p->blocks * kBlockBytes, 0);
-  const int32_t* block_run = q.block_run.data<int32_t>();
-  for (int64_t b = 0; b < p->blocks; ++b) p->block_run.push_back(block_run[b * kBlock / 8]);
-  const int64_t constants = p->panels * p->runs * kRows;
-  if (q.compact()) {
-    p->scale_h.assign(constants, 0);
-    p->zero_b.assign(constants, 0);
-  } else {
-    p->scale.assign(constants, 0.f);
-    p->zero.assign(constants, 0.f);
-  }
-  const uint8_t* codes = static_cast<const uint8_t*>(q.codes.raw());
-  const int64_t row_bytes = q.code_bytes_per_row();
-  ParallelFor(p->panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel) {
-      for (int r = 0; r < kRows && panel * kRows + r < q.out; ++r) {
-        const int64_t n = panel * kRows + r;
-        const uint8_t* src = codes + n * row_bytes;
-        uint8_t* dst = &p->codes[panel * p->blocks * kBlockBytes + 4 * r];
-        for (int64_t b = 0; b < p->blocks; ++b) {
-          for (int j = 0; j < 4; ++j)
-            std::memcpy(dst + b * kBlockBytes + 32 * j, src + 16 * b + 4 * j, 4);
-        }
-        for (int64_t run = 0; run < p->runs; ++run) {
-          const int64_t at = (panel * p->runs + run) * kRows + r;
-          if (q.compact()) {
-            p->scale_h[at] = q.scales.data<uint16_t>()[n * p->runs + run];
-            p->zero_b[at] = q.zeros.data<uint8_t>()[n * p->runs + run];
-          } else {
-            p->scale[at] = q.scales.data<float>()[n * p->runs + run];
-            p->zero[at] = q.zeros.data<float>()[n * p->runs + run];
-          }
-        }
-      }
-    }
-  });
-  g_panel_bytes += BytesOf(*p);
-  return p;
-}
 
 // x's codes as the kernel broadcasts them: per token and block, the 16 even columns' codes,
 // then the 16 odd ones' (the order of the panels' low and high nibbles).
@@ -107,7 +43,7 @@ TGIS_AVX2 void SplitEvenOdd(const Int8Blocks& x, int64_t count, std::vector<int8
 
 // Tokens [t0, t0 + TT) against one panel's 8 rows.
 template <int TT, bool kCompact>
-TGIS_AVX2 void Tile(const SmallArgs& a, const Int8Blocks& x, const int8_t* xs, const Q4Panels& p,
+TGIS_AVX2 void Tile(const SmallArgs& a, const Int8Blocks& x, const int8_t* xs, const CodePanels& p,
                     int64_t panel, int64_t t0) {
   const int64_t blocks = p.blocks;
   const uint8_t* w = &p.codes[panel * blocks * kBlockBytes];
@@ -157,7 +93,7 @@ TGIS_AVX2 void Tile(const SmallArgs& a, const Int8Blocks& x, const int8_t* xs, c
 }
 
 template <bool kCompact>
-void Panels(const SmallArgs& a, const Int8Blocks& x, const int8_t* xs, const Q4Panels& p) {
+void Panels(const SmallArgs& a, const Int8Blocks& x, const int8_t* xs, const CodePanels& p) {
   // About 64 KB of codes per parallel chunk in decode; single panels when every one is a
   // GEMM's worth of work.
   const int64_t panel_bytes = p.blocks * kBlockBytes;
@@ -178,13 +114,7 @@ void Panels(const SmallArgs& a, const Int8Blocks& x, const int8_t* xs, const Q4P
 
 }  // namespace
 
-size_t Q4PanelBytes() { return g_panel_bytes.load(); }
-
-const Q4Panels* Q4PanelsOf(const QuantizedWeight& q) {
-  return q.cpu_layout.Q4Panels([&] { return Build(q); });
-}
-
-void Q4PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const Q4Panels& p) {
+void Q4PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const CodePanels& p) {
   thread_local std::vector<int8_t> xs;
   SplitEvenOdd(x, a.t * p.blocks, &xs);
   const int8_t* split = xs.data();  // workers read the calling thread's copy

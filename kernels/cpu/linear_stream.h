@@ -143,7 +143,7 @@ void SmallVnni(const SmallArgs& a, const FixedPointX& fx, int64_t n0, int64_t n1
 //
 // The 8-bit kernels and the prefill GEMM come in two builds of one layout: AVX-512 VNNI
 // (vpdpbusd: 4 products summed per int32 lane in one instruction) and AVX2 (vpmaddubsw, then
-// vpmaddwd into int32 lanes); 4-bit decode is AVX2 code everywhere (Q4Panels). All sum every
+// vpmaddwd into int32 lanes); 4-bit decode is AVX2 code everywhere (CodePanels). All sum every
 // 32-column block exactly in integers and differ only in the f32 order their lanes are added in.
 struct Int8Blocks {
   std::vector<int8_t> q;          // [t, k]
@@ -195,40 +195,45 @@ struct FactoredX {
 };
 void SmallFactoredAvx2(const SmallArgs& a, const FactoredX& fx, int64_t n0, int64_t n1);
 
-// 4-bit codes as the AVX2 kernels read them: exact decode (linear_q4_panels_exact.cc) and the
-// int8-activation kernel at every T (linear_q4_panels.cc), and where PrepareCpuWeight kept the
-// codes only here, exact prefill's f32 rows too. llama.cpp's Q4_0 "8x8" interleave, for our runs.
-// Rows are taken 8 at a time (a panel; rows past N are zero codes with zero constants); per panel
-// and 32-column block, 4 vectors of 32 bytes, vector j's dword lane r holding row r's code bytes
-// [4j, 4j + 4) of the block (columns 8j to 8j + 7, even ones in the low nibbles), so that one
-// vpmaddubsw against a broadcast dword of x multiplies 4 columns of all 8 rows at once and a
-// block's integer sums end in one lane per row: the weight's per-run constants then apply to 8 rows
-// in one vector, where the row-at-a-time kernel spread each row over lanes and widened its
-// constants per lane.
-struct Q4Panels {
+// 8- and 4-bit codes as the AVX2 kernels read them (linear_panels.cc): exact decode, and where
+// PrepareCpuWeight kept the codes only here, exact prefill's f32 rows; for 4-bit codes also the
+// int8-activation kernel at every T (linear_q4_panels.cc). llama.cpp's Q4_0 "8x8" interleave,
+// for our runs and for 8-bit codes too. Rows are taken 8 at a time (a panel; rows past N are
+// zero codes with zero constants); per panel and 32-column block, vectors of 32 bytes (4 for
+// 4-bit codes, 8 for 8-bit), vector j's dword lane r holding row r's code bytes [4j, 4j + 4) of
+// the block: 4-bit, columns 8j to 8j + 7 (even ones in the low nibbles); 8-bit, columns 4j to
+// 4j + 3. So one instruction reaches a column (or 4, vpmaddubsw against a broadcast dword of
+// x) of all 8 rows at once and a block's sums end in one lane per row: the weight's per-run
+// constants then apply to 8 rows in one vector, where the row-at-a-time kernels spread each row
+// over lanes and widened its constants per lane.
+struct CodePanels {
+  int bits = 4;
   int64_t panels = 0, blocks = 0, runs = 0;
-  std::vector<uint8_t> codes;      // [panels, blocks, 4, 8, 4]
+  std::vector<uint8_t> codes;      // [panels, blocks, 32 * bits / 8 / 4 vectors, 8, 4]
   std::vector<int32_t> block_run;  // [blocks]: each block's run (WholeBlockRuns)
   std::vector<uint16_t> scale_h;   // compact weights: [panels, runs, 8] f16 scales
   std::vector<uint8_t> zero_b;     //   and byte zeros
   std::vector<float> scale, zero;  // others: [panels, runs, 8] f32
   bool compact() const { return !scale_h.empty(); }
+  int64_t block_bytes() const { return 32 * bits; }  // 8 rows x 32 columns
 };
-// The weight's panels (made on the first call, kept with it), or null where the kernel does not
-// take it: codes other than 4-bit, runs not whole 32-column blocks, a CPU without AVX2.
-const Q4Panels* Q4PanelsOf(const QuantizedWeight& q);
+// The weight's panels (made on the first call, kept with it), or null where no kernel takes
+// them: codes other than 8- and 4-bit integers, runs not whole 32-column blocks, a CPU without
+// AVX2.
+const CodePanels* CodePanelsOf(const QuantizedWeight& q);
 // Bytes held by all weights' panels now.
-size_t Q4PanelBytes();
-// out = x @ w^T (+ bias) for any T, x as Int8Blocks rounds it, on the thread pool. Its row
-// results equal LargeInt8Gemm's AVX2 ones bit for bit: the same integer sums and f32 steps.
-void Q4PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const Q4Panels& p);
-// out = x @ w^T (+ bias) for T <= kSmallT with x in f32 (linear_q4_panels_exact.cc): the exact
-// decode of 4-bit codes on AVX2, on the thread pool.
-void Q4PanelsExactLinear(const SmallArgs& a, const Q4Panels& p);
+size_t PanelBytes();
+// out = x @ w^T (+ bias) for any T, x as Int8Blocks rounds it, on the thread pool; 4-bit
+// panels. Its row results equal LargeInt8Gemm's AVX2 ones bit for bit: the same integer sums
+// and f32 steps.
+void Q4PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const CodePanels& p);
+// out = x @ w^T (+ bias) for T <= kSmallT with x in f32: the exact decode of 8- and 4-bit codes
+// on AVX2, on the thread pool.
+void PanelsExactLinear(const SmallArgs& a, const CodePanels& p);
 // Rows [n0, n0 + rows) of the weight as f32 [rows, k] (its stored columns) into dst, from the
 // panels: (code - zero) * scale, rounded once, as Dequantize and the row kernels compute them.
 // For exact prefill of weights whose codes are kept only in the panels.
-void Q4PanelRowsF32(const Q4Panels& p, int64_t n0, int64_t rows, float* dst);
+void PanelRowsF32(const CodePanels& p, int64_t n0, int64_t rows, float* dst);
 
 // Integer adds through asm: GCC 12 reassociates fully unrolled integer sums into trees and
 // spills every product to the stack (2-3x slower); these keep each token's sum one chain.

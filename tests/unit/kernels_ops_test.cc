@@ -452,7 +452,7 @@ TEST_P(OpsTest, Fp8LinearEqualsLinearOnTheDequantizedWeight) {
 // as Linear on the dequantized weight (the decode path, T <= 16). The AVX-512 kernel applies
 // 4-bit codes in its own column order (even columns of each 32, then odd), so there 8-bit only;
 // the AVX2 kernels take each 32-column block's scale and zero out of its sum
-// (linear_factored_avx2.cc, linear_q4_panels_exact.cc) where runs are whole blocks, so there
+// (linear_factored_avx2.cc, linear_panels.cc) where runs are whole blocks, so there
 // groups of 16 (which are not),
 // the rest being checked within rounding by QuantizedLinearEqualsLinearOnTheDequantizedWeight.
 TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {
@@ -1656,7 +1656,7 @@ TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
               ASSERT_EQ(part[i], got[skip * out_f + i]) << "rows 1.. alone and inside T, at " << i;
             }
             if (isa == cpu::Isa::kAvx2 && bits == 4) {
-              // One kernel at every T (Q4Panels): two rows alone, decode-sized, give the bits
+              // One kernel at every T (CodePanels): two rows alone, decode-sized, give the bits
               // they have inside a T of 3 (token tiles of 2 and 1) or of 40 (the prefill).
               Tensor two;
               ASSERT_TRUE(SetCpuInt8Activations(true));
@@ -1687,10 +1687,11 @@ TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
   EXPECT_GT(isas_run, 0);
 }
 
-// The 8-row panel layout of 4-bit codes is made at load when a kernel will read it (exact
-// decode on AVX2, or the int8-activation mode), so that the shard sizes its KV cache from the
-// memory left after it; never for 8-bit codes. Where every path reads the panels (AVX2 without
-// AVX-512), the prepared weight keeps its codes only there and the row-major copy goes.
+// The 8-row panel layout is made at load when a kernel will read it (exact decode on AVX2; for
+// 4-bit codes also the int8-activation mode), so that the shard sizes its KV cache from the
+// memory left after it. Where every path reads the panels (AVX2 without AVX-512; for 8-bit
+// codes, with the mode off), the prepared weight keeps its codes only there and the row-major
+// copy goes.
 TEST(CpuPanels, PrepareCpuWeightMakesThePanelsAtLoad) {
   if (!cpu::IsaAvailable(cpu::Isa::kAvx2)) GTEST_SKIP() << "no AVX2 on this CPU";
   const int64_t out_f = 16, in = 64;
@@ -1718,6 +1719,9 @@ TEST(CpuPanels, PrepareCpuWeightMakesThePanelsAtLoad) {
       EXPECT_FALSE(held.quantized()->codes_only_in_panels) << "the other holder keeps its rows";
       EXPECT_EQ(CpuReleasedCodeBytes(), released + (avx2 ? out_f * in / 2 : 0)) << what;
       EXPECT_EQ(w4.quantized()->codes.nbytes(), avx2 ? 0u : out_f * in / 2u) << what;
+      Tensor w8_exact = weight(8);
+      PrepareCpuWeight(&w8_exact);
+      EXPECT_EQ(w8_exact.quantized()->codes_only_in_panels, avx2) << what << ", 8-bit";
 
       Tensor w4_int8 = weight(4), w8 = weight(8);
       ASSERT_TRUE(SetCpuInt8Activations(true));
@@ -1740,21 +1744,29 @@ TEST(CpuPanels, PrepareCpuWeightMakesThePanelsAtLoad) {
 
 // A weight whose codes PrepareCpuWeight kept only in the panels gives the bits the weight with
 // its rows gives, on every path: decode and prefill (T > 16: f32 rows made from the panels,
-// also where a thread's range of rows cuts a panel), exact and with int8 activations (and
-// their fallback to the exact path when x has a NaN).
+// also where a thread's range of rows cuts a panel), exact and, 4-bit, with int8 activations
+// (and their fallback to the exact path when x has a NaN).
 TEST(CpuPanels, WeightKeptOnlyInThePanelsGivesTheSameBits) {
   if (!cpu::IsaAvailable(cpu::Isa::kAvx2)) GTEST_SKIP() << "no AVX2 on this CPU";
   cpu::SetIsaForTesting(cpu::Isa::kAvx2);
   const int64_t out_f = 45, in = 1024;
   uint32_t seed = 70;
-  for (const int64_t group : {int64_t{32}, int64_t{128}}) {
-    for (const bool f16_scales : {false, true}) {
+  struct Case {
+    int bits;
+    int64_t group;
+    bool f16_scales;
+  };
+  for (const auto& [bits, group, f16_scales] :
+       {Case{4, 32, false}, Case{4, 32, true}, Case{4, 128, true}, Case{8, 128, false},
+        Case{8, in, false}}) {
+    {
       const Tensor rows = Tensor::Quantized(std::make_shared<const QuantizedWeight>(
-          RandomQuant(4, out_f, in, group, false, ++seed, f16_scales).Build()));
+          RandomQuant(bits, out_f, in, group, false, ++seed, f16_scales).Build()));
       Tensor panels = rows;
       PrepareCpuWeight(&panels);
       ASSERT_TRUE(panels.quantized()->codes_only_in_panels);
       for (const bool int8 : {false, true}) {
+        if (int8 && bits == 8) continue;  // 8-bit codes are prepared so with the mode off
         ASSERT_TRUE(SetCpuInt8Activations(int8));
         for (const int64_t t : {1, 3, 16, 17, 40}) {
           std::vector<float> xs = Random(t * in, ++seed);
@@ -1763,8 +1775,9 @@ TEST(CpuPanels, WeightKeptOnlyInThePanelsGivesTheSameBits) {
           Tensor want, got;
           Linear(x, rows, nullptr, &want);
           Linear(x, panels, nullptr, &got);
-          const std::string what = "group " + std::to_string(group) + (f16_scales ? " f16" : "") +
-                                   (int8 ? " int8" : " exact") + " T=" + std::to_string(t);
+          const std::string what = std::to_string(bits) + "-bit group " + std::to_string(group) +
+                                   (f16_scales ? " f16" : "") + (int8 ? " int8" : " exact") +
+                                   " T=" + std::to_string(t);
           for (int64_t i = 0; i < t * out_f; ++i) {
             const float a = want.data<float>()[i], b = got.data<float>()[i];
             ASSERT_TRUE(std::isnan(a) ? std::isnan(b) : a == b) << what << " at " << i;
