@@ -17,9 +17,9 @@
 // Quantized weights (kernels/quantized.h) take both paths too: their codes are dequantized
 // where bf16 would be converted ((code - zero) * scale, exactly the f32 weight transformers
 // would multiply by), over the stored columns, against x gathered into the stored order; on
-// AVX2, decode of 8- and 4-bit codes whose runs are whole 32-column blocks takes each block's
-// scale and zero out of its sum instead (the same up to rounding): 8-bit codes row by row
-// (linear_factored_avx2.cc), 4-bit ones from their 8-row panels (linear_panels.cc).
+// AVX2, decode of 8- and 4-bit codes whose runs are whole 32-column blocks reads them
+// interleaved 8 rows at a time and takes each block's scale and zero out of its sum instead
+// (linear_panels.cc: the same up to rounding).
 // With int8 activations on (SetInt8Activations, opt-in), 8- and 4-bit codes take the integer
 // kernels instead on both paths: linear_q8_int8x.cc and linear_int8_gemm.cc, and for 4-bit
 // codes linear_q4_panels.cc (decode on every CPU, prefill without VNNI).
@@ -423,8 +423,9 @@ void SmallT(const SmallArgs& args) {
       });
       return;
     }
-    // Exact: the panels, unless the int8 kernels (which read rows) fell back here; then the
-    // row kernels below, rather than a second copy of the codes made for the odd call.
+    // Exact: the panels, unless the int8 kernels (which read rows) fell back here (x with a NaN
+    // or inf, or a width not a multiple of 64); then the dequantizing row kernels below, rather
+    // than a second copy of the codes made for the odd call.
     if (!avx512 && avx2 && int8 == Int8Path::kNone) {
       if (const CodePanels* panels = CodePanelsOf(*args.q)) return PanelsExactLinear(args, *panels);
     }
@@ -435,17 +436,6 @@ void SmallT(const SmallArgs& args) {
     ordered.resize(a.t * a.k);
     Avx512Q4OrderX(a.x, a.t, a.k, ordered.data());
     a.x = ordered.data();
-  }
-  if constexpr (W == WFmt::kQ8) {
-    if (!avx512 && avx2 && WholeBlockRuns(a.q)) {
-      thread_local FactoredX factored;
-      factored.Prepare(a.x, a.t, a.k);
-      const FactoredX* fx = &factored;  // workers read the calling thread's copy
-      ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
-        SmallFactoredAvx2(a, *fx, b * kTileRows, std::min(a.n, e * kTileRows));
-      });
-      return;
-    }
   }
   thread_local FixedPointX fixed;
   // 8-bit codes only: 4-bit codes are faster through the AVX-512 kernel's permute table

@@ -8,9 +8,10 @@
 // (the dword's top one: shifting it down) and converting the dword to f32 gives code *
 // 2^(bits * k) exactly, for 8 rows at once; x's column was multiplied by 2^(-bits * k) once per
 // call (exact: a power of two), so one FMA applies 8 rows' codes to it. Per 8 weights that is
-// a mask, a convert and an FMA, where the row-at-a-time kernel (linear_factored_avx2.cc) also
-// scaled every block of every row apart and summed each row across lanes. The block's scale and
-// zero come out of its sum as there:
+// a mask, a convert and an FMA, where the row-at-a-time kernel this replaced widened each code
+// apart (4-bit: 13 of its ~27 instructions per row and block) and scaled every block of every
+// row apart, and was compute-bound at 20-55% of DRAM bandwidth. The block's scale and zero come
+// out of its sum:
 //   sum_k x[k] * (code[k] - zero) * scale  =  scale * (sum_k x[k] * code[k] - zero * sum_k x[k])
 // with 8 rows' constants in one vector. Each block's products go into four chains (the
 // columns k % 4), added (0 + 1) + (2 + 3), then scaled into the row's lane in block order: the
@@ -18,8 +19,11 @@
 // batch, any number of threads), and differs from transformers' dequantize-then-matmul by
 // rounding only.
 //
-// Measured on AMD EPYC Zen 3, 2 threads (kernels_bench --quick --t=1 gptq4g32, against the
-// row-at-a-time kernel): in cache 10.3-10.5 -> 24.8-25.3 GB/s, from DRAM 9.1-10.0 -> 17.9-22.4.
+// Measured on AMD EPYC Zen 3, 2 threads, against the row-at-a-time kernel (kernels_bench
+// --quick [--hot] --t=1): gptq4g32 in cache 10.3-10.5 -> 24.8-25.3 GB/s, from DRAM 9.1-10.0 ->
+// 17.9-22.4; int8 (per-row scales) in cache 25.0 -> 43.4, from DRAM 14.7-19.7 -> 24.9-30.9
+// (77-95% of the probe). engine_bench on the cpu_bench TinyLlama shape, decode: GPTQ 4-bit g32
+// 14.6 -> 27.0 tok/s, --quantize bitsandbytes 15.2-15.8 -> 24.5-27.0.
 #include <immintrin.h>
 
 #include <algorithm>

@@ -183,18 +183,6 @@ struct Int8X8 {
 };
 void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, bool vnni, int64_t n0, int64_t n1);
 
-// The exact AVX2 streaming kernel for 8-bit codes on weights WholeBlockRuns
-// (linear_factored_avx2.cc): each block's sum of code * x, less zero times x's sum, times the
-// scale. x as it reads it: f32, and per token, block and dword lane the sum of the lane's four
-// x values (columns l, l + 8, l + 16, l + 24 of the block).
-struct FactoredX {
-  std::vector<float> x;         // [t, k]
-  std::vector<float> lane_sum;  // [t, k / 32, 8]
-  // k a multiple of 32.
-  TGIS_AVX2 void Prepare(const float* x, int64_t t, int64_t k);
-};
-void SmallFactoredAvx2(const SmallArgs& a, const FactoredX& fx, int64_t n0, int64_t n1);
-
 // 8- and 4-bit codes as the AVX2 kernels read them (linear_panels.cc): exact decode, and where
 // PrepareCpuWeight kept the codes only here, exact prefill's f32 rows; for 4-bit codes also the
 // int8-activation kernel at every T (linear_q4_panels.cc). llama.cpp's Q4_0 "8x8" interleave,

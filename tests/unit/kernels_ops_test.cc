@@ -451,10 +451,9 @@ TEST_P(OpsTest, Fp8LinearEqualsLinearOnTheDequantizedWeight) {
 // Without act-order or padding the quantized path sums like the dense f32 one: the same bits
 // as Linear on the dequantized weight (the decode path, T <= 16). The AVX-512 kernel applies
 // 4-bit codes in its own column order (even columns of each 32, then odd), so there 8-bit only;
-// the AVX2 kernels take each 32-column block's scale and zero out of its sum
-// (linear_factored_avx2.cc, linear_panels.cc) where runs are whole blocks, so there
-// groups of 16 (which are not),
-// the rest being checked within rounding by QuantizedLinearEqualsLinearOnTheDequantizedWeight.
+// the AVX2 kernels take each 32-column block's scale and zero out of its sum (linear_panels.cc)
+// where runs are whole blocks, so there groups of 16 (which are not), the rest being checked
+// within rounding by QuantizedLinearEqualsLinearOnTheDequantizedWeight.
 TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {
   if (device() != Device::kCpu || dtype() != DType::kF32) GTEST_SKIP() << "CPU property";
   for (const auto& [isa, isa_name] : Isas()) {
