@@ -326,7 +326,7 @@ bool LargeInt8Gemm(const SmallArgs& a, bool vnni) {
   if (!x.Prepare(a.x, a.t, a.k)) return false;
   if constexpr (W == WFmt::kQ4) {
     // On AVX2, 4-bit codes take the panels (linear_q4_panels.cc) at every T.
-    TGIS_CHECK(vnni, "LargeInt8Gemm: 4-bit codes on AVX2 take the panelsLinear");
+    TGIS_CHECK(vnni, "LargeInt8Gemm: 4-bit codes on AVX2 take Q4PanelsLinear");
     Gemm<W, true>(a, x);
   } else {
     vnni ? Gemm<W, true>(a, x) : Gemm<W, false>(a, x);
