@@ -44,7 +44,7 @@ bool SetCpuInt8Activations(bool on);
 // activations) are final.
 void PrepareCpuWeight(Tensor* w);
 // Bytes the CPU kernels' derived layouts hold now, and those of the row-major codes that
-// PrepareCpuWeight let go, for the start-up log.
+// PrepareCpuWeight has let go so far, for the start-up log.
 size_t CpuDerivedLayoutBytes();
 size_t CpuReleasedCodeBytes();
 

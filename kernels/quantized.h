@@ -27,10 +27,10 @@ struct CodePanels;  // kernels/cpu/linear_stream.h
 }
 
 // A layout of a weight's codes that a CPU kernel derives from them once and keeps with the
-// weight: the 4-bit codes interleaved 8 rows at a time (cpu::CodePanels), which AVX2 decode reads
-// in both modes and int8-activation prefill too. Made at load (PrepareCpuWeight) or else on
-// first use. A copy of the weight starts without it, so that no layout outlives the codes it
-// was made from (ShareFrom aside).
+// weight: 8- and 4-bit codes interleaved 8 rows at a time (cpu::CodePanels), which exact decode
+// on AVX2 reads, and for 4-bit codes the int8-activation kernels too. Made at load
+// (PrepareCpuWeight) or else on first use. A copy of the weight starts without it, so that no
+// layout outlives the codes it was made from (ShareFrom aside).
 class DerivedCpuLayout {
  public:
   DerivedCpuLayout() = default;

@@ -387,7 +387,7 @@ TGIS_AVX2 void SmallAvx2(const SmallArgs& a, int64_t n0, int64_t n1) {
 // read them.
 void CheckCodesReadable(const QuantizedWeight* q, bool panels_path) {
   TGIS_CHECK(q == nullptr || !q->codes_only_in_panels || panels_path,
-             "Linear: the weight's 4-bit codes are kept only in the AVX2 panels "
+             "Linear: the weight's codes are kept only in the AVX2 panels "
              "(PrepareCpuWeight), which the %s path does not read",
              ActiveIsaName());
 }
