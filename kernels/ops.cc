@@ -27,9 +27,12 @@ void PrepareCpuWeight(Tensor* w) {
   if (!cpu::PrepareQuantized(*q)) return;
   auto kept = std::make_shared<QuantizedWeight>(*q);
   kept->cpu_layout.ShareFrom(q->cpu_layout);
+  // The panels hold the run constants too.
   kept->codes = Tensor::Zeros({q->out, 0}, DType::kI8);
+  kept->scales = Tensor();
+  kept->zeros = Tensor();
   kept->codes_only_in_panels = true;
-  g_released_code_bytes += q->codes.nbytes();
+  g_released_code_bytes += q->codes.nbytes() + q->scales.nbytes() + q->zeros.nbytes();
   *w = Tensor::Quantized(std::move(kept));
 }
 

@@ -43,8 +43,8 @@ bool SetCpuInt8Activations(bool on);
 // weights, devices or settings. Call it once per weight, after the settings (the ISA, int8
 // activations) are final.
 void PrepareCpuWeight(Tensor* w);
-// Bytes the CPU kernels' derived layouts hold now, and those of the row-major codes that
-// PrepareCpuWeight has let go so far, for the start-up log.
+// Bytes the CPU kernels' derived layouts hold now, and those of the row-major codes (with
+// their scales and zeros) that PrepareCpuWeight has let go so far, for the start-up log.
 size_t CpuDerivedLayoutBytes();
 size_t CpuReleasedCodeBytes();
 

@@ -42,6 +42,8 @@ float RunZero(const QuantizedWeight& q, int64_t n, int64_t r) {
 }
 
 QuantizedWeight ExpandRunConstants(const QuantizedWeight& q) {
+  TGIS_CHECK(!q.codes_only_in_panels,
+             "ExpandRunConstants: the weight's constants are only in the CPU panels");
   if (!q.compact()) return q;
   TGIS_CHECK(q.scales.device() == Device::kCpu, "ExpandRunConstants runs on the CPU");
   QuantizedWeight e = q;

@@ -74,8 +74,9 @@ struct QuantizedWeight {
   Tensor gather;     // [stored_in] kI32 input column or -1 (padding); undefined: identity
   DerivedCpuLayout cpu_layout;
   // The codes live only in cpu_layout's 8-row panels: PrepareCpuWeight let the row-major copy
-  // go (`codes` is then an empty CPU tensor) where every CPU kernel path for the weight reads
-  // the panels. Only those kernels can use the weight then (not Dequantize, nor another device).
+  // go, with the run constants the panels hold too (`codes` is then an empty CPU tensor,
+  // `scales` and `zeros` undefined), where every CPU kernel path for the weight reads the
+  // panels. Only those kernels can use the weight then (not Dequantize, nor another device).
   bool codes_only_in_panels = false;
 
   int64_t runs() const { return scales.defined() ? scales.dim(1) : 0; }

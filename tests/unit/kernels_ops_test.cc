@@ -1716,7 +1716,9 @@ TEST(CpuPanels, PrepareCpuWeightMakesThePanelsAtLoad) {
       EXPECT_EQ(w4.quantized()->cpu_layout.made(), avx2) << what << ", the mode off";
       EXPECT_EQ(w4.quantized()->codes_only_in_panels, avx2) << what;
       EXPECT_FALSE(held.quantized()->codes_only_in_panels) << "the other holder keeps its rows";
-      EXPECT_EQ(CpuReleasedCodeBytes(), released + (avx2 ? out_f * in / 2 : 0)) << what;
+      // The codes, and the compact run constants (f16 scale and byte zero; 2 runs per row).
+      EXPECT_EQ(CpuReleasedCodeBytes(), released + (avx2 ? out_f * in / 2 + out_f * 2 * 3 : 0))
+          << what;
       EXPECT_EQ(w4.quantized()->codes.nbytes(), avx2 ? 0u : out_f * in / 2u) << what;
       Tensor w8_exact = weight(8);
       PrepareCpuWeight(&w8_exact);
