@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "kernels/check.h"
@@ -159,6 +160,13 @@ TGIS_AVX2 inline __attribute__((always_inline)) __m256 CodeAt(__m256i v) {
   }
 }
 
+// Codes K... of v into c[K]...
+template <int B, int... K>
+TGIS_AVX2 inline __attribute__((always_inline)) void CodesAt(__m256i v, __m256* c,
+                                                             std::integer_sequence<int, K...>) {
+  ((c[K] = CodeAt<B, K>(v)), ...);
+}
+
 // Column K of P panels' vectors v (their codes K) into their chains K % 4, for TT tokens (x's
 // column at xk + t * x_step).
 template <int B, int K, int P, int TT>
@@ -186,6 +194,14 @@ TGIS_AVX2 inline __attribute__((always_inline)) void RunConstants(const CodePane
     *ws = _mm256_loadu_ps(&p.scale[at]);
     *wz = _mm256_loadu_ps(&p.zero[at]);
   }
+}
+
+// Every column of P panels' vectors v (Column, in column order).
+template <int B, int P, int TT, int... K>
+TGIS_AVX2 inline __attribute__((always_inline)) void Columns(const __m256i* v, const float* xk,
+                                                             int64_t x_step, __m256 (*acc)[TT][4],
+                                                             std::integer_sequence<int, K...>) {
+  (Column<B, K, P, TT>(v, xk, x_step, acc), ...);
 }
 
 // Panels [panel, panel + P) against tokens [t0, t0 + TT): P * TT <= 2 keeps the 4 chains of
@@ -219,16 +235,7 @@ TGIS_AVX2 void Tile(const SmallArgs& a, const ScaledX& x, const CodePanels& p, i
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i] + b * kBlockBytes + 32 * j));
       const float* xk = &x.x[(t0 * blocks + b) * kBlock + kPer * j];
       const int64_t x_step = blocks * kBlock;  // one token to the next
-      Column<B, 0, P, TT>(v, xk, x_step, acc);
-      Column<B, 1, P, TT>(v, xk, x_step, acc);
-      Column<B, 2, P, TT>(v, xk, x_step, acc);
-      Column<B, 3, P, TT>(v, xk, x_step, acc);
-      if constexpr (B == 4) {
-        Column<B, 4, P, TT>(v, xk, x_step, acc);
-        Column<B, 5, P, TT>(v, xk, x_step, acc);
-        Column<B, 6, P, TT>(v, xk, x_step, acc);
-        Column<B, 7, P, TT>(v, xk, x_step, acc);
-      }
+      Columns<B, P, TT>(v, xk, x_step, acc, std::make_integer_sequence<int, kPer>{});
     }
     for (int i = 0; i < P; ++i) {
       __m256 ws, wz;
@@ -310,25 +317,10 @@ TGIS_AVX2 void PanelF32(const CodePanels& p, int64_t panel, float* dst, int64_t 
       const uint8_t* wb = w + b * kBlockBytes + 32 * j;
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb));
       __m256 c[8];
-      if constexpr (B == 4) {
-        c[0] = CodeAt<4, 0>(v0);
-        c[1] = CodeAt<4, 1>(v0);
-        c[2] = CodeAt<4, 2>(v0);
-        c[3] = CodeAt<4, 3>(v0);
-        c[4] = CodeAt<4, 4>(v0);
-        c[5] = CodeAt<4, 5>(v0);
-        c[6] = CodeAt<4, 6>(v0);
-        c[7] = CodeAt<4, 7>(v0);
-      } else {
+      CodesAt<B>(v0, c, std::make_integer_sequence<int, 32 / B>{});
+      if constexpr (B == 8) {
         const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32));
-        c[0] = CodeAt<8, 0>(v0);
-        c[1] = CodeAt<8, 1>(v0);
-        c[2] = CodeAt<8, 2>(v0);
-        c[3] = CodeAt<8, 3>(v0);
-        c[4] = CodeAt<8, 0>(v1);
-        c[5] = CodeAt<8, 1>(v1);
-        c[6] = CodeAt<8, 2>(v1);
-        c[7] = CodeAt<8, 3>(v1);
+        CodesAt<B>(v1, c + 4, std::make_integer_sequence<int, 4>{});
       }
       for (int k = 0; k < 8; ++k)
         c[k] =
