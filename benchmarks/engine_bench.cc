@@ -68,13 +68,19 @@ double MeasureBandwidthGBs() {
   return best;
 }
 
-// This process's resident memory now (/proc/self/status VmRSS), or -1 where unreadable.
-long ResidentMiB() {
+// This process's resident memory now, from /proc/self/status: "N MiB (anonymous A, file-backed
+// F)", the file-backed part being checkpoint pages the kernel may drop; "?" where unreadable.
+std::string Resident() {
   std::ifstream status("/proc/self/status");
+  long rss = -1, anon = -1, file = -1;
   for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6)) / 1024;
+    if (line.rfind("VmRSS:", 0) == 0) rss = std::stol(line.substr(6)) / 1024;
+    if (line.rfind("RssAnon:", 0) == 0) anon = std::stol(line.substr(8)) / 1024;
+    if (line.rfind("RssFile:", 0) == 0) file = std::stol(line.substr(8)) / 1024;
   }
-  return -1;
+  if (rss < 0) return "?";
+  return std::to_string(rss) + " MiB (anonymous " + std::to_string(anon) + ", file-backed " +
+         std::to_string(file) + ")";
 }
 
 }  // namespace
@@ -149,9 +155,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   (*model)->MoveTo(tgis::kernels::Device::kCpu);  // as the shard: the kernels' layouts at load
-  std::cout << "resident after load: " << ResidentMiB() << " MiB (CPU kernels' derived layouts "
+  std::cout << "resident after load: " << Resident() << "; CPU kernels' derived layouts "
             << tgis::kernels::CpuDerivedLayoutBytes() / (1 << 20) << " MiB, row-major codes let go "
-            << tgis::kernels::CpuReleasedCodeBytes() / (1 << 20) << " MiB)\n";
+            << tgis::kernels::CpuReleasedCodeBytes() / (1 << 20) << " MiB\n";
   const auto& spec = (*model)->spec();
   // Bytes of weights a decode step streams: every linear layer plus the lm_head, in their
   // stored format (quantized: codes plus a scale and zero per row and group: f32 ones, or for
