@@ -251,10 +251,11 @@ int main(int argc, char** argv) {
   (*model)->MoveTo(cuda ? tgis::kernels::Device::kCuda : tgis::kernels::Device::kCpu);
   if (const size_t derived = tgis::kernels::CpuDerivedLayoutBytes(); derived > 0) {
     const size_t released = tgis::kernels::CpuReleasedCodeBytes();
-    LOG(INFO) << "CPU kernels: 4-bit weights' codes interleaved 8 rows at a time take "
+    LOG(INFO) << "CPU kernels: 8- and 4-bit weights' codes interleaved 8 rows at a time take "
               << absl::StrFormat("%.1f", static_cast<double>(derived) / (1 << 20)) << " MiB; "
               << (released > 0
-                      ? absl::StrFormat("their row-major copy (%.1f MiB) was let go",
+                      ? absl::StrFormat("their row-major copy and run constants (%.1f MiB) "
+                                        "were let go",
                                         static_cast<double>(released) / (1 << 20))
                       : std::string("a second copy: the row-major codes stay for the AVX-512 "
                                     "kernels"));

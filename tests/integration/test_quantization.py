@@ -84,7 +84,7 @@ def test_int8_activations(model, shard_args):
         panels_logged = "4-bit weights' codes interleaved 8 rows at a time take" in out
         assert panels_logged == (model == "llama_gptq4")
         if panels_logged:
-            assert ("row-major copy" in out and "was let go" in out) == (not _cpu_has("avx512f"))
+            assert ("row-major copy" in out and "were let go" in out) == (not _cpu_has("avx512f"))
         p = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=16),
                           response=pb.ResponseOptions(generated_tokens=True, token_logprobs=True))
         reqs = [pb.GenerationRequest(text=prompt["text"]) for prompt in golden]
