@@ -35,13 +35,13 @@ std::string CpuBackendSummary();
 bool SetCpuInt8Activations(bool on);
 
 // Makes now what the CPU kernels would otherwise derive from a Linear weight on its first use
-// under the current settings (4-bit codes interleaved 8 rows at a time, for AVX2 decode and for
-// int8 activations), so that the memory is taken at load, before the KV cache is sized from
-// what is left. Where every kernel path for the weight then reads that layout (AVX2 without
-// AVX-512), *w is replaced by a copy of the weight that keeps its codes there only: the
-// row-major copy is let go (it is freed once no other tensor holds it). Nothing for other
-// weights, devices or settings. Call it once per weight, after the settings (the ISA, int8
-// activations) are final.
+// under the current settings (8- and 4-bit codes interleaved 8 rows at a time, for exact AVX2
+// decode and, 4-bit, for int8 activations), so that the memory is taken at load, before the KV
+// cache is sized from what is left. Where every kernel path for the weight then reads that
+// layout (AVX2 without AVX-512; 8-bit codes with int8 activations off), *w is replaced by a copy of
+// the weight that keeps its codes there only: the row-major copy is let go (it is freed once no
+// other tensor holds it). Nothing for other weights, devices or settings. Call it once per weight,
+// after the settings (the ISA, int8 activations) are final.
 void PrepareCpuWeight(Tensor* w);
 // Bytes the CPU kernels' derived layouts hold now, and those of the row-major codes (with
 // their scales and zeros) that PrepareCpuWeight has let go so far, for the start-up log.

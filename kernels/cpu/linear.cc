@@ -114,6 +114,14 @@ Int8Path Int8PathFor(const QuantizedWeight* q) {
   return UseAvx2() && WholeBlockRuns(q) ? Int8Path::kAvx2 : Int8Path::kNone;
 }
 
+// Whether exact decode reads the weight's panels (linear_panels.cc): on AVX2 where the AVX-512
+// kernels do not take it (`avx2_only`), and for 8-bit codes only with int8 activations off
+// (their int8 kernels read rows, and a fallback from them is no reason for a second copy). Then
+// every path of the weight reads the panels, so that PrepareCpuWeight may let the rows go.
+bool ExactDecodeTakesPanels(int bits, bool avx2_only, Int8Path int8) {
+  return avx2_only && (bits == 4 || int8 == Int8Path::kNone);
+}
+
 // 4-bit codes against int8-rounded x with AVX2 code, at any T (linear_q4_panels.cc). False
 // (nothing written: the exact path runs) when x has a NaN or inf.
 bool Q4PanelsInt8(const SmallArgs& a) {
@@ -408,9 +416,6 @@ void SmallT(const SmallArgs& args) {
     // weight took about as many vector instructions, twice as wide (Zen 4 runs a zmm
     // instruction as two), with the per-lane scaling the panels do without.
     if (int8 != Int8Path::kNone && Q4PanelsInt8(args)) return;
-    if (!avx512 && avx2) {
-      if (const CodePanels* panels = CodePanelsOf(*args.q)) return PanelsExactLinear(args, *panels);
-    }
   } else if constexpr (W == WFmt::kQ8) {
     thread_local Int8X8 int8x;
     if (int8 != Int8Path::kNone &&
@@ -423,10 +428,11 @@ void SmallT(const SmallArgs& args) {
       });
       return;
     }
-    // Exact: the panels, unless the int8 kernels (which read rows) fell back here (x with a NaN
-    // or inf, or a width not a multiple of 64); then the dequantizing row kernels below, rather
-    // than a second copy of the codes made for the odd call.
-    if (!avx512 && avx2 && int8 == Int8Path::kNone) {
+  }
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
+    // Else (8-bit codes whose int8 kernels fell back here: x with a NaN or inf, a width not a
+    // multiple of 64) the dequantizing row kernels below.
+    if (ExactDecodeTakesPanels(args.q->bits, !avx512 && avx2, int8)) {
       if (const CodePanels* panels = CodePanelsOf(*args.q)) return PanelsExactLinear(args, *panels);
     }
   }
@@ -561,14 +567,13 @@ size_t DerivedLayoutBytes() { return PanelBytes(); }
 
 bool PrepareQuantized(const QuantizedWeight& q) {
   if ((q.bits != 4 && q.bits != 8) || q.fp8) return false;
-  const bool avx2_only = UseAvx2() && !UseAvx512(&q);
-  const bool int8 = Int8PathFor(&q) != Int8Path::kNone;
-  // On AVX2 without AVX-512 the panels serve every path of 4-bit codes (decode in both modes,
-  // prefill with int8 activations, and exact prefill's f32 rows: PanelRowsF32), and of 8-bit
-  // ones in the exact mode (with int8 activations their kernels read rows, and no panels are
-  // made). With AVX-512 they serve 4-bit int8-activation decode only, beside the rows.
-  if (q.bits == 8 ? !avx2_only || int8 : !avx2_only && !int8) return false;
-  return CodePanelsOf(q) != nullptr && avx2_only;
+  const Int8Path int8 = Int8PathFor(&q);
+  // Where exact decode takes the panels, every path does (4-bit int8 kernels on AVX2, exact
+  // prefill's f32 rows: PanelRowsF32); with AVX-512 they serve 4-bit int8-activation decode
+  // only, beside the rows.
+  const bool every_path = ExactDecodeTakesPanels(q.bits, UseAvx2() && !UseAvx512(&q), int8);
+  if (!every_path && (q.bits != 4 || int8 == Int8Path::kNone)) return false;
+  return CodePanelsOf(q) != nullptr && every_path;
 }
 
 bool UseAvx2Kernels() { return UseAvx2(); }

@@ -180,22 +180,6 @@ TGIS_AVX2 inline __attribute__((always_inline)) void Column(const __m256i* v, co
   }
 }
 
-// The 8 rows' scale and zero of block b of a panel.
-template <bool kCompact>
-TGIS_AVX2 inline __attribute__((always_inline)) void RunConstants(const CodePanels& p,
-                                                                  int64_t panel, int64_t b,
-                                                                  __m256* ws, __m256* wz) {
-  const int64_t at = (panel * p.runs + p.block_run[b]) * kRows;
-  if constexpr (kCompact) {
-    *ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(&p.scale_h[at])));
-    *wz = _mm256_cvtepi32_ps(
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(&p.zero_b[at]))));
-  } else {
-    *ws = _mm256_loadu_ps(&p.scale[at]);
-    *wz = _mm256_loadu_ps(&p.zero[at]);
-  }
-}
-
 // Every column of P panels' vectors v (Column, in column order).
 template <int B, int P, int TT, int... K>
 TGIS_AVX2 inline __attribute__((always_inline)) void Columns(const __m256i* v, const float* xk,
@@ -239,7 +223,7 @@ TGIS_AVX2 void Tile(const SmallArgs& a, const ScaledX& x, const CodePanels& p, i
     }
     for (int i = 0; i < P; ++i) {
       __m256 ws, wz;
-      RunConstants<kCompact>(p, panel + i, b, &ws, &wz);
+      PanelRunConstants<kCompact>(p, panel + i, b, &ws, &wz);
       for (int t = 0; t < TT; ++t) {
         const __m256 block = _mm256_add_ps(_mm256_add_ps(acc[i][t][0], acc[i][t][1]),
                                            _mm256_add_ps(acc[i][t][2], acc[i][t][3]));
@@ -308,9 +292,9 @@ TGIS_AVX2 void PanelF32(const CodePanels& p, int64_t panel, float* dst, int64_t 
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m256 ws, wz;
     if (p.compact()) {
-      RunConstants<true>(p, panel, b, &ws, &wz);
+      PanelRunConstants<true>(p, panel, b, &ws, &wz);
     } else {
-      RunConstants<false>(p, panel, b, &ws, &wz);
+      PanelRunConstants<false>(p, panel, b, &ws, &wz);
     }
     // 8 columns at a time: one vector of 4-bit codes, two of 8-bit ones.
     for (int j = 0; j < B; j += B / 4) {

@@ -47,7 +47,6 @@ TGIS_AVX2 void Tile(const SmallArgs& a, const Int8Blocks& x, const int8_t* xs, c
                     int64_t panel, int64_t t0) {
   const int64_t blocks = p.blocks;
   const uint8_t* w = &p.codes[panel * blocks * kBlockBytes];
-  const int64_t constants = panel * p.runs * kRows;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[TT];
@@ -70,16 +69,8 @@ TGIS_AVX2 void Tile(const SmallArgs& a, const Int8Blocks& x, const int8_t* xs, c
         dot[t] = AddI16(dot[t], _mm256_maddubs_epi16(odd, Broadcast4(xb + 16 + 4 * j)));
       }
     }
-    const int64_t at = constants + p.block_run[b] * kRows;
     __m256 ws, wz;
-    if constexpr (kCompact) {
-      ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(&p.scale_h[at])));
-      wz = _mm256_cvtepi32_ps(
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(&p.zero_b[at]))));
-    } else {
-      ws = _mm256_loadu_ps(&p.scale[at]);
-      wz = _mm256_loadu_ps(&p.zero[at]);
-    }
+    PanelRunConstants<kCompact>(p, panel, b, &ws, &wz);
 #pragma GCC unroll 4
     for (int t = 0; t < TT; ++t) {
       const int64_t xb = (t0 + t) * blocks + b;

@@ -205,6 +205,21 @@ struct CodePanels {
   bool compact() const { return !scale_h.empty(); }
   int64_t block_bytes() const { return 32 * bits; }  // 8 rows x 32 columns
 };
+// The 8 rows' scale and zero of block b of a panel (`kCompact`: p.compact()).
+template <bool kCompact>
+TGIS_AVX2 inline __attribute__((always_inline)) void PanelRunConstants(const CodePanels& p,
+                                                                       int64_t panel, int64_t b,
+                                                                       __m256* ws, __m256* wz) {
+  const int64_t at = (panel * p.runs + p.block_run[b]) * 8;
+  if constexpr (kCompact) {
+    *ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(&p.scale_h[at])));
+    *wz = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(&p.zero_b[at]))));
+  } else {
+    *ws = _mm256_loadu_ps(&p.scale[at]);
+    *wz = _mm256_loadu_ps(&p.zero[at]);
+  }
+}
 // The weight's panels (made on the first call, kept with it), or null where no kernel takes
 // them: codes other than 8- and 4-bit integers, runs not whole 32-column blocks, a CPU without
 // AVX2.
