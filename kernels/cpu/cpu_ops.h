@@ -21,10 +21,10 @@ void SetIsaForTesting(Isa isa);
 // Whether this CPU can run `isa`'s path (kAuto and kScalar always can).
 bool IsaAvailable(Isa isa);
 // Opt-in, process-wide: 8- and 4-bit codes are multiplied by x rounded to int8 per 32 columns
-// (llama.cpp's way: linear_q4_panels.cc for 4-bit codes at every T, with AVX2 code on every
-// CPU; linear_q8_int8x.cc in decode and linear_int8_gemm.cc in prefill for 8-bit codes, and for
-// 4-bit prefill with VNNI; AVX-512 VNNI where the CPU has it, else AVX2), where the weight's
-// runs and width allow it; other weights (float, fp8) stay exact.
+// (llama.cpp's way), where the weight's runs allow it: with AVX2 code on the 8-row panels at
+// every T (linear_int8_panels.cc; 4-bit decode on every CPU), with AVX-512 VNNI on the rows
+// where the CPU has it (linear_q8_int8x.cc for 8-bit decode, linear_int8_gemm.cc for prefill).
+// Other weights (float, fp8) stay exact.
 void SetInt8Activations(bool on);
 bool Int8ActivationsAvailable();
 // Derives now the layouts the current settings' kernels read from `q` (ops.h's

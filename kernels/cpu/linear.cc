@@ -21,8 +21,8 @@
 // interleaved 8 rows at a time and takes each block's scale and zero out of its sum instead
 // (linear_panels.cc: the same up to rounding).
 // With int8 activations on (SetInt8Activations, opt-in), 8- and 4-bit codes take the integer
-// kernels instead on both paths: linear_q8_int8x.cc and linear_int8_gemm.cc, and for 4-bit
-// codes linear_q4_panels.cc (decode on every CPU, prefill without VNNI).
+// kernels instead on both paths: the panels' (linear_int8_panels.cc) without VNNI, and for 4-bit
+// decode everywhere; with VNNI linear_q8_int8x.cc (8-bit decode) and linear_int8_gemm.cc.
 #include <cpuid.h>
 #include <immintrin.h>
 
@@ -102,33 +102,29 @@ bool UseVnni() {
 }
 
 // Which kernels multiply 8- and 4-bit codes by int8-rounded x (SetInt8Activations), if any:
-// VNNI where the AVX-512 kernels run, else AVX2, on the same weights (the rounding, and so the
-// result up to f32 summation order, does not depend on which).
+// VNNI where the AVX-512 kernels run, else AVX2 (the panels, linear_int8_panels.cc), on the
+// same weights (the rounding, and so the result up to f32 summation order, does not depend on
+// which).
 enum class Int8Path { kNone, kVnni, kAvx2 };
-// 8-bit codes kept only in the panels (PrepareCpuWeight, with the mode off) stay exact: their
-// int8 kernels read rows.
 Int8Path Int8PathFor(const QuantizedWeight* q) {
   if (!g_int8_activations.load(std::memory_order_relaxed)) return Int8Path::kNone;
-  if (q != nullptr && q->bits == 8 && q->codes_only_in_panels) return Int8Path::kNone;
   if (UseAvx512(q) && UseVnni()) return Int8Path::kVnni;
   return UseAvx2() && WholeBlockRuns(q) ? Int8Path::kAvx2 : Int8Path::kNone;
 }
 
-// Whether exact decode reads the weight's panels (linear_panels.cc): on AVX2 where the AVX-512
-// kernels do not take it (`avx2_only`), and for 8-bit codes only with int8 activations off
-// (their int8 kernels read rows, and a fallback from them is no reason for a second copy). Then
-// every path of the weight reads the panels, so that PrepareCpuWeight may let the rows go.
-bool ExactDecodeTakesPanels(int bits, bool avx2_only, Int8Path int8) {
-  return avx2_only && (bits == 4 || int8 == Int8Path::kNone);
-}
+// Whether every path of an 8- or 4-bit weight reads its panels, so that PrepareCpuWeight may
+// let the rows go: on AVX2 where the AVX-512 kernels do not take it. Exact decode reads them
+// (linear_panels.cc), int8-activation decode and prefill too (linear_int8_panels.cc), exact
+// prefill its f32 rows made from them (PanelRowsF32).
+bool EveryPathTakesPanels(const QuantizedWeight* q) { return UseAvx2() && !UseAvx512(q); }
 
-// 4-bit codes against int8-rounded x with AVX2 code, at any T (linear_q4_panels.cc). False
-// (nothing written: the exact path runs) when x has a NaN or inf.
-bool Q4PanelsInt8(const SmallArgs& a) {
+// 8- and 4-bit codes against int8-rounded x with AVX2 code, at any T (linear_int8_panels.cc).
+// False (nothing written: the exact path runs) when x has a NaN or inf.
+bool PanelsInt8(const SmallArgs& a) {
   const CodePanels* panels = CodePanelsOf(*a.q);
   thread_local Int8Blocks x;
   if (panels == nullptr || !x.Prepare(a.x, a.t, a.k)) return false;
-  Q4PanelsLinear(a, x, *panels);
+  Int8PanelsLinear(a, x, *panels);
   return true;
 }
 
@@ -410,29 +406,29 @@ void SmallT(const SmallArgs& args) {
   const int64_t grain = std::max<int64_t>(
       1, static_cast<int64_t>((64 << 10) / (kTileRows * args.k * BytesPerWeight<W>() + 1)));
   const Int8Path int8 = Int8PathFor(args.q);
-  if constexpr (W == WFmt::kQ4) {
-    // The panels, on VNNI machines too. Not measured there yet: the VNNI row-at-a-time kernel
-    // they replaced measured 0.5-0.66x llama.cpp's repacked Q4_0 on Zen 4 and Zen 5, and per
-    // weight took about as many vector instructions, twice as wide (Zen 4 runs a zmm
-    // instruction as two), with the per-lane scaling the panels do without.
-    if (int8 != Int8Path::kNone && Q4PanelsInt8(args)) return;
-  } else if constexpr (W == WFmt::kQ8) {
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
+    // The panels: 4-bit codes on VNNI machines too. Not measured there yet: the VNNI
+    // row-at-a-time kernel they replaced measured 0.5-0.66x llama.cpp's repacked Q4_0 on Zen 4
+    // and Zen 5, and per weight took about as many vector instructions, twice as wide (Zen 4
+    // runs a zmm instruction as two), with the per-lane scaling the panels do without.
+    const bool panels = int8 == Int8Path::kAvx2 || (W == WFmt::kQ4 && int8 != Int8Path::kNone);
+    if (panels && PanelsInt8(args)) return;
+  }
+  if constexpr (W == WFmt::kQ8) {
     thread_local Int8X8 int8x;
-    if (int8 != Int8Path::kNone &&
-        int8x.Prepare(args.x, args.t, args.k, args.q->block_run.data<int32_t>(),
-                      int8 == Int8Path::kVnni)) {
+    if (int8 == Int8Path::kVnni &&
+        int8x.Prepare(args.x, args.t, args.k)) {
       const Int8X8* x = &int8x;
       ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
-        SmallQ8Int8X(args, *x, int8 == Int8Path::kVnni, b * kTileRows,
-                     std::min(args.n, e * kTileRows));
+        SmallQ8Int8X(args, *x, b * kTileRows, std::min(args.n, e * kTileRows));
       });
       return;
     }
   }
   if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
-    // Else (8-bit codes whose int8 kernels fell back here: x with a NaN or inf, a width not a
-    // multiple of 64) the dequantizing row kernels below.
-    if (ExactDecodeTakesPanels(args.q->bits, !avx512 && avx2, int8)) {
+    // Else (x with a NaN or inf, 8-bit codes of a width not a multiple of 64 on VNNI) the
+    // dequantizing kernels.
+    if (EveryPathTakesPanels(args.q)) {
       if (const CodePanels* panels = CodePanelsOf(*args.q)) return PanelsExactLinear(args, *panels);
     }
   }
@@ -495,10 +491,9 @@ template <WFmt W>
 void LargeT(const SmallArgs& a) {
   if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
     const Int8Path int8 = Int8PathFor(a.q);
-    // 4-bit codes take the panels at every T without VNNI (linear_q4_panels.cc).
-    const bool panels = W == WFmt::kQ4 && int8 == Int8Path::kAvx2;
-    if (panels ? Q4PanelsInt8(a)
-               : int8 != Int8Path::kNone && LargeInt8Gemm<W>(a, int8 == Int8Path::kVnni)) {
+    // Without VNNI the panels at every T (linear_int8_panels.cc).
+    if (int8 == Int8Path::kAvx2 ? PanelsInt8(a)
+                                : int8 == Int8Path::kVnni && LargeInt8Gemm<W>(a)) {
       return;
     }
   }
@@ -567,13 +562,11 @@ size_t DerivedLayoutBytes() { return PanelBytes(); }
 
 bool PrepareQuantized(const QuantizedWeight& q) {
   if ((q.bits != 4 && q.bits != 8) || q.fp8) return false;
-  const Int8Path int8 = Int8PathFor(&q);
-  // Where exact decode takes the panels, every path does (4-bit int8 kernels on AVX2, exact
-  // prefill's f32 rows: PanelRowsF32); with AVX-512 they serve 4-bit int8-activation decode
-  // only, beside the rows.
-  const bool every_path = ExactDecodeTakesPanels(q.bits, UseAvx2() && !UseAvx512(&q), int8);
-  if (!every_path && (q.bits != 4 || int8 == Int8Path::kNone)) return false;
-  return CodePanelsOf(q) != nullptr && every_path;
+  // Where every path reads the panels they are made now and the rows may go; with AVX-512
+  // they serve 4-bit int8-activation decode only, beside the rows.
+  if (EveryPathTakesPanels(&q)) return CodePanelsOf(q) != nullptr;
+  if (q.bits == 4 && Int8PathFor(&q) != Int8Path::kNone) CodePanelsOf(q);
+  return false;
 }
 
 bool UseAvx2Kernels() { return UseAvx2(); }

@@ -1,5 +1,5 @@
 // Linear's opt-in prefill GEMM for 8- and 4-bit codes with x rounded to int8 (SetInt8Activations;
-// the shard's --cpu-int8-activations), on AVX-512 VNNI or AVX2: CTranslate2's and llama.cpp's way
+// the shard's --cpu-int8-activations), on AVX-512 VNNI: CTranslate2's and llama.cpp's way
 // of running a quantized checkpoint's prompt, where the exact path (codes dequantized to f32, then
 // the f32 GEMM) runs at f32's speed.
 //
@@ -15,9 +15,8 @@
 // (a weight with one run per row, as bitsandbytes' int8: times x's scale only, the weight's
 // applied once at the end):
 // every output sums its blocks in column order, so its value depends on its own x row only,
-// never on T, the tiles or the threads. AVX2 has no vpdpbusd: 8-bit codes in panels of 8 rows
-// (a ymm), TileAvx2 saying how the same integer sums are made there; 4-bit codes take the
-// panels made once per weight (linear_q4_panels.cc), whose kernel runs every T.
+// never on T, the tiles or the threads. Without VNNI the codes' panels made once per weight
+// (linear_int8_panels.cc) take every T instead.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -38,8 +37,6 @@ namespace {
 constexpr int64_t kBlock = 32;  // columns per x scale and per weight run
 constexpr int kPanel = 32;      // VNNI: weight rows per panel, two zmm of f32 outputs
 constexpr int kTokens = 6;      // VNNI: tokens per register tile (24 of the 32 zmm accumulate)
-constexpr int kPanelAvx2 = 8;   // AVX2: one ymm of f32 outputs
-constexpr int kTokensAvx2 = 4;  // AVX2: 16 ymm registers hold 4 tokens' integer and f32 sums
 
 // acc += u8 a times s8 b, 4 products summed into each int32 lane: vpdpbusd. Through asm for
 // the reason linear_vnni.cc gives (GCC 12's tied-accumulator copies).
@@ -91,13 +88,11 @@ TGIS_AVX2 bool RoundBlocks(const float* x, int64_t t, int64_t k, Int8Blocks* out
   return true;
 }
 
-// One panel's weights as the kernel reads them: codes [k / 4][Rows][4 columns], and per
+// One panel's weights as the kernel reads them: codes [k / 4][kPanel][4 columns], and per
 // block the rows' scales and zeros. Rows past N are zeros with scale 0.
-template <int Rows>
 struct Panel {
-  static constexpr int kPanel = Rows;
   std::vector<uint8_t> codes;
-  std::vector<float> scale, zero;  // [k / 32][Rows]
+  std::vector<float> scale, zero;  // [k / 32][kPanel]
 
   template <WFmt W>
   void Pack(const SmallArgs& a, int64_t n0) {
@@ -112,10 +107,8 @@ struct Panel {
       std::fill(zero.begin(), zero.end(), 0.f);
     }
     int r = 0;
-    if constexpr (Rows % 16 == 0) {  // 16 rows at a time, their dwords transposed in registers
-      if (a.k % 64 == 0 && CpuHasAvx512()) {
-        for (; r + 16 <= rows; r += 16) PackSixteen<W>(a, n0 + r, r);
-      }
+    if (a.k % 64 == 0) {  // 16 rows at a time, their dwords transposed in registers
+      for (; r + 16 <= rows; r += 16) PackSixteen<W>(a, n0 + r, r);
     }
     for (; r < rows; ++r) {
       const WRow row = RowOf<W>(a, n0 + r);
@@ -177,7 +170,7 @@ struct Panel {
 
 // out[t0 .. t0 + TT) of the panel's 32 rows (two zmm of 16).
 template <int TT, bool kOneRun>
-TGIS_VNNI void Tile(const SmallArgs& a, const Int8Blocks& x, const Panel<kPanel>& p, int64_t n0,
+TGIS_VNNI void Tile(const SmallArgs& a, const Int8Blocks& x, const Panel& p, int64_t n0,
                     int64_t t0) {
   const int64_t blocks = a.k / kBlock;
   __m512 acc[TT][2];
@@ -235,79 +228,30 @@ TGIS_VNNI void Tile(const SmallArgs& a, const Int8Blocks& x, const Panel<kPanel>
   }
 }
 
-// AVX2, 8-bit codes (4-bit ones take the panels): out[t0 .. t0 + TT) of the panel's 8 rows, as
-// linear_q8_int8x.cc's AVX2 kernel, (code - 128) against x's codes, vpmaddwd after every step,
-// and 128 * sum(xq) added back in f32 (exact).
-template <int TT>
-TGIS_AVX2 void TileAvx2(const SmallArgs& a, const Int8Blocks& x, const Panel<kPanelAvx2>& p,
-                        int64_t n0, int64_t t0) {
-  const int64_t blocks = a.k / kBlock;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[TT];
-  for (int t = 0; t < TT; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256i dot[TT];
-    const uint8_t* w = &p.codes[b * kBlock * kPanelAvx2];
-    const int8_t* xq = &x.q[t0 * a.k + b * kBlock];
-    for (int t = 0; t < TT; ++t) dot[t] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int s = 0; s < kBlock / 4; ++s) {
-      const __m256i centered =
-          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + s * 32)),
-                           _mm256_set1_epi8(static_cast<char>(0x80)));
-      const __m256i magnitude = _mm256_abs_epi8(centered);
-#pragma GCC unroll 4
-      for (int t = 0; t < TT; ++t) {
-        const __m256i pairs = _mm256_maddubs_epi16(
-            magnitude, _mm256_sign_epi8(Broadcast4(xq + t * a.k + 4 * s), centered));
-        dot[t] = AddI32(dot[t], _mm256_madd_epi16(pairs, ones));
-      }
-    }
-    const __m256 ws = _mm256_loadu_ps(&p.scale[b * kPanelAvx2]);
-    const __m256 wz = _mm256_loadu_ps(&p.zero[b * kPanelAvx2]);
-#pragma GCC unroll 4
-    for (int t = 0; t < TT; ++t) {
-      const int64_t at = (t0 + t) * blocks + b;
-      const __m256 sum = _mm256_set1_ps(x.sum[at]);
-      const __m256 codes_x =
-          _mm256_fmadd_ps(_mm256_set1_ps(128.f), sum, _mm256_cvtepi32_ps(dot[t]));
-      const __m256 exact = _mm256_fnmadd_ps(wz, sum, codes_x);
-      acc[t] = _mm256_fmadd_ps(exact, _mm256_mul_ps(ws, _mm256_set1_ps(x.scale[at])), acc[t]);
-    }
-  }
-  StorePanel8(a, n0, t0, TT, acc);
-}
-
-template <WFmt W, bool kVnni>
+template <WFmt W>
 void Gemm(const SmallArgs& a, const Int8Blocks& x) {
-  constexpr int kRows = kVnni ? kPanel : kPanelAvx2;
-  const int64_t panels = (a.n + kRows - 1) / kRows;
-  [[maybe_unused]] const bool one_run = a.q->runs() == 1;
+  const int64_t panels = (a.n + kPanel - 1) / kPanel;
+  const bool one_run = a.q->runs() == 1;
   ParallelFor(panels, 1, [&](int64_t b, int64_t e) {
-    thread_local Panel<kRows> p;
+    thread_local Panel p;
     for (int64_t i = b; i < e; ++i) {
-      const int64_t n0 = i * kRows;
+      const int64_t n0 = i * kPanel;
       p.template Pack<W>(a, n0);
       int64_t t0 = 0;
-      if constexpr (kVnni) {
-        // Tiles of kTokens tokens, then one of 3, then single tokens.
-        auto tiles = [&](auto one_run_constant) {
-          constexpr bool kOneRun = decltype(one_run_constant)::value;
-          for (; t0 + kTokens <= a.t; t0 += kTokens) Tile<kTokens, kOneRun>(a, x, p, n0, t0);
-          if (t0 + 3 <= a.t) {
-            Tile<3, kOneRun>(a, x, p, n0, t0);
-            t0 += 3;
-          }
-          for (; t0 < a.t; ++t0) Tile<1, kOneRun>(a, x, p, n0, t0);
-        };
-        if (one_run) {
-          tiles(std::true_type{});
-        } else {
-          tiles(std::false_type{});
+      // Tiles of kTokens tokens, then one of 3, then single tokens.
+      auto tiles = [&](auto one_run_constant) {
+        constexpr bool kOneRun = decltype(one_run_constant)::value;
+        for (; t0 + kTokens <= a.t; t0 += kTokens) Tile<kTokens, kOneRun>(a, x, p, n0, t0);
+        if (t0 + 3 <= a.t) {
+          Tile<3, kOneRun>(a, x, p, n0, t0);
+          t0 += 3;
         }
+        for (; t0 < a.t; ++t0) Tile<1, kOneRun>(a, x, p, n0, t0);
+      };
+      if (one_run) {
+        tiles(std::true_type{});
       } else {
-        for (; t0 + kTokensAvx2 <= a.t; t0 += kTokensAvx2) TileAvx2<kTokensAvx2>(a, x, p, n0, t0);
-        for (; t0 < a.t; ++t0) TileAvx2<1>(a, x, p, n0, t0);
+        tiles(std::false_type{});
       }
     }
   });
@@ -320,21 +264,15 @@ bool Int8Blocks::Prepare(const float* x, int64_t t, int64_t k) {
 }
 
 template <WFmt W>
-bool LargeInt8Gemm(const SmallArgs& a, bool vnni) {
+bool LargeInt8Gemm(const SmallArgs& a) {
   static_assert(W == WFmt::kQ8 || W == WFmt::kQ4);
   thread_local Int8Blocks x;
   if (!x.Prepare(a.x, a.t, a.k)) return false;
-  if constexpr (W == WFmt::kQ4) {
-    // On AVX2, 4-bit codes take the panels (linear_q4_panels.cc) at every T.
-    TGIS_CHECK(vnni, "LargeInt8Gemm: 4-bit codes on AVX2 take Q4PanelsLinear");
-    Gemm<W, true>(a, x);
-  } else {
-    vnni ? Gemm<W, true>(a, x) : Gemm<W, false>(a, x);
-  }
+  Gemm<W>(a, x);
   return true;
 }
 
-template bool LargeInt8Gemm<WFmt::kQ8>(const SmallArgs& a, bool vnni);
-template bool LargeInt8Gemm<WFmt::kQ4>(const SmallArgs& a, bool vnni);
+template bool LargeInt8Gemm<WFmt::kQ8>(const SmallArgs& a);
+template bool LargeInt8Gemm<WFmt::kQ4>(const SmallArgs& a);
 
 }  // namespace tgis::kernels::cpu

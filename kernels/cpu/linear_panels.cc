@@ -1,7 +1,7 @@
 // 8- and 4-bit codes interleaved 8 rows at a time (CodePanels: made once per weight), and what
 // reads them in f32: Linear's exact decode (T <= kSmallT) on AVX2, and the f32 rows exact
-// prefill multiplies where the panels are the weight's only copy of its codes. (The 4-bit
-// int8-activation kernel, linear_q4_panels.cc, reads them too.)
+// prefill multiplies where the panels are the weight's only copy of its codes. (The
+// int8-activation kernels, linear_int8_panels.cc, read them too.)
 //
 // In a panel vector's dword lane r, code k (nibble or byte) holds row r's code for column
 // 8j + k (4-bit) or 4j + k (8-bit) of the block: the codes' own order. Masking code k in place

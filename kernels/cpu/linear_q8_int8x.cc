@@ -1,27 +1,17 @@
 // Linear's opt-in streaming kernel for 8-bit codes with x rounded to int8 (SetInt8Activations;
-// the shard's --cpu-int8-activations), on AVX-512 VNNI or AVX2: the decode half of the mode
-// whose prefill half is linear_int8_gemm.cc, and the way llama.cpp's Q8_0 and CTranslate2's
-// int8 decode.
+// the shard's --cpu-int8-activations) on AVX-512 VNNI: the decode half of the mode whose
+// prefill half is linear_int8_gemm.cc, and the way llama.cpp's Q8_0 and CTranslate2's int8
+// decode. (Without VNNI, the panels' kernel: linear_int8_panels.cc.)
 //
-// Why: the exact 8-bit kernels widen every code to f32 (AVX2) or need two vpdpwssd per 32
-// weights and a widening (VNNI); where 512-bit operations run on 256-bit units (Zen 4) that
-// leaves them short of the memory's pace.
+// Why: the exact 8-bit kernels need two vpdpwssd per 32 weights and a widening; where 512-bit
+// operations run on 256-bit units (Zen 4) that leaves them short of the memory's pace.
 //
-// VNNI: one vpdpbusd takes 64 codes (unsigned bytes) against 64 of x's int8 codes
-// (Int8Blocks), each dword lane the 4 products of 4 consecutive columns; lane l of a 64-column
-// chunk lies in block l / 8. Per lane, (I - zero * sum of its 4 x codes) is exact in f32
-// (integers below 2^24) and is added, times the weight's and x's scales, into 16 f32 lanes per
-// output; the output is their sum, plus the bias.
-//
-// AVX2 has no such instruction, and vpmaddubsw's pair sums saturate at 2 * 255 * 127, so it
-// multiplies (code - 128) instead, as |code - 128| (unsigned, at most 128) against x's codes
-// carrying its sign: pair sums of at most 2 * 128 * 127, then vpmaddwd into dword lanes (exact,
-// and exact in f32). It goes by the runs' segments (RunSegments): per 32-column block one cvt
-// and one FMA with x's block scale; per segment the weight's scale once, and (zero - 128) times
-// the segment's sum of x's scaled code sums subtracted.
-//
-// Either way a row's result depends only on its own x row: the same at any T up to kSmallT, in
-// any batch, on any number of threads. Rows go one at a time (see SmallQ8Int8X).
+// One vpdpbusd takes 64 codes (unsigned bytes) against 64 of x's int8 codes (Int8Blocks), each
+// dword lane the 4 products of 4 consecutive columns; lane l of a 64-column chunk lies in block
+// l / 8. Per lane, (I - zero * sum of its 4 x codes) is exact in f32 (integers below 2^24) and
+// is added, times the weight's and x's scales, into 16 f32 lanes per output; the output is
+// their sum, plus the bias. A row's result depends only on its own x row: the same at any T up
+// to kSmallT, in any batch, on any number of threads. Rows go one at a time (see SmallQ8Int8X).
 #include <immintrin.h>
 
 #include "kernels/cpu/intrinsics_warnings.h"
@@ -73,78 +63,6 @@ TGIS_VNNI void Dots(const SmallArgs& a, const Int8X8& x, int64_t n, int64_t t0, 
   for (int t = 0; t < TT; ++t) acc[t0 + t] = sum[t];
 }
 
-// Token t's x as the AVX2 kernel reads it: its int8 codes and its blocks' scales.
-struct TokenX {
-  const int8_t* q;
-  const float* scale;
-};
-
-// AVX2: block b (32 columns) of the row's codes against each token's, the 8 int32 lanes times
-// the token's block scale added into part[t].
-template <int TT>
-TGIS_AVX2 inline __attribute__((always_inline)) void BlockAvx2(const uint8_t* codes,
-                                                               const TokenX* x, int64_t b,
-                                                               __m256* part) {
-  const __m256i centered =
-      _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * b)),
-                       _mm256_set1_epi8(static_cast<char>(0x80)));  // code - 128, as int8
-  const __m256i magnitude = _mm256_abs_epi8(centered);              // as uint8: 0..128
-#pragma GCC unroll 2
-  for (int t = 0; t < TT; ++t) {
-    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[t].q + 32 * b));
-    const __m256i dot = _mm256_madd_epi16(
-        _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, centered)), _mm256_set1_epi16(1));
-    part[t] =
-        _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(x[t].scale + b), part[t]);
-  }
-}
-
-// AVX2, by the runs' segments (RunSegments): per block (BlockAvx2) into two f32 accumulators
-// (alternate blocks, two chains in flight); per segment, their sum times the weight's scale,
-// and its zero's share from zero_sum.
-template <int TT>
-TGIS_AVX2 void DotsAvx2(const SmallArgs& a, const Int8X8& x, int64_t n, int64_t t0, float* out) {
-  const WRow row = RowOf<WFmt::kQ8>(a, n);
-  const RunSegments& seg = x.segments;
-  const int64_t blocks = a.k / 32;
-  TokenX tx[TT];
-  __m256 acc[TT];
-  float zero_part[TT];
-  for (int t = 0; t < TT; ++t) {
-    tx[t] = {&x.blocks.q[(t0 + t) * a.k], &x.blocks.scale[(t0 + t) * blocks]};
-    acc[t] = _mm256_setzero_ps();
-    zero_part[t] = 0;
-  }
-  for (size_t j = 0; j < seg.segs.size(); ++j) {
-    const RunSegments::Seg& sg = seg.segs[j];
-    __m256 even[TT], odd[TT];
-    for (int t = 0; t < TT; ++t) even[t] = odd[t] = _mm256_setzero_ps();
-    const int64_t b1 = sg.k1 / 32;
-    int64_t b = sg.k0 / 32;
-    for (; b + 2 <= b1; b += 2) {
-      PrefetchCodesAhead(row.codes() + 32 * b);  // a cache line per two blocks
-      BlockAvx2<TT>(row.codes(), tx, b, even);
-      BlockAvx2<TT>(row.codes(), tx, b + 1, odd);
-    }
-    if (b < b1) BlockAvx2<TT>(row.codes(), tx, b, even);
-    const float w_scale = row.scale[sg.run];
-    const float w_zero = (row.zero[sg.run] - 128.f) * w_scale;  // exact for integer zeros
-    for (int t = 0; t < TT; ++t) {
-      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(w_scale), _mm256_add_ps(even[t], odd[t]), acc[t]);
-      zero_part[t] += w_zero * seg.zero_sum[(t0 + t) * seg.segs.size() + j];
-    }
-  }
-  for (int t = 0; t < TT; ++t) out[t0 + t] = HSum8(acc[t]) - zero_part[t];
-}
-
-TGIS_AVX2 void RowAvx2(const SmallArgs& a, const Int8X8& x, int64_t n) {
-  float sums[kSmallT];
-  int64_t t0 = 0;
-  for (; t0 + 2 <= a.t; t0 += 2) DotsAvx2<2>(a, x, n, t0, sums);
-  if (t0 < a.t) DotsAvx2<1>(a, x, n, t0, sums);
-  StoreRow(a, n, sums);
-}
-
 TGIS_VNNI void Row(const SmallArgs& a, const Int8X8& x, int64_t n) {
   alignas(64) __m512 acc[kSmallT];
   int64_t t0 = 0;
@@ -157,35 +75,8 @@ TGIS_VNNI void Row(const SmallArgs& a, const Int8X8& x, int64_t n) {
 
 }  // namespace
 
-void RunSegments::Build(const Int8Blocks& x, int64_t t, int64_t k, const int32_t* block_run) {
-  constexpr int64_t kBlock = 32;
-  segs.clear();
-  for (int64_t c = 0; c < k; c += kBlock) {
-    const int32_t run = block_run[c / 8];  // the block's run (one: WholeBlockRuns)
-    if (!segs.empty() && segs.back().run == run) {
-      segs.back().k1 = c + kBlock;
-    } else {
-      segs.push_back({c, c + kBlock, run});
-    }
-  }
-  const int64_t blocks = k / kBlock;
-  zero_sum.assign(t * segs.size(), 0.f);
-  for (int64_t i = 0; i < t; ++i) {
-    for (size_t j = 0; j < segs.size(); ++j) {
-      float z = 0;
-      for (int64_t b = segs[j].k0 / kBlock; b < segs[j].k1 / kBlock; ++b)
-        z += x.scale[i * blocks + b] * x.sum[i * blocks + b];
-      zero_sum[i * segs.size() + j] = z;
-    }
-  }
-}
-
-bool Int8X8::Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run, bool vnni) {
+bool Int8X8::Prepare(const float* x, int64_t t, int64_t k) {
   if (k % kChunk != 0 || !blocks.Prepare(x, t, k)) return false;
-  if (!vnni) {
-    segments.Build(blocks, t, k, block_run);
-    return true;
-  }
   lane_sum.resize(t * k / 4);
   lane_scale.resize(t * k / 4);
   for (int64_t i = 0; i < t * k / 4; ++i) {
@@ -196,12 +87,12 @@ bool Int8X8::Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_
   return true;
 }
 
-void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, bool vnni, int64_t n0, int64_t n1) {
+void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, int64_t n0, int64_t n1) {
   // One row after another: the weight is then one sequential stream, which the hardware
   // prefetcher serves best. Measured on Zen 4 (kernels_bench --t=1 --int8-activations int8,
   // 2 threads): 30-32 GB/s, against 21-26 with tiles of 4 rows and software prefetch (the
   // exact 8-bit kernel's way) and 16-25 with tiles of 4 and no prefetch.
-  for (int64_t n = n0; n < n1; ++n) vnni ? Row(a, x, n) : RowAvx2(a, x, n);
+  for (int64_t n = n0; n < n1; ++n) Row(a, x, n);
 }
 
 }  // namespace tgis::kernels::cpu

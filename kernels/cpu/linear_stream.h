@@ -97,8 +97,8 @@ inline WRow RowOf(const SmallArgs& a, int64_t n) {
 // (kernels_bench --quick --t=1 [--int8-activations] int8 gptq8 gptq4 gptq4g32, old and new
 // alternated); 2048 and 8192 a little less, 16384 no better.
 constexpr int64_t kCodesAhead = 4096;
-inline void PrefetchCodesAhead(const uint8_t* codes) {
-  _mm_prefetch(reinterpret_cast<const char*>(codes + kCodesAhead), _MM_HINT_T0);
+inline void PrefetchCodesAhead(const uint8_t* codes, int64_t ahead = kCodesAhead) {
+  _mm_prefetch(reinterpret_cast<const char*>(codes + ahead), _MM_HINT_T0);
 }
 
 // The AVX-512 streaming kernel (linear_avx512.cc). It takes every float weight and the
@@ -141,10 +141,10 @@ void SmallVnni(const SmallArgs& a, const FixedPointX& fx, int64_t n0, int64_t n1
 // block of zeros, or of values so small that 127 / absmax overflows, is zeros with scale 0).
 // Prepared with AVX2 (linear_int8_gemm.cc): callers have checked for it.
 //
-// The 8-bit kernels and the prefill GEMM come in two builds of one layout: AVX-512 VNNI
-// (vpdpbusd: 4 products summed per int32 lane in one instruction) and AVX2 (vpmaddubsw, then
-// vpmaddwd into int32 lanes); 4-bit decode is AVX2 code everywhere (CodePanels). All sum every
-// 32-column block exactly in integers and differ only in the f32 order their lanes are added in.
+// Its kernels: AVX-512 VNNI ones on the rows (vpdpbusd: 4 products summed per int32 lane in one
+// instruction; 8-bit decode and the prefill GEMM) and AVX2 ones on the panels (8-bit codes
+// elsewhere, 4-bit decode everywhere). All sum every 32-column block exactly in integers and
+// differ only in the f32 order their lanes are added in.
 struct Int8Blocks {
   std::vector<int8_t> q;          // [t, k]
   std::vector<float> scale, sum;  // [t, k / 32]: the block's scale and the sum of its codes
@@ -152,40 +152,21 @@ struct Int8Blocks {
   bool Prepare(const float* x, int64_t t, int64_t k);
 };
 
-// The stored columns cut where the weight's run changes, for the AVX2 8-bit int8 kernel
-// (linear_q8_int8x.cc): within a segment the weight's scale and zero are one pair, so a row's
-// integer sums are scaled by x's block scales alone and the weight's pair is applied once per
-// segment: out = sum over segments of scale * (sum of x-scaled integer sums - (zero - 128) *
-// zero_sum), the kernel having multiplied code - 128.
-struct RunSegments {
-  struct Seg {
-    int64_t k0, k1;  // columns, multiples of 32
-    int32_t run;
-  };
-  std::vector<Seg> segs;
-  std::vector<float> zero_sum;  // [t, segs]: sum over the segment's blocks of x scale * code sum
-  // On weights WholeBlockRuns.
-  void Build(const Int8Blocks& x, int64_t t, int64_t k, const int32_t* block_run);
-};
-
-// The opt-in kernel for 8-bit codes against x rounded to int8 (linear_q8_int8x.cc), on the
-// weights WholeBlockRuns, with VNNI (`vnni`) or AVX2. x as that kernel reads it: Int8Blocks' codes,
-// and per dword lane (4 columns) the sum of its codes and its block's scale (VNNI), and the runs'
-// segments of 32 columns (AVX2).
+// The opt-in kernel for 8-bit codes against x rounded to int8 on AVX-512 VNNI
+// (linear_q8_int8x.cc), on the weights WholeBlockRuns. x as that kernel reads it: Int8Blocks'
+// codes, and per dword lane (4 columns) the sum of its codes and its block's scale.
 struct Int8X8 {
   Int8Blocks blocks;
-  RunSegments segments;
   std::vector<float> lane_sum, lane_scale;  // [t, k / 4]
   // False (and unusable: the exact kernel runs) when k is not a multiple of 64 or x has a NaN
   // or inf.
-  // `vnni`: the lane view for the VNNI kernel, else the segments for the AVX2 one.
-  bool Prepare(const float* x, int64_t t, int64_t k, const int32_t* block_run, bool vnni);
+  bool Prepare(const float* x, int64_t t, int64_t k);
 };
-void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, bool vnni, int64_t n0, int64_t n1);
+void SmallQ8Int8X(const SmallArgs& a, const Int8X8& x, int64_t n0, int64_t n1);
 
 // 8- and 4-bit codes as the AVX2 kernels read them (linear_panels.cc): exact decode, and where
-// PrepareCpuWeight kept the codes only here, exact prefill's f32 rows; for 4-bit codes also the
-// int8-activation kernel at every T (linear_q4_panels.cc). llama.cpp's Q4_0 "8x8" interleave,
+// PrepareCpuWeight kept the codes only here, exact prefill's f32 rows; and the int8-activation
+// kernels at every T (linear_int8_panels.cc). llama.cpp's Q4_0 "8x8" interleave,
 // for our runs and for 8-bit codes too. Rows are taken 8 at a time (a panel; rows past N are
 // zero codes with zero constants); per panel and 32-column block, vectors of 32 bytes (4 for
 // 4-bit codes, 8 for 8-bit), vector j's dword lane r holding row r's code bytes [4j, 4j + 4) of
@@ -226,10 +207,9 @@ TGIS_AVX2 inline __attribute__((always_inline)) void PanelRunConstants(const Cod
 const CodePanels* CodePanelsOf(const QuantizedWeight& q);
 // Bytes held by all weights' panels now.
 size_t PanelBytes();
-// out = x @ w^T (+ bias) for any T, x as Int8Blocks rounds it, on the thread pool; 4-bit
-// panels. Its row results equal LargeInt8Gemm's AVX2 ones bit for bit: the same integer sums
-// and f32 steps.
-void Q4PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const CodePanels& p);
+// out = x @ w^T (+ bias) for any T, x as Int8Blocks rounds it, on the thread pool, from 8- or
+// 4-bit panels (linear_int8_panels.cc).
+void Int8PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const CodePanels& p);
 // out = x @ w^T (+ bias) for T <= kSmallT with x in f32: the exact decode of 8- and 4-bit codes
 // on AVX2, on the thread pool.
 void PanelsExactLinear(const SmallArgs& a, const CodePanels& p);
@@ -314,10 +294,9 @@ __attribute__((target("avx512f"))) inline void Transpose16(const float* src, int
 #endif
 
 // The opt-in prefill GEMM (T > kSmallT) for 8- and 4-bit codes against x as Int8Blocks rounds it
-// (linear_int8_gemm.cc), on the weights WholeBlockRuns, with VNNI (`vnni`) or AVX2; it runs on
-// the thread pool and adds the bias. False (nothing written: the exact path runs) when x has a
-// NaN or inf.
+// on AVX-512 VNNI (linear_int8_gemm.cc), on the weights WholeBlockRuns; it runs on the thread
+// pool and adds the bias. False (nothing written: the exact path runs) when x has a NaN or inf.
 template <WFmt W>
-bool LargeInt8Gemm(const SmallArgs& a, bool vnni);
+bool LargeInt8Gemm(const SmallArgs& a);
 
 }  // namespace tgis::kernels::cpu

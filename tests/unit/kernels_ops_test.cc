@@ -1654,7 +1654,7 @@ TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
             for (int64_t i = 0; i < (t_count - skip) * out_f; ++i) {
               ASSERT_EQ(part[i], got[skip * out_f + i]) << "rows 1.. alone and inside T, at " << i;
             }
-            if (isa == cpu::Isa::kAvx2 && bits == 4) {
+            if (isa == cpu::Isa::kAvx2) {
               // One kernel at every T (CodePanels): two rows alone, decode-sized, give the bits
               // they have inside a T of 3 (token tiles of 2 and 1) or of 40 (the prefill).
               Tensor two;
@@ -1686,11 +1686,10 @@ TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
   EXPECT_GT(isas_run, 0);
 }
 
-// The 8-row panel layout is made at load when a kernel will read it (exact decode on AVX2; for
-// 4-bit codes also the int8-activation mode), so that the shard sizes its KV cache from the
-// memory left after it. Where every path reads the panels (AVX2 without AVX-512; for 8-bit
-// codes, with the mode off), the prepared weight keeps its codes only there and the row-major
-// copy goes.
+// The 8-row panel layout is made at load when a kernel will read it (every path on AVX2; with
+// AVX-512, 4-bit codes' int8-activation decode), so that the shard sizes its KV cache from the
+// memory left after it. Where every path reads the panels (AVX2 without AVX-512, either mode),
+// the prepared weight keeps its codes only there and the row-major copy goes.
 TEST(CpuPanels, PrepareCpuWeightMakesThePanelsAtLoad) {
   if (!cpu::IsaAvailable(cpu::Isa::kAvx2)) GTEST_SKIP() << "no AVX2 on this CPU";
   const int64_t out_f = 16, in = 64;
@@ -1731,7 +1730,9 @@ TEST(CpuPanels, PrepareCpuWeightMakesThePanelsAtLoad) {
       ASSERT_TRUE(SetCpuInt8Activations(false));
       EXPECT_TRUE(w4_int8.quantized()->cpu_layout.made()) << what << ", the mode on";
       EXPECT_EQ(w4_int8.quantized()->codes_only_in_panels, avx2) << what << ", the mode on";
-      EXPECT_FALSE(w8.quantized()->cpu_layout.made()) << what;
+      // 8-bit codes: the int8 kernels read the panels on AVX2, the rows with VNNI.
+      EXPECT_EQ(w8.quantized()->cpu_layout.made(), avx2) << what << ", 8-bit, the mode on";
+      EXPECT_EQ(w8.quantized()->codes_only_in_panels, avx2) << what << ", 8-bit, the mode on";
       // The start-up log's figure: at least the panels' codes (16 rows x 32 bytes).
       EXPECT_GE(CpuDerivedLayoutBytes(), before + out_f * in / 2) << what;
       // A copy of the weight starts without it.
@@ -1745,8 +1746,8 @@ TEST(CpuPanels, PrepareCpuWeightMakesThePanelsAtLoad) {
 
 // A weight whose codes PrepareCpuWeight kept only in the panels gives the bits the weight with
 // its rows gives, on every path: decode and prefill (T > 16: f32 rows made from the panels,
-// also where a thread's range of rows cuts a panel), exact and, 4-bit, with int8 activations
-// (and their fallback to the exact path when x has a NaN).
+// also where a thread's range of rows cuts a panel), exact and with int8 activations (and
+// their fallback to the exact path when x has a NaN).
 TEST(CpuPanels, WeightKeptOnlyInThePanelsGivesTheSameBits) {
   if (!cpu::IsaAvailable(cpu::Isa::kAvx2)) GTEST_SKIP() << "no AVX2 on this CPU";
   cpu::SetIsaForTesting(cpu::Isa::kAvx2);
@@ -1767,7 +1768,6 @@ TEST(CpuPanels, WeightKeptOnlyInThePanelsGivesTheSameBits) {
       PrepareCpuWeight(&panels);
       ASSERT_TRUE(panels.quantized()->codes_only_in_panels);
       for (const bool int8 : {false, true}) {
-        if (int8 && bits == 8) continue;  // 8-bit codes are prepared so with the mode off
         ASSERT_TRUE(SetCpuInt8Activations(int8));
         for (const int64_t t : {1, 3, 16, 17, 40}) {
           std::vector<float> xs = Random(t * in, ++seed);
