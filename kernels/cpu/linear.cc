@@ -563,9 +563,11 @@ size_t DerivedLayoutBytes() { return PanelBytes(); }
 bool PrepareQuantized(const QuantizedWeight& q) {
   if ((q.bits != 4 && q.bits != 8) || q.fp8) return false;
   // Where every path reads the panels they are made now and the rows may go; with AVX-512
-  // they serve 4-bit int8-activation decode only, beside the rows.
+  // they serve the int8-activation kernels only, beside the rows (4-bit decode, and 8- and
+  // 4-bit codes at every T without VNNI).
   if (EveryPathTakesPanels(&q)) return CodePanelsOf(q) != nullptr;
-  if (q.bits == 4 && Int8PathFor(&q) != Int8Path::kNone) CodePanelsOf(q);
+  const Int8Path int8 = Int8PathFor(&q);
+  if (int8 == Int8Path::kAvx2 || (q.bits == 4 && int8 != Int8Path::kNone)) CodePanelsOf(q);
   return false;
 }
 
