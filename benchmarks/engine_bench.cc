@@ -167,7 +167,7 @@ int main(int argc, char** argv) {
   auto linear_bytes = [&](double out, double in) {
     if (q.method == tgis::server::QuantMethod::kNone) return out * in * wbytes;
     if (q.method == tgis::server::QuantMethod::kInt8AtLoad) return out * in + out * 8;
-    const double groups = q.group_size < 0 ? 1 : std::ceil(in / q.group_size);
+    const double groups = q.group_size <= 0 ? 1 : std::ceil(in / q.group_size);
     return out * in * q.bits / 8 + out * groups * (q.bits == 4 ? 3 : 8);
   };
   const double h = spec.hidden, qd = spec.num_heads * spec.head_dim;

@@ -9,6 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/quantized.h"
+#include "server/compressed_tensors.h"
+#include "server/config_keys.h"
 #include "server/weights.h"
 
 namespace tgis::server {
@@ -17,6 +19,12 @@ namespace fs = std::filesystem;
 using Json = nlohmann::json;
 using kernels::DType;
 using kernels::Tensor;
+
+using config_keys::BoolKey;
+using config_keys::CheckKeys;
+using config_keys::IntKey;
+using config_keys::RejectIfTrue;
+using config_keys::StringKey;
 
 namespace {
 
@@ -49,83 +57,11 @@ const std::set<std::string> kAwqIgnoredKeys = {
     "exllama_config",  // AutoAWQ's runtime choices
 };
 
-// compressed-tensors (llm-compressor): top-level keys read nowhere, and why.
-const std::set<std::string> kCompressedTensorsIgnoredKeys = {
-    "quant_method",              // read: "compressed-tensors"
-    "ignore",                    // modules left dense: read as dense by their tensors
-    "global_compression_ratio",  // bookkeeping
-    "version",                   // of the library that wrote it
-    "quantization_status",       // "compressed" or "frozen": the tensors' dtypes say which
-    "provider",
-};
-// Keys of a compressed-tensors quantization args object (weights, input_activations) that
-// only steer calibration; the ones that change the stored tensors are read.
-const std::set<std::string> kQuantArgsIgnoredKeys = {
-    "observer",    "observer_kwargs",  // calibration
-    "actorder",                        // read: must be null or false (group strategies only)
-    "scale_dtype", "zp_dtype",         // the tensors' own dtypes say it
-};
 const std::set<std::string> kFbgemmIgnoredKeys = {
     "quant_method",         // read: "fbgemm_fp8"
     "activation_scale_ub",  // bound on dynamic fp8 activation scales: activations stay unquantized
     "modules_to_not_convert",  // dense modules: read as dense by their tensors
 };
-
-absl::StatusOr<int64_t> IntKey(const Json& j, const std::string& where, const char* key,
-                               std::optional<int64_t> default_value) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) {
-    if (default_value) return *default_value;
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", key, ": missing"));
-  }
-  if (!it->is_number_integer()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": ", key, " = ", it->dump(), ": expected an integer"));
-  }
-  return it->get<int64_t>();
-}
-
-absl::StatusOr<std::string> StringKey(const Json& j, const std::string& where, const char* key,
-                                      const std::string& default_value) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return default_value;
-  if (!it->is_string()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": ", key, " = ", it->dump(), ": expected a string"));
-  }
-  return it->get<std::string>();
-}
-
-absl::StatusOr<bool> BoolKey(const Json& j, const std::string& where, const char* key,
-                             bool default_value) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return default_value;
-  if (!it->is_boolean()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": ", key, " = ", it->dump(), ": expected true or false"));
-  }
-  return it->get<bool>();
-}
-
-// A boolean key that must not be true: `what` says why.
-absl::Status RejectIfTrue(const Json& j, const std::string& where, const char* key,
-                          const std::string& what) {
-  auto b = BoolKey(j, where, key, false);
-  if (!b.ok()) return b.status();
-  if (*b) return absl::UnimplementedError(absl::StrCat(where, ": ", key, ": ", what));
-  return absl::OkStatus();
-}
-
-absl::Status CheckKeys(const Json& j, const std::string& where, const std::set<std::string>& read,
-                       const std::set<std::string>& ignored) {
-  for (const auto& [key, value] : j.items()) {
-    if (read.count(key) == 0 && ignored.count(key) == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": key '", key, "' is not understood by this server"));
-    }
-  }
-  return absl::OkStatus();
-}
 
 absl::StatusOr<QuantConfig> ParseGptq(const Json& j, const std::string& where) {
   QuantConfig q;
@@ -213,118 +149,6 @@ absl::StatusOr<QuantConfig> ParseAwq(const Json& j, const std::string& where) {
   return q;
 }
 
-// A compressed-tensors quantization args object: fp8 weights per tensor or per channel
-// (`weights`), or the activations' (`activations`: any float8 scheme, unused here).
-absl::Status CheckFp8Args(const Json& j, const std::string& where, bool weights) {
-  if (!j.is_object()) return absl::InvalidArgumentError(where + ": expected an object");
-  auto bits = IntKey(j, where, "num_bits", std::nullopt);
-  if (!bits.ok()) return bits.status();
-  auto type = StringKey(j, where, "type", "int");
-  if (!type.ok()) return type.status();
-  if (*bits != 8 || *type != "float") {
-    return absl::UnimplementedError(absl::StrCat(where, ": num_bits ", *bits, ", type '", *type,
-                                                 "': only float8 (num_bits 8, type float) "
-                                                 "compressed-tensors checkpoints are supported"));
-  }
-  auto strategy = StringKey(j, where, "strategy", "tensor");
-  if (!strategy.ok()) return strategy.status();
-  if (weights && *strategy != "tensor" && *strategy != "channel") {
-    return absl::UnimplementedError(
-        absl::StrCat(where, ": strategy '", *strategy,
-                     "': fp8 weights per tensor or per channel are supported"));
-  }
-  auto symmetric = BoolKey(j, where, "symmetric", true);
-  if (!symmetric.ok()) return symmetric.status();
-  if (!*symmetric) {
-    return absl::UnimplementedError(absl::StrCat(where, ": symmetric = false is not supported"));
-  }
-  if (weights) {
-    if (auto st = RejectIfTrue(j, where, "dynamic", "dynamically quantized weights are not stored");
-        !st.ok()) {
-      return st;
-    }
-    for (const char* key : {"group_size", "block_structure"}) {
-      if (j.contains(key) && !j[key].is_null()) {
-        return absl::UnimplementedError(
-            absl::StrCat(where, ": ", key, " = ", j[key].dump(), ": fp8 blocks are not supported"));
-      }
-    }
-  } else if (auto dynamic = BoolKey(j, where, "dynamic", false); !dynamic.ok()) {
-    return dynamic.status();
-  }
-  if (j.contains("actorder") && !j["actorder"].is_null() && j["actorder"] != false) {
-    return absl::UnimplementedError(absl::StrCat(where, ": actorder = ", j["actorder"].dump()));
-  }
-  return CheckKeys(
-      j, where,
-      {"num_bits", "type", "strategy", "symmetric", "dynamic", "group_size", "block_structure"},
-      kQuantArgsIgnoredKeys);
-}
-
-absl::StatusOr<QuantConfig> ParseCompressedTensors(const Json& j, const std::string& where) {
-  QuantConfig q;
-  q.method = QuantMethod::kFp8;
-  q.bits = 8;
-  q.source = where;
-  auto format = StringKey(j, where, "format", "");
-  if (!format.ok()) return format.status();
-  auto check_format = [&](const std::string& f, const std::string& at) -> absl::Status {
-    if (f != "float-quantized" && f != "naive-quantized") {
-      return absl::UnimplementedError(absl::StrCat(
-          at, ": format '", f, "': only float8 (float-quantized) checkpoints are supported"));
-    }
-    return absl::OkStatus();
-  };
-  if (auto st = check_format(*format, where); !st.ok()) return st;
-  auto groups = j.find("config_groups");
-  if (groups == j.end() || !groups->is_object() || groups->empty()) {
-    return absl::InvalidArgumentError(where + ": config_groups: expected a non-empty object");
-  }
-  for (const auto& [name, group] : groups->items()) {
-    const std::string at = absl::StrCat(where, ": config_groups: ", name);
-    if (!group.is_object()) return absl::InvalidArgumentError(at + ": expected an object");
-    if (auto it = group.find("weights"); it == group.end() || it->is_null()) {
-      return absl::InvalidArgumentError(at + ": weights: missing");
-    } else if (auto st = CheckFp8Args(*it, at + ": weights", true); !st.ok()) {
-      return st;
-    }
-    if (auto it = group.find("input_activations"); it != group.end() && !it->is_null()) {
-      if (auto st = CheckFp8Args(*it, at + ": input_activations", false); !st.ok()) return st;
-    }
-    if (auto it = group.find("output_activations"); it != group.end() && !it->is_null()) {
-      return absl::UnimplementedError(at +
-                                      ": output_activations: quantized outputs are not "
-                                      "supported");
-    }
-    if (auto f = StringKey(group, at, "format", *format); !f.ok()) {
-      return f.status();
-    } else if (auto st = check_format(*f, at); !st.ok()) {
-      return st;
-    }
-    // targets: which modules the scheme was applied to; each linear's tensors say it here.
-    if (auto st =
-            CheckKeys(group, at, {"weights", "input_activations", "output_activations", "format"},
-                      {"targets"});
-        !st.ok()) {
-      return st;
-    }
-  }
-  for (const char* key : {"kv_cache_scheme", "transform_config", "sparsity_config"}) {
-    if (auto it = j.find(key); it != j.end() && !it->is_null() && !it->empty()) {
-      return absl::UnimplementedError(
-          absl::StrCat(where, ": ", key, " = ", it->dump(), ": not supported"));
-    }
-  }
-  if (auto st = CheckKeys(
-          j, where,
-          {"format", "config_groups", "kv_cache_scheme", "transform_config", "sparsity_config"},
-          kCompressedTensorsIgnoredKeys);
-      !st.ok()) {
-    return st;
-  }
-  return q;
-}
-
 absl::StatusOr<QuantConfig> ParseFbgemmFp8(const Json& j, const std::string& where) {
   QuantConfig q;
   q.method = QuantMethod::kFp8;
@@ -361,7 +185,7 @@ absl::StatusOr<QuantConfig> ParseQuantization(const Json& j, const std::string& 
   if (*method == "fbgemm_fp8") return ParseFbgemmFp8(j, where);
   return absl::UnimplementedError(absl::StrCat(where, ": quant_method '", *method,
                                                "' is not supported (gptq, awq, compressed-tensors "
-                                               "fp8 and fbgemm_fp8 are)"));
+                                               "and fbgemm_fp8 are)"));
 }
 
 }  // namespace

@@ -12,6 +12,12 @@
 //    linear's `weight` [out, in] float8 e4m3fn and `weight_scale` (one, or one per output
 //    row), w = fp8 * scale. Weight-only here: activations stay in the compute dtype, so the
 //    static `input_scale` / `input_scale_ub` tensors that fp8 GEMMs use are read and unused.
+//  - compressed-tensors integers (llm-compressor's W4A16 / W8A16 "pack-quantized", W8A8
+//    "int-quantized", "naive-quantized"): signed codes q, w = (q - zero_point) * scale per
+//    tensor, output row or group of input columns; packed (`weight_packed` int32 [out,
+//    in * bits / 32], code k at bit k * bits, stored as q + 2^(bits - 1); asymmetric zero
+//    points packed so along the output dimension) or one int8 per weight (`weight`). Int8
+//    activation schemes (W8A8) run weight-only here too, as fp8 ones do.
 //  - bitsandbytes (TGIS's --quantize value): a dense checkpoint quantized at load, int8 per
 //    output row with absmax scales (kernels::QuantizeInt8Rows). Unlike bitsandbytes'
 //    LLM.int8 the activations stay f32 (no int8 activations, so no outlier decomposition is
@@ -32,12 +38,13 @@ namespace tgis::server {
 
 class WeightStore;
 
-enum class QuantMethod { kNone, kGptq, kAwq, kFp8, kInt8AtLoad };
+enum class QuantMethod { kNone, kGptq, kAwq, kFp8, kCompressedInt, kInt8AtLoad };
 
 struct QuantConfig {
   QuantMethod method = QuantMethod::kNone;
-  int bits = 0;
-  int64_t group_size = -1;      // -1: one group per output row (per channel)
+  int bits = 0;                 // kCompressedInt: 0 where its config groups differ
+  int64_t group_size = -1;      // -1: one group per output row (per channel); kCompressedInt:
+                                // 0 where its config groups differ (each linear's scales say)
   bool zero_minus_one = false;  // GPTQ v1 stores zero - 1
   std::string source;           // the file the config came from, for errors
 };
@@ -59,6 +66,13 @@ absl::StatusOr<kernels::Tensor> LoadQuantizedLinear(const WeightStore& w, const 
                                                     const std::string& prefix,
                                                     const std::vector<Range>& rows,
                                                     std::optional<Range> cols);
+
+// The compressed-tensors integer linear `prefix` (weight_packed or an int8 weight, its scales
+// and zero points, weight_g_idx where present), rows and columns as above.
+absl::StatusOr<kernels::Tensor> LoadCompressedIntLinear(const WeightStore& w, const QuantConfig& q,
+                                                        const std::string& prefix,
+                                                        const std::vector<Range>& rows,
+                                                        std::optional<Range> cols);
 
 // The fp8 linear `prefix` (its weight and weight_scale), rows and columns as above.
 absl::StatusOr<kernels::Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,

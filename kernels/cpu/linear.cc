@@ -416,8 +416,7 @@ void SmallT(const SmallArgs& args) {
   }
   if constexpr (W == WFmt::kQ8) {
     thread_local Int8X8 int8x;
-    if (int8 == Int8Path::kVnni &&
-        int8x.Prepare(args.x, args.t, args.k)) {
+    if (int8 == Int8Path::kVnni && int8x.Prepare(args.x, args.t, args.k)) {
       const Int8X8* x = &int8x;
       ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
         SmallQ8Int8X(args, *x, b * kTileRows, std::min(args.n, e * kTileRows));
@@ -492,8 +491,7 @@ void LargeT(const SmallArgs& a) {
   if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
     const Int8Path int8 = Int8PathFor(a.q);
     // Without VNNI the panels at every T (linear_int8_panels.cc).
-    if (int8 == Int8Path::kAvx2 ? PanelsInt8(a)
-                                : int8 == Int8Path::kVnni && LargeInt8Gemm<W>(a)) {
+    if (int8 == Int8Path::kAvx2 ? PanelsInt8(a) : int8 == Int8Path::kVnni && LargeInt8Gemm<W>(a)) {
       return;
     }
   }

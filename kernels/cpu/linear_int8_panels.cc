@@ -91,8 +91,8 @@ TGIS_AVX2 inline __attribute__((always_inline)) void BlockSums8(const uint8_t* w
     const __m256i magnitude = _mm256_abs_epi8(centered);
 #pragma GCC unroll 4
     for (int t = 0; t < TT; ++t) {
-      const __m256i pairs = _mm256_maddubs_epi16(
-          magnitude, _mm256_sign_epi8(Broadcast4(xb[t] + 4 * j), centered));
+      const __m256i pairs =
+          _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(Broadcast4(xb[t] + 4 * j), centered));
       dot[t] = AddI32(dot[t], _mm256_madd_epi16(pairs, ones));
     }
   }

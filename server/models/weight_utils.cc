@@ -136,7 +136,7 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
                                                                std::optional<Range> cols) const {
   const QuantConfig& q = w_.quantization();
   if (q.method != QuantMethod::kGptq && q.method != QuantMethod::kAwq &&
-      q.method != QuantMethod::kFp8) {
+      q.method != QuantMethod::kFp8 && q.method != QuantMethod::kCompressedInt) {
     return std::nullopt;
   }
   constexpr std::string_view kSuffix = ".weight";
@@ -150,6 +150,11 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
     // is refused by WeightStore::Get.
     if (!w_.Has(prefix + ".weight_scale")) return std::nullopt;
     return LoadFp8Linear(w_, q, prefix, rows, cols);
+  }
+  if (q.method == QuantMethod::kCompressedInt) {
+    // Likewise: a linear left dense has no weight_scale.
+    if (!w_.Has(prefix + ".weight_scale")) return std::nullopt;
+    return LoadCompressedIntLinear(w_, q, prefix, rows, cols);
   }
   if (w_.Has(name) || !w_.Has(prefix + ".qweight")) return std::nullopt;  // a dense linear
   return LoadQuantizedLinear(w_, q, prefix, rows, cols);

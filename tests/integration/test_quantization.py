@@ -1,5 +1,5 @@
-"""Quantized checkpoints through the real router and shard, as a TGIS user serves them: a GPTQ
-AWQ or fp8 folder as it is (its quantization config is detected), a dense one with
+"""Quantized checkpoints through the real router and shard, as a TGIS user serves them: a GPTQ,
+AWQ, fp8 or compressed-tensors integer folder as it is (its quantization config is detected), a dense one with
 --quantize bitsandbytes. Outputs are transformers' on the dequantized weights
 (tests/fixtures/make_quantized_fixtures.py)."""
 
@@ -17,7 +17,8 @@ from router_harness import Oracle, RouterServer, binaries_missing  # noqa: E402
 grpc = pytest.importorskip("grpc")
 
 CASES = [("llama_gptq4", []), ("llama_gptq8", []), ("llama_awq", []), ("llama_fp8", []),
-         ("llama_fp8_fbgemm", ["--quantize", "fp8"]),
+         ("llama_fp8_fbgemm", ["--quantize", "fp8"]), ("llama_ct_w4a16", []),
+         ("llama_ct_w8a8", []),
          ("llama_int8", ["--quantize", "bitsandbytes"])]
 
 

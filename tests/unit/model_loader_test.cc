@@ -196,7 +196,7 @@ TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
   expect_error("already quantized", "bitsandbytes");
   expect_error("is quantized otherwise", "gptq");
   with([](Json& q) { q["config_groups"]["group_0"]["weights"]["type"] = "int"; });
-  expect_error("group_0: weights: num_bits 8, type 'int': only float8");
+  expect_error("group_0: format 'float-quantized' for integer weights");
   with([](Json& q) { q["config_groups"]["group_0"]["weights"]["strategy"] = "group"; });
   expect_error("weights: strategy 'group'");
   with([](Json& q) { q["config_groups"]["group_0"]["weights"]["block_structure"] = {128, 128}; });
@@ -221,6 +221,87 @@ TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
   EXPECT_TRUE(read(std::nullopt).ok());
   EditConfig([&](Json& c) { c["quantization_config"]["input_scale"] = 1; });
   expect_error("key 'input_scale' is not understood");
+}
+
+// compressed-tensors integer checkpoints (llm-compressor's W4A16, W8A16, W8A8): the config's
+// schemes are checked key by key, and each linear's tensors against them.
+TEST_F(LoaderTest, CompressedIntConfigsAndTensorsAreReadStrictly) {
+  const fs::path src = fs::path(TGIS_FIXTURES_DIR) / "models" / "llama_ct_w4a16";
+  for (const char* f : {"config.json", "model.safetensors"}) {
+    fs::copy(src / f, dir_ / f, fs::copy_options::overwrite_existing);
+  }
+  const Json ct = Json::parse(ReadAll(src / "config.json"))["quantization_config"];
+  auto read = [&](std::optional<std::string> flag) {
+    auto config = tgis::server::ModelConfig::Load(dir_.string());
+    EXPECT_TRUE(config.ok()) << config.status();
+    return tgis::server::ReadQuantConfig(dir_.string(), *config, flag).status();
+  };
+  auto build = [&]() -> absl::Status {
+    auto config = tgis::server::ModelConfig::Load(dir_.string());
+    if (!config.ok()) return config.status();
+    auto q = tgis::server::ReadQuantConfig(dir_.string(), *config, std::nullopt);
+    if (!q.ok()) return q.status();
+    auto weights = tgis::server::WeightStore::Open(dir_.string());
+    if (!weights.ok()) return weights.status();
+    (*weights)->set_quantization(*q);
+    return tgis::server::ModelRegistry::Get()
+        .Build(*config, **weights, tgis::kernels::DType::kF32)
+        .status();
+  };
+  auto expect_error = [](const absl::Status& st, const std::string& text) {
+    EXPECT_FALSE(st.ok()) << text;
+    EXPECT_NE(st.message().find(text), std::string::npos) << st;
+  };
+  auto with = [&](const std::function<void(Json&)>& edit) {
+    EditConfig([&](Json& c) {
+      c["quantization_config"] = ct;
+      edit(c["quantization_config"]);
+    });
+  };
+  EXPECT_TRUE(read(std::nullopt).ok()) << read(std::nullopt);
+  EXPECT_TRUE(build().ok()) << build();
+  expect_error(read("bitsandbytes"), "already quantized");
+  expect_error(read("gptq"), "is quantized otherwise");
+  auto with_weights = [&](const std::function<void(Json&)>& edit) {
+    with([&](Json& q) { edit(q["config_groups"]["group_0"]["weights"]); });
+  };
+  with_weights([](Json& w) { w["num_bits"] = 2; });
+  expect_error(read({}), "weights: num_bits 2, type 'int': float8 weights and integer ones");
+  with_weights([](Json& w) { w["strategy"] = "block"; });
+  expect_error(read({}), "weights: strategy 'block'");
+  with_weights([](Json& w) { w["group_size"] = nullptr; });
+  expect_error(read({}), "group_size = -1: the group strategy needs one > 0");
+  with_weights([](Json& w) { w["dynamic"] = true; });
+  expect_error(read({}), "dynamically quantized weights");
+  with_weights([](Json& w) { w["actorder"] = "random"; });
+  expect_error(read({}), "actorder = \"random\"");
+  with_weights([](Json& w) { w["actorder"] = "weight"; });
+  EXPECT_TRUE(read({}).ok()) << "actorder weight changes calibration, not the tensors";
+  with_weights([](Json& w) { w["zero_point_bits"] = 4; });
+  expect_error(read({}), "key 'zero_point_bits' is not understood");
+  with([](Json& q) {
+    q["config_groups"]["group_1"] = q["config_groups"]["group_0"];
+    q["config_groups"]["group_1"]["weights"]["type"] = "float";
+    q["config_groups"]["group_1"]["weights"]["num_bits"] = 8;
+    q["config_groups"]["group_1"]["weights"]["strategy"] = "channel";
+    q["config_groups"]["group_1"]["weights"]["group_size"] = nullptr;
+    q["config_groups"]["group_1"]["weights"]["symmetric"] = true;
+    q["config_groups"]["group_1"]["format"] = "float-quantized";
+  });
+  expect_error(read({}), "float8 and integer weights in one checkpoint are not supported");
+  with([](Json& q) {
+    q["config_groups"]["group_0"]["input_activations"] = {
+        {"num_bits", 4}, {"type", "int"}, {"strategy", "token"}, {"dynamic", true}};
+  });
+  expect_error(read({}), "input_activations: num_bits 4, type 'int': 8-bit activation schemes");
+  with([](Json& q) { q["config_groups"]["group_0"]["format"] = "float-quantized"; });
+  expect_error(read({}), "format 'float-quantized' for integer weights");
+  // The tensors against the config: groups of 64 where the scales hold groups of 32, codes
+  // said to be 8-bit where they are packed 4 to a byte.
+  with_weights([](Json& w) { w["group_size"] = 64; });
+  expect_error(build(), "self_attn.q_proj: 2 groups of scales for 64 columns in groups of 64");
+  with_weights([](Json& w) { w["num_bits"] = 8; });
+  expect_error(build(), "self_attn.q_proj: weight_packed holds 4-bit codes, the config says 8");
 }
 
 TEST_F(LoaderTest, Fp8WeightsWithoutAnFp8ConfigAreRefusedByName) {
