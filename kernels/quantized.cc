@@ -237,11 +237,18 @@ QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_
 
 QuantizedWeight BuildFp8Rows(int64_t out, int64_t in, const std::vector<uint8_t>& codes,
                              const std::vector<float>& row_scales) {
-  TGIS_CHECK(static_cast<int64_t>(row_scales.size()) == out,
-             "BuildFp8Rows: %lld scales for %lld rows", static_cast<long long>(row_scales.size()),
-             static_cast<long long>(out));
-  QuantizedWeight q = BuildQuantized(8, out, in, codes, std::vector<int32_t>(in, 0), 1, row_scales,
-                                     std::vector<float>(out, 0.f));
+  return BuildFp8(out, in, codes, std::vector<int32_t>(in, 0), 1, row_scales);
+}
+
+QuantizedWeight BuildFp8(int64_t out, int64_t in, const std::vector<uint8_t>& codes,
+                         const std::vector<int32_t>& group, int64_t groups,
+                         const std::vector<float>& scales) {
+  TGIS_CHECK(static_cast<int64_t>(scales.size()) == out * groups,
+             "BuildFp8: %lld scales for %lld rows of %lld groups",
+             static_cast<long long>(scales.size()), static_cast<long long>(out),
+             static_cast<long long>(groups));
+  QuantizedWeight q = BuildQuantized(8, out, in, codes, group, groups, scales,
+                                     std::vector<float>(out * groups, 0.f));
   q.fp8 = true;
   return q;
 }

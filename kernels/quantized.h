@@ -114,6 +114,11 @@ QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_
 // An fp8 weight: `codes` [out * in] float8 e4m3fn bytes (no NaN), one scale per row.
 QuantizedWeight BuildFp8Rows(int64_t out, int64_t in, const std::vector<uint8_t>& codes,
                              const std::vector<float>& row_scales);
+// An fp8 weight with a scale per row and group of input columns (fp8 blocks: every row of a
+// block of rows has its block's scales), `group` and `scales` as BuildQuantized takes them.
+QuantizedWeight BuildFp8(int64_t out, int64_t in, const std::vector<uint8_t>& codes,
+                         const std::vector<int32_t>& group, int64_t groups,
+                         const std::vector<float>& scales);
 
 // The same weight on `device` (every component copied). The CUDA kernels read f32 run
 // constants, so a compact weight goes there with them widened (ExpandRunConstants).

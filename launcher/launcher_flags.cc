@@ -647,7 +647,8 @@ absl::StatusOr<LaunchSettings> CheckLauncherFlags(const LauncherFlags& flags,
 
   // TGIS's values (gptq, bitsandbytes) and ours; the shard checks them against the checkpoint
   // (server/quantization.h).
-  static const std::vector<std::string> kQuantize = {"gptq", "bitsandbytes", "awq", "fp8"};
+  static const std::vector<std::string> kQuantize = {"gptq", "bitsandbytes", "awq", "fp8",
+                                                     "compressed-tensors"};
   if (flags.quantize) {
     if (std::find(kQuantize.begin(), kQuantize.end(), *flags.quantize) == kQuantize.end()) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <memory>
 #include <set>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -43,10 +45,11 @@ const std::set<std::string> kArgsIgnoredKeys = {
 // What a config group's weights are.
 enum class Kind { kFloat8, kInt };
 
-// A group's weights args: float8 per tensor or per channel; integers of 4 or 8 bits per
-// tensor, channel or group (`bits` and `group_size` get them: -1 per channel, 0 per tensor).
+// A group's weights args: float8 per tensor, channel or block of weights (`block` gets its
+// [rows, columns]); integers of 4 or 8 bits per tensor, channel or group (`bits` and
+// `group_size` get them: -1 per channel, 0 per tensor).
 absl::StatusOr<Kind> CheckWeightArgs(const Json& j, const std::string& where, int* bits,
-                                     int64_t* group_size) {
+                                     int64_t* group_size, std::pair<int64_t, int64_t>* block) {
   if (!j.is_object()) return absl::InvalidArgumentError(where + ": expected an object");
   auto num_bits = IntKey(j, where, "num_bits", std::nullopt);
   if (!num_bits.ok()) return num_bits.status();
@@ -62,12 +65,12 @@ absl::StatusOr<Kind> CheckWeightArgs(const Json& j, const std::string& where, in
                      "': float8 weights and integer ones of 4 or 8 bits are supported"));
   }
   const std::set<std::string> strategies =
-      float8 ? std::set<std::string>{"tensor", "channel"}
+      float8 ? std::set<std::string>{"tensor", "channel", "block"}
              : std::set<std::string>{"tensor", "channel", "group"};
   if (strategies.count(*strategy) == 0) {
     return absl::UnimplementedError(absl::StrCat(
         where, ": strategy '", *strategy, "': ", float8 ? "float8" : "integer",
-        " weights per tensor, per channel", float8 ? "" : " or per group", " are supported"));
+        " weights per tensor, per channel or per ", float8 ? "block" : "group", " are supported"));
   }
   if (auto symmetric = BoolKey(j, where, "symmetric", true); !symmetric.ok()) {
     return symmetric.status();
@@ -80,9 +83,19 @@ absl::StatusOr<Kind> CheckWeightArgs(const Json& j, const std::string& where, in
     return absl::UnimplementedError(
         absl::StrCat(where, ": dynamic: dynamically quantized weights are not stored"));
   }
-  if (auto it = j.find("block_structure"); it != j.end() && !it->is_null()) {
-    return absl::UnimplementedError(
-        absl::StrCat(where, ": block_structure = ", it->dump(), ": blocks are not supported"));
+  *block = {0, 0};
+  if (auto it = j.find("block_structure"); *strategy == "block") {
+    if (it == j.end() || !it->is_array() || it->size() != 2 || !(*it)[0].is_number_integer() ||
+        !(*it)[1].is_number_integer() || (*it)[0].get<int64_t>() <= 0 ||
+        (*it)[1].get<int64_t>() <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": block_structure = ", it == j.end() ? "missing" : it->dump(),
+                       ": the block strategy needs [rows, columns]"));
+    }
+    *block = {(*it)[0].get<int64_t>(), (*it)[1].get<int64_t>()};
+  } else if (it != j.end() && !it->is_null()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": block_structure = ", it->dump(),
+                                                   " with strategy '", *strategy, "'"));
   }
   auto group = IntKey(j, where, "group_size", -1);
   if (!group.ok()) return group.status();
@@ -179,6 +192,7 @@ absl::StatusOr<QuantConfig> ParseCompressedTensors(const Json& j, const std::str
   std::optional<Kind> kind;
   std::set<int> bits;
   std::set<int64_t> group_sizes;
+  std::set<std::pair<int64_t, int64_t>> blocks;
   for (const auto& [name, group] : groups->items()) {
     const std::string at = absl::StrCat(where, ": config_groups: ", name);
     if (!group.is_object()) return absl::InvalidArgumentError(at + ": expected an object");
@@ -188,8 +202,10 @@ absl::StatusOr<QuantConfig> ParseCompressedTensors(const Json& j, const std::str
     }
     int b = 0;
     int64_t g = 0;
-    auto k = CheckWeightArgs(*it, at + ": weights", &b, &g);
+    std::pair<int64_t, int64_t> block;
+    auto k = CheckWeightArgs(*it, at + ": weights", &b, &g, &block);
     if (!k.ok()) return k.status();
+    blocks.insert(block);
     if (kind && *kind != *k) {
       return absl::UnimplementedError(
           at + ": float8 and integer weights in one checkpoint are not supported");
@@ -235,6 +251,11 @@ absl::StatusOr<QuantConfig> ParseCompressedTensors(const Json& j, const std::str
   if (*kind == Kind::kFloat8) {
     q.method = QuantMethod::kFp8;
     q.bits = 8;
+    if (blocks.size() != 1) {
+      return absl::UnimplementedError(
+          where + ": config groups with different float8 blocks are not supported");
+    }
+    std::tie(q.block_rows, q.block_cols) = *blocks.begin();
     return q;
   }
   q.method = QuantMethod::kCompressedInt;

@@ -158,6 +158,48 @@ absl::StatusOr<QuantConfig> ParseFbgemmFp8(const Json& j, const std::string& whe
   return q;
 }
 
+// transformers' fine-grained fp8 (FineGrainedFP8Config: DeepSeek-V3's and Qwen3's FP8
+// checkpoints): float8 e4m3 weights with a factor per block of weights (weight_scale_inv).
+absl::StatusOr<QuantConfig> ParseFineGrainedFp8(const Json& j, const std::string& where) {
+  QuantConfig q;
+  q.method = QuantMethod::kFp8;
+  q.bits = 8;
+  q.source = where;
+  q.fp8_scale = ".weight_scale_inv";
+  auto scheme = StringKey(j, where, "activation_scheme", "dynamic");
+  if (!scheme.ok()) return scheme.status();
+  if (*scheme != "dynamic" && *scheme != "static") {  // activations are not quantized here
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": activation_scheme '", *scheme, "': expected dynamic or static"));
+  }
+  auto fmt = StringKey(j, where, "fmt", "e4m3");
+  if (!fmt.ok()) return fmt.status();
+  if (*fmt != "e4m3") {
+    return absl::UnimplementedError(
+        absl::StrCat(where, ": fmt '", *fmt, "': float8 e4m3 weights are supported"));
+  }
+  if (auto it = j.find("weight_block_size"); it == j.end()) {
+    q.block_rows = q.block_cols = 128;  // transformers' default
+  } else if (!it->is_null()) {
+    if (!it->is_array() || it->size() != 2 || !(*it)[0].is_number_integer() ||
+        !(*it)[1].is_number_integer() || (*it)[0].get<int64_t>() <= 0 ||
+        (*it)[1].get<int64_t>() <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": weight_block_size = ", it->dump(),
+                                                     ": expected two positive integers"));
+    }
+    q.block_rows = (*it)[0].get<int64_t>();
+    q.block_cols = (*it)[1].get<int64_t>();
+  }
+  // modules_to_not_convert: dense modules, read as dense by their tensors; dequantize: whether
+  // transformers itself dequantizes at load (a choice of its runtime).
+  if (auto st = CheckKeys(j, where, {"activation_scheme", "fmt", "weight_block_size"},
+                          {"quant_method", "modules_to_not_convert", "dequantize"});
+      !st.ok()) {
+    return st;
+  }
+  return q;
+}
+
 // Element i (flat) of an int32 tensor.
 int32_t I32At(const Tensor& t, int64_t i) { return t.data<int32_t>()[i]; }
 
@@ -179,19 +221,25 @@ absl::StatusOr<Tensor> Tensor2D(const WeightStore& w, const std::string& name, D
 absl::StatusOr<QuantConfig> ParseQuantization(const Json& j, const std::string& where) {
   auto method = StringKey(j, where, "quant_method", "gptq");
   if (!method.ok()) return method.status();
-  if (*method == "gptq") return ParseGptq(j, where);
-  if (*method == "awq") return ParseAwq(j, where);
-  if (*method == "compressed-tensors") return ParseCompressedTensors(j, where);
-  if (*method == "fbgemm_fp8") return ParseFbgemmFp8(j, where);
-  return absl::UnimplementedError(absl::StrCat(where, ": quant_method '", *method,
-                                               "' is not supported (gptq, awq, compressed-tensors "
-                                               "and fbgemm_fp8 are)"));
+  absl::StatusOr<QuantConfig> q =
+      *method == "gptq"                 ? ParseGptq(j, where)
+      : *method == "awq"                ? ParseAwq(j, where)
+      : *method == "compressed-tensors" ? ParseCompressedTensors(j, where)
+      : *method == "fbgemm_fp8"         ? ParseFbgemmFp8(j, where)
+      : *method == "fp8"                ? ParseFineGrainedFp8(j, where)
+                                        : absl::UnimplementedError(
+                                              absl::StrCat(where, ": quant_method '", *method,
+                                                           "' is not supported (gptq, awq, compressed-tensors, "
+                                                                          "fbgemm_fp8 and fp8 are)"));
+  if (q.ok()) q->quant_method = *method;
+  return q;
 }
 
 }  // namespace
 
 const std::vector<std::string>& QuantizeFlagValues() {
-  static const std::vector<std::string> v = {"gptq", "bitsandbytes", "awq", "fp8"};
+  static const std::vector<std::string> v = {"gptq", "bitsandbytes", "awq", "fp8",
+                                             "compressed-tensors"};
   return v;
 }
 
@@ -231,10 +279,13 @@ absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const 
     q.source = "--quantize bitsandbytes";
     return q;
   }
-  const QuantMethod want = *flag == "gptq"  ? QuantMethod::kGptq
-                           : *flag == "awq" ? QuantMethod::kAwq
-                                            : QuantMethod::kFp8;
-  if (found.method != want) {
+  // fp8: float8 weights of any origin; compressed-tensors: any scheme of that format (vLLM's
+  // --quantization value).
+  const bool matches = *flag == "gptq"  ? found.method == QuantMethod::kGptq
+                       : *flag == "awq" ? found.method == QuantMethod::kAwq
+                       : *flag == "fp8" ? found.method == QuantMethod::kFp8
+                                        : found.quant_method == "compressed-tensors";
+  if (!matches) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--quantize ", *flag, ": ", model_dir,
         prequantized ? absl::StrCat(" is quantized otherwise (", found.source, ")")
@@ -349,12 +400,28 @@ absl::StatusOr<Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,
         absl::StrCat("weight must be a 2-D float8 e4m3 tensor, got ", weight->DebugString()));
   }
   const int64_t out = weight->dim(0), in = weight->dim(1);
-  auto scale_f = w.Get(prefix + ".weight_scale", DType::kF32);
+  auto scale_f = w.Get(prefix + q.fp8_scale, DType::kF32);
   if (!scale_f.ok()) return scale_f.status();
-  if (scale_f->numel() != 1 && scale_f->numel() != out) {
-    return bad(absl::StrCat("weight_scale is ", scale_f->DebugString(), ": expected one scale or ",
-                            out, " (one per output row)"));
+  // Scales per block of [block_rows, block_cols] weights: row n, column group g has the scale
+  // of block (n / block_rows, g); else one per tensor or row (groups of all columns).
+  const bool blocks = q.block_rows > 0;
+  const int64_t block_cols = blocks ? q.block_cols : in;
+  const int64_t groups = blocks ? (in + block_cols - 1) / block_cols : 1;
+  if (blocks) {
+    const int64_t block_rows = (out + q.block_rows - 1) / q.block_rows;
+    if (scale_f->rank() != 2 || scale_f->dim(0) != block_rows || scale_f->dim(1) != groups) {
+      return bad(absl::StrCat(q.fp8_scale.substr(1), " is ", scale_f->DebugString(), ": expected [",
+                              block_rows, ", ", groups, "] for blocks of [", q.block_rows, ", ",
+                              q.block_cols, "] weights"));
+    }
+  } else if (scale_f->numel() != 1 && scale_f->numel() != out) {
+    return bad(absl::StrCat(q.fp8_scale.substr(1), " is ", scale_f->DebugString(),
+                            ": expected one scale or ", out, " (one per output row)"));
   }
+  auto scale_of = [&](int64_t n, int64_t g) {
+    if (blocks) return scale_f->data<float>()[(n / q.block_rows) * groups + g];
+    return scale_f->data<float>()[scale_f->numel() == 1 ? 0 : n];
+  };
   // Static activation scales for fp8 GEMMs (compressed-tensors' input_scale, FBGEMM's
   // input_scale_ub): activations are not quantized here.
   for (const char* unused : {".input_scale", ".input_scale_ub"}) {
@@ -365,16 +432,21 @@ absl::StatusOr<Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,
     return bad(absl::StrCat("columns [", c.begin, ", ", c.end, ") of ", in, " do not exist"));
   }
   std::vector<uint8_t> codes;
-  std::vector<float> row_scales;
+  std::vector<float> scales;
   const uint8_t* src = static_cast<const uint8_t*>(weight->raw());
   for (const Range& r : rows.empty() ? std::vector<Range>{{0, out}} : rows) {
     if (r.begin < 0 || r.begin > r.end || r.end > out) {
       return bad(absl::StrCat("rows [", r.begin, ", ", r.end, ") of ", out, " do not exist"));
     }
     for (int64_t n = r.begin; n < r.end; ++n) {
-      const float s = scale_f->data<float>()[scale_f->numel() == 1 ? 0 : n];
-      if (!std::isfinite(s)) return bad(absl::StrCat("weight_scale[", n, "] = ", s));
-      row_scales.push_back(s);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float s = scale_of(n, g);
+        if (!std::isfinite(s)) {
+          return bad(
+              absl::StrCat(q.fp8_scale.substr(1), " of row ", n, ", column group ", g, " = ", s));
+        }
+        scales.push_back(s);
+      }
       for (int64_t k = c.begin; k < c.end; ++k) {
         const uint8_t v = src[n * in + k];
         if ((v & 0x7F) == 0x7F) return bad(absl::StrCat("weight[", n, ", ", k, "] is NaN"));
@@ -382,9 +454,13 @@ absl::StatusOr<Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,
       }
     }
   }
-  const int64_t nsel = static_cast<int64_t>(row_scales.size());
+  const int64_t nsel = static_cast<int64_t>(scales.size()) / groups;
+  std::vector<int32_t> group(c.size());
+  for (int64_t k = c.begin; k < c.end; ++k) {
+    group[k - c.begin] = static_cast<int32_t>(k / block_cols);
+  }
   return Tensor::Quantized(std::make_shared<const kernels::QuantizedWeight>(
-      kernels::BuildFp8Rows(nsel, c.size(), codes, row_scales)));
+      kernels::BuildFp8(nsel, c.size(), codes, group, groups, scales)));
 }
 
 }  // namespace tgis::server

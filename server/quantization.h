@@ -8,10 +8,13 @@
 //    [in] (each input column's group; act-order permutes it). 4 and 8 bits.
 //  - AWQ (AutoAWQ GEMM): `qweight` [in, out / 8] and `qzeros` [groups, out / 8] packed along
 //    the output dimension in the order 0 2 4 6 1 3 5 7, `scales` [groups, out]. 4 bits.
-//  - fp8 (llm-compressor's compressed-tensors "float-quantized", FBGEMM's fbgemm_fp8): the
-//    linear's `weight` [out, in] float8 e4m3fn and `weight_scale` (one, or one per output
-//    row), w = fp8 * scale. Weight-only here: activations stay in the compute dtype, so the
-//    static `input_scale` / `input_scale_ub` tensors that fp8 GEMMs use are read and unused.
+//  - fp8 (llm-compressor's compressed-tensors "float-quantized", FBGEMM's fbgemm_fp8,
+//    transformers' own "fp8" of DeepSeek-V3 and Qwen3 FP8 checkpoints): the linear's `weight`
+//    [out, in] float8 e4m3fn and `weight_scale` (one, one per output row, or one per block of
+//    [rows, columns] weights: [ceil(out / rows), ceil(in / columns)]; transformers' fp8 names
+//    it `weight_scale_inv`, a factor all the same), w = fp8 * scale. Weight-only here:
+//    activations stay in the compute dtype, so the static `input_scale` / `input_scale_ub`
+//    tensors that fp8 GEMMs use are read and unused.
 //  - compressed-tensors integers (llm-compressor's W4A16 / W8A16 "pack-quantized", W8A8
 //    "int-quantized", "naive-quantized"): signed codes q, w = (q - zero_point) * scale per
 //    tensor, output row or group of input columns; packed (`weight_packed` int32 [out,
@@ -46,10 +49,15 @@ struct QuantConfig {
   int64_t group_size = -1;      // -1: one group per output row (per channel); kCompressedInt:
                                 // 0 where its config groups differ (each linear's scales say)
   bool zero_minus_one = false;  // GPTQ v1 stores zero - 1
-  std::string source;           // the file the config came from, for errors
+  // fp8: the scales' tensor (".weight_scale", transformers' fp8 ".weight_scale_inv") and, for
+  // scales per block of [block_rows, block_cols] weights, the block (0: per tensor or row).
+  std::string fp8_scale = ".weight_scale";
+  int64_t block_rows = 0, block_cols = 0;
+  std::string source;        // the file the config came from, for errors
+  std::string quant_method;  // the config's ("gptq", "compressed-tensors", ...), if any
 };
 
-// TGIS's --quantize values (gptq, bitsandbytes) and ours (awq, fp8).
+// TGIS's --quantize values (gptq, bitsandbytes) and ours (awq, fp8, compressed-tensors).
 const std::vector<std::string>& QuantizeFlagValues();
 
 // The folder's quantization: config.json's `quantization_config` or AutoGPTQ's

@@ -140,8 +140,8 @@ inline float LoadScalar(const WRow& row, int64_t i) {
   } else if constexpr (W == WFmt::kF16) {
     return F16ToF32(static_cast<const uint16_t*>(row.p)[i]);
   } else if constexpr (W == WFmt::kF8) {
-    // One run per row (zero 0): the value times the row's scale, as Dequantize computes it.
-    return Fp8E4M3ToF32(static_cast<const uint8_t*>(row.p)[i]) * row.scale[0];
+    // Zero 0: the value times its run's scale, as Dequantize computes it.
+    return Fp8E4M3ToF32(static_cast<const uint8_t*>(row.p)[i]) * row.scale[row.block_run[i / 8]];
   } else {
     const uint8_t* c = static_cast<const uint8_t*>(row.p);
     const int code = W == WFmt::kQ8 ? c[i] : (c[i / 2] >> (4 * (i % 2))) & 0xF;
@@ -239,7 +239,7 @@ TGIS_AVX2 inline __m256 Load8(const WRow& row, int64_t i) {
         _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 20),
                         _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24));
     return _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f)),
-                         _mm256_set1_ps(row.scale[0]));
+                         _mm256_set1_ps(row.scale[row.block_run[i / 8]]));
   } else {
     __m256 v;
     LoadRun<W, 1>(row, i, row.block_run[i / 8], &v);

@@ -10,12 +10,14 @@
 // scales, added into the row's f32 lane in block order. The integer sums:
 //  - 4-bit: 8 vpmaddubsw (4 columns of 8 rows each, against a broadcast dword of x's codes;
 //    pair sums at most 2 * 15 * 127) summed in int16 (at most 30480), one vpmaddwd into int32.
-//  - 8-bit: vpmaddubsw's pair sums would saturate (2 * 255 * 127), and making them fit costs a
-//    vpsignb per token, which on Zen 3 runs on the same two pipes as the multiplies (the
-//    vpsignb, vpmaddubsw, vpmaddwd chain measured 2 cycles per 32 products, vpmaddwd alone 0.5
-//    per 16). So the codes are widened to words once per weight vector (two vpshufb, shared by
-//    the tile's tokens) and x once per call, and one vpmaddwd adds 2 columns of 8 rows per
-//    token (pair sums at most 2 * 255 * 127 in int32).
+//  - 8-bit: vpmaddubsw's pair sums of code and x would saturate (2 * 255 * 127), so it takes
+//    (code - 128) as its magnitude (unsigned) against x's codes carrying its sign (vpsignb):
+//    pair sums at most 2 * 128 * 127, one vpmaddwd into int32 after each. That is 5 vector
+//    instructions per 32 products and token, where 4-bit codes need 3, and on Zen 3 the
+//    vector pipes run about 3.5 of them a cycle. Tried and slower: the codes widened to words
+//    (two vpshufb per vector, shared by the tile's tokens) against x as words, one vpmaddwd
+//    per 2 columns of 8 rows: a broadcast per 16 products instead of 32 (kernels_bench
+//    --quick --hot --t=512 --int8-activations int8: 177 against 185 GFLOP/s).
 //
 // Measured on AMD EPYC Zen 3, 2 threads: see benchmarks/README.md, sessions 17 and 19.
 #include <immintrin.h>

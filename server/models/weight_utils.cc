@@ -148,7 +148,7 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
   if (q.method == QuantMethod::kFp8) {
     // A linear left dense (the config's ignore list) has no scale; an fp8 weight without one
     // is refused by WeightStore::Get.
-    if (!w_.Has(prefix + ".weight_scale")) return std::nullopt;
+    if (!w_.Has(prefix + q.fp8_scale)) return std::nullopt;
     return LoadFp8Linear(w_, q, prefix, rows, cols);
   }
   if (q.method == QuantMethod::kCompressedInt) {

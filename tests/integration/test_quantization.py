@@ -17,7 +17,7 @@ from router_harness import Oracle, RouterServer, binaries_missing  # noqa: E402
 grpc = pytest.importorskip("grpc")
 
 CASES = [("llama_gptq4", []), ("llama_gptq8", []), ("llama_awq", []), ("llama_fp8", []),
-         ("llama_fp8_fbgemm", ["--quantize", "fp8"]), ("llama_ct_w4a16", []),
+         ("llama_fp8_fbgemm", ["--quantize", "fp8"]), ("llama_fp8_block", []), ("llama_ct_w4a16", []),
          ("llama_ct_w8a8", []),
          ("llama_int8", ["--quantize", "bitsandbytes"])]
 

@@ -432,17 +432,30 @@ TEST_P(OpsTest, Fp8LinearEqualsLinearOnTheDequantizedWeight) {
         do c = static_cast<uint8_t>(rng() & 0xFF);
         while ((c & 0x7F) == 0x7F);  // no NaN: the loader refuses them
       }
-      std::vector<float> scales, ws(out * in);
-      for (int64_t n = 0; n < out; ++n) scales.push_back(0.0005f + 0.0001f * (rng() % 100));
-      for (int64_t i = 0; i < out * in; ++i) ws[i] = Fp8ByDefinition(codes[i]) * scales[i / in];
-      Tensor w;
-      ASSERT_NO_FATAL_FAILURE(
-          QuantizedWeightOnDevice(BuildFp8Rows(out, in, codes, scales), &ws, &w));
-      for (int64_t t : {1, 3, 17, 64}) {
-        const Tensor x = Act(Random(t * in, ++seed), {t, in});
-        const std::string what =
-            isa_name + " fp8 T=" + std::to_string(t) + " in=" + std::to_string(in);
-        LinearCase(x, Host(x), w, ws, nullptr, {}, t, in, out, tol(), what);
+      // One scale per row, or per row and group of columns (fp8 blocks): groups of 32 lie
+      // in whole 32-column blocks, groups of 44 do not (and are padded to 48 stored columns).
+      for (const int64_t group : {in, int64_t{32}, int64_t{44}}) {
+        const int64_t groups = (in + group - 1) / group;
+        std::vector<float> scales, ws(out * in);
+        for (int64_t i = 0; i < out * groups; ++i) {
+          scales.push_back(0.0005f + 0.0001f * (rng() % 100));
+        }
+        std::vector<int32_t> group_of(in);
+        for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / group);
+        for (int64_t i = 0; i < out * in; ++i) {
+          ws[i] = Fp8ByDefinition(codes[i]) * scales[(i / in) * groups + group_of[i % in]];
+        }
+        Tensor w;
+        ASSERT_NO_FATAL_FAILURE(QuantizedWeightOnDevice(
+            group == in ? BuildFp8Rows(out, in, codes, scales)
+                        : BuildFp8(out, in, codes, group_of, groups, scales),
+            &ws, &w));
+        for (int64_t t : {1, 3, 17, 64}) {
+          const Tensor x = Act(Random(t * in, ++seed), {t, in});
+          const std::string what = isa_name + " fp8 T=" + std::to_string(t) +
+                                   " in=" + std::to_string(in) + " group=" + std::to_string(group);
+          LinearCase(x, Host(x), w, ws, nullptr, {}, t, in, out, tol(), what);
+        }
       }
     }
   }

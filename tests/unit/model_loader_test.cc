@@ -141,7 +141,9 @@ TEST_F(LoaderTest, QuantizationConfigsAreCheckedAgainstTheFlag) {
   EXPECT_TRUE(read(std::nullopt).ok());
   EXPECT_TRUE(read("bitsandbytes").ok());
   expect_error("gptq", "has no quantization config");
-  expect_error("nf4", "--quantize 'nf4': expected one of gptq, bitsandbytes, awq");
+  expect_error("nf4",
+               "--quantize 'nf4': expected one of gptq, bitsandbytes, awq, fp8, "
+               "compressed-tensors");
   const Json gptq = {{"quant_method", "gptq"},
                      {"bits", 4},
                      {"group_size", 128},
@@ -159,13 +161,13 @@ TEST_F(LoaderTest, QuantizationConfigsAreCheckedAgainstTheFlag) {
     c["quantization_config"]["act_scale"] = 2;
   });
   expect_error(std::nullopt, "key 'act_scale' is not understood");
-  EditConfig([&](Json& c) { c["quantization_config"] = {{"quant_method", "fp8"}}; });
-  expect_error(std::nullopt, "quant_method 'fp8' is not supported");
+  EditConfig([&](Json& c) { c["quantization_config"] = {{"quant_method", "hqq"}}; });
+  expect_error(std::nullopt, "quant_method 'hqq' is not supported");
   EditConfig([&](Json& c) { c["quantization_config"] = {{"quant_method", 8}}; });
   expect_error(std::nullopt, "quant_method = 8: expected a string");
   EditConfig([&](Json& c) { c.erase("quantization_config"); });
-  std::ofstream(dir_ / "quantize_config.json") << R"({"quant_method": "fp8", "bits": 8})";
-  expect_error(std::nullopt, "quantize_config.json: quant_method 'fp8' is not supported");
+  std::ofstream(dir_ / "quantize_config.json") << R"({"quant_method": "hqq", "bits": 8})";
+  expect_error(std::nullopt, "quantize_config.json: quant_method 'hqq' is not supported");
 }
 
 TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
@@ -193,6 +195,7 @@ TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
   with([](Json&) {});
   EXPECT_TRUE(read(std::nullopt).ok()) << read(std::nullopt);
   EXPECT_TRUE(read("fp8").ok());
+  EXPECT_TRUE(read("compressed-tensors").ok());
   expect_error("already quantized", "bitsandbytes");
   expect_error("is quantized otherwise", "gptq");
   with([](Json& q) { q["config_groups"]["group_0"]["weights"]["type"] = "int"; });
@@ -200,7 +203,14 @@ TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
   with([](Json& q) { q["config_groups"]["group_0"]["weights"]["strategy"] = "group"; });
   expect_error("weights: strategy 'group'");
   with([](Json& q) { q["config_groups"]["group_0"]["weights"]["block_structure"] = {128, 128}; });
-  expect_error("block_structure = [128,128]");
+  expect_error("block_structure = [128,128] with strategy 'tensor'");
+  with([](Json& q) { q["config_groups"]["group_0"]["weights"]["strategy"] = "block"; });
+  expect_error("block_structure = null: the block strategy needs [rows, columns]");
+  with([](Json& q) {
+    q["config_groups"]["group_0"]["weights"]["strategy"] = "block";
+    q["config_groups"]["group_0"]["weights"]["block_structure"] = {128, 128};
+  });
+  EXPECT_TRUE(read(std::nullopt).ok()) << read(std::nullopt);
   with([](Json& q) { q["config_groups"]["group_0"]["weights"]["symmetric"] = false; });
   expect_error("symmetric = false");
   with([](Json& q) {
@@ -259,9 +269,11 @@ TEST_F(LoaderTest, CompressedIntConfigsAndTensorsAreReadStrictly) {
     });
   };
   EXPECT_TRUE(read(std::nullopt).ok()) << read(std::nullopt);
+  EXPECT_TRUE(read("compressed-tensors").ok()) << "vLLM's --quantization value";
   EXPECT_TRUE(build().ok()) << build();
   expect_error(read("bitsandbytes"), "already quantized");
   expect_error(read("gptq"), "is quantized otherwise");
+  expect_error(read("fp8"), "is quantized otherwise");
   auto with_weights = [&](const std::function<void(Json&)>& edit) {
     with([&](Json& q) { edit(q["config_groups"]["group_0"]["weights"]); });
   };
@@ -302,6 +314,60 @@ TEST_F(LoaderTest, CompressedIntConfigsAndTensorsAreReadStrictly) {
   expect_error(build(), "self_attn.q_proj: 2 groups of scales for 64 columns in groups of 64");
   with_weights([](Json& w) { w["num_bits"] = 8; });
   expect_error(build(), "self_attn.q_proj: weight_packed holds 4-bit codes, the config says 8");
+}
+
+// transformers' fine-grained fp8 (DeepSeek-V3, Qwen3 FP8): a factor per block of weights.
+TEST_F(LoaderTest, BlockFp8ConfigsAndScalesAreReadStrictly) {
+  const fs::path src = fs::path(TGIS_FIXTURES_DIR) / "models" / "llama_fp8_block";
+  for (const char* f : {"config.json", "model.safetensors"}) {
+    fs::copy(src / f, dir_ / f, fs::copy_options::overwrite_existing);
+  }
+  const Json fp8 = Json::parse(ReadAll(src / "config.json"))["quantization_config"];
+  auto read = [&](std::optional<std::string> flag) {
+    auto config = tgis::server::ModelConfig::Load(dir_.string());
+    EXPECT_TRUE(config.ok()) << config.status();
+    return tgis::server::ReadQuantConfig(dir_.string(), *config, flag).status();
+  };
+  auto build = [&]() -> absl::Status {
+    auto config = tgis::server::ModelConfig::Load(dir_.string());
+    if (!config.ok()) return config.status();
+    auto q = tgis::server::ReadQuantConfig(dir_.string(), *config, std::nullopt);
+    if (!q.ok()) return q.status();
+    auto weights = tgis::server::WeightStore::Open(dir_.string());
+    if (!weights.ok()) return weights.status();
+    (*weights)->set_quantization(*q);
+    return tgis::server::ModelRegistry::Get()
+        .Build(*config, **weights, tgis::kernels::DType::kF32)
+        .status();
+  };
+  auto expect_error = [](const absl::Status& st, const std::string& text) {
+    EXPECT_FALSE(st.ok()) << text;
+    EXPECT_NE(st.message().find(text), std::string::npos) << st;
+  };
+  auto with = [&](const std::function<void(Json&)>& edit) {
+    EditConfig([&](Json& c) {
+      c["quantization_config"] = fp8;
+      edit(c["quantization_config"]);
+    });
+  };
+  EXPECT_TRUE(read(std::nullopt).ok()) << read(std::nullopt);
+  EXPECT_TRUE(read("fp8").ok());
+  EXPECT_TRUE(build().ok()) << build();
+  expect_error(read("gptq"), "is quantized otherwise");
+  expect_error(read("compressed-tensors"), "is quantized otherwise");
+  with([](Json& q) { q["weight_block_size"] = {0, 128}; });
+  expect_error(read({}), "weight_block_size = [0,128]: expected two positive integers");
+  with([](Json& q) { q["activation_scheme"] = "per-token"; });
+  expect_error(read({}), "activation_scheme 'per-token': expected dynamic or static");
+  with([](Json& q) { q["fmt"] = "e5m2"; });
+  expect_error(read({}), "fmt 'e5m2'");
+  with([](Json& q) { q["weight_block_sizes"] = {128, 128}; });
+  expect_error(read({}), "key 'weight_block_sizes' is not understood");
+  // Scales of blocks of [48, 32] weights read as blocks of [64, 32]: 2 blocks of rows where
+  // 1 is expected.
+  with([](Json& q) { q["weight_block_size"] = {64, 32}; });
+  expect_error(build(), "self_attn.q_proj: weight_scale_inv is");
+  expect_error(build(), "for blocks of [64, 32] weights");
 }
 
 TEST_F(LoaderTest, Fp8WeightsWithoutAnFp8ConfigAreRefusedByName) {
