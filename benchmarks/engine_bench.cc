@@ -155,6 +155,9 @@ int main(int argc, char** argv) {
     return 1;
   }
   (*model)->MoveTo(tgis::kernels::Device::kCpu);  // as the shard: the kernels' layouts at load
+  std::cout << "resident after building the model: " << Resident() << "\n";
+  (*weights)->ReleaseMappedPages();  // as the shard: the files' pages go, the store too
+  weights->reset();
   std::cout << "resident after load: " << Resident() << "; CPU kernels' derived layouts "
             << tgis::kernels::CpuDerivedLayoutBytes() / (1 << 20) << " MiB, row-major codes let go "
             << tgis::kernels::CpuReleasedCodeBytes() / (1 << 20) << " MiB\n";

@@ -261,6 +261,10 @@ int main(int argc, char** argv) {
                                     "kernels"));
   }
   (*weights)->FinishLoading();
+  // The model holds what it serves from: the files' pages and the store go (views the model
+  // kept read their pages back in; on a GPU none are left and the files are unmapped).
+  (*weights)->ReleaseMappedPages();
+  weights->reset();
   LOG(INFO) << "loaded " << config->model_type << " from " << model_dir << " (" << FLAGS_dtype
             << (FLAGS_world_size > 1 ? ", rank " + std::to_string(FLAGS_rank) + " of " +
                                            std::to_string(FLAGS_world_size)

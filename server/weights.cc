@@ -1,6 +1,7 @@
 #include "server/weights.h"
 
 #include <fcntl.h>
+#include <glog/logging.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -43,7 +44,10 @@ absl::StatusOr<DType> ParseDType(const std::string& s) {
   return absl::InvalidArgumentError(absl::StrCat("unsupported dtype ", s));
 }
 
-absl::Status MapFile(const fs::path& path, std::map<std::string, Tensor>* out) {
+// The file's tensors as views of one read-only mapping; `mapped`, when given, gets the
+// mapping's address and size.
+absl::Status MapFile(const fs::path& path, std::map<std::string, Tensor>* out,
+                     std::pair<void*, size_t>* mapped = nullptr) {
   const std::string file = path.string();
   int fd = ::open(file.c_str(), O_RDONLY);
   if (fd < 0) return absl::NotFoundError(absl::StrCat(file, ": cannot open: ", strerror(errno)));
@@ -65,6 +69,7 @@ absl::Status MapFile(const fs::path& path, std::map<std::string, Tensor>* out) {
   }
   auto tensors = ParseSafetensors(static_cast<const uint8_t*>(map->addr), map->size, file, map);
   if (!tensors.ok()) return tensors.status();
+  if (mapped != nullptr) *mapped = {map->addr, map->size};
   *out = std::move(*tensors);
   return absl::OkStatus();
 }
@@ -205,7 +210,9 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string
   store->dir_ = model_dir;
   for (const fs::path& f : files) {
     std::map<std::string, Tensor> found;
-    if (auto st = MapFile(f, &found); !st.ok()) return st;
+    std::pair<void*, size_t> mapped;
+    if (auto st = MapFile(f, &found, &mapped); !st.ok()) return st;
+    store->mapped_.push_back(mapped);
     for (auto& [name, t] : found) store->tensors_[name] = Entry{std::move(t), f.string()};
   }
   int64_t total = 0;
@@ -252,6 +259,16 @@ void WeightStore::MarkRead(const std::string& name) const {
 
 void WeightStore::FinishLoading() const {
   if (progress_ != nullptr) progress_->Finish();
+}
+
+void WeightStore::ReleaseMappedPages() const {
+  for (const auto& [addr, size] : mapped_) {
+    // Clean pages of a private read-only mapping: dropped here, read again on a later touch.
+    if (madvise(addr, size, MADV_DONTNEED) != 0) {
+      LOG(WARNING) << dir_
+                   << ": madvise(MADV_DONTNEED) of a weights file failed: " << strerror(errno);
+    }
+  }
 }
 
 std::vector<std::string> WeightStore::Unread() const {

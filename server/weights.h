@@ -7,6 +7,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -50,6 +51,12 @@ class WeightStore {
   // read from disk when first touched, so this follows the real I/O). FinishLoading prints the
   // closing line.
   void FinishLoading() const;
+  // After the model is built: drops the mapped files' pages from this process's memory
+  // (madvise MADV_DONTNEED). What the model converted or copied (quantized layouts, another
+  // dtype, weights moved to a GPU) no longer needs them, yet they stayed resident, counted in
+  // the process's and the container's memory, as long as any view of the file lived. Views
+  // the model kept stay valid and read their pages back from the page cache when touched.
+  void ReleaseMappedPages() const;
 
   // How the checkpoint's linear weights are quantized (ReadQuantConfig; default: not).
   void set_quantization(QuantConfig q) { quant_ = std::move(q); }
@@ -63,6 +70,7 @@ class WeightStore {
   std::string dir_;
   QuantConfig quant_;
   std::map<std::string, Entry> tensors_;
+  std::vector<std::pair<void*, size_t>> mapped_;  // each file's mapping, alive with the views
   mutable std::mutex read_mu_;
   mutable std::set<std::string> read_;
   std::unique_ptr<Progress> progress_;

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -381,6 +383,56 @@ TEST_F(LoaderTest, Fp8WeightsWithoutAnFp8ConfigAreRefusedByName) {
                               "checkpoint"),
             std::string::npos)
       << st;
+}
+
+// Resident kB of this process's mappings of `file` (/proc/self/smaps), -1 where none is.
+int64_t MappedResidentKb(const fs::path& file) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  int64_t kb = -1;
+  bool in_file = false;
+  while (std::getline(smaps, line)) {
+    // A mapping's first line starts with its address range (lower-case hex); its fields'
+    // lines with a capitalised name.
+    const bool header = !line.empty() && (std::isdigit(static_cast<unsigned char>(line[0])) ||
+                                          (line[0] >= 'a' && line[0] <= 'f'));
+    if (header) {
+      in_file =
+          line.size() >= file.string().size() &&
+          line.compare(line.size() - file.string().size(), std::string::npos, file.string()) == 0;
+    } else if (in_file && line.rfind("Rss:", 0) == 0) {
+      kb = std::max<int64_t>(kb, 0) + std::stoll(line.substr(4));
+    }
+  }
+  return kb;
+}
+
+// After load the files' pages leave the process (the model copied what it converted); a view
+// the model kept still reads the file's values, its pages coming back as it touches them.
+TEST_F(LoaderTest, ReleasedPagesLeaveTheProcessAndViewsStillRead) {
+  const fs::path file = fs::canonical(dir_ / "model.safetensors");
+  auto weights = tgis::server::WeightStore::Open(dir_.string());
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  auto view = (*weights)->Get("model.norm.weight", tgis::kernels::DType::kF32);
+  ASSERT_TRUE(view.ok()) << view.status();
+  std::vector<float> before(view->data<float>(), view->data<float>() + view->numel());
+  int touched = 0;                                       // kept, so that the reads are made
+  for (const std::string& name : (*weights)->Names()) {  // every page touched
+    auto t = (*weights)->View(name);
+    ASSERT_TRUE(t.ok());
+    uint8_t sum = 0;
+    for (size_t i = 0; i < t->nbytes(); i += 1024) sum ^= static_cast<const uint8_t*>(t->raw())[i];
+    touched += sum;
+  }
+  ASSERT_GT(MappedResidentKb(file), 100) << "the whole fixture file (800 KB) was read " << touched;
+  (*weights)->ReleaseMappedPages();
+  EXPECT_EQ(MappedResidentKb(file), 0);
+  weights->reset();  // the view keeps the file mapped
+  EXPECT_EQ(MappedResidentKb(file), 0);
+  EXPECT_EQ(std::vector<float>(view->data<float>(), view->data<float>() + view->numel()), before);
+  EXPECT_GT(MappedResidentKb(file), 0) << "the view's page came back";
+  *view = tgis::kernels::Tensor();
+  EXPECT_EQ(MappedResidentKb(file), -1) << "the last view gone, the file is unmapped";
 }
 
 TEST_F(LoaderTest, AnUnservableConfigNamesTheKeyAndValue) {
