@@ -362,17 +362,10 @@ absl::StatusOr<Tensor> LoadCompressedIntLinear(const WeightStore& w, const Quant
   for (const char* unused : {".input_scale", ".input_zero_point"}) {
     if (w.Has(prefix + unused)) w.MarkRead(prefix + unused);
   }
-  const Range c = cols.value_or(Range{0, in});
-  if (c.begin < 0 || c.begin > c.end || c.end > in) {
-    return bad(absl::StrCat("columns [", c.begin, ", ", c.end, ") of ", in, " do not exist"));
-  }
-  std::vector<int64_t> picked;
-  for (const Range& r : rows.empty() ? std::vector<Range>{{0, out}} : rows) {
-    if (r.begin < 0 || r.begin > r.end || r.end > out) {
-      return bad(absl::StrCat("rows [", r.begin, ", ", r.end, ") of ", out, " do not exist"));
-    }
-    for (int64_t n = r.begin; n < r.end; ++n) picked.push_back(n);
-  }
+  auto slice = SliceOfLinear(prefix, q.source, out, in, rows, cols);
+  if (!slice.ok()) return slice.status();
+  const Range c = slice->cols;
+  const std::vector<int64_t>& picked = slice->rows;
   const int64_t nsel = static_cast<int64_t>(picked.size()), kc = c.size();
   std::vector<uint8_t> codes(nsel * kc);
   std::vector<float> sc(nsel * groups), zs(nsel * groups);

@@ -295,6 +295,27 @@ absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const 
   return found;
 }
 
+absl::StatusOr<LinearSlice> SliceOfLinear(const std::string& prefix, const std::string& source,
+                                          int64_t out, int64_t in, const std::vector<Range>& rows,
+                                          std::optional<Range> cols) {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, ": ", what, " (", source, ")"));
+  };
+  LinearSlice s;
+  s.cols = cols.value_or(Range{0, in});
+  if (s.cols.begin < 0 || s.cols.begin > s.cols.end || s.cols.end > in) {
+    return bad(
+        absl::StrCat("columns [", s.cols.begin, ", ", s.cols.end, ") of ", in, " do not exist"));
+  }
+  for (const Range& r : rows.empty() ? std::vector<Range>{{0, out}} : rows) {
+    if (r.begin < 0 || r.begin > r.end || r.end > out) {
+      return bad(absl::StrCat("rows [", r.begin, ", ", r.end, ") of ", out, " do not exist"));
+    }
+    for (int64_t n = r.begin; n < r.end; ++n) s.rows.push_back(n);
+  }
+  return s;
+}
+
 absl::StatusOr<Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConfig& q,
                                            const std::string& prefix,
                                            const std::vector<Range>& rows,
@@ -341,17 +362,10 @@ absl::StatusOr<Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConf
   } else {
     for (int64_t k = 0; k < in; ++k) g_idx[k] = static_cast<int32_t>(k / group_size);
   }
-  const Range c = cols.value_or(Range{0, in});
-  if (c.begin < 0 || c.begin > c.end || c.end > in) {
-    return bad(absl::StrCat("columns [", c.begin, ", ", c.end, ") of ", in, " do not exist"));
-  }
-  std::vector<int64_t> picked;
-  for (const Range& r : rows.empty() ? std::vector<Range>{{0, out}} : rows) {
-    if (r.begin < 0 || r.begin > r.end || r.end > out) {
-      return bad(absl::StrCat("rows [", r.begin, ", ", r.end, ") of ", out, " do not exist"));
-    }
-    for (int64_t n = r.begin; n < r.end; ++n) picked.push_back(n);
-  }
+  auto slice = SliceOfLinear(prefix, q.source, out, in, rows, cols);
+  if (!slice.ok()) return slice.status();
+  const Range c = slice->cols;
+  const std::vector<int64_t>& picked = slice->rows;
   // AWQ packs eight outputs per int32 in the order 0 2 4 6 1 3 5 7: output 8j + o sits in
   // nibble kAwqNibble[o].
   static constexpr int kAwqNibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
@@ -427,31 +441,25 @@ absl::StatusOr<Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,
   for (const char* unused : {".input_scale", ".input_scale_ub"}) {
     if (w.Has(prefix + unused)) w.MarkRead(prefix + unused);
   }
-  const Range c = cols.value_or(Range{0, in});
-  if (c.begin < 0 || c.begin > c.end || c.end > in) {
-    return bad(absl::StrCat("columns [", c.begin, ", ", c.end, ") of ", in, " do not exist"));
-  }
+  auto slice = SliceOfLinear(prefix, q.source, out, in, rows, cols);
+  if (!slice.ok()) return slice.status();
+  const Range c = slice->cols;
   std::vector<uint8_t> codes;
   std::vector<float> scales;
   const uint8_t* src = static_cast<const uint8_t*>(weight->raw());
-  for (const Range& r : rows.empty() ? std::vector<Range>{{0, out}} : rows) {
-    if (r.begin < 0 || r.begin > r.end || r.end > out) {
-      return bad(absl::StrCat("rows [", r.begin, ", ", r.end, ") of ", out, " do not exist"));
+  for (const int64_t n : slice->rows) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = scale_of(n, g);
+      if (!std::isfinite(s)) {
+        return bad(
+            absl::StrCat(q.fp8_scale.substr(1), " of row ", n, ", column group ", g, " = ", s));
+      }
+      scales.push_back(s);
     }
-    for (int64_t n = r.begin; n < r.end; ++n) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const float s = scale_of(n, g);
-        if (!std::isfinite(s)) {
-          return bad(
-              absl::StrCat(q.fp8_scale.substr(1), " of row ", n, ", column group ", g, " = ", s));
-        }
-        scales.push_back(s);
-      }
-      for (int64_t k = c.begin; k < c.end; ++k) {
-        const uint8_t v = src[n * in + k];
-        if ((v & 0x7F) == 0x7F) return bad(absl::StrCat("weight[", n, ", ", k, "] is NaN"));
-        codes.push_back(v);
-      }
+    for (int64_t k = c.begin; k < c.end; ++k) {
+      const uint8_t v = src[n * in + k];
+      if ((v & 0x7F) == 0x7F) return bad(absl::StrCat("weight[", n, ", ", k, "] is NaN"));
+      codes.push_back(v);
     }
   }
   const int64_t nsel = static_cast<int64_t>(scales.size()) / groups;

@@ -66,6 +66,16 @@ const std::vector<std::string>& QuantizeFlagValues();
 absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const ModelConfig& c,
                                             const std::optional<std::string>& flag);
 
+// What a loader reads of a linear [out, in]: the output rows `rows` asks for (none: all, in
+// order) and the input columns `cols` (unset: all), or an error naming `prefix` and `source`.
+struct LinearSlice {
+  std::vector<int64_t> rows;
+  Range cols;
+};
+absl::StatusOr<LinearSlice> SliceOfLinear(const std::string& prefix, const std::string& source,
+                                          int64_t out, int64_t in, const std::vector<Range>& rows,
+                                          std::optional<Range> cols);
+
 // The quantized linear `prefix` (its qweight, qzeros, scales, g_idx), rows `rows` of its
 // output dimension (concatenated in order; none: all) and columns `cols` of its input
 // dimension (unset: all), as a

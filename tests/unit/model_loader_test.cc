@@ -70,6 +70,38 @@ class LoaderTest : public ::testing::Test {
         .Build(*config, **weights, tgis::kernels::DType::kF32)
         .status();
   }
+  // The quantized fixture `name`'s config and weights in place of llama's; its
+  // quantization_config.
+  Json UseFixture(const std::string& name) {
+    const fs::path src = fs::path(TGIS_FIXTURES_DIR) / "models" / name;
+    for (const char* f : {"config.json", "model.safetensors"}) {
+      fs::copy(src / f, dir_ / f, fs::copy_options::overwrite_existing);
+    }
+    return Json::parse(ReadAll(src / "config.json"))["quantization_config"];
+  }
+  // The folder's quantization config against `flag` (--quantize).
+  absl::Status ReadQuant(std::optional<std::string> flag) {
+    auto config = tgis::server::ModelConfig::Load(dir_.string());
+    if (!config.ok()) return config.status();
+    return tgis::server::ReadQuantConfig(dir_.string(), *config, flag).status();
+  }
+  // The model built as the shard builds it: the folder's own quantization config applied.
+  absl::Status BuildQuantized() {
+    auto config = tgis::server::ModelConfig::Load(dir_.string());
+    if (!config.ok()) return config.status();
+    auto q = tgis::server::ReadQuantConfig(dir_.string(), *config, std::nullopt);
+    if (!q.ok()) return q.status();
+    auto weights = tgis::server::WeightStore::Open(dir_.string());
+    if (!weights.ok()) return weights.status();
+    (*weights)->set_quantization(*q);
+    return tgis::server::ModelRegistry::Get()
+        .Build(*config, **weights, tgis::kernels::DType::kF32)
+        .status();
+  }
+  static void ExpectError(const absl::Status& st, const std::string& text) {
+    EXPECT_FALSE(st.ok()) << text;
+    EXPECT_NE(st.message().find(text), std::string::npos) << st;
+  }
   void EditConfig(const std::function<void(Json&)>& edit) {
     Json c = Json::parse(ReadAll(dir_ / "config.json"));
     edit(c);
@@ -238,61 +270,38 @@ TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
 // compressed-tensors integer checkpoints (llm-compressor's W4A16, W8A16, W8A8): the config's
 // schemes are checked key by key, and each linear's tensors against them.
 TEST_F(LoaderTest, CompressedIntConfigsAndTensorsAreReadStrictly) {
-  const fs::path src = fs::path(TGIS_FIXTURES_DIR) / "models" / "llama_ct_w4a16";
-  for (const char* f : {"config.json", "model.safetensors"}) {
-    fs::copy(src / f, dir_ / f, fs::copy_options::overwrite_existing);
-  }
-  const Json ct = Json::parse(ReadAll(src / "config.json"))["quantization_config"];
-  auto read = [&](std::optional<std::string> flag) {
-    auto config = tgis::server::ModelConfig::Load(dir_.string());
-    EXPECT_TRUE(config.ok()) << config.status();
-    return tgis::server::ReadQuantConfig(dir_.string(), *config, flag).status();
-  };
-  auto build = [&]() -> absl::Status {
-    auto config = tgis::server::ModelConfig::Load(dir_.string());
-    if (!config.ok()) return config.status();
-    auto q = tgis::server::ReadQuantConfig(dir_.string(), *config, std::nullopt);
-    if (!q.ok()) return q.status();
-    auto weights = tgis::server::WeightStore::Open(dir_.string());
-    if (!weights.ok()) return weights.status();
-    (*weights)->set_quantization(*q);
-    return tgis::server::ModelRegistry::Get()
-        .Build(*config, **weights, tgis::kernels::DType::kF32)
-        .status();
-  };
-  auto expect_error = [](const absl::Status& st, const std::string& text) {
-    EXPECT_FALSE(st.ok()) << text;
-    EXPECT_NE(st.message().find(text), std::string::npos) << st;
-  };
+  const Json ct = UseFixture("llama_ct_w4a16");
   auto with = [&](const std::function<void(Json&)>& edit) {
     EditConfig([&](Json& c) {
       c["quantization_config"] = ct;
       edit(c["quantization_config"]);
     });
   };
-  EXPECT_TRUE(read(std::nullopt).ok()) << read(std::nullopt);
-  EXPECT_TRUE(read("compressed-tensors").ok()) << "vLLM's --quantization value";
-  EXPECT_TRUE(build().ok()) << build();
-  expect_error(read("bitsandbytes"), "already quantized");
-  expect_error(read("gptq"), "is quantized otherwise");
-  expect_error(read("fp8"), "is quantized otherwise");
+  EXPECT_TRUE(ReadQuant(std::nullopt).ok()) << ReadQuant(std::nullopt);
+  EXPECT_TRUE(ReadQuant("compressed-tensors").ok()) << "vLLM's --quantization value";
+  EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
+  ExpectError(ReadQuant("bitsandbytes"), "already quantized");
+  ExpectError(ReadQuant("gptq"), "is quantized otherwise");
+  ExpectError(ReadQuant("fp8"), "is quantized otherwise");
   auto with_weights = [&](const std::function<void(Json&)>& edit) {
     with([&](Json& q) { edit(q["config_groups"]["group_0"]["weights"]); });
   };
   with_weights([](Json& w) { w["num_bits"] = 2; });
-  expect_error(read({}), "weights: num_bits 2, type 'int': float8 weights and integer ones");
+  ExpectError(ReadQuant(std::nullopt),
+              "weights: num_bits 2, type 'int': float8 weights and integer ones");
   with_weights([](Json& w) { w["strategy"] = "block"; });
-  expect_error(read({}), "weights: strategy 'block'");
+  ExpectError(ReadQuant(std::nullopt), "weights: strategy 'block'");
   with_weights([](Json& w) { w["group_size"] = nullptr; });
-  expect_error(read({}), "group_size = -1: the group strategy needs one > 0");
+  ExpectError(ReadQuant(std::nullopt), "group_size = -1: the group strategy needs one > 0");
   with_weights([](Json& w) { w["dynamic"] = true; });
-  expect_error(read({}), "dynamically quantized weights");
+  ExpectError(ReadQuant(std::nullopt), "dynamically quantized weights");
   with_weights([](Json& w) { w["actorder"] = "random"; });
-  expect_error(read({}), "actorder = \"random\"");
+  ExpectError(ReadQuant(std::nullopt), "actorder = \"random\"");
   with_weights([](Json& w) { w["actorder"] = "weight"; });
-  EXPECT_TRUE(read({}).ok()) << "actorder weight changes calibration, not the tensors";
+  EXPECT_TRUE(ReadQuant(std::nullopt).ok())
+      << "actorder weight changes calibration, not the tensors";
   with_weights([](Json& w) { w["zero_point_bits"] = 4; });
-  expect_error(read({}), "key 'zero_point_bits' is not understood");
+  ExpectError(ReadQuant(std::nullopt), "key 'zero_point_bits' is not understood");
   with([](Json& q) {
     q["config_groups"]["group_1"] = q["config_groups"]["group_0"];
     q["config_groups"]["group_1"]["weights"]["type"] = "float";
@@ -302,74 +311,54 @@ TEST_F(LoaderTest, CompressedIntConfigsAndTensorsAreReadStrictly) {
     q["config_groups"]["group_1"]["weights"]["symmetric"] = true;
     q["config_groups"]["group_1"]["format"] = "float-quantized";
   });
-  expect_error(read({}), "float8 and integer weights in one checkpoint are not supported");
+  ExpectError(ReadQuant(std::nullopt),
+              "float8 and integer weights in one checkpoint are not supported");
   with([](Json& q) {
     q["config_groups"]["group_0"]["input_activations"] = {
         {"num_bits", 4}, {"type", "int"}, {"strategy", "token"}, {"dynamic", true}};
   });
-  expect_error(read({}), "input_activations: num_bits 4, type 'int': 8-bit activation schemes");
+  ExpectError(ReadQuant(std::nullopt),
+              "input_activations: num_bits 4, type 'int': 8-bit activation schemes");
   with([](Json& q) { q["config_groups"]["group_0"]["format"] = "float-quantized"; });
-  expect_error(read({}), "format 'float-quantized' for integer weights");
+  ExpectError(ReadQuant(std::nullopt), "format 'float-quantized' for integer weights");
   // The tensors against the config: groups of 64 where the scales hold groups of 32, codes
   // said to be 8-bit where they are packed 4 to a byte.
   with_weights([](Json& w) { w["group_size"] = 64; });
-  expect_error(build(), "self_attn.q_proj: 2 groups of scales for 64 columns in groups of 64");
+  ExpectError(BuildQuantized(),
+              "self_attn.q_proj: 2 groups of scales for 64 columns in groups of 64");
   with_weights([](Json& w) { w["num_bits"] = 8; });
-  expect_error(build(), "self_attn.q_proj: weight_packed holds 4-bit codes, the config says 8");
+  ExpectError(BuildQuantized(),
+              "self_attn.q_proj: weight_packed holds 4-bit codes, the config says 8");
 }
 
 // transformers' fine-grained fp8 (DeepSeek-V3, Qwen3 FP8): a factor per block of weights.
 TEST_F(LoaderTest, BlockFp8ConfigsAndScalesAreReadStrictly) {
-  const fs::path src = fs::path(TGIS_FIXTURES_DIR) / "models" / "llama_fp8_block";
-  for (const char* f : {"config.json", "model.safetensors"}) {
-    fs::copy(src / f, dir_ / f, fs::copy_options::overwrite_existing);
-  }
-  const Json fp8 = Json::parse(ReadAll(src / "config.json"))["quantization_config"];
-  auto read = [&](std::optional<std::string> flag) {
-    auto config = tgis::server::ModelConfig::Load(dir_.string());
-    EXPECT_TRUE(config.ok()) << config.status();
-    return tgis::server::ReadQuantConfig(dir_.string(), *config, flag).status();
-  };
-  auto build = [&]() -> absl::Status {
-    auto config = tgis::server::ModelConfig::Load(dir_.string());
-    if (!config.ok()) return config.status();
-    auto q = tgis::server::ReadQuantConfig(dir_.string(), *config, std::nullopt);
-    if (!q.ok()) return q.status();
-    auto weights = tgis::server::WeightStore::Open(dir_.string());
-    if (!weights.ok()) return weights.status();
-    (*weights)->set_quantization(*q);
-    return tgis::server::ModelRegistry::Get()
-        .Build(*config, **weights, tgis::kernels::DType::kF32)
-        .status();
-  };
-  auto expect_error = [](const absl::Status& st, const std::string& text) {
-    EXPECT_FALSE(st.ok()) << text;
-    EXPECT_NE(st.message().find(text), std::string::npos) << st;
-  };
+  const Json fp8 = UseFixture("llama_fp8_block");
   auto with = [&](const std::function<void(Json&)>& edit) {
     EditConfig([&](Json& c) {
       c["quantization_config"] = fp8;
       edit(c["quantization_config"]);
     });
   };
-  EXPECT_TRUE(read(std::nullopt).ok()) << read(std::nullopt);
-  EXPECT_TRUE(read("fp8").ok());
-  EXPECT_TRUE(build().ok()) << build();
-  expect_error(read("gptq"), "is quantized otherwise");
-  expect_error(read("compressed-tensors"), "is quantized otherwise");
+  EXPECT_TRUE(ReadQuant(std::nullopt).ok()) << ReadQuant(std::nullopt);
+  EXPECT_TRUE(ReadQuant("fp8").ok());
+  EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
+  ExpectError(ReadQuant("gptq"), "is quantized otherwise");
+  ExpectError(ReadQuant("compressed-tensors"), "is quantized otherwise");
   with([](Json& q) { q["weight_block_size"] = {0, 128}; });
-  expect_error(read({}), "weight_block_size = [0,128]: expected two positive integers");
+  ExpectError(ReadQuant(std::nullopt),
+              "weight_block_size = [0,128]: expected two positive integers");
   with([](Json& q) { q["activation_scheme"] = "per-token"; });
-  expect_error(read({}), "activation_scheme 'per-token': expected dynamic or static");
+  ExpectError(ReadQuant(std::nullopt), "activation_scheme 'per-token': expected dynamic or static");
   with([](Json& q) { q["fmt"] = "e5m2"; });
-  expect_error(read({}), "fmt 'e5m2'");
+  ExpectError(ReadQuant(std::nullopt), "fmt 'e5m2'");
   with([](Json& q) { q["weight_block_sizes"] = {128, 128}; });
-  expect_error(read({}), "key 'weight_block_sizes' is not understood");
+  ExpectError(ReadQuant(std::nullopt), "key 'weight_block_sizes' is not understood");
   // Scales of blocks of [48, 32] weights read as blocks of [64, 32]: 2 blocks of rows where
   // 1 is expected.
   with([](Json& q) { q["weight_block_size"] = {64, 32}; });
-  expect_error(build(), "self_attn.q_proj: weight_scale_inv is");
-  expect_error(build(), "for blocks of [64, 32] weights");
+  ExpectError(BuildQuantized(), "self_attn.q_proj: weight_scale_inv is");
+  ExpectError(BuildQuantized(), "for blocks of [64, 32] weights");
 }
 
 TEST_F(LoaderTest, Fp8WeightsWithoutAnFp8ConfigAreRefusedByName) {
