@@ -18,6 +18,7 @@ namespace tgis::server {
 using config_keys::BoolKey;
 using config_keys::CheckKeys;
 using config_keys::IntKey;
+using config_keys::IsPositivePair;
 using config_keys::StringKey;
 using Json = nlohmann::json;
 using kernels::DType;
@@ -85,9 +86,7 @@ absl::StatusOr<Kind> CheckWeightArgs(const Json& j, const std::string& where, in
   }
   *block = {0, 0};
   if (auto it = j.find("block_structure"); *strategy == "block") {
-    if (it == j.end() || !it->is_array() || it->size() != 2 || !(*it)[0].is_number_integer() ||
-        !(*it)[1].is_number_integer() || (*it)[0].get<int64_t>() <= 0 ||
-        (*it)[1].get<int64_t>() <= 0) {
+    if (it == j.end() || !IsPositivePair(*it)) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": block_structure = ", it == j.end() ? "missing" : it->dump(),
                        ": the block strategy needs [rows, columns]"));
@@ -140,9 +139,7 @@ absl::Status CheckActivationArgs(const Json& j, const std::string& where) {
     return absl::UnimplementedError(absl::StrCat(where, ": num_bits ", *num_bits, ", type '", *type,
                                                  "': 8-bit activation schemes are supported"));
   }
-  for (const char* key : {"strategy"}) {
-    if (auto v = StringKey(j, where, key, ""); !v.ok()) return v.status();
-  }
+  if (auto v = StringKey(j, where, "strategy", ""); !v.ok()) return v.status();
   for (const char* key : {"symmetric", "dynamic"}) {
     if (auto v = BoolKey(j, where, key, false); !v.ok()) return v.status();
   }

@@ -60,6 +60,12 @@ inline absl::Status RejectIfTrue(const Json& j, const std::string& where, const 
   return absl::OkStatus();
 }
 
+// [rows, columns] as float8 blocks are given: two positive integers.
+inline bool IsPositivePair(const Json& v) {
+  return v.is_array() && v.size() == 2 && v[0].is_number_integer() && v[1].is_number_integer() &&
+         v[0].get<int64_t>() > 0 && v[1].get<int64_t>() > 0;
+}
+
 inline absl::Status CheckKeys(const Json& j, const std::string& where,
                               const std::set<std::string>& read,
                               const std::set<std::string>& ignored) {

@@ -23,6 +23,7 @@ using kernels::Tensor;
 using config_keys::BoolKey;
 using config_keys::CheckKeys;
 using config_keys::IntKey;
+using config_keys::IsPositivePair;
 using config_keys::RejectIfTrue;
 using config_keys::StringKey;
 
@@ -181,9 +182,7 @@ absl::StatusOr<QuantConfig> ParseFineGrainedFp8(const Json& j, const std::string
   if (auto it = j.find("weight_block_size"); it == j.end()) {
     q.block_rows = q.block_cols = 128;  // transformers' default
   } else if (!it->is_null()) {
-    if (!it->is_array() || it->size() != 2 || !(*it)[0].is_number_integer() ||
-        !(*it)[1].is_number_integer() || (*it)[0].get<int64_t>() <= 0 ||
-        (*it)[1].get<int64_t>() <= 0) {
+    if (!IsPositivePair(*it)) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": weight_block_size = ", it->dump(),
                                                      ": expected two positive integers"));
     }

@@ -102,6 +102,13 @@ class LoaderTest : public ::testing::Test {
     EXPECT_FALSE(st.ok()) << text;
     EXPECT_NE(st.message().find(text), std::string::npos) << st;
   }
+  // config.json with `base` as its quantization_config, then edited by `edit`.
+  void WithQuantConfig(const Json& base, const std::function<void(Json&)>& edit) {
+    EditConfig([&](Json& c) {
+      c["quantization_config"] = base;
+      edit(c["quantization_config"]);
+    });
+  }
   void EditConfig(const std::function<void(Json&)>& edit) {
     Json c = Json::parse(ReadAll(dir_ / "config.json"));
     edit(c);
@@ -220,12 +227,7 @@ TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
   const Json fixture =
       Json::parse(ReadAll(fs::path(TGIS_FIXTURES_DIR) / "models" / "llama_fp8" / "config.json"));
   const Json ct = fixture["quantization_config"];
-  auto with = [&](const std::function<void(Json&)>& edit) {
-    EditConfig([&](Json& c) {
-      c["quantization_config"] = ct;
-      edit(c["quantization_config"]);
-    });
-  };
+  auto with = [&](const std::function<void(Json&)>& edit) { WithQuantConfig(ct, edit); };
   with([](Json&) {});
   EXPECT_TRUE(read(std::nullopt).ok()) << read(std::nullopt);
   EXPECT_TRUE(read("fp8").ok());
@@ -271,12 +273,7 @@ TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
 // schemes are checked key by key, and each linear's tensors against them.
 TEST_F(LoaderTest, CompressedIntConfigsAndTensorsAreReadStrictly) {
   const Json ct = UseFixture("llama_ct_w4a16");
-  auto with = [&](const std::function<void(Json&)>& edit) {
-    EditConfig([&](Json& c) {
-      c["quantization_config"] = ct;
-      edit(c["quantization_config"]);
-    });
-  };
+  auto with = [&](const std::function<void(Json&)>& edit) { WithQuantConfig(ct, edit); };
   EXPECT_TRUE(ReadQuant(std::nullopt).ok()) << ReadQuant(std::nullopt);
   EXPECT_TRUE(ReadQuant("compressed-tensors").ok()) << "vLLM's --quantization value";
   EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
@@ -334,12 +331,7 @@ TEST_F(LoaderTest, CompressedIntConfigsAndTensorsAreReadStrictly) {
 // transformers' fine-grained fp8 (DeepSeek-V3, Qwen3 FP8): a factor per block of weights.
 TEST_F(LoaderTest, BlockFp8ConfigsAndScalesAreReadStrictly) {
   const Json fp8 = UseFixture("llama_fp8_block");
-  auto with = [&](const std::function<void(Json&)>& edit) {
-    EditConfig([&](Json& c) {
-      c["quantization_config"] = fp8;
-      edit(c["quantization_config"]);
-    });
-  };
+  auto with = [&](const std::function<void(Json&)>& edit) { WithQuantConfig(fp8, edit); };
   EXPECT_TRUE(ReadQuant(std::nullopt).ok()) << ReadQuant(std::nullopt);
   EXPECT_TRUE(ReadQuant("fp8").ok());
   EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
