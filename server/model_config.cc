@@ -4,6 +4,7 @@
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 
@@ -86,6 +87,16 @@ absl::StatusOr<T> ModelConfig::Get(const char* key, std::optional<T> default_val
   if (it == raw.end() || it->is_null()) {
     if (default_value) return *default_value;
     return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, ": missing field"));
+  }
+  if constexpr (std::is_same_v<T, int64_t>) {
+    // An integer key: a float is refused (as torch refuses a float size), never truncated or
+    // converted out of range; so is an unsigned beyond int64.
+    if (!it->is_number_integer() ||
+        (it->is_number_unsigned() &&
+         it->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: ", key, " = ", it->dump(), ": expected an integer"));
+    }
   }
   try {
     return it->get<T>();

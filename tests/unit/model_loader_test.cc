@@ -446,6 +446,20 @@ TEST_F(LoaderTest, AnUnservableConfigNamesTheKeyAndValue) {
 
   // Found by the model_config fuzz target: a factor that scales the context beyond int64 was
   // cast anyway (undefined behaviour); so was a llama3 original context beyond it.
+  // Found by the model_config fuzz target: an integer key given as a float beyond int64 was
+  // converted anyway (undefined behaviour); 128.5 was truncated. Floats are refused, as the
+  // hidden size's reader already did.
+  for (double v : {6.7e27, 128.5, 128.0}) {
+    EditConfig([v](Json& c) { c["intermediate_size"] = v; });
+    st = Build();
+    ASSERT_FALSE(st.ok());
+    EXPECT_NE(st.message().find("config.json: intermediate_size = " + Json(v).dump() +
+                                ": expected an integer"),
+              std::string::npos)
+        << st;
+  }
+  EditConfig([](Json& c) { c["intermediate_size"] = 128; });
+
   EditConfig([](Json& c) { c["rope_scaling"] = {{"type", "linear"}, {"factor", 8.9e28}}; });
   st = Build();
   ASSERT_FALSE(st.ok());
