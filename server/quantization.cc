@@ -98,10 +98,10 @@ absl::StatusOr<QuantConfig> ParseGptq(const Json& j, const std::string& where) {
       !st.ok()) {
     return st;
   }
-  if (auto st = RejectIfTrue(j, where, "lm_head", "a quantized lm_head is not supported");
-      !st.ok()) {
-    return st;
-  }
+  // GPTQModel's lm_head = true: the head is quantized too (its qweight, qzeros, scales, g_idx).
+  auto head = BoolKey(j, where, "lm_head", false);
+  if (!head.ok()) return head.status();
+  q.lm_head_quantized = *head;
   if (auto st = CheckKeys(j, where,
                           {"bits", "group_size", "desc_act", "sym", "checkpoint_format",
                            "is_marlin_format", "lm_head"},

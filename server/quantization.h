@@ -53,6 +53,9 @@ struct QuantConfig {
   // scales per block of [block_rows, block_cols] weights, the block (0: per tensor or row).
   std::string fp8_scale = ".weight_scale";
   int64_t block_rows = 0, block_cols = 0;
+  // GPTQ's lm_head key (whether the head is quantized, which its tensors must agree with);
+  // unset for methods whose configs do not say (their tensors do).
+  std::optional<bool> lm_head_quantized;
   std::string source;        // the file the config came from, for errors
   std::string quant_method;  // the config's ("gptq", "compressed-tensors", ...), if any
 };

@@ -246,6 +246,19 @@ absl::StatusOr<Tensor> ShardedLoader::VocabRows(const std::string& name) const {
   return Select(*t, 0, {layout_.vocab}, false, dtype_);
 }
 
+absl::StatusOr<Tensor> ShardedLoader::HeadRows(const std::string& name) const {
+  if (auto q = Quantized(name, {layout_.vocab}, std::nullopt)) return *q;
+  return VocabRows(name);
+}
+
+bool ShardedLoader::Stores(const std::string& name) const {
+  if (w_.Has(name)) return true;
+  constexpr std::string_view kSuffix = ".weight";
+  if (!name.ends_with(kSuffix)) return false;
+  const std::string prefix = name.substr(0, name.size() - kSuffix.size());
+  return w_.Has(prefix + ".qweight") || w_.Has(prefix + ".weight_packed");
+}
+
 absl::StatusOr<Tensor> ShardedLoader::FusedQkv(const std::string& name, QkvLayout layout,
                                                bool conv1d) const {
   const int64_t d = spec_.head_dim;
@@ -303,14 +316,27 @@ absl::StatusOr<std::unique_ptr<CausalLM>> FinishDecoder(const ShardedLoader& loa
                                                         const std::string& head_name, bool tied,
                                                         DecoderSpec spec, DecoderWeights dw,
                                                         std::shared_ptr<Communicator> comm) {
-  if (tied || !weights.Has(head_name)) {
+  const QuantConfig& q = weights.quantization();
+  if (tied || !loader.Stores(head_name)) {
+    if (q.lm_head_quantized.value_or(false)) {
+      // GPTQModel refuses to quantize a head tied to the embedding; nor is there one to read.
+      return absl::InvalidArgumentError(absl::StrCat(
+          q.source, ": lm_head = true, but ",
+          tied ? "the lm_head is tied to the embedding (tie_word_embeddings)"
+               : absl::StrCat("the checkpoint has no ", head_name, " nor its quantized tensors")));
+    }
     // A tied checkpoint that still stores the head: transformers ties it to the embedding and
-    // never reads it, and so do we.
+    // never reads it, and so do we. (A quantized head left there stays unread: an error.)
     if (weights.Has(head_name)) weights.MarkRead(head_name);
     dw.lm_head = dw.embed;
   } else {
-    auto head = loader.VocabRows(head_name);
+    auto head = loader.HeadRows(head_name);
     if (!head.ok()) return head.status();
+    if (q.lm_head_quantized && *q.lm_head_quantized != (head->quantized() != nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          q.source, ": lm_head = ", *q.lm_head_quantized ? "true" : "false", ", but ", head_name,
+          *q.lm_head_quantized ? " is stored dense" : " is stored quantized (qweight)"));
+    }
     dw.lm_head = *head;
   }
   auto head = loader.LmHead(dw.lm_head);  // a copy when int8 and tied: the embedding stays

@@ -71,6 +71,13 @@ class ShardedLoader {
                                                bool conv1d = false) const;
   // Vocab-parallel: this rank's rows of an embedding or lm_head [V, H].
   absl::StatusOr<kernels::Tensor> VocabRows(const std::string& name) const;
+  // This rank's rows of the lm_head `name` as the checkpoint stores it: quantized (GPTQ with
+  // lm_head = true; compressed-tensors or fp8 whose ignore list leaves the head out), else
+  // VocabRows.
+  absl::StatusOr<kernels::Tensor> HeadRows(const std::string& name) const;
+  // Whether the checkpoint holds linear weight `name` in any form: dense, or the tensors of a
+  // quantized linear (GPTQ/AWQ's qweight, compressed-tensors' weight_packed).
+  bool Stores(const std::string& name) const;
   // The lm_head as the quantization method serves it: int8 at load under bitsandbytes (TGIS
   // quantizes the head then, never the embedding; under gptq it stays dense), else as is.
   absl::StatusOr<kernels::Tensor> LmHead(const kernels::Tensor& rows) const {

@@ -211,6 +211,36 @@ TEST_F(LoaderTest, QuantizationConfigsAreCheckedAgainstTheFlag) {
   expect_error(std::nullopt, "quantize_config.json: quant_method 'hqq' is not supported");
 }
 
+// GPTQModel's "lm_head": true: the head is read quantized (llama_gptq8 stores it so; its parity
+// tests check the values), and the config and the tensors must agree.
+TEST_F(LoaderTest, AQuantizedLmHeadMustAgreeWithTheGptqConfig) {
+  UseFixture("llama_gptq8");
+  const fs::path src = fs::path(TGIS_FIXTURES_DIR) / "models" / "llama_gptq8";
+  const Json quantize_config = Json::parse(ReadAll(src / "quantize_config.json"));
+  auto write_quantize_config = [&](const Json& j) {
+    std::ofstream(dir_ / "quantize_config.json", std::ios::trunc) << j.dump(1);
+  };
+  write_quantize_config(quantize_config);
+  EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
+  Json edited = quantize_config;
+  edited["lm_head"] = false;
+  write_quantize_config(edited);
+  ExpectError(BuildQuantized(), "lm_head = false, but lm_head.weight is stored quantized");
+  edited.erase("lm_head");  // AutoGPTQ's configs never quantize the head
+  write_quantize_config(edited);
+  ExpectError(BuildQuantized(), "lm_head = false, but lm_head.weight is stored quantized");
+  write_quantize_config(quantize_config);
+  EditConfig([](Json& c) { c["tie_word_embeddings"] = true; });
+  ExpectError(BuildQuantized(), "lm_head = true, but the lm_head is tied to the embedding");
+
+  fs::remove(dir_ / "quantize_config.json");
+  const Json gptq4 = UseFixture("llama_gptq4");  // its head is dense
+  WithQuantConfig(gptq4, [](Json& q) { q["lm_head"] = true; });
+  ExpectError(BuildQuantized(), "lm_head = true, but lm_head.weight is stored dense");
+  WithQuantConfig(gptq4, [](Json& q) { q["lm_head"] = "yes"; });
+  ExpectError(BuildQuantized(), "lm_head = \"yes\": expected true or false");
+}
+
 TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
   auto read = [&](std::optional<std::string> flag) {
     auto config = tgis::server::ModelConfig::Load(dir_.string());
