@@ -12,10 +12,12 @@ the checkpoint four ways); never part of `make test`. Everything it makes lives 
 1. A TinyLlama-1.1B-shaped HF checkpoint (hidden 2048, 22 layers, 32 heads, 4 KV heads,
    intermediate 5632, vocabulary 32000) with random f32 weights N(0, 0.02), numpy only; the
    tokenizer is the Llama-2-style test fixture (llama.cpp's converter pads its vocabulary).
-   A GPTQ copy (4-bit, groups of 32, symmetric, as AutoGPTQ packs it) for our 4-bit path.
+   A GPTQ copy (4-bit, groups of 32, symmetric, as AutoGPTQ packs it; the lm_head too, as
+   GPTQModel's "lm_head": true does) for our 4-bit path.
 2. llama.cpp from the llama-cpp-python source distribution on PyPI (its vendored llama.cpp,
    built with cmake, native ISA): convert_hf_to_gguf.py writes f32, bf16, f16 and Q8_0 GGUFs;
-   llama-quantize --pure writes Q4_0 (every tensor Q4_0, as our 4-bit has no 6-bit head);
+   llama-quantize --pure writes Q4_0 (every tensor Q4_0, the output tensor too, as our
+   4-bit copy's head);
    llama-bench measures pp (prefill) and tg (decode) at --threads.
 3. CTranslate2 from its PyPI wheel: ct2-transformers-converter (float32 and int8; the CPU
    has no bf16/f16 GEMM in CTranslate2, so those are reported as such) and
@@ -129,7 +131,12 @@ def gptq4_pack(w: np.ndarray, group: int) -> dict:
 
 
 def make_gptq4(dense: Path, folder: Path, group: int = 32) -> None:
-    if (folder / "model.safetensors").exists():
+    """The GPTQ copy, the lm_head quantized too (GPTQModel's "lm_head": true), as llama.cpp's
+    --pure Q4_0 quantizes its output tensor: the same bytes per token but for the formats'
+    constants."""
+    cfg_path = folder / "config.json"
+    if (folder / "model.safetensors").exists() and cfg_path.exists() and json.loads(
+            cfg_path.read_text())["quantization_config"].get("lm_head"):
         return
     from safetensors.numpy import load_file, save_file
 
@@ -138,7 +145,7 @@ def make_gptq4(dense: Path, folder: Path, group: int = 32) -> None:
     src = load_file(str(dense / "model.safetensors"))
     out = {}
     for name, t in src.items():
-        if name.endswith("_proj.weight"):
+        if name.endswith("_proj.weight") or name == "lm_head.weight":
             prefix = name[: -len(".weight")]
             for k, v in gptq4_pack(t, group).items():
                 out[f"{prefix}.{k}"] = v
@@ -147,7 +154,8 @@ def make_gptq4(dense: Path, folder: Path, group: int = 32) -> None:
     save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((dense / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
-                                  "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+                                  "desc_act": False, "sym": True, "checkpoint_format": "gptq",
+                                  "lm_head": True}
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     for f in dense.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
@@ -208,7 +216,7 @@ def ours(build: Path, dense: Path, gptq: Path, precision: str, prompt: int, step
     got = {"bandwidth_gbs": float(re.search(r"memory_bandwidth_gbs ([\d.]+)", text).group(1)),
            "streamed_bytes": float(re.search(r"streamed/token ([\d.]+) MB", text).group(1)) * 1e6,
            "format": {"8bit": "int8 per row (lm_head too)",
-                      "4bit": "GPTQ 4-bit g32 sym, bf16 lm_head"}.get(precision, precision)}
+                      "4bit": "GPTQ 4-bit g32 sym (lm_head too)"}.get(precision, precision)}
     if int8_activations:
         got["format"] += ", x int8 per 32"
     m = re.search(r"batch 1: prefill ([\d.]+) tok/s, decode ([\d.]+) tok/s", text)

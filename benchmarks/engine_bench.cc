@@ -177,7 +177,8 @@ int main(int argc, char** argv) {
   const double layer_bytes = linear_bytes(qd + 2 * spec.num_kv_heads * spec.head_dim, h) +
                              linear_bytes(h, qd) + 2 * linear_bytes(spec.intermediate, h) +
                              linear_bytes(h, spec.intermediate);
-  const double head_bytes = q.method == tgis::server::QuantMethod::kInt8AtLoad
+  const double head_bytes = q.method == tgis::server::QuantMethod::kInt8AtLoad ||
+                                    q.lm_head_quantized.value_or(false)
                                 ? linear_bytes(spec.vocab, h)
                                 : spec.vocab * h * wbytes;
   const double streamed = layer_bytes * spec.num_layers + head_bytes;
