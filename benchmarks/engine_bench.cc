@@ -132,6 +132,7 @@ int main(int argc, char** argv) {
     std::cerr << "unknown --dtype " << dtype_name << "\n";
     return 2;
   }
+  const auto load_start = std::chrono::steady_clock::now();
   auto config = tgis::server::ModelConfig::Load(dir);
   if (!config.ok()) {
     std::cerr << config.status() << "\n";
@@ -158,6 +159,9 @@ int main(int argc, char** argv) {
   std::cout << "resident after building the model: " << Resident() << "\n";
   (*weights)->ReleaseMappedPages();  // as the shard: the files' pages go, the store too
   weights->reset();
+  std::cout << "load: "
+            << std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count()
+            << " s (config, weights, the model's layouts, as the shard)\n";
   std::cout << "resident after load: " << Resident() << "; CPU kernels' derived layouts "
             << tgis::kernels::CpuDerivedLayoutBytes() / (1 << 20) << " MiB, row-major codes let go "
             << tgis::kernels::CpuReleasedCodeBytes() / (1 << 20) << " MiB\n";
@@ -177,10 +181,10 @@ int main(int argc, char** argv) {
   const double layer_bytes = linear_bytes(qd + 2 * spec.num_kv_heads * spec.head_dim, h) +
                              linear_bytes(h, qd) + 2 * linear_bytes(spec.intermediate, h) +
                              linear_bytes(h, spec.intermediate);
-  const double head_bytes = q.method == tgis::server::QuantMethod::kInt8AtLoad ||
-                                    q.lm_head_quantized.value_or(false)
-                                ? linear_bytes(spec.vocab, h)
-                                : spec.vocab * h * wbytes;
+  const double head_bytes =
+      q.method == tgis::server::QuantMethod::kInt8AtLoad || q.lm_head_quantized.value_or(false)
+          ? linear_bytes(spec.vocab, h)
+          : spec.vocab * h * wbytes;
   const double streamed = layer_bytes * spec.num_layers + head_bytes;
   const int block = 16;
   const int blocks = 16 * ((prompt + steps) / block + 2);

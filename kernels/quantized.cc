@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "kernels/check.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace tgis::kernels {
 
@@ -121,19 +122,41 @@ QuantizedWeight BuildQuantized(int bits, int64_t out, int64_t in, const std::vec
     q.zeros = Tensor::FromVector(z, {out, runs});
   }
   q.codes = Tensor::Zeros({out, std::max<int64_t>(q.code_bytes_per_row(), 1)}, DType::kI8);
-  for (int64_t n = 0; n < out; ++n) {
-    uint8_t* row = q.codes.data<uint8_t>() + n * q.codes.dim(1);
-    for (int64_t j = 0; j < q.stored_in; ++j) {
-      if (stored[j] < 0) continue;  // padding: x reads 0 there
-      const uint8_t c = codes[n * in + stored[j]];
-      TGIS_CHECK(c < (1 << bits), "BuildQuantized: code %d does not fit %d bits", c, bits);
-      if (bits == 8) {
-        row[j] = c;
+  // Rows over the CPU threads, the codes' range checked once per row, and without a gather a
+  // plain copy or pairing: at load this packing was a fifth of a GPTQ checkpoint's time.
+  cpu::ParallelFor(out, 16, [&](int64_t first, int64_t last) {
+    for (int64_t n = first; n < last; ++n) {
+      uint8_t* row = q.codes.data<uint8_t>() + n * q.codes.dim(1);
+      const uint8_t* src = &codes[n * in];
+      uint8_t seen = 0;  // every code's bits or'ed
+      if (identity && bits == 8) {
+        std::memcpy(row, src, in);
+        for (int64_t k = 0; k < in; ++k) seen |= src[k];
+      } else if (identity) {
+        for (int64_t k = 0; k + 1 < in; k += 2) {
+          row[k / 2] = static_cast<uint8_t>(src[k] | (src[k + 1] << 4));
+          seen |= src[k] | src[k + 1];
+        }
+        if (in % 2 == 1) {
+          row[in / 2] = src[in - 1];
+          seen |= src[in - 1];
+        }
       } else {
-        row[j / 2] |= static_cast<uint8_t>(c << (4 * (j % 2)));
+        for (int64_t j = 0; j < q.stored_in; ++j) {
+          if (stored[j] < 0) continue;  // padding: x reads 0 there
+          const uint8_t c = src[stored[j]];
+          seen |= c;
+          if (bits == 8) {
+            row[j] = c;
+          } else {
+            row[j / 2] |= static_cast<uint8_t>(c << (4 * (j % 2)));
+          }
+        }
       }
+      TGIS_CHECK((seen >> bits) == 0, "BuildQuantized: row %lld has a code beyond %d bits",
+                 static_cast<long long>(n), bits);
     }
-  }
+  });
   return q;
 }
 
@@ -209,6 +232,17 @@ Tensor Dequantize(const QuantizedWeight& q) {
   return w;
 }
 
+namespace {
+
+// std::nearbyint in the default rounding mode without its libm call: adding and subtracting
+// 1.5 * 2^23 rounds |v| < 2^22 to an integer, ties to even (1.5 * 2^23 is even, so the sum's
+// parity is the result's); anything larger (or NaN) takes nearbyint.
+inline float RoundHalfEven(float v) {
+  return std::fabs(v) < 0x1p22f ? (v + 0x1.8p23f) - 0x1.8p23f : std::nearbyint(v);
+}
+
+}  // namespace
+
 QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_absmax) {
   TGIS_CHECK(w.rank() == 2 && w.device() == Device::kCpu && !w.quantized(),
              "QuantizeInt8Rows: w must be a dense [out, in] CPU tensor");
@@ -216,22 +250,30 @@ QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_
   const int64_t out = f.dim(0), in = f.dim(1);
   std::vector<uint8_t> codes(out * in);
   std::vector<float> scales(out), zeros(out, 128.f);
-  for (int64_t n = 0; n < out; ++n) {
-    const float* row = f.data<float>() + n * in;
-    float absmax = 0.f;
-    for (int64_t k = 0; k < in; ++k) absmax = std::max(absmax, std::fabs(row[k]));
-    if (row_absmax != nullptr) {
-      TGIS_CHECK(static_cast<int64_t>(row_absmax->size()) == out && (*row_absmax)[n] >= absmax,
-                 "QuantizeInt8Rows: row_absmax does not cover the rows");
-      absmax = (*row_absmax)[n];
-    }
-    const float scale = absmax / 127.f;
-    scales[n] = scale;
-    for (int64_t k = 0; k < in; ++k) {
-      const float c = scale > 0.f ? std::nearbyint(row[k] / scale) : 0.f;
-      codes[n * in + k] = static_cast<uint8_t>(std::clamp(c, -127.f, 127.f) + 128.f);
-    }
+  if (row_absmax != nullptr) {
+    TGIS_CHECK(static_cast<int64_t>(row_absmax->size()) == out,
+               "QuantizeInt8Rows: row_absmax does not cover the rows");
   }
+  // Rows over the CPU threads (at load, one thread took most of a bitsandbytes start).
+  cpu::ParallelFor(out, 16, [&](int64_t first, int64_t last) {
+    for (int64_t n = first; n < last; ++n) {
+      const float* row = f.data<float>() + n * in;
+      float absmax = 0.f;
+      for (int64_t k = 0; k < in; ++k) absmax = std::max(absmax, std::fabs(row[k]));
+      if (row_absmax != nullptr) {
+        TGIS_CHECK((*row_absmax)[n] >= absmax,
+                   "QuantizeInt8Rows: row_absmax is below a row's own absmax");
+        absmax = (*row_absmax)[n];
+      }
+      const float scale = absmax / 127.f;
+      scales[n] = scale;
+      uint8_t* dst = &codes[n * in];
+      for (int64_t k = 0; k < in; ++k) {
+        const float c = scale > 0.f ? RoundHalfEven(row[k] / scale) : 0.f;
+        dst[k] = static_cast<uint8_t>(std::clamp(c, -127.f, 127.f) + 128.f);
+      }
+    }
+  });
   return BuildQuantized(8, out, in, codes, std::vector<int32_t>(in, 0), 1, scales, zeros);
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -85,8 +86,23 @@ int GpuCount();
 void SelectGpu(int index);
 
 // bf16 / f16 <-> f32 conversions on the host.
-float Bf16ToF32(uint16_t v);
-uint16_t F32ToBf16(float v);  // round to nearest even
+// (The bf16 ones are inline: checkpoints convert through them at load.)
+inline float Bf16ToF32(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline uint16_t F32ToBf16(float v) {  // round to nearest even
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep the sign, make sure it stays a (quiet) NaN
+    return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  }
+  // Round to nearest even; a carry into the exponent correctly rounds up to the next binade / inf.
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
 float F16ToF32(uint16_t v);
 uint16_t F32ToF16(float v);
 // float8 e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits, no infinities; 0x7F and

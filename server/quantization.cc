@@ -368,31 +368,60 @@ absl::StatusOr<Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConf
   // AWQ packs eight outputs per int32 in the order 0 2 4 6 1 3 5 7: output 8j + o sits in
   // nibble kAwqNibble[o].
   static constexpr int kAwqNibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  // pack is 8 or 4: shifts and masks, not divisions, in the loops below.
+  const int pack_shift = bits == 4 ? 3 : 2;
   auto packed_along_out = [&](const Tensor& t, int64_t row, int64_t n) -> uint32_t {
-    const uint32_t word = static_cast<uint32_t>(I32At(t, row * t.dim(1) + n / pack));
-    const int slot = awq ? kAwqNibble[n % pack] : static_cast<int>(n % pack);
-    return (word >> (bits * slot)) & mask;
+    const uint32_t word = static_cast<uint32_t>(I32At(t, row * t.dim(1) + (n >> pack_shift)));
+    const int slot = static_cast<int>(n & (pack - 1));
+    return (word >> (bits * (awq ? kAwqNibble[slot] : slot))) & mask;
   };
   const int64_t nsel = static_cast<int64_t>(picked.size()), kc = c.size();
   std::vector<uint8_t> codes(nsel * kc);
   std::vector<int32_t> group(g_idx.begin() + c.begin, g_idx.begin() + c.end);
   std::vector<float> sc(nsel * groups), zs(nsel * groups);
-  for (int64_t i = 0; i < nsel; ++i) {
-    const int64_t n = picked[i];
-    for (int64_t k = c.begin; k < c.end; ++k) {
-      uint32_t code;
-      if (awq) {
-        code = packed_along_out(*qweight, k, n);
-      } else {
-        const uint32_t word = static_cast<uint32_t>(I32At(*qweight, (k / pack) * out + n));
-        code = (word >> (bits * (k % pack))) & mask;
+  // Tiles of 16 output rows, so that the words read (both layouts pack neighbouring outputs
+  // into neighbouring words) stay in cache while every code of theirs is taken: row by row,
+  // GPTQ's qweight [in / pack, out] was walked down its columns, a cache line per word, and
+  // the unpacking took most of a GPTQ checkpoint's load.
+  constexpr int64_t kRowTile = 16;
+  for (int64_t i0 = 0; i0 < nsel; i0 += kRowTile) {
+    const int64_t i1 = std::min(nsel, i0 + kRowTile);
+    if (!awq) {
+      // GPTQ: a word holds `pack` columns of one output; each word read once, its codes
+      // written in a row. The words a few rows of qweight on are prefetched: the walk strides
+      // `out` words, which the hardware does not follow (the loads missed to DRAM in turn).
+      const int32_t* qw = qweight->data<int32_t>();
+      const int64_t words = qweight->dim(0);
+      for (int64_t kw = c.begin >> pack_shift; kw << pack_shift < c.end; ++kw) {
+        if (kw + 4 < words) {
+          __builtin_prefetch(&qw[(kw + 4) * out + picked[i0]]);
+          __builtin_prefetch(&qw[(kw + 4) * out + picked[i1 - 1]]);
+        }
+        const int64_t k0 = std::max(kw << pack_shift, c.begin);
+        const int64_t k1 = std::min((kw + 1) << pack_shift, c.end);
+        for (int64_t i = i0; i < i1; ++i) {
+          const uint32_t word = static_cast<uint32_t>(qw[kw * out + picked[i]]);
+          uint8_t* dst = &codes[i * kc - c.begin];
+          for (int64_t k = k0; k < k1; ++k) {
+            dst[k] = static_cast<uint8_t>((word >> (bits * (k & (pack - 1)))) & mask);
+          }
+        }
       }
-      codes[i * kc + (k - c.begin)] = static_cast<uint8_t>(code);
+    } else {
+      for (int64_t k = c.begin; k < c.end; ++k) {
+        for (int64_t i = i0; i < i1; ++i) {
+          codes[i * kc + (k - c.begin)] =
+              static_cast<uint8_t>(packed_along_out(*qweight, k, picked[i]));
+        }
+      }
     }
     for (int64_t g = 0; g < groups; ++g) {
-      sc[i * groups + g] = scales->data<float>()[g * out + n];
-      zs[i * groups + g] =
-          static_cast<float>(packed_along_out(*qzeros, g, n) + (q.zero_minus_one ? 1 : 0));
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t n = picked[i];
+        sc[i * groups + g] = scales->data<float>()[g * out + n];
+        zs[i * groups + g] =
+            static_cast<float>(packed_along_out(*qzeros, g, n) + (q.zero_minus_one ? 1 : 0));
+      }
     }
   }
   auto built = std::make_shared<const kernels::QuantizedWeight>(
