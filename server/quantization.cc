@@ -401,9 +401,9 @@ absl::StatusOr<Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConf
         const int64_t k1 = std::min((kw + 1) << pack_shift, c.end);
         for (int64_t i = i0; i < i1; ++i) {
           const uint32_t word = static_cast<uint32_t>(qw[kw * out + picked[i]]);
-          uint8_t* dst = &codes[i * kc - c.begin];
+          uint8_t* dst = codes.data() + i * kc;  // this row's codes, column c.begin first
           for (int64_t k = k0; k < k1; ++k) {
-            dst[k] = static_cast<uint8_t>((word >> (bits * (k & (pack - 1)))) & mask);
+            dst[k - c.begin] = static_cast<uint8_t>((word >> (bits * (k & (pack - 1)))) & mask);
           }
         }
       }

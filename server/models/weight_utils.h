@@ -79,7 +79,8 @@ class ShardedLoader {
   // quantized linear (GPTQ/AWQ's qweight, compressed-tensors' weight_packed).
   bool Stores(const std::string& name) const;
   // The lm_head as the quantization method serves it: int8 at load under bitsandbytes (TGIS
-  // quantizes the head then, never the embedding; under gptq it stays dense), else as is.
+  // quantizes the head then, never the embedding), else as loaded (HeadRows: dense, or as the
+  // checkpoint quantized it).
   absl::StatusOr<kernels::Tensor> LmHead(const kernels::Tensor& rows) const {
     return MaybeInt8(rows);
   }

@@ -633,6 +633,26 @@ TEST(QuantizedWeight, Int8RowsRoundToTheNearestStepOfTheRowAbsmax) {
   }
 }
 
+// The codes are std::nearbyint(w / scale) exactly, ties to even, in every row of a weight
+// large enough to be split over the threads.
+TEST(QuantizedWeight, Int8RowsRoundHalfToEvenLikeNearbyint) {
+  const std::vector<float> row = {127.f, 2.5f, 3.5f, -2.5f, -0.5f, 0.5f, 126.5f, -127.f, 0.f};
+  const int64_t out = 100, in = static_cast<int64_t>(row.size()) + 1;
+  std::vector<float> v;
+  for (int64_t n = 0; n < out; ++n) {
+    v.insert(v.end(), row.begin(), row.end());
+    v.push_back(0.37f * static_cast<float>(n) - 18.f);
+  }
+  const QuantizedWeight q = QuantizeInt8Rows(Tensor::FromVector(v, {out, in}));
+  for (int64_t n = 0; n < out; ++n) {
+    EXPECT_EQ(q.scales.data<float>()[n], 1.f);  // absmax 127
+    for (int64_t k = 0; k < in; ++k) {
+      const int code = q.codes.data<uint8_t>()[n * q.codes.dim(1) + k] - 128;
+      EXPECT_EQ(code, static_cast<int>(std::nearbyint(v[n * in + k]))) << n << " " << k;
+    }
+  }
+}
+
 TEST(QuantizedWeight, ConcatenatedRowsDequantizeToTheStackedWeights) {
   const DenseQuant a = RandomQuant(4, 5, 96, 32, true, 1);
   DenseQuant b = RandomQuant(4, 3, 96, 32, true, 2);

@@ -273,6 +273,25 @@ TEST(Tensor, ToConvertsBetweenDTypes) {
   EXPECT_EQ(trunc.data<int32_t>()[1], -2);
 }
 
+// Large tensors convert in chunks over the threads: every element, the ragged last chunk
+// included, as the scalar converters give it.
+TEST(Tensor, ToConvertsLargeTensorsElementByElementAlike) {
+  const int64_t n = 3 * (int64_t{1} << 16) + 5;
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i)
+    v[i] = std::ldexp(static_cast<float>(i % 977) - 488.3f, i % 41 - 20);
+  const Tensor t = Tensor::FromVector(v, {n});
+  const Tensor b = t.To(DType::kBF16), h = t.To(DType::kF16);
+  const Tensor bf = b.To(DType::kF32), hf = h.To(DType::kF32), hb = h.To(DType::kBF16);
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(b.data<uint16_t>()[i], F32ToBf16(v[i])) << i;
+    ASSERT_EQ(h.data<uint16_t>()[i], F32ToF16(v[i])) << i;
+    ASSERT_EQ(bf.data<float>()[i], Bf16ToF32(F32ToBf16(v[i]))) << i;
+    ASSERT_EQ(hf.data<float>()[i], F16ToF32(F32ToF16(v[i]))) << i;
+    ASSERT_EQ(hb.data<uint16_t>()[i], F32ToBf16(F16ToF32(F32ToF16(v[i])))) << i;
+  }
+}
+
 TEST(Tensor, ToDeviceCpuCopies) {
   Tensor t = Tensor::FromVector(std::vector<float>{1, 2}, {2});
   Tensor c = t.ToDevice(Device::kCpu);
