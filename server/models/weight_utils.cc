@@ -53,6 +53,13 @@ absl::StatusOr<kernels::Activation> ActivationFromName(const std::string& act,
 
 namespace {
 
+// "x.weight" -> "x", the prefix a linear's quantized tensors share; nullopt for other names.
+std::optional<std::string> LinearPrefix(const std::string& name) {
+  constexpr std::string_view kSuffix = ".weight";
+  if (name.size() <= kSuffix.size() || !name.ends_with(kSuffix)) return std::nullopt;
+  return name.substr(0, name.size() - kSuffix.size());
+}
+
 // out[j, i] = in[i, j], elements moved as T (same size as the dtype's).
 template <typename T>
 void Transpose(const Tensor& in, Tensor* out) {
@@ -139,12 +146,9 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
       q.method != QuantMethod::kFp8 && q.method != QuantMethod::kCompressedInt) {
     return std::nullopt;
   }
-  constexpr std::string_view kSuffix = ".weight";
-  if (name.size() <= kSuffix.size() ||
-      name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0) {
-    return std::nullopt;
-  }
-  const std::string prefix = name.substr(0, name.size() - kSuffix.size());
+  const std::optional<std::string> linear = LinearPrefix(name);
+  if (!linear) return std::nullopt;
+  const std::string& prefix = *linear;
   if (q.method == QuantMethod::kFp8) {
     // A linear left dense (the config's ignore list) has no scale; an fp8 weight without one
     // is refused by WeightStore::Get.
@@ -253,10 +257,8 @@ absl::StatusOr<Tensor> ShardedLoader::HeadRows(const std::string& name) const {
 
 bool ShardedLoader::Stores(const std::string& name) const {
   if (w_.Has(name)) return true;
-  constexpr std::string_view kSuffix = ".weight";
-  if (!name.ends_with(kSuffix)) return false;
-  const std::string prefix = name.substr(0, name.size() - kSuffix.size());
-  return w_.Has(prefix + ".qweight") || w_.Has(prefix + ".weight_packed");
+  const std::optional<std::string> prefix = LinearPrefix(name);
+  return prefix && (w_.Has(*prefix + ".qweight") || w_.Has(*prefix + ".weight_packed"));
 }
 
 absl::StatusOr<Tensor> ShardedLoader::FusedQkv(const std::string& name, QkvLayout layout,
