@@ -45,8 +45,11 @@ const std::set<std::string> kGptqIgnoredKeys = {
     "dataset", "tokenizer", "batch_size", "cache_block_outputs", "max_input_length",
     "module_name_preceding_first_block", "modules_in_block_to_quantize",  // which modules got
     // quantized: we read each linear by what its tensors are (qweight, or a dense weight)
+    "block_name_to_quantize",  // transformers' GPTQConfig: likewise
+    "model_seqlen",            // calibration sequence length
+    "hyb_act",                 // GPTQModel's hybrid act-order: g_idx records the order
     "pad_token_id", "use_cuda_fp16", "use_exllama", "disable_exllama", "exllama_config", "backend",
-    "quantizer", "pack_dtype", "device", "adapter",  // the quantizer's runtime
+    "quantizer", "device", "adapter",  // the quantizer's runtime
 };
 const std::set<std::string> kAwqIgnoredKeys = {
     "quant_method",            // read: "awq"
@@ -55,8 +58,51 @@ const std::set<std::string> kAwqIgnoredKeys = {
     "backend",
     "do_fuse",
     "fuse_max_seq_len",
-    "exllama_config",  // AutoAWQ's runtime choices
+    "modules_to_fuse",
+    "exllama_config",  // AutoAWQ's and transformers' runtime choices
+    "meta",            // GPTQModel's: quantizer name, version, calibration
 };
+
+// Keys GPTQModel (2025-2026) writes into GPTQ and AWQ configs alike, read the same way for
+// both: `method` and `format` repeat quant_method and checkpoint_format; `pack_dtype` is the
+// integer type the codes are packed in; `rotation` says the weights were rotated (QuaRot-style)
+// and need an online Hadamard transform at run time. `name` is the method ("gptq", "awq");
+// `format` the checkpoint format the config names otherwise.
+absl::Status CheckGptqModelKeys(const Json& j, const std::string& where, const std::string& name,
+                                const std::string& format) {
+  auto method = StringKey(j, where, "method", name);
+  if (!method.ok()) return method.status();
+  if (*method != name) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": method '", *method, "' but quant_method '", name, "'"));
+  }
+  auto fmt = StringKey(j, where, "format", format);
+  if (!fmt.ok()) return fmt.status();
+  if (*fmt != format) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": format '", *fmt, "' but checkpoint format '", format, "'"));
+  }
+  auto pack = StringKey(j, where, "pack_dtype", "int32");
+  if (!pack.ok()) return pack.status();
+  if (*pack != "int32") {
+    return absl::UnimplementedError(absl::StrCat(where, ": pack_dtype '", *pack,
+                                                 "': codes packed in int32 words are supported"));
+  }
+  auto rotation = StringKey(j, where, "rotation", "");
+  if (!rotation.ok()) return rotation.status();
+  if (!rotation->empty()) {
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": rotation '", *rotation,
+        "': rotated checkpoints need an online Hadamard transform this server does not apply"));
+  }
+  if (auto it = j.find("dynamic"); it != j.end() && !it->is_null() && !it->is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": dynamic = ", it->dump(), ": expected an object"));
+  }
+  return absl::OkStatus();  // dynamic's rules are read in the file's order by ReadQuantConfig
+}
+const std::set<std::string> kGptqModelKeys = {"method", "format", "pack_dtype", "rotation",
+                                              "dynamic"};
 
 const std::set<std::string> kFbgemmIgnoredKeys = {
     "quant_method",         // read: "fbgemm_fp8"
@@ -86,8 +132,13 @@ absl::StatusOr<QuantConfig> ParseGptq(const Json& j, const std::string& where) {
   for (const char* key : {"desc_act", "sym"}) {
     if (auto b = BoolKey(j, where, key, false); !b.ok()) return b.status();
   }
-  auto format = StringKey(j, where, "checkpoint_format", "gptq");
+  // GPTQModel writes the format under both names; either alone says it.
+  auto format =
+      StringKey(j, where, "checkpoint_format",
+                j.contains("format") && j["format"].is_string() ? j["format"].get<std::string>()
+                                                                : std::string("gptq"));
   if (!format.ok()) return format.status();
+  if (auto st = CheckGptqModelKeys(j, where, "gptq", *format); !st.ok()) return st;
   if (*format != "gptq" && *format != "gptq_v2") {
     return absl::UnimplementedError(absl::StrCat(where, ": checkpoint_format '", *format,
                                                  "' (gptq and gptq_v2 are supported)"));
@@ -102,13 +153,10 @@ absl::StatusOr<QuantConfig> ParseGptq(const Json& j, const std::string& where) {
   auto head = BoolKey(j, where, "lm_head", false);
   if (!head.ok()) return head.status();
   q.lm_head_quantized = *head;
-  if (auto st = CheckKeys(j, where,
-                          {"bits", "group_size", "desc_act", "sym", "checkpoint_format",
-                           "is_marlin_format", "lm_head"},
-                          kGptqIgnoredKeys);
-      !st.ok()) {
-    return st;
-  }
+  std::set<std::string> read = {
+      "bits", "group_size", "desc_act", "sym", "checkpoint_format", "is_marlin_format", "lm_head"};
+  read.insert(kGptqModelKeys.begin(), kGptqModelKeys.end());
+  if (auto st = CheckKeys(j, where, read, kGptqIgnoredKeys); !st.ok()) return st;
   return q;
 }
 
@@ -134,19 +182,39 @@ absl::StatusOr<QuantConfig> ParseAwq(const Json& j, const std::string& where) {
   if (!*zero) {
     return absl::UnimplementedError(absl::StrCat(where, ": zero_point = false is not supported"));
   }
-  auto version = StringKey(j, where, "version", "gemm");
-  if (!version.ok()) return version.status();
-  std::transform(version->begin(), version->end(), version->begin(), ::tolower);
-  if (*version != "gemm") {
-    return absl::UnimplementedError(absl::StrCat(where, ": version '", *version,
-                                                 "': only AutoAWQ's GEMM packing is supported"));
+  // GPTQModel's AWQ configs say sym (= !zero_point) too.
+  if (auto sym = BoolKey(j, where, "sym", !*zero); !sym.ok()) {
+    return sym.status();
+  } else if (*sym == *zero) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": sym = ", *sym ? "true" : "false", " contradicts zero_point"));
   }
-  if (auto st = CheckKeys(j, where,
-                          {"bits", "w_bit", "group_size", "q_group_size", "zero_point", "version"},
-                          kAwqIgnoredKeys);
+  // The packing: AutoAWQ's version, GPTQModel's format and checkpoint_format (all alike).
+  std::string version = "gemm";
+  for (const char* key : {"version", "checkpoint_format", "format"}) {
+    if (!j.contains(key) || j[key].is_null()) continue;
+    auto v = StringKey(j, where, key, "");
+    if (!v.ok()) return v.status();
+    std::transform(v->begin(), v->end(), v->begin(), ::tolower);
+    if (*v != "gemm") {
+      return absl::UnimplementedError(
+          absl::StrCat(where, ": ", key, " '", *v, "': only AutoAWQ's GEMM packing is supported"));
+    }
+  }
+  if (auto st = CheckGptqModelKeys(j, where, "awq", version); !st.ok()) return st;
+  if (auto st = RejectIfTrue(j, where, "desc_act", "AWQ with act-order is not supported");
       !st.ok()) {
     return st;
   }
+  if (auto st = RejectIfTrue(j, where, "lm_head", "a quantized AWQ lm_head is not supported");
+      !st.ok()) {
+    return st;
+  }
+  std::set<std::string> read = {"bits",       "w_bit",  "group_size", "q_group_size",
+                                "zero_point", "sym",    "version",    "checkpoint_format",
+                                "desc_act",   "lm_head"};
+  read.insert(kGptqModelKeys.begin(), kGptqModelKeys.end());
+  if (auto st = CheckKeys(j, where, read, kAwqIgnoredKeys); !st.ok()) return st;
   return q;
 }
 
@@ -234,6 +302,20 @@ absl::StatusOr<QuantConfig> ParseQuantization(const Json& j, const std::string& 
   return q;
 }
 
+// GPTQModel's dynamic rules of a GPTQ or AWQ config, in `file`'s order.
+absl::Status ReadDynamic(const fs::path& file, const std::string& object_key,
+                         const std::string& where, QuantConfig* q) {
+  if (q->method != QuantMethod::kGptq && q->method != QuantMethod::kAwq) return absl::OkStatus();
+  DynamicRuleKeys keys;
+  keys.bits = q->method == QuantMethod::kGptq ? std::set<int>{4, 8} : std::set<int>{4};
+  keys.tensor_led = {"sym", "desc_act"};
+  keys.ignored = kGptqIgnoredKeys;
+  auto rules = ReadDynamicRules(file, object_key, where, keys);
+  if (!rules.ok()) return rules.status();
+  q->dynamic = *std::move(rules);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const std::vector<std::string>& QuantizeFlagValues() {
@@ -258,12 +340,16 @@ absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const 
     auto q = ParseQuantization(*it, where);
     if (!q.ok()) return q.status();
     found = *q;
+    if (auto st = ReadDynamic(config_file, "quantization_config", where, &found); !st.ok()) {
+      return st;
+    }
   } else if (std::error_code ec; fs::exists(gptq_file, ec)) {
     auto j = ReadJsonObject(gptq_file, /*required=*/true);
     if (!j.ok()) return j.status();
     auto q = ParseQuantization(*j, gptq_file.string());
     if (!q.ok()) return q.status();
     found = *q;
+    if (auto st = ReadDynamic(gptq_file, "", gptq_file.string(), &found); !st.ok()) return st;
   }
   if (!flag) return found;
   const bool prequantized = found.method != QuantMethod::kNone;
@@ -320,7 +406,14 @@ absl::StatusOr<Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConf
                                            const std::vector<Range>& rows,
                                            std::optional<Range> cols) {
   const bool awq = q.method == QuantMethod::kAwq;
-  const int bits = q.bits, pack = 32 / bits;
+  const DynamicRule* rule = MatchDynamicRule(q.dynamic, prefix);
+  if (rule != nullptr && rule->excluded) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, ": stored quantized, but the dynamic rule '", rule->key,
+                     "' leaves it unquantized (", q.source, ")"));
+  }
+  const int bits = rule && rule->bits ? *rule->bits : q.bits, pack = 32 / bits;
+  const int64_t config_group = rule && rule->group_size ? *rule->group_size : q.group_size;
   const uint32_t mask = (1u << bits) - 1;
   auto qweight = Tensor2D(w, prefix + ".qweight", DType::kI32);
   auto qzeros = Tensor2D(w, prefix + ".qzeros", DType::kI32);
@@ -331,7 +424,7 @@ absl::StatusOr<Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConf
   const int64_t in = awq ? qweight->dim(0) : qweight->dim(0) * pack;
   const int64_t out = awq ? qweight->dim(1) * pack : qweight->dim(1);
   const int64_t groups = scales->dim(0);
-  const int64_t group_size = q.group_size == -1 ? in : q.group_size;
+  const int64_t group_size = config_group == -1 ? in : config_group;
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, ": ", what, " (", q.source, ")"));
   };

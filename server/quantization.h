@@ -5,7 +5,8 @@
 //  - GPTQ (AutoGPTQ / GPTQModel): per linear `qweight` [in * bits / 32, out] int32 packed
 //    along the input dimension, `qzeros` [groups, out * bits / 32] packed along the output one
 //    (stored as zero - 1 unless checkpoint_format is gptq_v2), `scales` [groups, out], `g_idx`
-//    [in] (each input column's group; act-order permutes it). 4 and 8 bits.
+//    [in] (each input column's group; act-order permutes it). 4 and 8 bits; GPTQModel's
+//    `dynamic` rules may give a module other bits and group size, or leave it dense.
 //  - AWQ (AutoAWQ GEMM): `qweight` [in, out / 8] and `qzeros` [groups, out / 8] packed along
 //    the output dimension in the order 0 2 4 6 1 3 5 7, `scales` [groups, out]. 4 bits.
 //  - fp8 (llm-compressor's compressed-tensors "float-quantized", FBGEMM's fbgemm_fp8,
@@ -36,6 +37,7 @@
 #include "kernels/tensor.h"
 #include "server/model.h"
 #include "server/model_config.h"
+#include "server/quant_dynamic.h"
 
 namespace tgis::server {
 
@@ -56,6 +58,8 @@ struct QuantConfig {
   // GPTQ's lm_head key (whether the head is quantized, which its tensors must agree with);
   // unset for methods whose configs do not say (their tensors do).
   std::optional<bool> lm_head_quantized;
+  // GPTQ and AWQ: GPTQModel's per-module exceptions (quant_dynamic.h), in the file's order.
+  std::vector<DynamicRule> dynamic;
   std::string source;        // the file the config came from, for errors
   std::string quant_method;  // the config's ("gptq", "compressed-tensors", ...), if any
 };

@@ -13,6 +13,12 @@ using kernels::DType;
 using kernels::Tensor;
 
 absl::StatusOr<Tensor> ConcatRows(const std::vector<Tensor>& parts, const std::string& what) {
+  for (const Tensor& p : parts) {
+    if ((p.quantized() != nullptr) != (parts[0].quantized() != nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": the fused parts are stored differently (some quantized, some dense)"));
+    }
+  }
   if (parts[0].quantized() != nullptr) {
     std::vector<const kernels::QuantizedWeight*> qs;
     for (const Tensor& p : parts) {

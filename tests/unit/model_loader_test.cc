@@ -241,6 +241,105 @@ TEST_F(LoaderTest, AQuantizedLmHeadMustAgreeWithTheGptqConfig) {
   ExpectError(BuildQuantized(), "lm_head = \"yes\": expected true or false");
 }
 
+// GPTQModel's `dynamic` rules (llama_gptq_dynamic: its parity tests check the values): the
+// first rule in the file's order that matches a module's name from its start decides.
+TEST_F(LoaderTest, GptqModelDynamicRulesApplyInTheFilesOrder) {
+  using OrderedJson = nlohmann::ordered_json;
+  UseFixture("llama_gptq_dynamic");
+  const OrderedJson original = OrderedJson::parse(ReadAll(dir_ / "config.json"));
+  auto with = [&](const std::function<void(OrderedJson&)>& edit) {
+    OrderedJson c = original;
+    edit(c["quantization_config"]);
+    std::ofstream(dir_ / "config.json", std::ios::trunc) << c.dump(1);
+  };
+  with([](OrderedJson&) {});
+  EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
+  // The same rules with their keys sorted: "+:.*\.mlp\.down_proj" (groups of 16) comes
+  // first and takes layer 0's down_proj, whose tensors are per channel.
+  EditConfig([](Json&) {});
+  ExpectError(BuildQuantized(),
+              "model.layers.0.mlp.down_proj: 1 groups of scales for 128 inputs "
+              "in groups of 16");
+  // A "-:" rule over a module stored quantized.
+  with([](OrderedJson& q) {
+    OrderedJson d = {{"-:.*layers\\.0\\.self_attn\\.o_proj", OrderedJson::object()}};
+    for (const auto& [k, v] : q["dynamic"].items()) d[k] = v;
+    q["dynamic"] = d;
+  });
+  ExpectError(BuildQuantized(),
+              "model.layers.0.self_attn.o_proj: stored quantized, but the dynamic rule "
+              "'-:.*layers\\.0\\.self_attn\\.o_proj' leaves it unquantized");
+  // Rules the server cannot honour name themselves.
+  auto rule_error = [&](const std::string& key, const OrderedJson& overrides,
+                        const std::string& text) {
+    with([&](OrderedJson& q) { q["dynamic"] = {{key, overrides}}; });
+    ExpectError(ReadQuant(std::nullopt), text);
+  };
+  rule_error("(?P<layer>.*)", OrderedJson::object(),
+             "dynamic rule '(?P<layer>.*)': not a regular expression this server reads");
+  rule_error("-:.*down_proj", {{"bits", 8}}, "a \"-:\" rule leaves its modules unquantized");
+  rule_error(".*down_proj", {{"bits", 3}}, "dynamic rule '.*down_proj': bits = 3: 4 or 8 bits");
+  rule_error(".*down_proj", {{"group_size", 0}}, "group_size = 0");
+  rule_error(".*down_proj", {{"sym", "no"}}, "sym = \"no\": expected true or false");
+  rule_error(".*down_proj", {{"act_scale", 1}}, "key 'act_scale' is not understood");
+  rule_error(".*down_proj", 8, "dynamic rule '.*down_proj' = 8: expected an object");
+  with([](OrderedJson& q) { q["dynamic"] = {1, 2}; });
+  ExpectError(ReadQuant(std::nullopt), "dynamic = [1,2]: expected an object");
+  with([](OrderedJson& q) { q["dynamic"] = nullptr; });  // GPTQModel 1.x writes null
+  EXPECT_TRUE(ReadQuant(std::nullopt).ok());
+  // GPTQModel's other keys.
+  auto key_error = [&](const char* key, const OrderedJson& value, const std::string& text) {
+    with([&](OrderedJson& q) { q[key] = value; });
+    ExpectError(ReadQuant(std::nullopt), text);
+  };
+  key_error("method", "awq", "method 'awq' but quant_method 'gptq'");
+  key_error("format", "gptq_v2", "format 'gptq_v2' but checkpoint format 'gptq'");
+  key_error("pack_dtype", "int16", "pack_dtype 'int16': codes packed in int32 words");
+  key_error("rotation", "hadamard", "rotation 'hadamard': rotated checkpoints need an online");
+  with([](OrderedJson& q) { q.erase("checkpoint_format"); });  // "format" alone says it
+  EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
+}
+
+// The configs transformers' own GPTQConfig(bits=4) and AwqConfig() write (to_dict() of
+// transformers 4.49) load: keys that only steer calibration or the quantizer's runtime.
+TEST_F(LoaderTest, TransformersWrittenGptqAndAwqConfigsAreRead) {
+  EditConfig([](Json& c) {
+    c["quantization_config"] = Json::parse(R"({"quant_method": "gptq", "bits": 4,
+        "tokenizer": null, "dataset": null, "group_size": 128, "damp_percent": 0.1,
+        "desc_act": false, "sym": true, "true_sequential": true, "checkpoint_format": "gptq",
+        "meta": null, "backend": null, "use_cuda_fp16": false, "model_seqlen": null,
+        "block_name_to_quantize": null, "module_name_preceding_first_block": null,
+        "batch_size": 1, "pad_token_id": null, "use_exllama": true, "max_input_length": null,
+        "exllama_config": {"version": 1}, "cache_block_outputs": true,
+        "modules_in_block_to_quantize": null})");
+  });
+  EXPECT_TRUE(ReadQuant(std::nullopt).ok()) << ReadQuant(std::nullopt);
+  EditConfig([](Json& c) {
+    c["quantization_config"] = Json::parse(R"({"quant_method": "awq", "bits": 4,
+        "group_size": 128, "zero_point": true, "version": "gemm", "backend": "autoawq",
+        "fuse_max_seq_len": null, "modules_to_not_convert": null, "exllama_config": null,
+        "modules_to_fuse": null, "do_fuse": false})");
+  });
+  EXPECT_TRUE(ReadQuant(std::nullopt).ok()) << ReadQuant(std::nullopt);
+  // GPTQModel's AWQ: its format keys and sym must agree with AutoAWQ's.
+  EditConfig([](Json& c) {
+    auto& q = c["quantization_config"];
+    q["sym"] = false;
+    q["method"] = "awq";
+    q["format"] = q["checkpoint_format"] = "gemm";
+    q["desc_act"] = q["lm_head"] = false;
+    q["pack_dtype"] = "int32";
+  });
+  EXPECT_TRUE(ReadQuant(std::nullopt).ok()) << ReadQuant(std::nullopt);
+  EditConfig([](Json& c) { c["quantization_config"]["sym"] = true; });
+  ExpectError(ReadQuant(std::nullopt), "sym = true contradicts zero_point");
+  EditConfig([](Json& c) {
+    c["quantization_config"]["sym"] = false;
+    c["quantization_config"]["format"] = "gemv_fast";
+  });
+  ExpectError(ReadQuant(std::nullopt), "format 'gemv_fast': only AutoAWQ's GEMM packing");
+}
+
 TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
   auto read = [&](std::optional<std::string> flag) {
     auto config = tgis::server::ModelConfig::Load(dir_.string());
