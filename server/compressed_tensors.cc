@@ -232,16 +232,19 @@ absl::StatusOr<QuantConfig> ParseCompressedTensors(const Json& j, const std::str
   if (*format != "mixed-precision") {
     if (auto st = CheckFormat(*format, *kind, where); !st.ok()) return st;
   }
-  for (const char* key : {"kv_cache_scheme", "transform_config", "sparsity_config"}) {
+  // moe_sparsity_config (compressed-tensors 0.20, written null by default): experts pruned or
+  // collapsed per layer.
+  for (const char* key :
+       {"kv_cache_scheme", "transform_config", "sparsity_config", "moe_sparsity_config"}) {
     if (auto it = j.find(key); it != j.end() && !it->is_null() && !it->empty()) {
       return absl::UnimplementedError(
           absl::StrCat(where, ": ", key, " = ", it->dump(), ": not supported"));
     }
   }
-  if (auto st = CheckKeys(
-          j, where,
-          {"format", "config_groups", "kv_cache_scheme", "transform_config", "sparsity_config"},
-          kIgnoredKeys);
+  if (auto st = CheckKeys(j, where,
+                          {"format", "config_groups", "kv_cache_scheme", "transform_config",
+                           "sparsity_config", "moe_sparsity_config"},
+                          kIgnoredKeys);
       !st.ok()) {
     return st;
   }

@@ -390,6 +390,10 @@ TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
   expect_error("num_bits = \"8\": expected an integer");
   with([](Json& q) { q["transform"] = true; });
   expect_error("key 'transform' is not understood");
+  with([](Json& q) { q["moe_sparsity_config"] = nullptr; });  // compressed-tensors 0.20 writes
+  EXPECT_TRUE(read(std::nullopt).ok()) << read(std::nullopt);
+  with([](Json& q) { q["moe_sparsity_config"] = {{"method", "prune"}}; });
+  expect_error("moe_sparsity_config = {\"method\":\"prune\"}: not supported");
   EditConfig([&](Json& c) {
     c["quantization_config"] = {{"quant_method", "fbgemm_fp8"}, {"activation_scale_ub", 1200.0}};
   });
