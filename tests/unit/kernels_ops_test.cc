@@ -653,6 +653,41 @@ TEST(QuantizedWeight, Int8RowsRoundHalfToEvenLikeNearbyint) {
   }
 }
 
+// Rows of 100 (three 32-column vectors and a ragged tail) through the AVX2 and the scalar
+// paths: the same scales and codes, and the codes nearbyint(w / scale) gives; rows holding a
+// NaN or an infinity take the scalar path whole on either.
+TEST(QuantizedWeight, Int8RowsAreTheSameOnEveryIsa) {
+  const int64_t out = 40, in = 100;
+  std::vector<float> v(out * in);
+  uint32_t state = 7;
+  for (float& x : v) {
+    state = state * 1664525u + 1013904223u;
+    x = (static_cast<float>(state >> 8) / 16777216.f - 0.5f) * 3.f;
+  }
+  v[3 * in + 99] = std::numeric_limits<float>::quiet_NaN();
+  v[5 * in + 40] = std::numeric_limits<float>::infinity();
+  v[7 * in + 31] = 6.f;  // the row's absmax in the last lane of a vector: code 127
+  const Tensor w = Tensor::FromVector(v, {out, in});
+  std::vector<QuantizedWeight> got;
+  for (cpu::Isa isa : {cpu::Isa::kScalar, cpu::Isa::kAuto}) {
+    cpu::SetIsaForTesting(isa);
+    got.push_back(QuantizeInt8Rows(w));
+  }
+  cpu::SetIsaForTesting(cpu::Isa::kAuto);
+  ASSERT_EQ(got[0].codes.nbytes(), got[1].codes.nbytes());
+  EXPECT_EQ(0, std::memcmp(got[0].codes.raw(), got[1].codes.raw(), got[0].codes.nbytes()));
+  EXPECT_EQ(0, std::memcmp(got[0].scales.raw(), got[1].scales.raw(), got[0].scales.nbytes()));
+  for (int64_t n = 0; n < out; ++n) {
+    if (n == 3 || n == 5) continue;
+    const float scale = got[1].scales.data<float>()[n];
+    for (int64_t k = 0; k < in; ++k) {
+      const int code = got[1].codes.data<uint8_t>()[n * got[1].codes.dim(1) + k] - 128;
+      EXPECT_EQ(code, static_cast<int>(std::nearbyint(v[n * in + k] / scale))) << n << " " << k;
+    }
+  }
+  EXPECT_EQ(got[1].codes.data<uint8_t>()[7 * got[1].codes.dim(1) + 31], 255);
+}
+
 TEST(QuantizedWeight, ConcatenatedRowsDequantizeToTheStackedWeights) {
   const DenseQuant a = RandomQuant(4, 5, 96, 32, true, 1);
   DenseQuant b = RandomQuant(4, 3, 96, 32, true, 2);

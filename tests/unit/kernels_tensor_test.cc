@@ -280,14 +280,28 @@ TEST(Tensor, ToConvertsLargeTensorsElementByElementAlike) {
   std::vector<float> v(n);
   for (int64_t i = 0; i < n; ++i)
     v[i] = std::ldexp(static_cast<float>(i % 977) - 488.3f, i % 41 - 20);
+  // Values whose rounding the vector paths must get as the scalar converters do: NaNs (quiet,
+  // signalling, either sign), infinities, the largest float (rounds to inf in bf16), ties to
+  // even both ways, subnormals, -0; in the middle of a vector and in the ragged tail.
+  const uint32_t special[] = {0x7fc00000u, 0xffc00001u, 0x7f800001u, 0xff800000u, 0x7f800000u,
+                              0x7f7fffffu, 0x3f808000u, 0x3f818000u, 0xbf808000u, 0x00000001u,
+                              0x807fffffu, 0x80000000u, 0x3f80ffffu};
+  for (int64_t j = 0; j < 13; ++j) {
+    for (int64_t at : {j + 3, n - 1 - j}) std::memcpy(&v[at], &special[j], 4);
+  }
   const Tensor t = Tensor::FromVector(v, {n});
   const Tensor b = t.To(DType::kBF16), h = t.To(DType::kF16);
   const Tensor bf = b.To(DType::kF32), hf = h.To(DType::kF32), hb = h.To(DType::kBF16);
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+  };
   for (int64_t i = 0; i < n; ++i) {
     ASSERT_EQ(b.data<uint16_t>()[i], F32ToBf16(v[i])) << i;
     ASSERT_EQ(h.data<uint16_t>()[i], F32ToF16(v[i])) << i;
-    ASSERT_EQ(bf.data<float>()[i], Bf16ToF32(F32ToBf16(v[i]))) << i;
-    ASSERT_EQ(hf.data<float>()[i], F16ToF32(F32ToF16(v[i]))) << i;
+    ASSERT_EQ(bits(bf.data<float>()[i]), bits(Bf16ToF32(F32ToBf16(v[i])))) << i;
+    ASSERT_EQ(bits(hf.data<float>()[i]), bits(F16ToF32(F32ToF16(v[i])))) << i;
     ASSERT_EQ(hb.data<uint16_t>()[i], F32ToBf16(F16ToF32(F32ToF16(v[i])))) << i;
   }
 }

@@ -301,7 +301,8 @@ TEST_F(LoaderTest, GptqModelDynamicRulesApplyInTheFilesOrder) {
 }
 
 // The configs transformers' own GPTQConfig(bits=4) and AwqConfig() write (to_dict() of
-// transformers 4.49) load: keys that only steer calibration or the quantizer's runtime.
+// transformers 4.49; later versions add GPTQConfig's act_group_aware) load: keys that only
+// steer calibration or the quantizer's runtime.
 TEST_F(LoaderTest, TransformersWrittenGptqAndAwqConfigsAreRead) {
   EditConfig([](Json& c) {
     c["quantization_config"] = Json::parse(R"({"quant_method": "gptq", "bits": 4,
@@ -311,7 +312,7 @@ TEST_F(LoaderTest, TransformersWrittenGptqAndAwqConfigsAreRead) {
         "block_name_to_quantize": null, "module_name_preceding_first_block": null,
         "batch_size": 1, "pad_token_id": null, "use_exllama": true, "max_input_length": null,
         "exllama_config": {"version": 1}, "cache_block_outputs": true,
-        "modules_in_block_to_quantize": null})");
+        "modules_in_block_to_quantize": null, "act_group_aware": true})");
   });
   EXPECT_TRUE(ReadQuant(std::nullopt).ok()) << ReadQuant(std::nullopt);
   EditConfig([](Json& c) {
