@@ -48,6 +48,7 @@ const std::set<std::string> kGptqIgnoredKeys = {
     "block_name_to_quantize",  // transformers' GPTQConfig: likewise
     "model_seqlen",            // calibration sequence length
     "hyb_act",                 // GPTQModel's hybrid act-order: g_idx records the order
+    "act_group_aware",         // transformers' group-aware act-order (GAR): likewise
     "pad_token_id", "use_cuda_fp16", "use_exllama", "disable_exllama", "exllama_config", "backend",
     "quantizer", "device", "adapter",  // the quantizer's runtime
 };
