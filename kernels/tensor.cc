@@ -31,6 +31,7 @@ size_t DTypeSize(DType t) {
     case DType::kI64:
       return 8;
     case DType::kI8:
+    case DType::kU8:
     case DType::kF8E4M3:
       return 1;
   }
@@ -51,6 +52,8 @@ const char* DTypeName(DType t) {
       return "i64";
     case DType::kI8:
       return "i8";
+    case DType::kU8:
+      return "u8";
     case DType::kF8E4M3:
       return "f8e4m3";
   }
@@ -196,6 +199,8 @@ double LoadAsDouble(const void* p, DType t, int64_t i) {
       return static_cast<double>(static_cast<const int64_t*>(p)[i]);
     case DType::kI8:
       return static_cast<const int8_t*>(p)[i];
+    case DType::kU8:
+      return static_cast<const uint8_t*>(p)[i];
     case DType::kF8E4M3:
       return Fp8E4M3ToF32(static_cast<const uint8_t*>(p)[i]);
   }
@@ -426,6 +431,9 @@ Tensor Tensor::To(DType dtype) const {
         break;
       case DType::kI8:
         out.data<int8_t>()[i] = static_cast<int8_t>(v);
+        break;
+      case DType::kU8:
+        out.data<uint8_t>()[i] = static_cast<uint8_t>(v);
         break;
       case DType::kF8E4M3:
         TGIS_FATAL("To(f8e4m3): nothing converts to float8 (checkpoints are read, not written)");

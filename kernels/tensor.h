@@ -16,7 +16,7 @@ namespace tgis::kernels {
 enum class Device { kCpu, kCuda };
 // kF8E4M3: float8 e4m3fn bytes as fp8 checkpoints store them; only read (converted to f32
 // exactly) and held by quantized weights, never computed in.
-enum class DType { kF32, kBF16, kF16, kI32, kI64, kI8, kF8E4M3 };
+enum class DType { kF32, kBF16, kF16, kI32, kI64, kI8, kU8, kF8E4M3 };
 
 size_t DTypeSize(DType t);
 const char* DTypeName(DType t);

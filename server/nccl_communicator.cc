@@ -54,6 +54,8 @@ ncclDataType_t NcclType(DType t) {
     case DType::kI8:
     case DType::kF8E4M3:
       return ncclInt8;
+    case DType::kU8:
+      return ncclUint8;
   }
   return ncclFloat32;
 }

@@ -268,6 +268,50 @@ absl::StatusOr<QuantConfig> ParseFineGrainedFp8(const Json& j, const std::string
   return q;
 }
 
+// transformers' BitsAndBytesConfig of a checkpoint saved from a load_in_8bit model. Its keys
+// that steer LLM.int8's runtime (the outlier threshold, which modules stayed dense, offload)
+// change nothing here: activations stay f32, so there are no outliers to split off, and each
+// linear's tensors say whether it is int8. 4-bit (nf4, fp4) checkpoints are refused.
+absl::StatusOr<QuantConfig> ParseBitsandbytes(const Json& j, const std::string& where) {
+  bool in_8bit = false, in_4bit = false;
+  for (const char* key : {"load_in_8bit", "_load_in_8bit", "load_in_4bit", "_load_in_4bit"}) {
+    auto b = BoolKey(j, where, key, false);
+    if (!b.ok()) return b.status();
+    (std::string(key).find("8bit") != std::string::npos ? in_8bit : in_4bit) |= *b;
+  }
+  if (in_4bit) {
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": load_in_4bit: bitsandbytes 4-bit (nf4, fp4) checkpoints are not supported"));
+  }
+  if (!in_8bit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": neither load_in_8bit nor load_in_4bit is true"));
+  }
+  if (auto st =
+          RejectIfTrue(j, where, "llm_int8_has_fp16_weight",
+                       "LLM.int8 with f16 master weights (a training setup) is not supported");
+      !st.ok()) {
+    return st;
+  }
+  if (auto st = CheckKeys(j, where,
+                          {"load_in_8bit", "_load_in_8bit", "load_in_4bit", "_load_in_4bit",
+                           "llm_int8_has_fp16_weight"},
+                          {"quant_method",
+                           "llm_int8_threshold",     // LLM.int8's outlier split: x stays f32 here
+                           "llm_int8_skip_modules",  // dense modules: read as dense by tensors
+                           "llm_int8_enable_fp32_cpu_offload",  // placement
+                           "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+                           "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"});  // 4-bit only
+      !st.ok()) {
+    return st;
+  }
+  QuantConfig q;
+  q.method = QuantMethod::kBnbInt8;
+  q.bits = 8;
+  q.source = where;
+  return q;
+}
+
 // Element i (flat) of an int32 tensor.
 int32_t I32At(const Tensor& t, int64_t i) { return t.data<int32_t>()[i]; }
 
@@ -295,10 +339,11 @@ absl::StatusOr<QuantConfig> ParseQuantization(const Json& j, const std::string& 
       : *method == "compressed-tensors" ? ParseCompressedTensors(j, where)
       : *method == "fbgemm_fp8"         ? ParseFbgemmFp8(j, where)
       : *method == "fp8"                ? ParseFineGrainedFp8(j, where)
-                                        : absl::UnimplementedError(
-                                              absl::StrCat(where, ": quant_method '", *method,
-                                                           "' is not supported (gptq, awq, compressed-tensors, "
-                                                                          "fbgemm_fp8 and fp8 are)"));
+      : *method == "bitsandbytes"       ? ParseBitsandbytes(j, where)
+                                        : absl::UnimplementedError(absl::StrCat(
+                                              where, ": quant_method '", *method,
+                                              "' is not supported (gptq, awq, compressed-tensors, "
+                                                    "fbgemm_fp8, fp8 and bitsandbytes are)"));
   if (q.ok()) q->quant_method = *method;
   return q;
 }
@@ -355,6 +400,7 @@ absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const 
   if (!flag) return found;
   const bool prequantized = found.method != QuantMethod::kNone;
   if (*flag == "bitsandbytes") {
+    if (found.method == QuantMethod::kBnbInt8) return found;  // quantized by bitsandbytes itself
     if (prequantized) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--quantize bitsandbytes: the checkpoint is already quantized (", found.source, ")"));
@@ -591,6 +637,57 @@ absl::StatusOr<Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,
   }
   return Tensor::Quantized(std::make_shared<const kernels::QuantizedWeight>(
       kernels::BuildFp8(nsel, c.size(), codes, group, groups, scales)));
+}
+
+absl::StatusOr<Tensor> LoadBnbInt8Linear(const WeightStore& w, const QuantConfig& q,
+                                         const std::string& prefix, const std::vector<Range>& rows,
+                                         std::optional<Range> cols) {
+  auto bad = [&](const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(prefix, ": ", what, " (", q.source, ")"));
+  };
+  auto weight = w.View(prefix + ".weight");
+  if (!weight.ok()) return weight.status();
+  if (weight->rank() != 2 || weight->dtype() != DType::kI8) {
+    return bad(
+        absl::StrCat("weight must be a 2-D int8 tensor beside SCB, got ", weight->DebugString()));
+  }
+  const int64_t out = weight->dim(0), in = weight->dim(1);
+  auto scb = w.Get(prefix + ".SCB", DType::kF32);
+  if (!scb.ok()) return scb.status();
+  if (scb->numel() != out) {
+    return bad(
+        absl::StrCat("SCB is ", scb->DebugString(), ": expected one absmax per row of ", out));
+  }
+  // bitsandbytes reads weight_format 0 ("row") only, and writes nothing else since 0.43.
+  if (w.Has(prefix + ".weight_format")) {
+    auto format = w.Get(prefix + ".weight_format", DType::kI64);
+    if (!format.ok()) return format.status();
+    if (format->numel() != 1 || format->data<int64_t>()[0] != 0) {
+      return bad(absl::StrCat("weight_format is ", format->DebugString(),
+                              ": only 0 (row-major) is a layout bitsandbytes reads"));
+    }
+  }
+  auto slice = SliceOfLinear(prefix, q.source, out, in, rows, cols);
+  if (!slice.ok()) return slice.status();
+  const Range c = slice->cols;
+  const int64_t nsel = static_cast<int64_t>(slice->rows.size()), kc = c.size();
+  std::vector<uint8_t> codes(nsel * kc);
+  std::vector<float> scales(nsel);
+  const int8_t* src = weight->data<int8_t>();
+  for (int64_t i = 0; i < nsel; ++i) {
+    const int64_t n = slice->rows[i];
+    const float absmax = scb->data<float>()[n];
+    if (!std::isfinite(absmax) || absmax < 0.f) return bad(absl::StrCat("SCB[", n, "] = ", absmax));
+    // bitsandbytes' int8_vectorwise_dequant: weight * SCB * 7.874015718698502e-3, the constant
+    // an f32 (1/127); one scale per row here, so the product rounds once less.
+    scales[i] = absmax * 7.874015718698502e-3f;
+    for (int64_t k = 0; k < kc; ++k) {
+      codes[i * kc + k] = static_cast<uint8_t>(src[n * in + c.begin + k] + 128);
+    }
+  }
+  return Tensor::Quantized(std::make_shared<const kernels::QuantizedWeight>(
+      kernels::BuildQuantized(8, nsel, kc, codes, std::vector<int32_t>(kc, 0), 1, scales,
+                              std::vector<float>(nsel, 128.f))));
 }
 
 }  // namespace tgis::server

@@ -26,6 +26,10 @@
 //    output row with absmax scales (kernels::QuantizeInt8Rows). Unlike bitsandbytes'
 //    LLM.int8 the activations stay f32 (no int8 activations, so no outlier decomposition is
 //    needed): more exact than LLM.int8, never less.
+//  - bitsandbytes 8-bit checkpoints (transformers' save_pretrained of a load_in_8bit model):
+//    per linear `weight` int8 [out, in], `SCB` f32 [out] (the rows' absmax: w = weight * SCB
+//    / 127, bitsandbytes multiplying by 1/127 as an f32), `weight_format` u8 (0: row-major,
+//    the only layout bitsandbytes writes). Run as the load-time int8 above, activations f32.
 #pragma once
 
 #include <cstdint>
@@ -43,7 +47,7 @@ namespace tgis::server {
 
 class WeightStore;
 
-enum class QuantMethod { kNone, kGptq, kAwq, kFp8, kCompressedInt, kInt8AtLoad };
+enum class QuantMethod { kNone, kGptq, kAwq, kFp8, kCompressedInt, kInt8AtLoad, kBnbInt8 };
 
 struct QuantConfig {
   QuantMethod method = QuantMethod::kNone;
@@ -98,6 +102,13 @@ absl::StatusOr<kernels::Tensor> LoadCompressedIntLinear(const WeightStore& w, co
                                                         const std::string& prefix,
                                                         const std::vector<Range>& rows,
                                                         std::optional<Range> cols);
+
+// The bitsandbytes 8-bit linear `prefix` (its int8 weight, SCB and weight_format), rows and
+// columns as above.
+absl::StatusOr<kernels::Tensor> LoadBnbInt8Linear(const WeightStore& w, const QuantConfig& q,
+                                                  const std::string& prefix,
+                                                  const std::vector<Range>& rows,
+                                                  std::optional<Range> cols);
 
 // The fp8 linear `prefix` (its weight and weight_scale), rows and columns as above.
 absl::StatusOr<kernels::Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,

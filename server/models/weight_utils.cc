@@ -149,7 +149,8 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
                                                                std::optional<Range> cols) const {
   const QuantConfig& q = w_.quantization();
   if (q.method != QuantMethod::kGptq && q.method != QuantMethod::kAwq &&
-      q.method != QuantMethod::kFp8 && q.method != QuantMethod::kCompressedInt) {
+      q.method != QuantMethod::kFp8 && q.method != QuantMethod::kCompressedInt &&
+      q.method != QuantMethod::kBnbInt8) {
     return std::nullopt;
   }
   const std::optional<std::string> linear = LinearPrefix(name);
@@ -165,6 +166,19 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
     // Likewise: a linear left dense has no weight_scale.
     if (!w_.Has(prefix + ".weight_scale")) return std::nullopt;
     return LoadCompressedIntLinear(w_, q, prefix, rows, cols);
+  }
+  if (q.method == QuantMethod::kBnbInt8) {
+    // A linear left dense (llm_int8_skip_modules: the lm_head by default) has no SCB; int8
+    // codes without one would be read as numbers.
+    if (!w_.Has(prefix + ".SCB")) {
+      auto t = w_.Has(name) ? w_.View(name) : absl::StatusOr<Tensor>(Tensor());
+      if (t.ok() && t->defined() && t->dtype() == kernels::DType::kI8) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, ": int8 without ", prefix, ".SCB (", q.source, ")"));
+      }
+      return std::nullopt;
+    }
+    return LoadBnbInt8Linear(w_, q, prefix, rows, cols);
   }
   if (w_.Has(name) || !w_.Has(prefix + ".qweight")) return std::nullopt;  // a dense linear
   return LoadQuantizedLinear(w_, q, prefix, rows, cols);

@@ -31,12 +31,19 @@ TEST(DType, SizesAndNames) {
   EXPECT_EQ(DTypeSize(DType::kI32), 4u);
   EXPECT_EQ(DTypeSize(DType::kI64), 8u);
   EXPECT_EQ(DTypeSize(DType::kI8), 1u);
+  EXPECT_EQ(DTypeSize(DType::kU8), 1u);
   EXPECT_STREQ(DTypeName(DType::kF32), "f32");
   EXPECT_STREQ(DTypeName(DType::kBF16), "bf16");
   EXPECT_STREQ(DTypeName(DType::kF16), "f16");
   EXPECT_STREQ(DTypeName(DType::kI32), "i32");
   EXPECT_STREQ(DTypeName(DType::kI64), "i64");
   EXPECT_STREQ(DTypeName(DType::kI8), "i8");
+  EXPECT_STREQ(DTypeName(DType::kU8), "u8");
+  // u8 values stay themselves (bitsandbytes' weight_format 0-3; 255 must not read as -1).
+  const std::vector<uint8_t> u = {0, 3, 200, 255};
+  const Tensor t = Tensor::FromHost(u.data(), {4}, DType::kU8).To(DType::kI64);
+  EXPECT_EQ(t.data<int64_t>()[2], 200);
+  EXPECT_EQ(t.data<int64_t>()[3], 255);
 }
 
 TEST(Bf16, KnownValues) {

@@ -341,6 +341,35 @@ TEST_F(LoaderTest, TransformersWrittenGptqAndAwqConfigsAreRead) {
   ExpectError(ReadQuant(std::nullopt), "format 'gemv_fast': only AutoAWQ's GEMM packing");
 }
 
+// bitsandbytes' own 8-bit checkpoints (llama_bnb8: its parity tests check the values).
+TEST_F(LoaderTest, BitsandbytesCheckpointsAreReadStrictly) {
+  const Json bnb = UseFixture("llama_bnb8");
+  EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
+  EXPECT_TRUE(ReadQuant("bitsandbytes").ok());  // TGIS's flag names the checkpoint's method
+  ExpectError(ReadQuant("gptq"), "is quantized otherwise");
+  WithQuantConfig(bnb, [](Json& q) { q["load_in_4bit"] = q["_load_in_4bit"] = true; });
+  ExpectError(ReadQuant(std::nullopt), "bitsandbytes 4-bit (nf4, fp4) checkpoints");
+  WithQuantConfig(bnb, [](Json& q) { q["load_in_8bit"] = q["_load_in_8bit"] = false; });
+  ExpectError(ReadQuant(std::nullopt), "neither load_in_8bit nor load_in_4bit is true");
+  WithQuantConfig(bnb, [](Json& q) { q["llm_int8_has_fp16_weight"] = true; });
+  ExpectError(ReadQuant(std::nullopt), "llm_int8_has_fp16_weight");
+  WithQuantConfig(bnb, [](Json& q) { q["llm_int8_threshold"] = 0.0; });  // x stays f32
+  EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
+  WithQuantConfig(bnb, [](Json& q) { q["bnb_8bit_layout"] = "col32"; });
+  ExpectError(ReadQuant(std::nullopt), "key 'bnb_8bit_layout' is not understood");
+  // A layout other than row-major (weight_format 1: "col32") in one linear.
+  WithQuantConfig(bnb, [](Json&) {});
+  std::string bytes = ReadAll(dir_ / "model.safetensors");
+  uint64_t n;
+  std::memcpy(&n, bytes.data(), 8);
+  const Json header = Json::parse(bytes.substr(8, n));
+  const Json& at = header["model.layers.1.mlp.up_proj.weight_format"];
+  ASSERT_EQ(at["dtype"], "U8");
+  bytes[8 + n + at["data_offsets"][0].get<size_t>()] = 1;
+  std::ofstream(dir_ / "model.safetensors", std::ios::binary | std::ios::trunc) << bytes;
+  ExpectError(BuildQuantized(), "model.layers.1.mlp.up_proj: weight_format is");
+}
+
 TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
   auto read = [&](std::optional<std::string> flag) {
     auto config = tgis::server::ModelConfig::Load(dir_.string());
