@@ -1,6 +1,6 @@
 """Quantized checkpoints through the real router and shard, as a TGIS user serves them: a GPTQ,
-AWQ, fp8 or compressed-tensors integer folder as it is (its quantization config is detected), a dense one with
---quantize bitsandbytes. Outputs are transformers' on the dequantized weights
+AWQ, fp8, compressed-tensors integer or bitsandbytes 8-bit folder as it is (its quantization config
+is detected; GPTQModel's per-module `dynamic` rules too), a dense one with --quantize bitsandbytes. Outputs are transformers' on the dequantized weights
 (tests/fixtures/make_quantized_fixtures.py)."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from router_harness import Oracle, RouterServer, binaries_missing  # noqa: E402
 
 grpc = pytest.importorskip("grpc")
 
-CASES = [("llama_gptq4", []), ("llama_gptq8", []), ("llama_awq", []), ("llama_fp8", []),
+CASES = [("llama_gptq4", []), ("llama_gptq8", []), ("llama_gptq_dynamic", []), ("llama_awq", []),
+         ("llama_fp8", []), ("llama_bnb8", ["--quantize", "bitsandbytes"]),
          ("llama_fp8_fbgemm", ["--quantize", "fp8"]), ("llama_fp8_block", []), ("llama_ct_w4a16", []),
          ("llama_ct_w8a8", []),
          ("llama_int8", ["--quantize", "bitsandbytes"])]
