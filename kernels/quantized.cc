@@ -5,6 +5,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -240,15 +241,7 @@ Tensor Dequantize(const QuantizedWeight& q) {
 
 namespace {
 
-// std::nearbyint in the default rounding mode without its libm call: adding and subtracting
-// 1.5 * 2^23 rounds |v| < 2^22 to an integer, ties to even (1.5 * 2^23 is even, so the sum's
-// parity is the result's); anything larger (or NaN) takes nearbyint.
-inline float RoundHalfEven(float v) {
-  return std::fabs(v) < 0x1p22f ? (v + 0x1.8p23f) - 0x1.8p23f : std::nearbyint(v);
-}
-
-// A row's largest |w| as std::max keeps it (a NaN never replaces the running max); false where
-// the row holds a NaN or infinity (the caller then takes the scalar path for all of it).
+// A row's largest |w|; false where the row holds a NaN or an infinity (it has no int8 form).
 bool FiniteRowAbsmax(const float* row, int64_t in, float* absmax) {
   float m = 0.f;
   bool finite = true;
@@ -261,8 +254,10 @@ bool FiniteRowAbsmax(const float* row, int64_t in, float* absmax) {
   return finite;
 }
 
-// Codes of a finite row for a finite scale > 0: |row[k] / scale| <= 127 (plus rounding), well
-// below RoundHalfEven's 2^22, so its magic-number branch is the whole rounding.
+// A code of a finite row for a finite scale > 0, rounded as std::nearbyint rounds (half to
+// even) without its libm call: |w / scale| <= 127 (plus rounding) is below 2^22, where adding
+// and subtracting 1.5 * 2^23 rounds to an integer, ties to even (1.5 * 2^23 is even, so the
+// sum's parity is the result's).
 inline uint8_t Int8Code(float w, float scale) {
   const float c = (w / scale + 0x1.8p23f) - 0x1.8p23f;
   return static_cast<uint8_t>(static_cast<int32_t>(std::clamp(c, -127.f, 127.f)) + 128);
@@ -317,7 +312,8 @@ __attribute__((target("avx2"))) void Int8CodesAvx2(const float* row, int64_t in,
 
 }  // namespace
 
-QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_absmax) {
+QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_absmax,
+                                 int64_t* nonfinite_row) {
   TGIS_CHECK(w.rank() == 2 && w.device() == Device::kCpu && !w.quantized(),
              "QuantizeInt8Rows: w must be a dense [out, in] CPU tensor");
   const Tensor f = w.dtype() == DType::kF32 ? w : w.To(DType::kF32);
@@ -330,6 +326,7 @@ QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_
   }
   // Rows over the CPU threads (at load, one thread took most of a bitsandbytes start).
   const bool avx2 = cpu::UseAvx2Kernels();
+  std::atomic<int64_t> bad{out};  // the first row that is not finite (out: none)
   cpu::ParallelFor(out, 16, [&](int64_t first, int64_t last) {
     for (int64_t n = first; n < last; ++n) {
       const float* row = f.data<float>() + n * in;
@@ -348,22 +345,30 @@ QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_
       const float scale = absmax / 127.f;
       scales[n] = scale;
       uint8_t* dst = &codes[n * in];
-      if (finite && scale > 0.f && scale <= std::numeric_limits<float>::max()) {
-#if defined(__x86_64__)
-        if (avx2) {
-          Int8CodesAvx2(row, in, scale, dst);
-          continue;
+      if (!finite || !(scale <= std::numeric_limits<float>::max())) {
+        TGIS_CHECK(nonfinite_row != nullptr,
+                   "QuantizeInt8Rows: row %lld holds a NaN or an infinity",
+                   static_cast<long long>(n));
+        int64_t seen = bad.load();
+        while (n < seen && !bad.compare_exchange_weak(seen, n)) {
         }
-#endif
-        for (int64_t k = 0; k < in; ++k) dst[k] = Int8Code(row[k], scale);
+        scales[n] = 0.f;  // the row's codes stay 0: a weight the caller discards
         continue;
       }
-      for (int64_t k = 0; k < in; ++k) {
-        const float c = scale > 0.f ? RoundHalfEven(row[k] / scale) : 0.f;
-        dst[k] = static_cast<uint8_t>(std::clamp(c, -127.f, 127.f) + 128.f);
+      if (scale == 0.f) {  // an all-zero row (or one below 127 times the least float): zeros
+        std::fill(dst, dst + in, uint8_t{128});
+        continue;
       }
+#if defined(__x86_64__)
+      if (avx2) {
+        Int8CodesAvx2(row, in, scale, dst);
+        continue;
+      }
+#endif
+      for (int64_t k = 0; k < in; ++k) dst[k] = Int8Code(row[k], scale);
     }
   });
+  if (nonfinite_row != nullptr && bad.load() < out) *nonfinite_row = bad.load();
   return BuildQuantized(8, out, in, codes, std::vector<int32_t>(in, 0), 1, scales, zeros);
 }
 

@@ -108,8 +108,11 @@ Tensor Dequantize(const QuantizedWeight& q);
 // Weight-only int8 as `--quantize bitsandbytes` asks: per output row, scale = absmax / 127 and
 // code = round(w / scale) + 128 with zero 128 (symmetric). `w` is a dense [out, in] CPU weight;
 // `row_absmax` (one per row), when given, is of the whole row that `w` is columns of, so that a
-// tensor-parallel slice is quantized as the whole row is.
-QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_absmax = nullptr);
+// tensor-parallel slice is quantized as the whole row is. Rows must be finite: a row holding a
+// NaN or an infinity has no int8 form; its index goes to *nonfinite_row (the first such row;
+// the weight returned is then meaningless) or, without that pointer, fails a check.
+QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_absmax = nullptr,
+                                 int64_t* nonfinite_row = nullptr);
 
 // An fp8 weight: `codes` [out * in] float8 e4m3fn bytes (no NaN), one scale per row.
 QuantizedWeight BuildFp8Rows(int64_t out, int64_t in, const std::vector<uint8_t>& codes,

@@ -184,7 +184,8 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
   return LoadQuantizedLinear(w_, q, prefix, rows, cols);
 }
 
-absl::StatusOr<Tensor> ShardedLoader::MaybeInt8(absl::StatusOr<Tensor> dense,
+absl::StatusOr<Tensor> ShardedLoader::MaybeInt8(const std::string& name,
+                                                absl::StatusOr<Tensor> dense,
                                                 const Tensor* whole) const {
   if (!dense.ok() || w_.quantization().method != QuantMethod::kInt8AtLoad || dense->rank() != 2) {
     return dense;
@@ -199,8 +200,15 @@ absl::StatusOr<Tensor> ShardedLoader::MaybeInt8(absl::StatusOr<Tensor> dense,
       }
     }
   }
-  return Tensor::Quantized(std::make_shared<const kernels::QuantizedWeight>(
-      kernels::QuantizeInt8Rows(*dense, whole != nullptr ? &absmax : nullptr)));
+  int64_t nonfinite = -1;
+  auto q = std::make_shared<const kernels::QuantizedWeight>(
+      kernels::QuantizeInt8Rows(*dense, whole != nullptr ? &absmax : nullptr, &nonfinite));
+  if (nonfinite >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": row ", nonfinite, " holds a NaN or an infinity, which int8 (--quantize ",
+        "bitsandbytes) cannot hold", w_.FileOf(name).empty() ? "" : " (" + w_.FileOf(name) + ")"));
+  }
+  return Tensor::Quantized(std::move(q));
 }
 
 absl::StatusOr<Tensor> ShardedLoader::Whole(const std::string& name, bool conv1d) const {
@@ -223,7 +231,7 @@ absl::StatusOr<Tensor> ShardedLoader::OutputRows(const std::string& name,
                                                      ") of ", t->dim(dim), " do not exist"));
     }
   }
-  return MaybeInt8(Select(*t, dim, ranges, matrix && conv1d, matrix ? dtype_ : DType::kF32));
+  return MaybeInt8(name, Select(*t, dim, ranges, matrix && conv1d, matrix ? dtype_ : DType::kF32));
 }
 
 absl::StatusOr<Tensor> ShardedLoader::StackOutputRows(
@@ -250,12 +258,12 @@ absl::StatusOr<Tensor> ShardedLoader::InputColumns(const std::string& name, Rang
   }
   if (!conv1d && range.begin == 0 && range.end == t->dim(1)) {
     // Whole: a view when the dtype matches.
-    return MaybeInt8(Select(*t, 0, {{0, t->dim(0)}}, false, dtype_));
+    return MaybeInt8(name, Select(*t, 0, {{0, t->dim(0)}}, false, dtype_));
   }
   if (w_.quantization().method == QuantMethod::kInt8AtLoad) {
     // Row scales from the whole rows, so that every world size quantizes alike.
     const Tensor whole = Select(*t, 0, {{0, t->dim(0)}}, conv1d, dtype_);
-    return MaybeInt8(Select(*t, dim, {range}, conv1d, dtype_), &whole);
+    return MaybeInt8(name, Select(*t, dim, {range}, conv1d, dtype_), &whole);
   }
   return Select(*t, dim, {range}, conv1d, dtype_);
 }
@@ -361,7 +369,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> FinishDecoder(const ShardedLoader& loa
     }
     dw.lm_head = *head;
   }
-  auto head = loader.LmHead(dw.lm_head);  // a copy when int8 and tied: the embedding stays
+  // A copy when int8 and tied: the embedding stays.
+  auto head = loader.LmHead(head_name, dw.lm_head);
   if (!head.ok()) return head.status();
   dw.lm_head = *std::move(head);
   if (auto st = ValidateWeights(spec, loader.layout(), dw); !st.ok()) return st;

@@ -81,8 +81,9 @@ class ShardedLoader {
   // The lm_head as the quantization method serves it: int8 at load under bitsandbytes (TGIS
   // quantizes the head then, never the embedding), else as loaded (HeadRows: dense, or as the
   // checkpoint quantized it).
-  absl::StatusOr<kernels::Tensor> LmHead(const kernels::Tensor& rows) const {
-    return MaybeInt8(rows);
+  absl::StatusOr<kernels::Tensor> LmHead(const std::string& name,
+                                         const kernels::Tensor& rows) const {
+    return MaybeInt8(name, rows);
   }
   // This rank's q|k|v rows (weight or bias) of a fused projection: its q heads and its KV heads
   // (a KV head shared by several ranks is loaded by each of them).
@@ -98,7 +99,9 @@ class ShardedLoader {
                                                            std::optional<Range> cols) const;
   // Int8 at load of a dense linear weight just read (the result as is otherwise); `whole`,
   // when `dense` is some columns of it, gives the rows' scales (TP-invariant quantization).
-  absl::StatusOr<kernels::Tensor> MaybeInt8(absl::StatusOr<kernels::Tensor> dense,
+  // `name` (the checkpoint's tensor) for errors.
+  absl::StatusOr<kernels::Tensor> MaybeInt8(const std::string& name,
+                                            absl::StatusOr<kernels::Tensor> dense,
                                             const kernels::Tensor* whole = nullptr) const;
 
   const WeightStore& w_;

@@ -1,14 +1,18 @@
 // config.json as a model folder holds it: read, then a model built from it over the weights of
 // the test fixture of the same model_type (so that the builders' reading of the config, shapes
-// included, is exercised as at start).
+// included, is exercised as at start), with the config's quantization applied as the shard
+// applies it (its quantization_config over the quantized fixtures' GPTQ, AWQ, fp8,
+// compressed-tensors and bitsandbytes tensors).
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "server/model_config.h"
 #include "server/model_registry.h"
+#include "server/quantization.h"
 #include "server/weights.h"
 #include "tests/fuzz/fuzz_files.h"
 
@@ -60,8 +64,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   auto config = tgis::server::ModelConfig::Load(folder);
   if (!config.ok()) return 0;
+  // One input in four as TGIS's --quantize bitsandbytes would serve it (int8 at load).
+  const std::optional<std::string> flag =
+      size % 4 == 3 ? std::optional<std::string>("bitsandbytes") : std::nullopt;
+  auto quant = tgis::server::ReadQuantConfig(folder, *config, flag);
+  if (!quant.ok()) return 0;
   auto weights = tgis::server::WeightStore::Open(folder);
   if (!weights.ok()) return 0;
+  (*weights)->set_quantization(*quant);
   (void)tgis::server::ModelRegistry::Get().Build(*config, **weights, tgis::kernels::DType::kF32);
   return 0;
 }

@@ -654,8 +654,8 @@ TEST(QuantizedWeight, Int8RowsRoundHalfToEvenLikeNearbyint) {
 }
 
 // Rows of 100 (three 32-column vectors and a ragged tail) through the AVX2 and the scalar
-// paths: the same scales and codes, and the codes nearbyint(w / scale) gives; rows holding a
-// NaN or an infinity take the scalar path whole on either.
+// paths: the same scales and codes, and the codes nearbyint(w / scale) gives; an all-zero row
+// is all zero codes; the first row holding a NaN or an infinity is reported.
 TEST(QuantizedWeight, Int8RowsAreTheSameOnEveryIsa) {
   const int64_t out = 40, in = 100;
   std::vector<float> v(out * in);
@@ -667,18 +667,22 @@ TEST(QuantizedWeight, Int8RowsAreTheSameOnEveryIsa) {
   v[3 * in + 99] = std::numeric_limits<float>::quiet_NaN();
   v[5 * in + 40] = std::numeric_limits<float>::infinity();
   v[7 * in + 31] = 6.f;  // the row's absmax in the last lane of a vector: code 127
-  const Tensor w = Tensor::FromVector(v, {out, in});
+  std::fill(v.begin() + 9 * in, v.begin() + 10 * in, 0.f);
   std::vector<QuantizedWeight> got;
   for (cpu::Isa isa : {cpu::Isa::kScalar, cpu::Isa::kAuto}) {
     cpu::SetIsaForTesting(isa);
-    got.push_back(QuantizeInt8Rows(w));
+    int64_t nonfinite = -1;
+    got.push_back(QuantizeInt8Rows(Tensor::FromVector(v, {out, in}), nullptr, &nonfinite));
+    EXPECT_EQ(nonfinite, 3);
   }
   cpu::SetIsaForTesting(cpu::Isa::kAuto);
+  for (int64_t k = 0; k < in; ++k)
+    EXPECT_EQ(got[1].codes.data<uint8_t>()[9 * got[1].codes.dim(1) + k], 128);
   ASSERT_EQ(got[0].codes.nbytes(), got[1].codes.nbytes());
   EXPECT_EQ(0, std::memcmp(got[0].codes.raw(), got[1].codes.raw(), got[0].codes.nbytes()));
   EXPECT_EQ(0, std::memcmp(got[0].scales.raw(), got[1].scales.raw(), got[0].scales.nbytes()));
   for (int64_t n = 0; n < out; ++n) {
-    if (n == 3 || n == 5) continue;
+    if (n == 3 || n == 5 || n == 9) continue;  // not finite; all zero (checked above)
     const float scale = got[1].scales.data<float>()[n];
     for (int64_t k = 0; k < in; ++k) {
       const int code = got[1].codes.data<uint8_t>()[n * got[1].codes.dim(1) + k] - 128;

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -85,11 +86,12 @@ class LoaderTest : public ::testing::Test {
     if (!config.ok()) return config.status();
     return tgis::server::ReadQuantConfig(dir_.string(), *config, flag).status();
   }
-  // The model built as the shard builds it: the folder's own quantization config applied.
-  absl::Status BuildQuantized() {
+  // The model built as the shard builds it: the folder's own quantization config applied
+  // (`flag`: --quantize).
+  absl::Status BuildQuantized(std::optional<std::string> flag = std::nullopt) {
     auto config = tgis::server::ModelConfig::Load(dir_.string());
     if (!config.ok()) return config.status();
-    auto q = tgis::server::ReadQuantConfig(dir_.string(), *config, std::nullopt);
+    auto q = tgis::server::ReadQuantConfig(dir_.string(), *config, flag);
     if (!q.ok()) return q.status();
     auto weights = tgis::server::WeightStore::Open(dir_.string());
     if (!weights.ok()) return weights.status();
@@ -368,6 +370,21 @@ TEST_F(LoaderTest, BitsandbytesCheckpointsAreReadStrictly) {
   bytes[8 + n + at["data_offsets"][0].get<size_t>()] = 1;
   std::ofstream(dir_ / "model.safetensors", std::ios::binary | std::ios::trunc) << bytes;
   ExpectError(BuildQuantized(), "model.layers.1.mlp.up_proj: weight_format is");
+}
+
+// --quantize bitsandbytes over a weight with a NaN: int8 has no such value, so the load fails
+// naming the tensor, the row and the file (the codes were undefined behaviour before).
+TEST_F(LoaderTest, Int8AtLoadRefusesNonFiniteWeights) {
+  EXPECT_TRUE(BuildQuantized("bitsandbytes").ok()) << BuildQuantized("bitsandbytes");
+  const Json& at = header_["model.layers.1.mlp.down_proj.weight"];
+  ASSERT_EQ(at["dtype"], "F32");
+  const int64_t cols = at["shape"][1].get<int64_t>();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(&data_[at["data_offsets"][0].get<size_t>() + 4 * (5 * cols + 2)], &nan, 4);
+  Save();
+  ExpectError(BuildQuantized("bitsandbytes"),
+              "model.layers.1.mlp.down_proj.weight: row 5 holds a NaN or an infinity");
+  ExpectError(BuildQuantized("bitsandbytes"), "model.safetensors");
 }
 
 TEST_F(LoaderTest, Fp8ConfigsAreReadStrictly) {
