@@ -134,10 +134,10 @@ QuantizedWeight BuildQuantized(int bits, int64_t out, int64_t in, const std::vec
   cpu::ParallelFor(out, 16, [&](int64_t first, int64_t last) {
     for (int64_t n = first; n < last; ++n) {
       uint8_t* row = q.codes.data<uint8_t>() + n * q.codes.dim(1);
-      const uint8_t* src = &codes[n * in];
+      const uint8_t* src = codes.data() + n * in;
       uint8_t seen = 0;  // every code's bits or'ed
       if (identity && bits == 8) {
-        std::memcpy(row, src, in);
+        if (in > 0) std::memcpy(row, src, in);  // src is null for a zero-width weight
         for (int64_t k = 0; k < in; ++k) seen |= src[k];
       } else if (identity) {
         for (int64_t k = 0; k + 1 < in; k += 2) {
@@ -344,7 +344,7 @@ QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_
       }
       const float scale = absmax / 127.f;
       scales[n] = scale;
-      uint8_t* dst = &codes[n * in];
+      uint8_t* dst = codes.data() + n * in;  // (in may be 0: no element to reference)
       if (!finite || !(scale <= std::numeric_limits<float>::max())) {
         TGIS_CHECK(nonfinite_row != nullptr,
                    "QuantizeInt8Rows: row %lld holds a NaN or an infinity",
