@@ -173,8 +173,9 @@ bool QuantizedCompatible(const QuantizedWeight& a, const QuantizedWeight& b) {
     return !x.defined() ||
            (x.numel() == y.numel() && std::memcmp(x.raw(), y.raw(), x.nbytes()) == 0);
   };
-  return a.bits == b.bits && a.fp8 == b.fp8 && a.in == b.in && a.stored_in == b.stored_in &&
-         a.runs() == b.runs() && same(a.gather, b.gather) && same(a.block_run, b.block_run);
+  return a.bits == b.bits && a.fp8 == b.fp8 && a.codebook == b.codebook && a.in == b.in &&
+         a.stored_in == b.stored_in && a.runs() == b.runs() && same(a.gather, b.gather) &&
+         same(a.block_run, b.block_run);
 }
 
 QuantizedWeight ConcatQuantizedRows(const std::vector<const QuantizedWeight*>& parts) {
@@ -231,8 +232,10 @@ Tensor Dequantize(const QuantizedWeight& q) {
       const int64_t col = q.gather.defined() ? q.gather.data<int32_t>()[j] : j;
       if (col < 0) continue;
       const int64_t r = q.block_run.data<int32_t>()[j / kBlock];
-      const float code =
-          q.fp8 ? Fp8E4M3ToF32(CodeAt(q, row, j)) : static_cast<float>(CodeAt(q, row, j));
+      const uint8_t c = CodeAt(q, row, j);
+      const float code = !q.codebook.empty() ? q.codebook[c]
+                         : q.fp8             ? Fp8E4M3ToF32(c)
+                                             : static_cast<float>(c);
       w.data<float>()[n * q.in + col] = (code - RunZero(q, n, r)) * RunScale(q, n, r);
     }
   }
@@ -387,6 +390,21 @@ QuantizedWeight BuildFp8(int64_t out, int64_t in, const std::vector<uint8_t>& co
   QuantizedWeight q = BuildQuantized(8, out, in, codes, group, groups, scales,
                                      std::vector<float>(out * groups, 0.f));
   q.fp8 = true;
+  return q;
+}
+
+QuantizedWeight BuildCodebook4(int64_t out, int64_t in, const std::vector<uint8_t>& codes,
+                               const std::vector<int32_t>& group, int64_t groups,
+                               const std::vector<float>& scales,
+                               const std::vector<float>& codebook) {
+  TGIS_CHECK(codebook.size() == 16, "BuildCodebook4: %zu values for 4-bit codes", codebook.size());
+  TGIS_CHECK(static_cast<int64_t>(scales.size()) == out * groups,
+             "BuildCodebook4: %lld scales for %lld rows of %lld groups",
+             static_cast<long long>(scales.size()), static_cast<long long>(out),
+             static_cast<long long>(groups));
+  QuantizedWeight q = BuildQuantized(4, out, in, codes, group, groups, scales,
+                                     std::vector<float>(out * groups, 0.f));
+  q.codebook = codebook;
   return q;
 }
 

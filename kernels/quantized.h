@@ -62,6 +62,9 @@ struct QuantizedWeight {
   // Codes are float8 e4m3fn bytes (fp8 checkpoints; bits 8, zeros 0):
   // w = Fp8E4M3ToF32(code) * scale.
   bool fp8 = false;
+  // 4-bit codes that index a table of 16 values (bitsandbytes' nf4 and fp4), zeros 0:
+  // w = codebook[code] * scale. Empty for integer codes.
+  std::vector<float> codebook;
   int64_t out = 0;        // the dense weight's rows
   int64_t in = 0;         // the dense weight's columns (x's features)
   int64_t stored_in = 0;  // stored columns: runs padded to multiples of 8
@@ -122,6 +125,13 @@ QuantizedWeight BuildFp8Rows(int64_t out, int64_t in, const std::vector<uint8_t>
 QuantizedWeight BuildFp8(int64_t out, int64_t in, const std::vector<uint8_t>& codes,
                          const std::vector<int32_t>& group, int64_t groups,
                          const std::vector<float>& scales);
+
+// A 4-bit weight whose codes index `codebook` (16 values): w = codebook[code] * scale, the
+// scale per row and group; `codes`, `group`, `groups` and `scales` as BuildQuantized takes them.
+QuantizedWeight BuildCodebook4(int64_t out, int64_t in, const std::vector<uint8_t>& codes,
+                               const std::vector<int32_t>& group, int64_t groups,
+                               const std::vector<float>& scales,
+                               const std::vector<float>& codebook);
 
 // The same weight on `device` (every component copied). The CUDA kernels read f32 run
 // constants, so a compact weight goes there with them widened (ExpandRunConstants).

@@ -271,7 +271,9 @@ absl::StatusOr<QuantConfig> ParseFineGrainedFp8(const Json& j, const std::string
 // transformers' BitsAndBytesConfig of a checkpoint saved from a load_in_8bit model. Its keys
 // that steer LLM.int8's runtime (the outlier threshold, which modules stayed dense, offload)
 // change nothing here: activations stay f32, so there are no outliers to split off, and each
-// linear's tensors say whether it is int8. 4-bit (nf4, fp4) checkpoints are refused.
+// linear's tensors say whether it is int8. Of a load_in_4bit checkpoint the tensors say the
+// rest too (each linear's quant_state record: nf4 or fp4, block size, double quantization),
+// as bitsandbytes reads them back; the config's 4-bit keys are checked for sense only.
 absl::StatusOr<QuantConfig> ParseBitsandbytes(const Json& j, const std::string& where) {
   bool in_8bit = false, in_4bit = false;
   for (const char* key : {"load_in_8bit", "_load_in_8bit", "load_in_4bit", "_load_in_4bit"}) {
@@ -279,13 +281,26 @@ absl::StatusOr<QuantConfig> ParseBitsandbytes(const Json& j, const std::string& 
     if (!b.ok()) return b.status();
     (std::string(key).find("8bit") != std::string::npos ? in_8bit : in_4bit) |= *b;
   }
-  if (in_4bit) {
-    return absl::UnimplementedError(absl::StrCat(
-        where, ": load_in_4bit: bitsandbytes 4-bit (nf4, fp4) checkpoints are not supported"));
+  if (in_4bit && in_8bit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": load_in_8bit and load_in_4bit are both true"));
   }
-  if (!in_8bit) {
+  if (!in_8bit && !in_4bit) {
     return absl::InvalidArgumentError(
         absl::StrCat(where, ": neither load_in_8bit nor load_in_4bit is true"));
+  }
+  auto type = StringKey(j, where, "bnb_4bit_quant_type", "fp4");
+  if (!type.ok()) return type.status();
+  if (*type != "nf4" && *type != "fp4") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": bnb_4bit_quant_type '", *type, "': expected nf4 or fp4"));
+  }
+  // Other storage dtypes (FSDP's bfloat16) hold the same bytes under another tensor dtype.
+  auto storage = StringKey(j, where, "bnb_4bit_quant_storage", "uint8");
+  if (!storage.ok()) return storage.status();
+  if (in_4bit && *storage != "uint8") {
+    return absl::UnimplementedError(absl::StrCat(where, ": bnb_4bit_quant_storage '", *storage,
+                                                 "': uint8 storage is supported"));
   }
   if (auto st =
           RejectIfTrue(j, where, "llm_int8_has_fp16_weight",
@@ -293,21 +308,25 @@ absl::StatusOr<QuantConfig> ParseBitsandbytes(const Json& j, const std::string& 
       !st.ok()) {
     return st;
   }
-  if (auto st = CheckKeys(j, where,
-                          {"load_in_8bit", "_load_in_8bit", "load_in_4bit", "_load_in_4bit",
-                           "llm_int8_has_fp16_weight"},
-                          {"quant_method",
-                           "llm_int8_threshold",     // LLM.int8's outlier split: x stays f32 here
-                           "llm_int8_skip_modules",  // dense modules: read as dense by tensors
-                           "llm_int8_enable_fp32_cpu_offload",  // placement
-                           "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
-                           "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"});  // 4-bit only
+  if (auto st =
+          CheckKeys(j, where,
+                    {"load_in_8bit", "_load_in_8bit", "load_in_4bit", "_load_in_4bit",
+                     "llm_int8_has_fp16_weight", "bnb_4bit_quant_type", "bnb_4bit_quant_storage"},
+                    {"quant_method",
+                     "llm_int8_threshold",     // LLM.int8's outlier split: x stays f32 here
+                     "llm_int8_skip_modules",  // dense modules: read as dense by tensors
+                     "llm_int8_enable_fp32_cpu_offload",  // placement
+                     // whether the absmax are quantized too: each linear's tensors say
+                     "bnb_4bit_use_double_quant",
+                     // the dtype bitsandbytes multiplies 4-bit weights in: x and the
+                     // sums stay f32 here
+                     "bnb_4bit_compute_dtype"});
       !st.ok()) {
     return st;
   }
   QuantConfig q;
-  q.method = QuantMethod::kBnbInt8;
-  q.bits = 8;
+  q.method = in_4bit ? QuantMethod::kBnb4 : QuantMethod::kBnbInt8;
+  q.bits = in_4bit ? 4 : 8;
   q.source = where;
   return q;
 }
@@ -400,7 +419,8 @@ absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const 
   if (!flag) return found;
   const bool prequantized = found.method != QuantMethod::kNone;
   if (*flag == "bitsandbytes") {
-    if (found.method == QuantMethod::kBnbInt8) return found;  // quantized by bitsandbytes itself
+    // quantized by bitsandbytes itself
+    if (found.method == QuantMethod::kBnbInt8 || found.method == QuantMethod::kBnb4) return found;
     if (prequantized) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--quantize bitsandbytes: the checkpoint is already quantized (", found.source, ")"));

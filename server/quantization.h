@@ -47,7 +47,16 @@ namespace tgis::server {
 
 class WeightStore;
 
-enum class QuantMethod { kNone, kGptq, kAwq, kFp8, kCompressedInt, kInt8AtLoad, kBnbInt8 };
+enum class QuantMethod {
+  kNone,
+  kGptq,
+  kAwq,
+  kFp8,
+  kCompressedInt,
+  kInt8AtLoad,
+  kBnbInt8,
+  kBnb4  // bitsandbytes' nf4 and fp4 checkpoints
+};
 
 struct QuantConfig {
   QuantMethod method = QuantMethod::kNone;
@@ -109,6 +118,17 @@ absl::StatusOr<kernels::Tensor> LoadBnbInt8Linear(const WeightStore& w, const Qu
                                                   const std::string& prefix,
                                                   const std::vector<Range>& rows,
                                                   std::optional<Range> cols);
+
+// The bitsandbytes 4-bit linear `prefix` (its packed weight, absmax, quant_map, the nested
+// absmax of double quantization and the quant_state.bitsandbytes__nf4 or __fp4 record), rows
+// and columns as above.
+absl::StatusOr<kernels::Tensor> LoadBnb4Linear(const WeightStore& w, const QuantConfig& q,
+                                               const std::string& prefix,
+                                               const std::vector<Range>& rows,
+                                               std::optional<Range> cols);
+// The name of the quant_state record that marks `prefix` as a bitsandbytes 4-bit linear, if
+// the store has one.
+std::optional<std::string> Bnb4QuantStateOf(const WeightStore& w, const std::string& prefix);
 
 // The fp8 linear `prefix` (its weight and weight_scale), rows and columns as above.
 absl::StatusOr<kernels::Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,

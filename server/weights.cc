@@ -40,7 +40,7 @@ absl::StatusOr<DType> ParseDType(const std::string& s) {
   if (s == "I32") return DType::kI32;
   if (s == "I64") return DType::kI64;
   if (s == "I8") return DType::kI8;
-  if (s == "U8") return DType::kU8;           // bitsandbytes' weight_format
+  if (s == "U8") return DType::kU8;  // bitsandbytes: weight_format, 4-bit codes, quant_state
   if (s == "F8_E4M3") return DType::kF8E4M3;  // fp8 checkpoints' linear weights only
   return absl::InvalidArgumentError(absl::StrCat("unsupported dtype ", s));
 }

@@ -76,8 +76,10 @@ bool UseAvx2() {
   return CpuHasAvx2();
 }
 
-// The AVX-512 streaming kernel, for the weights it takes (others fall back to AVX2).
+// The AVX-512 streaming kernel, for the weights it takes (others fall back to AVX2; codes
+// that index a table always do).
 bool UseAvx512(const QuantizedWeight* q) {
+  if (q != nullptr && !q->codebook.empty()) return false;
   switch (g_isa.load(std::memory_order_relaxed)) {
     case Isa::kScalar:
     case Isa::kAvx2:
@@ -142,6 +144,9 @@ inline float LoadScalar(const WRow& row, int64_t i) {
   } else if constexpr (W == WFmt::kF8) {
     // Zero 0: the value times its run's scale, as Dequantize computes it.
     return Fp8E4M3ToF32(static_cast<const uint8_t*>(row.p)[i]) * row.scale[row.block_run[i / 8]];
+  } else if constexpr (W == WFmt::kLut4) {
+    const int code = (static_cast<const uint8_t*>(row.p)[i / 2] >> (4 * (i % 2))) & 0xF;
+    return row.lut[code] * row.ScalePortable(row.block_run[i / 8]);
   } else {
     const uint8_t* c = static_cast<const uint8_t*>(row.p);
     const int code = W == WFmt::kQ8 ? c[i] : (c[i / 2] >> (4 * (i % 2))) & 0xF;
@@ -153,7 +158,10 @@ inline float LoadScalar(const WRow& row, int64_t i) {
 // Bytes one weight takes (for work splitting).
 template <WFmt W>
 constexpr double BytesPerWeight() {
-  return W == WFmt::kF32 ? 4 : W == WFmt::kQ8 || W == WFmt::kF8 ? 1 : W == WFmt::kQ4 ? 0.5 : 2;
+  return W == WFmt::kF32                      ? 4
+         : W == WFmt::kQ8 || W == WFmt::kF8   ? 1
+         : W == WFmt::kQ4 || W == WFmt::kLut4 ? 0.5
+                                              : 2;
 }
 
 // ---- scalar fallback ---------------------------------------------------------------------
@@ -240,6 +248,14 @@ TGIS_AVX2 inline __m256 Load8(const WRow& row, int64_t i) {
                         _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24));
     return _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f)),
                          _mm256_set1_ps(row.scale[row.block_run[i / 8]]));
+  } else if constexpr (W == WFmt::kLut4) {
+    // Each code picks from the table's low and high halves (its low 3 bits), and its bit 3,
+    // moved to the sign, chooses between them; times the run's scale, as LoadScalar.
+    const __m256i code = Codes8<WFmt::kQ4>(row.codes(), i);
+    const __m256 low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(row.lut), code);
+    const __m256 high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(row.lut + 8), code);
+    const __m256 v = _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+    return _mm256_mul_ps(v, _mm256_set1_ps(row.Scale(row.block_run[i / 8])));
   } else {
     __m256 v;
     LoadRun<W, 1>(row, i, row.block_run[i / 8], &v);
@@ -432,6 +448,13 @@ void SmallT(const SmallArgs& args) {
     }
   }
   SmallArgs a = args;
+  if constexpr (W == WFmt::kLut4) {  // AVX2 or scalar: UseAvx512 does not take tables
+    ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
+      const int64_t n0 = b * kTileRows, n1 = std::min(a.n, e * kTileRows);
+      avx2 ? SmallAvx2<W>(a, n0, n1) : SmallScalar<W>(a, n0, n1);
+    });
+    return;
+  }
   if (W == WFmt::kQ4 && avx512) {
     thread_local std::vector<float> ordered;
     ordered.resize(a.t * a.k);
@@ -451,7 +474,7 @@ void SmallT(const SmallArgs& args) {
       if (vnni) return SmallVnni<W>(a, *fx, n0, n1);
     }
     if (avx512) {
-      SmallAvx512<W>(a, n0, n1);
+      if constexpr (W != WFmt::kLut4) SmallAvx512<W>(a, n0, n1);
     } else if (avx2) {
       SmallAvx2<W>(a, n0, n1);
     } else {
@@ -559,7 +582,7 @@ void SetInt8Activations(bool on) { g_int8_activations.store(on); }
 size_t DerivedLayoutBytes() { return PanelBytes(); }
 
 bool PrepareQuantized(const QuantizedWeight& q) {
-  if ((q.bits != 4 && q.bits != 8) || q.fp8) return false;
+  if ((q.bits != 4 && q.bits != 8) || q.fp8 || !q.codebook.empty()) return false;
   // Where every path reads the panels they are made now and the rows may go; with AVX-512
   // they serve the int8-activation kernels only, beside the rows (4-bit decode, and 8- and
   // 4-bit codes at every T without VNNI).
@@ -648,6 +671,7 @@ void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
     }
     const SmallArgs a{xs, t_count, q->stored_in, q->codes.raw(), q, n, bias_p, out->data<float>()};
     if (q->fp8) return Dispatch<WFmt::kF8>(a);
+    if (!q->codebook.empty()) return Dispatch<WFmt::kLut4>(a);
     return q->bits == 8 ? Dispatch<WFmt::kQ8>(a) : Dispatch<WFmt::kQ4>(a);
   }
   const SmallArgs a{x.data<float>(), t_count, k, w.raw(), nullptr, n, bias_p, out->data<float>()};

@@ -29,8 +29,9 @@ TGIS_AVX2 inline float HSum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// How a weight row is stored: a float dtype, or quantized codes of 8 or 4 bits.
-enum class WFmt { kF32, kBF16, kF16, kQ8, kQ4, kF8 };
+// How a weight row is stored: a float dtype, quantized codes of 8 or 4 bits, float8 e4m3
+// bytes, or 4-bit codes that index a table (QuantizedWeight::codebook).
+enum class WFmt { kF32, kBF16, kF16, kQ8, kQ4, kF8, kLut4 };
 
 // One weight row: its values (or codes) and, quantized, its per-run scales and zeros: f32
 // (`scale`, `zero`), or for compact 4-bit weights (QuantizedWeight::compact) f16 scales and
@@ -43,6 +44,7 @@ struct WRow {
   const int32_t* block_run = nullptr;  // shared by all rows: the run of each 8-column block
   const uint16_t* scale_h = nullptr;
   const uint8_t* zero_b = nullptr;
+  const float* lut = nullptr;  // kLut4: the 16 values the codes index
 
   const uint8_t* codes() const { return static_cast<const uint8_t*>(p); }
   bool compact() const { return scale_h != nullptr; }
@@ -72,10 +74,11 @@ inline void StoreRow(const SmallArgs& a, int64_t n, const float* sums) {
 
 template <WFmt W>
 inline WRow RowOf(const SmallArgs& a, int64_t n) {
-  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4 || W == WFmt::kF8) {
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4 || W == WFmt::kF8 || W == WFmt::kLut4) {
     const int64_t runs = a.q->runs();
     WRow row{static_cast<const char*>(a.w) + n * a.q->codes.dim(1)};
     row.block_run = a.q->block_run.data<int32_t>();
+    if constexpr (W == WFmt::kLut4) row.lut = a.q->codebook.data();
     if (a.q->compact()) {
       row.scale_h = a.q->scales.data<uint16_t>() + n * runs;
       row.zero_b = a.q->zeros.data<uint8_t>() + n * runs;

@@ -232,11 +232,35 @@ __device__ inline float Fp8E4M3ToF32Device(uint8_t v) {
   return __uint_as_float(bits) * 0x1p120f;
 }
 
+// What a code stands for before its zero and scale: the integer itself, a float8 e4m3 value,
+// or an entry of a 16-value table (QuantizedWeight::codebook); passed to kernels by value.
+struct CodeValues {
+  enum Kind { kInteger, kFp8, kTable } kind = kInteger;
+  float table[16] = {};
+};
+
+CodeValues CodeValuesOf(const QuantizedWeight& q) {
+  CodeValues v;
+  if (!q.codebook.empty()) {
+    v.kind = CodeValues::kTable;
+    for (int i = 0; i < 16; ++i) v.table[i] = q.codebook[i];
+  } else if (q.fp8) {
+    v.kind = CodeValues::kFp8;
+  }
+  return v;
+}
+
+__device__ inline float CodeValue(const CodeValues& v, uint32_t code) {
+  return v.kind == CodeValues::kTable ? v.table[code & 15]
+         : v.kind == CodeValues::kFp8 ? Fp8E4M3ToF32Device(static_cast<uint8_t>(code))
+                                      : static_cast<float>(code);
+}
+
 template <typename T>
-__global__ void DequantizeKernel(const uint8_t* codes, int64_t code_row, int bits, bool fp8,
-                                 const float* scales, const float* zeros, int64_t runs,
-                                 const int32_t* block_run, const int32_t* gather, int64_t out,
-                                 int64_t in, int64_t stored_in, T* dense) {
+__global__ void DequantizeKernel(const uint8_t* codes, int64_t code_row, int bits,
+                                 CodeValues values, const float* scales, const float* zeros,
+                                 int64_t runs, const int32_t* block_run, const int32_t* gather,
+                                 int64_t out, int64_t in, int64_t stored_in, T* dense) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= out * stored_in) return;
   const int64_t n = i / stored_in, j = i % stored_in;
@@ -245,8 +269,7 @@ __global__ void DequantizeKernel(const uint8_t* codes, int64_t code_row, int bit
   const uint8_t* row = codes + n * code_row;
   const int code = bits == 8 ? row[j] : (row[j / 2] >> (4 * (j % 2))) & 0xF;
   const int64_t r = n * runs + block_run[j / 8];
-  const float value =
-      fp8 ? Fp8E4M3ToF32Device(static_cast<uint8_t>(code)) : static_cast<float>(code);
+  const float value = CodeValue(values, code);
   dense[n * in + col] = FromF32<T>((value - zeros[r]) * scales[r]);
 }
 
@@ -261,10 +284,11 @@ constexpr int kGemvTokens = 8;
 constexpr int kGemvWarps = 8;  // output rows per thread block
 
 template <typename T, typename TOut>
-__global__ void QuantizedGemvKernel(const uint8_t* codes, int64_t code_row, int bits, bool fp8,
-                                    const float* scales, const float* zeros, int64_t runs,
-                                    const int32_t* block_run, const int32_t* gather, int64_t out,
-                                    int64_t in, const T* x, int tokens, const T* bias, TOut* y) {
+__global__ void QuantizedGemvKernel(const uint8_t* codes, int64_t code_row, int bits,
+                                    CodeValues values, const float* scales, const float* zeros,
+                                    int64_t runs, const int32_t* block_run, const int32_t* gather,
+                                    int64_t out, int64_t in, const T* x, int tokens, const T* bias,
+                                    TOut* y) {
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (n >= out) return;  // the whole warp: n is the same for its lanes
@@ -283,8 +307,7 @@ __global__ void QuantizedGemvKernel(const uint8_t* codes, int64_t code_row, int 
       const int64_t col = gather != nullptr ? gather[j0 + i] : j0 + i;
       if (col < 0) continue;  // padding
       const uint32_t code = bits == 8 ? (word >> (8 * i)) & 0xFF : (word >> (4 * i)) & 0xF;
-      const float value =
-          fp8 ? Fp8E4M3ToF32Device(static_cast<uint8_t>(code)) : static_cast<float>(code);
+      const float value = CodeValue(values, code);
       const float w = ToF32(FromF32<T>((value - zero) * scale));
 #pragma unroll
       for (int t = 0; t < kGemvTokens; ++t) {
@@ -312,7 +335,7 @@ void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, co
     auto launch = [&](auto* y) {
       using TOut = std::remove_pointer_t<decltype(y)>;
       QuantizedGemvKernel<T, TOut><<<blocks, kGemvWarps * 32, 0, Stream()>>>(
-          q.codes.data<uint8_t>(), q.codes.dim(1), q.bits, q.fp8, q.scales.data<float>(),
+          q.codes.data<uint8_t>(), q.codes.dim(1), q.bits, CodeValuesOf(q), q.scales.data<float>(),
           q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(),
           q.gather.defined() ? q.gather.data<int32_t>() : nullptr, q.out, q.in, x.data<T>(),
           static_cast<int>(tokens), b, y);
@@ -340,7 +363,7 @@ Tensor DequantizeOnDevice(const QuantizedWeight& q, DType dtype) {
   TGIS_DISPATCH_FLOAT(
       dtype, "Linear",
       DequantizeKernel<T><<<Blocks(total, threads), threads, 0, Stream()>>>(
-          q.codes.data<uint8_t>(), q.codes.dim(1), q.bits, q.fp8, q.scales.data<float>(),
+          q.codes.data<uint8_t>(), q.codes.dim(1), q.bits, CodeValuesOf(q), q.scales.data<float>(),
           q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(),
           q.gather.defined() ? q.gather.data<int32_t>() : nullptr, q.out, q.in, q.stored_in,
           dense.data<T>()));

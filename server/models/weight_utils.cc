@@ -150,7 +150,7 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
   const QuantConfig& q = w_.quantization();
   if (q.method != QuantMethod::kGptq && q.method != QuantMethod::kAwq &&
       q.method != QuantMethod::kFp8 && q.method != QuantMethod::kCompressedInt &&
-      q.method != QuantMethod::kBnbInt8) {
+      q.method != QuantMethod::kBnbInt8 && q.method != QuantMethod::kBnb4) {
     return std::nullopt;
   }
   const std::optional<std::string> linear = LinearPrefix(name);
@@ -179,6 +179,20 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
       return std::nullopt;
     }
     return LoadBnbInt8Linear(w_, q, prefix, rows, cols);
+  }
+  if (q.method == QuantMethod::kBnb4) {
+    // Likewise a linear left dense has no quant_state record; packed codes without one would
+    // be read as numbers.
+    if (!Bnb4QuantStateOf(w_, prefix)) {
+      auto t = w_.Has(name) ? w_.View(name) : absl::StatusOr<Tensor>(Tensor());
+      if (t.ok() && t->defined() && t->dtype() == kernels::DType::kU8) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, ": uint8 without a quant_state.bitsandbytes__nf4 or __fp4 record (",
+                         q.source, ")"));
+      }
+      return std::nullopt;
+    }
+    return LoadBnb4Linear(w_, q, prefix, rows, cols);
   }
   if (w_.Has(name) || !w_.Has(prefix + ".qweight")) return std::nullopt;  // a dense linear
   return LoadQuantizedLinear(w_, q, prefix, rows, cols);

@@ -461,6 +461,57 @@ TEST_P(OpsTest, Fp8LinearEqualsLinearOnTheDequantizedWeight) {
   }
 }
 
+// 4-bit codes that index a table (bitsandbytes' nf4 and fp4): w = table[code] * scale, on
+// every ISA and device, against Linear on the weights so computed.
+struct CodebookCase {
+  QuantizedWeight q;
+  std::vector<float> dense;
+};
+CodebookCase RandomCodebookWeight(int64_t out, int64_t in, int64_t group, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<float> table(16);
+  for (int i = 0; i < 16; ++i) table[i] = (i - 7.5f) / 7.5f + 0.01f * (rng() % 7);
+  table[7] = -0.f;  // a signed zero survives the lookup
+  const int64_t groups = (in + group - 1) / group;
+  std::vector<uint8_t> codes(out * in);
+  for (uint8_t& c : codes) c = static_cast<uint8_t>(rng() & 15);
+  std::vector<float> scales(out * groups);
+  for (float& x : scales) x = 0.002f + 0.0001f * (rng() % 100);
+  std::vector<int32_t> group_of(in);
+  for (int64_t k = 0; k < in; ++k) group_of[k] = static_cast<int32_t>(k / group);
+  CodebookCase c{BuildCodebook4(out, in, codes, group_of, groups, scales, table), {}};
+  c.dense.resize(out * in);
+  for (int64_t i = 0; i < out * in; ++i) {
+    c.dense[i] = table[codes[i]] * scales[(i / in) * groups + group_of[i % in]];
+  }
+  return c;
+}
+
+TEST_P(OpsTest, CodebookLinearEqualsLinearOnTheDequantizedWeight) {
+  if (device() == Device::kCpu && dtype() != DType::kF32) GTEST_SKIP() << "same as Cpu_F32";
+  uint32_t seed = 190;
+  for (const auto& [isa, isa_name] : Isas()) {
+    cpu::SetIsaForTesting(isa);
+    for (const auto& [out, in] :
+         std::vector<std::pair<int64_t, int64_t>>{{16, 64}, {45, 1030}, {9, 67}, {7, 1088}}) {
+      // Blocks of 64 (bitsandbytes' default), 32, and 44 (padded to 48 stored columns).
+      for (const int64_t group : {int64_t{64}, int64_t{32}, int64_t{44}}) {
+        CodebookCase c = RandomCodebookWeight(out, in, group, ++seed);
+        EXPECT_EQ(0, std::memcmp(Dequantize(c.q).raw(), c.dense.data(), c.dense.size() * 4))
+            << "Dequantize " << out << "x" << in << " group " << group;
+        Tensor w;
+        ASSERT_NO_FATAL_FAILURE(QuantizedWeightOnDevice(c.q, &c.dense, &w));
+        for (int64_t t : {1, 3, 17, 64}) {
+          const Tensor x = Act(Random(t * in, ++seed), {t, in});
+          const std::string what = isa_name + " codebook T=" + std::to_string(t) +
+                                   " in=" + std::to_string(in) + " group=" + std::to_string(group);
+          LinearCase(x, Host(x), w, c.dense, nullptr, {}, t, in, out, tol(), what);
+        }
+      }
+    }
+  }
+}
+
 // Without act-order or padding the quantized path sums like the dense f32 one: the same bits
 // as Linear on the dequantized weight (the decode path, T <= 16). The AVX-512 kernel applies
 // 4-bit codes in its own column order (even columns of each 32, then odd), so there 8-bit only;
@@ -484,6 +535,16 @@ TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {
       Linear(x, w, nullptr, &got);
       Linear(x, dense, nullptr, &want);
       ASSERT_EQ(0, std::memcmp(got.raw(), want.raw(), want.nbytes())) << isa_name << " " << bits;
+    }
+    // Codes that index a table take the AVX2 (or scalar) kernel on every CPU, which sums as
+    // the dense path of the same ISA does.
+    if (isa == cpu::Isa::kAvx2 || isa == cpu::Isa::kScalar) {
+      const CodebookCase c = RandomCodebookWeight(37, 1024, 64, 12);
+      const Tensor x = Act(Random(5 * 1024, 8), {5, 1024});
+      Tensor got, want;
+      Linear(x, Tensor::Quantized(std::make_shared<const QuantizedWeight>(c.q)), nullptr, &got);
+      Linear(x, Tensor::FromVector(c.dense, {37, 1024}), nullptr, &want);
+      ASSERT_EQ(0, std::memcmp(got.raw(), want.raw(), want.nbytes())) << isa_name << " codebook";
     }
   }
 }
@@ -535,6 +596,9 @@ TEST_P(OpsTest, LinearSmallBatchIsBatchInvariant) {
       const QuantizedWeight f8 = BuildFp8Rows(out_f, in, codes, std::vector<float>(out_f, 0.01f));
       ExpectBatchInvariant(x, Tensor::Quantized(std::make_shared<const QuantizedWeight>(f8)), out_f,
                            isa_name + " fp8");
+      const CodebookCase lut = RandomCodebookWeight(out_f, in, 64, 11);
+      ExpectBatchInvariant(x, Tensor::Quantized(std::make_shared<const QuantizedWeight>(lut.q)),
+                           out_f, isa_name + " codebook");
     }
   }
 }

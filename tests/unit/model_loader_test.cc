@@ -350,7 +350,7 @@ TEST_F(LoaderTest, BitsandbytesCheckpointsAreReadStrictly) {
   EXPECT_TRUE(ReadQuant("bitsandbytes").ok());  // TGIS's flag names the checkpoint's method
   ExpectError(ReadQuant("gptq"), "is quantized otherwise");
   WithQuantConfig(bnb, [](Json& q) { q["load_in_4bit"] = q["_load_in_4bit"] = true; });
-  ExpectError(ReadQuant(std::nullopt), "bitsandbytes 4-bit (nf4, fp4) checkpoints");
+  ExpectError(ReadQuant(std::nullopt), "load_in_8bit and load_in_4bit are both true");
   WithQuantConfig(bnb, [](Json& q) { q["load_in_8bit"] = q["_load_in_8bit"] = false; });
   ExpectError(ReadQuant(std::nullopt), "neither load_in_8bit nor load_in_4bit is true");
   WithQuantConfig(bnb, [](Json& q) { q["llm_int8_has_fp16_weight"] = true; });
@@ -370,6 +370,74 @@ TEST_F(LoaderTest, BitsandbytesCheckpointsAreReadStrictly) {
   bytes[8 + n + at["data_offsets"][0].get<size_t>()] = 1;
   std::ofstream(dir_ / "model.safetensors", std::ios::binary | std::ios::trunc) << bytes;
   ExpectError(BuildQuantized(), "model.layers.1.mlp.up_proj: weight_format is");
+}
+
+// bitsandbytes' own 4-bit checkpoints (llama_bnb4, nf4 with double quantization, and
+// llama_bnb4_fp4: their parity tests check the values): what bitsandbytes would not read the
+// same way is refused, naming the linear or the record.
+TEST_F(LoaderTest, Bitsandbytes4BitCheckpointsAreReadStrictly) {
+  const Json bnb = UseFixture("llama_bnb4");
+  EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
+  EXPECT_TRUE(ReadQuant("bitsandbytes").ok());  // TGIS's flag names the checkpoint's method
+  ExpectError(ReadQuant("awq"), "is quantized otherwise");
+  WithQuantConfig(bnb, [](Json& q) { q["bnb_4bit_quant_type"] = "int4"; });
+  ExpectError(ReadQuant(std::nullopt), "bnb_4bit_quant_type 'int4'");
+  WithQuantConfig(bnb, [](Json& q) { q["bnb_4bit_quant_storage"] = "bfloat16"; });
+  ExpectError(ReadQuant(std::nullopt), "bnb_4bit_quant_storage 'bfloat16'");
+  WithQuantConfig(bnb, [](Json& q) { q["bnb_4bit_compute_dtype"] = "bfloat16"; });  // x is f32
+  EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
+
+  const std::string pristine = ReadAll(dir_ / "model.safetensors");
+  const std::string record = "model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4";
+  // Edits the file's bytes (header and data) and expects the load to fail with `text`.
+  auto expect_file_error = [&](const std::function<void()>& edit, const std::string& text) {
+    uint64_t n;
+    std::memcpy(&n, pristine.data(), 8);
+    header_ = Json::parse(pristine.substr(8, n));
+    data_ = pristine.substr(8 + n);
+    edit();
+    Save();
+    ExpectError(BuildQuantized(), text);
+  };
+  // An edit of the JSON record that keeps its length.
+  auto in_record = [&](const std::string& from, const std::string& to) {
+    return [&, from, to] {
+      const Json& at = header_[record];
+      const size_t begin = at["data_offsets"][0].get<size_t>();
+      const size_t end = at["data_offsets"][1].get<size_t>();
+      const size_t i = data_.substr(begin, end - begin).find(from);
+      ASSERT_NE(i, std::string::npos) << from;
+      data_.replace(begin + i, from.size(), to);
+    };
+  };
+  expect_file_error(in_record("\"blocksize\": 64", "\"blocksize\": 48"),
+                    "up_proj: blocks of 48 weights run across rows of 64");
+  expect_file_error(in_record("\"dtype\": \"float32\"", "\"dtype\": \"float64\""),
+                    record + ": dtype 'float64'");
+  expect_file_error(in_record("\"quant_type\": \"nf4\"", "\"quant_type\": \"fp4\""),
+                    record + ": quant_type 'fp4' in a record named nf4");
+  expect_file_error(in_record("\"nested_dtype\"", "\"nested_dtyp_\""),
+                    record + ": key 'nested_dtyp_' is not understood");
+  expect_file_error(
+      [&] {
+        const Json& at = header_["model.layers.0.self_attn.k_proj.weight.quant_map"];
+        data_[at["data_offsets"][0].get<size_t>()] ^= 1;  // the low bit of table[0]
+      },
+      "self_attn.k_proj: quant_map differs from bitsandbytes' nf4 table");
+  expect_file_error(
+      [&] {
+        const Json& at = header_["model.layers.0.mlp.down_proj.weight.nested_absmax"];
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        std::memcpy(&data_[at["data_offsets"][0].get<size_t>()], &nan, 4);
+      },
+      "model.layers.0.mlp.down_proj.weight.absmax: block 0's absmax is nan");
+  // Packed codes whose record is missing would be read as numbers.
+  expect_file_error(
+      [&] {
+        header_["model.layers.1.mlp.up_proj.weight.quant_state.other"] = header_[record];
+        header_.erase(record);
+      },
+      "model.layers.1.mlp.up_proj.weight: uint8 without a quant_state.bitsandbytes__nf4");
 }
 
 // --quantize bitsandbytes over a weight with a NaN: int8 has no such value, so the load fails
