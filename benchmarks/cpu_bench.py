@@ -24,6 +24,8 @@ the checkpoint four ways); never part of `make test`. Everything it makes lives 
    Generator.generate_batch timed: prefill = one token after the prompt, decode = the rest.
 4. Ours: build/benchmarks/engine_bench (f32, bf16, f16 from the f32 checkpoint; 8-bit =
    --quantize bitsandbytes, int8 per output row; 4-bit = the GPTQ copy), batch 1.
+   "ours-nf4" (4-bit only) serves a bitsandbytes nf4 copy instead (blocks of 64, double
+   quantization, the lm_head dense as transformers leaves it).
    "ours-int8act" is the same with --int8-activations true (the shard's
    --cpu-int8-activations), 8- and 4-bit only: x rounded to int8 per 32 columns, as
    llama.cpp's and CTranslate2's quantized types multiply. It also measures the DRAM read bandwidth (all cores, 1 GiB) that the fractions use.
@@ -162,6 +164,80 @@ def make_gptq4(dense: Path, folder: Path, group: int = 32) -> None:
             shutil.copy(f, folder / f.name)
 
 
+# bitsandbytes' nf4 table (functional.get_4bit_type): codes index it, times each block's absmax.
+NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+                0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                0.7229568362236023, 1.0], np.float32)
+
+
+def dynamic_map() -> np.ndarray:
+    """bitsandbytes' create_dynamic_map(signed=True): the 256 values its double quantization
+    codes a block's absmax with."""
+    data = []
+    for i in range(7):
+        b = np.linspace(0.1, 1, 2 ** i + 1, dtype=np.float32)
+        means = (b[:-1] + b[1:]) / 2
+        data += list(10.0 ** (i - 6) * means) + list(-(10.0 ** (i - 6)) * means)
+    data += [0.0, 1.0]
+    return np.sort(np.array(data + [0.0] * (256 - len(data)), np.float32))
+
+
+def nearest(values: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Index of the nearest of the sorted `table` values (bitsandbytes' bucketize on the
+    midpoints)."""
+    return np.searchsorted((table[:-1] + table[1:]) / 2, values).astype(np.uint8)
+
+
+def bnb4_pack(w: np.ndarray, name: str, block: int = 64) -> dict:
+    """bitsandbytes' quantize_4bit of w [out, in] (nf4, blocks of `block`, double quantization
+    of the absmax in blocks of 256), as save_pretrained stores a Linear4bit (in divisible by
+    `block`)."""
+    blocks = w.reshape(-1, block)
+    absmax = np.abs(blocks).max(axis=1)
+    codes = nearest(np.clip(blocks * (1 / np.maximum(absmax, 1e-38))[:, None], -1, 1).ravel(),
+                    NF4)
+    offset = np.float32(absmax.mean())
+    shifted = absmax - offset
+    pad = (-len(shifted)) % 256
+    nested = np.abs(np.pad(shifted, (0, pad))).reshape(-1, 256).max(axis=1)
+    per = np.repeat(np.maximum(nested, 1e-38), 256)[: len(shifted)]
+    dyn = dynamic_map()
+    state = {"quant_type": "nf4", "blocksize": block, "dtype": "float32", "shape": list(w.shape),
+             "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": float(offset)}
+    return {name: ((codes[::2] << 4) | codes[1::2])[:, None],
+            f"{name}.absmax": nearest(np.clip(shifted / per, -1, 1), dyn),
+            f"{name}.quant_map": NF4.copy(), f"{name}.nested_absmax": nested.astype(np.float32),
+            f"{name}.nested_quant_map": dyn,
+            f"{name}.quant_state.bitsandbytes__nf4": np.frombuffer(
+                json.dumps(state).encode(), np.uint8).copy()}
+
+
+def make_bnb4(dense: Path, folder: Path) -> None:
+    """The bitsandbytes nf4 copy (a load_in_4bit model's save_pretrained, double quantization,
+    the lm_head left dense as transformers leaves it)."""
+    if (folder / "model.safetensors").exists() and (folder / "config.json").exists():
+        return
+    from safetensors.numpy import load_file, save_file
+
+    log(f"writing the bitsandbytes nf4 copy to {folder}")
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, t in load_file(str(dense / "model.safetensors")).items():
+        out.update(bnb4_pack(t, name) if name.endswith("_proj.weight") else {name: t})
+    save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dense / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
+        "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8"}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in dense.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+
+
 # ---- python packages and llama.cpp -------------------------------------------------------------
 
 def ensure_pylib(work: Path) -> Path:
@@ -200,14 +276,16 @@ def ensure_llama_cpp(work: Path) -> Path:
 # ---- the engines ---------------------------------------------------------------------------
 
 def ours(build: Path, dense: Path, gptq: Path, precision: str, prompt: int, steps: int,
-         int8_activations: bool = False) -> dict | None:
+         int8_activations: bool = False, bnb4: Path | None = None) -> dict | None:
     if int8_activations and precision not in ("8bit", "4bit"):
         return None  # the mode changes only 8- and 4-bit codes' kernels
+    if bnb4 is not None and precision != "4bit":
+        return None
     binary = build / "benchmarks" / "engine_bench"
     args = {"f32": (dense, ["--dtype", "float32"]), "bf16": (dense, ["--dtype", "bfloat16"]),
             "f16": (dense, ["--dtype", "float16"]),
             "8bit": (dense, ["--dtype", "bfloat16", "--quantize", "bitsandbytes"]),
-            "4bit": (gptq, ["--dtype", "bfloat16"])}[precision]
+            "4bit": (bnb4 or gptq, ["--dtype", "bfloat16"])}[precision]
     extra = ["--int8-activations", "true"] if int8_activations else []
     p = run([binary, args[0], *args[1], *extra, "--prompt", prompt, "--steps", steps,
              "--batches", "1"], timeout=1800, capture_output=True)
@@ -216,7 +294,8 @@ def ours(build: Path, dense: Path, gptq: Path, precision: str, prompt: int, step
     got = {"bandwidth_gbs": float(re.search(r"memory_bandwidth_gbs ([\d.]+)", text).group(1)),
            "streamed_bytes": float(re.search(r"streamed/token ([\d.]+) MB", text).group(1)) * 1e6,
            "format": {"8bit": "int8 per row (lm_head too)",
-                      "4bit": "GPTQ 4-bit g32 sym (lm_head too)"}.get(precision, precision)}
+                      "4bit": "bitsandbytes nf4 b64, double quant (lm_head bf16)" if bnb4 else
+                      "GPTQ 4-bit g32 sym (lm_head too)"}.get(precision, precision)}
     if int8_activations:
         got["format"] += ", x int8 per 32"
     m = re.search(r"batch 1: prefill ([\d.]+) tok/s, decode ([\d.]+) tok/s", text)
@@ -333,7 +412,7 @@ def main() -> int:
     ap.add_argument("--shape", default="tinyllama", choices=sorted(SHAPES))
     # ours-int8act: ours with --cpu-int8-activations (8- and 4-bit only), the way llama.cpp's
     # Q8_0/Q4_0 and CTranslate2's int8 multiply: x rounded to int8.
-    ap.add_argument("--engines", default="ours,ours-int8act,llama.cpp,ctranslate2")
+    ap.add_argument("--engines", default="ours,ours-int8act,ours-nf4,llama.cpp,ctranslate2")
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
@@ -354,6 +433,9 @@ def main() -> int:
     make_dense(dense, config)
     if "4bit" in precisions and {"ours", "ours-int8act"} & set(engines):
         make_gptq4(dense, gptq)
+    bnb4 = work / f"llama-{args.shape}-bnb4"
+    if "4bit" in precisions and "ours-nf4" in engines:
+        make_bnb4(dense, bnb4)
     linear, head = streamed_params(config)
     params = linear + head
     py = torch_python()
@@ -376,9 +458,10 @@ def main() -> int:
         for precision in precisions:
             for engine in engines:
                 t0 = time.time()
-                if engine in ("ours", "ours-int8act"):
+                if engine in ("ours", "ours-int8act", "ours-nf4"):
                     got = ours(build, dense, gptq, precision, args.prompt, args.steps,
-                               int8_activations=engine == "ours-int8act")
+                               int8_activations=engine == "ours-int8act",
+                               bnb4=bnb4 if engine == "ours-nf4" else None)
                     if got is not None:
                         bandwidth = max(bandwidth or 0, got["bandwidth_gbs"])
                 elif engine == "llama.cpp":
@@ -431,7 +514,7 @@ def report(results: dict) -> None:
             log(f"| {precision} | {engine} | {got['format']} | {got['decode']:.2f} | "
                 f"{got['streamed_bytes'] / 1e9:.2f} | {100 * got['roofline_fraction']:.0f}% | "
                 f"{got['prefill']:.1f} |")
-    for mine in ("ours", "ours-int8act"):
+    for mine in ("ours", "ours-int8act", "ours-nf4"):
         ours = results["engines"].get(mine, {})
         for engine, per in results["engines"].items():
             if engine.startswith("ours"):

@@ -399,19 +399,30 @@ TEST_F(LoaderTest, Bitsandbytes4BitCheckpointsAreReadStrictly) {
     Save();
     ExpectError(BuildQuantized(), text);
   };
-  // An edit of the JSON record that keeps its length.
+  // An edit of the JSON record (the tensors after it move by the change in its length).
   auto in_record = [&](const std::string& from, const std::string& to) {
     return [&, from, to] {
-      const Json& at = header_[record];
-      const size_t begin = at["data_offsets"][0].get<size_t>();
-      const size_t end = at["data_offsets"][1].get<size_t>();
+      const size_t begin = header_[record]["data_offsets"][0].get<size_t>();
+      const size_t end = header_[record]["data_offsets"][1].get<size_t>();
       const size_t i = data_.substr(begin, end - begin).find(from);
       ASSERT_NE(i, std::string::npos) << from;
       data_.replace(begin + i, from.size(), to);
+      const int64_t moved = static_cast<int64_t>(to.size()) - static_cast<int64_t>(from.size());
+      for (auto& [name, t] : header_.items()) {
+        if (name == "__metadata__") continue;
+        for (int j : {0, 1}) {
+          const size_t at = t["data_offsets"][j].get<size_t>();
+          if (at > begin || (j == 1 && at == end)) t["data_offsets"][j] = at + moved;
+        }
+      }
+      header_[record]["shape"] = {end - begin + moved};
     };
   };
   expect_file_error(in_record("\"blocksize\": 64", "\"blocksize\": 48"),
                     "up_proj: blocks of 48 weights run across rows of 64");
+  // A shape whose product overflows int64 is compared with the bytes without overflowing.
+  expect_file_error(in_record("\"shape\": [128, 64]", "\"shape\": [4294967297, 2147483648]"),
+                    "up_proj: weight is");
   expect_file_error(in_record("\"dtype\": \"float32\"", "\"dtype\": \"float64\""),
                     record + ": dtype 'float64'");
   expect_file_error(in_record("\"quant_type\": \"nf4\"", "\"quant_type\": \"fp4\""),
