@@ -5,6 +5,7 @@
 //   kernels_bench [--quick] [--hot] [--t=N] [--int8-activations]
 //                 [--isa=scalar|avx2|avx512|vnni] [format ...]
 // formats: bf16 f16 f32 int8 gptq8 gptq4 (g128) gptq4g32 fp8 gptq4g32-f32 (f32 run constants)
+// nf4 (bitsandbytes' table codes, blocks of 64)
 //
 // --hot adds a 1024x2048 weight read from cache (one copy, called repeatedly): the kernels'
 // compute ceiling, without DRAM in the way.
@@ -112,6 +113,7 @@ struct Format {
   // Quantized scales that are f16 values (as GPTQ and AWQ write them), which 4-bit weights
   // keep compact (QuantizedWeight::compact); false: f32 values, kept as f32.
   bool f16_scales = true;
+  bool codebook = false;  // 4-bit codes index bitsandbytes' nf4 table
 };
 
 // A weight of `f`'s layout with small deterministic values (speed does not depend on them).
@@ -138,10 +140,14 @@ Tensor MakeWeight(const Format& f, int64_t out_f, int64_t in, int c) {
   const float scale =
       f.f16_scales ? tgis::kernels::F16ToF32(tgis::kernels::F32ToF16(0.01f)) : 0.01f;
   std::vector<float> scales(out_f * groups, scale), zeros(out_f * groups, 1 << (f.quant_bits - 1));
+  std::vector<float> table(16);
+  for (int i = 0; i < 16; ++i) table[i] = (i - 7) / 8.f;
   QuantizedWeight q =
       f.fp8 ? tgis::kernels::BuildFp8Rows(out_f, in, codes, std::vector<float>(out_f, 0.01f))
-            : tgis::kernels::BuildQuantized(f.quant_bits, out_f, in, codes, group_of, groups,
-                                            scales, zeros);
+      : f.codebook
+          ? tgis::kernels::BuildCodebook4(out_f, in, codes, group_of, groups, scales, table)
+          : tgis::kernels::BuildQuantized(f.quant_bits, out_f, in, codes, group_of, groups, scales,
+                                          zeros);
   return Tensor::Quantized(std::make_shared<const QuantizedWeight>(std::move(q)));
 }
 
@@ -229,6 +235,8 @@ int main(int argc, char** argv) {
       {"fp8", DType::kF32, 8, -1, true, 1},
       // 4-bit g32 whose scales are not f16 values: f32 run constants, 8 bytes a run.
       {"gptq4g32-f32", DType::kF32, 4, 32, false, 0.5, false},
+      // bitsandbytes nf4 (codes that index a table) in blocks of 64, f32 absmax scales.
+      {"nf4", DType::kF32, 4, 64, false, 0.5, false, true},
   };
   for (const Format& f : formats) {
     if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), f.name) == wanted.end())

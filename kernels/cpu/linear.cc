@@ -216,8 +216,26 @@ TGIS_AVX2 inline __attribute__((always_inline)) __m256i Codes8(const uint8_t* co
 template <WFmt W, int N>
 TGIS_AVX2 inline __attribute__((always_inline)) void LoadRun(const WRow& row, int64_t i, int32_t r,
                                                              __m256* out) {
-  const __m256 zero = _mm256_set1_ps(row.Zero(r));
   const __m256 scale = _mm256_set1_ps(row.Scale(r));
+  if constexpr (W == WFmt::kLut4) {
+    // The table times the run's scale, then each code picks from its low and high halves (its
+    // low 3 bits) and its bit 3, moved to the sign, chooses between them: table[code] * scale,
+    // the product LoadScalar rounds. Codes8's higher bits are shifted out, so no mask.
+    const __m256 low = _mm256_mul_ps(_mm256_loadu_ps(row.lut), scale);
+    const __m256 high = _mm256_mul_ps(_mm256_loadu_ps(row.lut + 8), scale);
+#pragma GCC unroll 4
+    for (int j = 0; j < N; ++j) {
+      uint32_t packed;
+      std::memcpy(&packed, row.codes() + (i + 8 * j) / 2, 4);
+      const __m256i code = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(packed)),
+                                             _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+      out[j] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, code),
+                                _mm256_permutevar8x32_ps(high, code),
+                                _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+    }
+    return;
+  }
+  const __m256 zero = _mm256_set1_ps(row.Zero(r));
 #pragma GCC unroll 4
   for (int j = 0; j < N; ++j) {
     const __m256 code = _mm256_cvtepi32_ps(Codes8<W>(row.codes(), i + 8 * j));
@@ -248,14 +266,6 @@ TGIS_AVX2 inline __m256 Load8(const WRow& row, int64_t i) {
                         _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24));
     return _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f)),
                          _mm256_set1_ps(row.scale[row.block_run[i / 8]]));
-  } else if constexpr (W == WFmt::kLut4) {
-    // Each code picks from the table's low and high halves (its low 3 bits), and its bit 3,
-    // moved to the sign, chooses between them; times the run's scale, as LoadScalar.
-    const __m256i code = Codes8<WFmt::kQ4>(row.codes(), i);
-    const __m256 low = _mm256_permutevar8x32_ps(_mm256_loadu_ps(row.lut), code);
-    const __m256 high = _mm256_permutevar8x32_ps(_mm256_loadu_ps(row.lut + 8), code);
-    const __m256 v = _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
-    return _mm256_mul_ps(v, _mm256_set1_ps(row.Scale(row.block_run[i / 8])));
   } else {
     __m256 v;
     LoadRun<W, 1>(row, i, row.block_run[i / 8], &v);
@@ -281,7 +291,7 @@ TGIS_AVX2 inline __attribute__((always_inline)) void LoadBlock(const WRow& row, 
 template <WFmt W>
 TGIS_AVX2 inline void ConvertAvx2(const WRow& row, int64_t i0, int64_t len, float* dst) {
   int64_t k = 0;
-  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4 || W == WFmt::kLut4) {
     for (; k + 32 <= len; k += 32) {
       __m256 v[4];
       LoadBlock<W>(row, i0 + k, v);
@@ -302,7 +312,7 @@ TGIS_AVX2 inline void Micro(const WRow* wrows, int64_t k0, const float* x, int64
     for (int t = 0; t < TT; ++t) a[r][t] = acc[r * acc_stride + t];
   }
   int64_t k = 0;
-  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
+  if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4 || W == WFmt::kLut4) {
     // 32 columns at a time, each row's four weight vectors at once. The FMAs into each
     // accumulator keep their column order, so the sums are bitwise those of 8-column steps.
     for (; k + 32 <= len; k += 32) {
@@ -451,7 +461,8 @@ void SmallT(const SmallArgs& args) {
   if constexpr (W == WFmt::kLut4) {  // AVX2 or scalar: UseAvx512 does not take tables
     ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
       const int64_t n0 = b * kTileRows, n1 = std::min(a.n, e * kTileRows);
-      avx2 ? SmallAvx2<W>(a, n0, n1) : SmallScalar<W>(a, n0, n1);
+      if (!avx2) return SmallScalar<W>(a, n0, n1);
+      if (!LutDecodeAvx2(a, n0, n1)) SmallAvx2<W>(a, n0, n1);
     });
     return;
   }
