@@ -459,10 +459,17 @@ void SmallT(const SmallArgs& args) {
   }
   SmallArgs a = args;
   if constexpr (W == WFmt::kLut4) {  // AVX2 or scalar: UseAvx512 does not take tables
-    ParallelFor(tiles, grain, [&](int64_t b, int64_t e) {
-      const int64_t n0 = b * kTileRows, n1 = std::min(a.n, e * kTileRows);
-      if (!avx2) return SmallScalar<W>(a, n0, n1);
-      if (!LutDecodeAvx2(a, n0, n1)) SmallAvx2<W>(a, n0, n1);
+    const bool lut = avx2 && LutDecodeTakes(a);
+    thread_local std::vector<float> ordered;
+    if (lut) {
+      ordered.resize(a.t * a.k);
+      LutOrderX(a.x, a.t, a.k, ordered.data());
+    }
+    SmallArgs b = a;
+    if (lut) b.x = ordered.data();  // workers read the calling thread's copy
+    ParallelFor(tiles, grain, [&](int64_t i, int64_t e) {
+      const int64_t n0 = i * kTileRows, n1 = std::min(b.n, e * kTileRows);
+      lut ? LutDecodeAvx2(b, n0, n1) : avx2 ? SmallAvx2<W>(b, n0, n1) : SmallScalar<W>(b, n0, n1);
     });
     return;
   }

@@ -1,12 +1,17 @@
-// Decode (T <= 2) of 4-bit codes that index a table (bitsandbytes' nf4 and fp4) with AVX2:
-// per row and 32-column block, the table times the block's scale (two multiplies), then per 8
-// codes two permutes pick from the table's halves and a blend on each code's bit 3 chooses:
-// table[code] * scale, the product Dequantize rounds, one FMA per 8 weights and token. Each
-// (row, token) sums its columns in order in one 8-lane accumulator, as the dense f32 kernel
-// does, so the result is bitwise Linear on the dequantized weight. The generic AVX2 tile kept
-// its accumulators on the stack for these weights (4-7x slower); this one is straight-line.
+// Decode (T <= kSmallT) of 4-bit codes that index a table (bitsandbytes' nf4 and fp4) with
+// AVX2. The table's 16 f32 values are kept as four byte planes, one per byte of the f32, and
+// 32 codes at a time look up each plane with one vpshufb (16 entries per 128-bit lane) and
+// are interleaved back into f32: 4 shuffles and 8 unpacks per 32 weights, where two vpermps
+// and a blend per 8 took 2.8 against 1.9 cycles per 8 weights (a microbenchmark on Zen 3).
+// Times the 32-column block's scale: table[code] * scale, the product Dequantize rounds.
+//
+// The unpacking leaves each 8 columns in the order 0 2 4 6 1 3 5 7, and x is reordered so
+// (LutOrderX). Each (row, token) sums its columns in that order in one 8-lane accumulator,
+// whatever T is (T <= 2 from registers, more through an f32 scratch of the rows): a row's
+// result does not depend on its batch mates.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "kernels/cpu/linear_stream.h"
@@ -15,49 +20,76 @@ namespace tgis::kernels::cpu {
 
 namespace {
 
-// Run r's scale of a row (f32, or f16 for a compact weight).
+constexpr int kOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // columns of each 8, as the kernel has them
+constexpr int64_t kLutChunk = 512;                   // columns per scratch pass (T > 2)
+
+// The table's byte planes, each 16 entries repeated in both 128-bit lanes.
+struct Planes {
+  __m256i byte[4];
+};
+
+TGIS_AVX2 Planes PlanesOf(const std::vector<float>& table) {
+  alignas(32) uint8_t planes[4][32];
+  for (int v = 0; v < 16; ++v) {
+    uint32_t bits;
+    std::memcpy(&bits, &table[v], 4);
+    for (int b = 0; b < 4; ++b) planes[b][v] = planes[b][v + 16] = (bits >> (8 * b)) & 0xFF;
+  }
+  Planes p;
+  for (int b = 0; b < 4; ++b) p.byte[b] = _mm256_load_si256(reinterpret_cast<__m256i*>(planes[b]));
+  return p;
+}
+
+// The 32 weights of a row's codes at `codes` (16 bytes: columns 2j low nibble, 2j + 1 high),
+// times `scale`, in kOrder within each 8.
+TGIS_AVX2 inline __attribute__((always_inline)) void Lookup32(const Planes& p, const uint8_t* codes,
+                                                              __m256 scale, __m256* w) {
+  // Lane 0 the even columns' codes (low nibbles), lane 1 the odd ones' (high nibbles).
+  const __m256i packed =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i code = _mm256_and_si256(
+      _mm256_srlv_epi32(packed, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
+  const __m256i b0 = _mm256_shuffle_epi8(p.byte[0], code);
+  const __m256i b1 = _mm256_shuffle_epi8(p.byte[1], code);
+  const __m256i b2 = _mm256_shuffle_epi8(p.byte[2], code);
+  const __m256i b3 = _mm256_shuffle_epi8(p.byte[3], code);
+  const __m256i low01 = _mm256_unpacklo_epi8(b0, b1), high01 = _mm256_unpackhi_epi8(b0, b1);
+  const __m256i low23 = _mm256_unpacklo_epi8(b2, b3), high23 = _mm256_unpackhi_epi8(b2, b3);
+  w[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(low01, low23)), scale);
+  w[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(low01, low23)), scale);
+  w[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(high01, high23)), scale);
+  w[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(high01, high23)), scale);
+}
+
 template <bool kCompact>
-TGIS_AVX2 inline float RunScaleOf(const WRow& row, int32_t r) {
+TGIS_AVX2 inline __m256 RunScaleOf(const WRow& row, int32_t r) {
   if constexpr (kCompact) {
-    return _cvtsh_ss(row.scale_h[r]);
+    return _mm256_set1_ps(_cvtsh_ss(row.scale_h[r]));
   } else {
-    return row.scale[r];
+    return _mm256_set1_ps(row.scale[r]);
   }
 }
 
-// Rows [n, n + R) against TT tokens.
+// out[t, n + r] for rows [n, n + R) and TT tokens, lookups in registers.
 template <int R, int TT, bool kCompact>
-TGIS_AVX2 void LutTile(const SmallArgs& a, int64_t n) {
+TGIS_AVX2 void LutTile(const SmallArgs& a, const Planes& p, int64_t n) {
   __m256 acc[R][TT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < TT; ++t) acc[r][t] = _mm256_setzero_ps();
   WRow rows[R];
   for (int r = 0; r < R; ++r) rows[r] = RowOf<WFmt::kLut4>(a, n + r);
   const int32_t* block_run = a.q->block_run.data<int32_t>();
-  const __m256 low = _mm256_loadu_ps(a.q->codebook.data());
-  const __m256 high = _mm256_loadu_ps(a.q->codebook.data() + 8);
-  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
   for (int64_t k = 0; k < a.k; k += 32) {
     const int32_t run = block_run[k / 8];  // the whole block's (WholeBlockRuns)
-#pragma GCC unroll 8
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256 scale = _mm256_set1_ps(RunScaleOf<kCompact>(rows[r], run));
-      const __m256 scaled_low = _mm256_mul_ps(low, scale);
-      const __m256 scaled_high = _mm256_mul_ps(high, scale);
-      const uint8_t* codes = rows[r].codes() + k / 2;
+      __m256 w[4];
+      Lookup32(p, rows[r].codes() + k / 2, RunScaleOf<kCompact>(rows[r], run), w);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        uint32_t packed;
-        std::memcpy(&packed, codes + 4 * j, 4);
-        // Codes8's higher bits are shifted out by the blend's shift and ignored by the
-        // permutes (they read 3 bits), so no mask.
-        const __m256i code = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(packed)), shifts);
-        const __m256 w = _mm256_blendv_ps(_mm256_permutevar8x32_ps(scaled_low, code),
-                                          _mm256_permutevar8x32_ps(scaled_high, code),
-                                          _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
 #pragma GCC unroll 2
         for (int t = 0; t < TT; ++t) {
-          acc[r][t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(a.x + t * a.k + k + 8 * j), acc[r][t]);
+          acc[r][t] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(a.x + t * a.k + k + 8 * j), acc[r][t]);
         }
       }
     }
@@ -70,24 +102,73 @@ TGIS_AVX2 void LutTile(const SmallArgs& a, int64_t n) {
   }
 }
 
-template <int TT, bool kCompact>
-void LutRows(const SmallArgs& a, int64_t n0, int64_t n1) {
+// The same for any T: rows [n, n + R) looked up once per chunk of columns into an f32 scratch,
+// then every token's FMAs in the same order as LutTile's.
+template <int R, bool kCompact>
+TGIS_AVX2 void LutScratchTile(const SmallArgs& a, const Planes& p, int64_t n) {
+  alignas(32) __m256 acc[R * kSmallT];
+  for (int64_t i = 0; i < R * a.t; ++i) acc[i] = _mm256_setzero_ps();
+  alignas(32) static thread_local float scratch[R][kLutChunk];
+  WRow rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = RowOf<WFmt::kLut4>(a, n + r);
+  const int32_t* block_run = a.q->block_run.data<int32_t>();
+  for (int64_t c0 = 0; c0 < a.k; c0 += kLutChunk) {
+    const int64_t len = std::min(kLutChunk, a.k - c0);
+    for (int r = 0; r < R; ++r) {
+      for (int64_t k = 0; k < len; k += 32) {
+        __m256 w[4];
+        Lookup32(p, rows[r].codes() + (c0 + k) / 2,
+                 RunScaleOf<kCompact>(rows[r], block_run[(c0 + k) / 8]), w);
+        for (int j = 0; j < 4; ++j) _mm256_store_ps(&scratch[r][k + 8 * j], w[j]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int64_t t = 0; t < a.t; ++t) {
+        __m256 s = acc[r * a.t + t];
+        const float* x = a.x + t * a.k + c0;
+        for (int64_t k = 0; k < len; k += 8) {
+          s = _mm256_fmadd_ps(_mm256_load_ps(&scratch[r][k]), _mm256_loadu_ps(x + k), s);
+        }
+        acc[r * a.t + t] = s;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t t = 0; t < a.t; ++t) {
+      const float s = HSum8(acc[r * a.t + t]);
+      a.out[t * a.n + n + r] = a.bias ? s + a.bias[n + r] : s;
+    }
+  }
+}
+
+template <bool kCompact>
+TGIS_AVX2 void LutRows(const SmallArgs& a, int64_t n0, int64_t n1) {
+  const Planes p = PlanesOf(a.q->codebook);
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) LutTile<4, TT, kCompact>(a, n);
-  for (; n < n1; ++n) LutTile<1, TT, kCompact>(a, n);
+  if (a.t == 1) {
+    for (; n + 4 <= n1; n += 4) LutTile<4, 1, kCompact>(a, p, n);
+    for (; n < n1; ++n) LutTile<1, 1, kCompact>(a, p, n);
+  } else if (a.t == 2) {
+    for (; n + 4 <= n1; n += 4) LutTile<4, 2, kCompact>(a, p, n);
+    for (; n < n1; ++n) LutTile<1, 2, kCompact>(a, p, n);
+  } else {
+    for (; n + 4 <= n1; n += 4) LutScratchTile<4, kCompact>(a, p, n);
+    for (; n < n1; ++n) LutScratchTile<1, kCompact>(a, p, n);
+  }
 }
 
 }  // namespace
 
-bool LutDecodeAvx2(const SmallArgs& a, int64_t n0, int64_t n1) {
-  if (a.t > 2 || !WholeBlockRuns(a.q)) return false;
-  const bool compact = a.q->compact();
-  if (a.t == 1) {
-    compact ? LutRows<1, true>(a, n0, n1) : LutRows<1, false>(a, n0, n1);
-  } else {
-    compact ? LutRows<2, true>(a, n0, n1) : LutRows<2, false>(a, n0, n1);
+bool LutDecodeTakes(const SmallArgs& a) { return a.t <= kSmallT && WholeBlockRuns(a.q); }
+
+void LutOrderX(const float* x, int64_t t, int64_t k, float* out) {
+  for (int64_t i = 0; i < t * k; i += 8) {
+    for (int j = 0; j < 8; ++j) out[i + j] = x[i + kOrder[j]];
   }
-  return true;
+}
+
+void LutDecodeAvx2(const SmallArgs& a, int64_t n0, int64_t n1) {
+  a.q->compact() ? LutRows<true>(a, n0, n1) : LutRows<false>(a, n0, n1);
 }
 
 }  // namespace tgis::kernels::cpu

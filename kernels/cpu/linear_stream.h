@@ -104,10 +104,13 @@ inline void PrefetchCodesAhead(const uint8_t* codes, int64_t ahead = kCodesAhead
   _mm_prefetch(reinterpret_cast<const char*>(codes + ahead), _MM_HINT_T0);
 }
 
-// Decode of codes that index a table (QuantizedWeight::codebook) with AVX2, output rows
-// [n0, n1) (linear_lut.cc): false, having written nothing, unless T <= 2 and the weight's runs
-// are whole 32-column blocks (then the generic AVX2 tile runs).
-bool LutDecodeAvx2(const SmallArgs& a, int64_t n0, int64_t n1);
+// Decode of codes that index a table (QuantizedWeight::codebook) with AVX2 (linear_lut.cc),
+// where LutDecodeTakes the call (T <= kSmallT, runs of whole 32-column blocks; else the
+// generic AVX2 tile runs): output rows [n0, n1), x ([t, k]) in the kernel's column order,
+// which LutOrderX makes (each 8 columns as 0 2 4 6 1 3 5 7).
+bool LutDecodeTakes(const SmallArgs& a);
+void LutOrderX(const float* x, int64_t t, int64_t k, float* out);
+void LutDecodeAvx2(const SmallArgs& a, int64_t n0, int64_t n1);
 
 // The AVX-512 streaming kernel (linear_avx512.cc). It takes every float weight and the
 // quantized ones whose runs are whole 32-column blocks; others stay on AVX2.
