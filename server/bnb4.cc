@@ -12,6 +12,7 @@
 //                        nested_offset where nested
 // w = quant_map[code] * absmax[block], absmax = nested_quant_map[q] * nested_absmax[q's block]
 // + offset where nested, each product and sum in f32, as bitsandbytes' dequantize_4bit.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -192,6 +193,28 @@ absl::StatusOr<std::vector<float>> BlockAbsmax(const WeightStore& w, const std::
   return absmax;
 }
 
+// The weight of `slice` (its rows, its columns) of an [out, in] weight whose code at (n, k) is
+// code_at(n, k) and whose blocks of `block` columns have `absmax` ([out, in / block]).
+template <typename CodeAt>
+Tensor BlockCodesWeight(const LinearSlice& slice, int64_t in, int64_t block,
+                        const std::vector<float>& absmax, const std::vector<float>& table,
+                        CodeAt code_at) {
+  const Range c = slice.cols;
+  const int64_t groups = in / block;
+  const int64_t nsel = static_cast<int64_t>(slice.rows.size()), kc = c.size();
+  std::vector<uint8_t> codes(nsel * kc);
+  std::vector<float> scales(nsel * groups);
+  for (int64_t i = 0; i < nsel; ++i) {
+    const int64_t n = slice.rows[i];
+    for (int64_t k = 0; k < kc; ++k) codes[i * kc + k] = code_at(n, c.begin + k);
+    std::memcpy(&scales[i * groups], &absmax[n * groups], groups * sizeof(float));
+  }
+  std::vector<int32_t> group(kc);
+  for (int64_t k = 0; k < kc; ++k) group[k] = static_cast<int32_t>((c.begin + k) / block);
+  return Tensor::Quantized(std::make_shared<const kernels::QuantizedWeight>(
+      kernels::BuildCodebook4(nsel, kc, codes, group, groups, scales, table)));
+}
+
 }  // namespace
 
 std::optional<std::string> Bnb4QuantStateOf(const WeightStore& w, const std::string& prefix) {
@@ -244,23 +267,63 @@ absl::StatusOr<Tensor> LoadBnb4Linear(const WeightStore& w, const QuantConfig& q
   if (!absmax.ok()) return absmax.status();
   auto slice = SliceOfLinear(prefix, q.source, out, in, rows, cols);
   if (!slice.ok()) return slice.status();
-  const Range c = slice->cols;
-  const int64_t nsel = static_cast<int64_t>(slice->rows.size()), kc = c.size();
-  std::vector<uint8_t> codes(nsel * kc);
-  std::vector<float> scales(nsel * groups);
   const uint8_t* packed = weight->data<uint8_t>();
-  for (int64_t i = 0; i < nsel; ++i) {
-    const int64_t n = slice->rows[i];
-    for (int64_t k = 0; k < kc; ++k) {
-      const int64_t e = n * in + c.begin + k;
-      codes[i * kc + k] = (packed[e / 2] >> (e % 2 == 0 ? 4 : 0)) & 0xF;
-    }
-    std::memcpy(&scales[i * groups], &(*absmax)[n * groups], groups * sizeof(float));
+  return BlockCodesWeight(*slice, in, s->blocksize, *absmax, table,
+                          [&](int64_t n, int64_t k) -> uint8_t {
+                            const int64_t e = n * in + k;
+                            return (packed[e / 2] >> (e % 2 == 0 ? 4 : 0)) & 0xF;
+                          });
+}
+
+absl::StatusOr<Tensor> QuantizeBnb4AtLoad(const Tensor& dense, const std::string& type, Range cols,
+                                          const std::string& name) {
+  constexpr int64_t kBlock = 64;  // bitsandbytes' quantize_4bit default
+  const Tensor w = dense.dtype() == DType::kF32 ? dense : dense.To(DType::kF32);
+  const int64_t out = w.dim(0), in = w.dim(1);
+  if (in % kBlock != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": rows of ", in,
+                                                   " weights are not whole blocks of ", kBlock,
+                                                   " (--quantize bitsandbytes-", type, ")"));
   }
-  std::vector<int32_t> group(kc);
-  for (int64_t k = 0; k < kc; ++k) group[k] = static_cast<int32_t>((c.begin + k) / s->blocksize);
-  return Tensor::Quantized(std::make_shared<const kernels::QuantizedWeight>(
-      kernels::BuildCodebook4(nsel, kc, codes, group, groups, scales, table)));
+  const std::vector<float> table = Table(type);
+  // bitsandbytes' quantize_4bit (its default op): the nearest table value of w * (1 / absmax),
+  // clamped to [-1, 1], found among the midpoints of the sorted table (a value on a midpoint
+  // takes the lower one, as torch.bucketize does).
+  std::vector<int> order(16);
+  for (int i = 0; i < 16; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return table[a] < table[b]; });
+  float mid[15];
+  for (int i = 0; i < 15; ++i) mid[i] = (table[order[i]] + table[order[i + 1]]) / 2.f;
+  const int64_t groups = in / kBlock;
+  std::vector<float> absmax(out * groups);
+  std::vector<uint8_t> codes(out * in);
+  const float* src = w.data<float>();
+  for (int64_t n = 0; n < out; ++n) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* v = src + n * in + g * kBlock;
+      float m = 0.f;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        if (!std::isfinite(v[k])) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              name, ": row ", n, " holds a NaN or an infinity, which --quantize bitsandbytes-",
+              type, " cannot hold"));
+        }
+        m = std::max(m, std::fabs(v[k]));
+      }
+      absmax[n * groups + g] = m;
+      const float inv = 1.f / std::max(m, 1e-38f);
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const float x = std::clamp(v[k] * inv, -1.f, 1.f);
+        codes[n * in + g * kBlock + k] =
+            static_cast<uint8_t>(order[std::lower_bound(mid, mid + 15, x) - mid]);
+      }
+    }
+  }
+  LinearSlice all;
+  for (int64_t n = 0; n < out; ++n) all.rows.push_back(n);
+  all.cols = cols;
+  return BlockCodesWeight(all, in, kBlock, absmax, table,
+                          [&](int64_t n, int64_t k) { return codes[n * in + k]; });
 }
 
 }  // namespace tgis::server

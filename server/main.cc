@@ -71,9 +71,10 @@ DEFINE_bool(prefix_caching, true,
             "rest; outputs are unchanged (env PREFIX_CACHING)");
 DEFINE_string(
     quantize, "",
-    "Quantization: gptq, awq or fp8 (the checkpoint's own; detected without the flag), or "
-    "bitsandbytes (int8 weights quantized at load, per output row); empty: what the "
-    "checkpoint says (env QUANTIZE)");
+    "Quantization: gptq, awq, fp8, compressed-tensors or bitsandbytes (the checkpoint's own; "
+    "detected without the flag), bitsandbytes (int8 weights quantized at load, per output "
+    "row), bitsandbytes-nf4 or bitsandbytes-fp4 (4-bit codes in blocks of 64 quantized at "
+    "load); empty: what the checkpoint says (env QUANTIZE)");
 DEFINE_bool(cpu_int8_activations, false,
             "CPU, 8- and 4-bit weights (GPTQ, AWQ, bitsandbytes): prefill and decode multiply "
             "them by activations rounded to int8 per 32 columns, as llama.cpp and "

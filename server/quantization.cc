@@ -384,8 +384,9 @@ absl::Status ReadDynamic(const fs::path& file, const std::string& object_key,
 }  // namespace
 
 const std::vector<std::string>& QuantizeFlagValues() {
-  static const std::vector<std::string> v = {"gptq", "bitsandbytes", "awq", "fp8",
-                                             "compressed-tensors"};
+  static const std::vector<std::string> v = {
+      "gptq", "bitsandbytes", "bitsandbytes-nf4",  "bitsandbytes-fp4",
+      "awq",  "fp8",          "compressed-tensors"};
   return v;
 }
 
@@ -429,6 +430,19 @@ absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const 
     q.method = QuantMethod::kInt8AtLoad;
     q.bits = 8;
     q.source = "--quantize bitsandbytes";
+    return q;
+  }
+  if (*flag == "bitsandbytes-nf4" || *flag == "bitsandbytes-fp4") {
+    if (found.method == QuantMethod::kBnb4) return found;  // bitsandbytes' own 4-bit codes
+    if (prequantized) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--quantize ", *flag, ": the checkpoint is already quantized (", found.source, ")"));
+    }
+    QuantConfig q;
+    q.method = QuantMethod::kBnb4AtLoad;
+    q.bits = 4;
+    q.bnb4_type = flag->substr(flag->size() - 3);
+    q.source = "--quantize " + *flag;
     return q;
   }
   // fp8: float8 weights of any origin; compressed-tensors: any scheme of that format (vLLM's

@@ -55,7 +55,8 @@ enum class QuantMethod {
   kCompressedInt,
   kInt8AtLoad,
   kBnbInt8,
-  kBnb4  // bitsandbytes' nf4 and fp4 checkpoints
+  kBnb4,       // bitsandbytes' nf4 and fp4 checkpoints
+  kBnb4AtLoad  // --quantize bitsandbytes-nf4 / -fp4 (TGI's): dense weights to 4 bits at load
 };
 
 struct QuantConfig {
@@ -73,11 +74,13 @@ struct QuantConfig {
   std::optional<bool> lm_head_quantized;
   // GPTQ and AWQ: GPTQModel's per-module exceptions (quant_dynamic.h), in the file's order.
   std::vector<DynamicRule> dynamic;
+  std::string bnb4_type;     // kBnb4AtLoad: nf4 or fp4
   std::string source;        // the file the config came from, for errors
   std::string quant_method;  // the config's ("gptq", "compressed-tensors", ...), if any
 };
 
-// TGIS's --quantize values (gptq, bitsandbytes) and ours (awq, fp8, compressed-tensors).
+// TGIS's --quantize values (gptq, bitsandbytes), TGI's bitsandbytes-nf4 and -fp4, and ours
+// (awq, fp8, compressed-tensors).
 const std::vector<std::string>& QuantizeFlagValues();
 
 // The folder's quantization: config.json's `quantization_config` or AutoGPTQ's
@@ -126,6 +129,12 @@ absl::StatusOr<kernels::Tensor> LoadBnb4Linear(const WeightStore& w, const Quant
                                                const std::string& prefix,
                                                const std::vector<Range>& rows,
                                                std::optional<Range> cols);
+// bitsandbytes' quantize_4bit (`type` nf4 or fp4, blocks of 64 along each row, the blocks'
+// absmax kept in f32: no double quantization) of a dense [out, in] weight, columns `cols` of
+// it kept (a tensor-parallel slice quantized as the whole rows are); errors name `name`.
+absl::StatusOr<kernels::Tensor> QuantizeBnb4AtLoad(const kernels::Tensor& dense,
+                                                   const std::string& type, Range cols,
+                                                   const std::string& name);
 // The name of the quant_state record that marks `prefix` as a bitsandbytes 4-bit linear, if
 // the store has one.
 std::optional<std::string> Bnb4QuantStateOf(const WeightStore& w, const std::string& prefix);

@@ -198,12 +198,23 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
   return LoadQuantizedLinear(w_, q, prefix, rows, cols);
 }
 
-absl::StatusOr<Tensor> ShardedLoader::MaybeInt8(const std::string& name,
-                                                absl::StatusOr<Tensor> dense,
-                                                const Tensor* whole) const {
-  if (!dense.ok() || w_.quantization().method != QuantMethod::kInt8AtLoad || dense->rank() != 2) {
-    return dense;
+absl::StatusOr<Tensor> ShardedLoader::MaybeQuantizeAtLoad(const std::string& name,
+                                                          absl::StatusOr<Tensor> dense,
+                                                          const Tensor* whole,
+                                                          std::optional<Range> cols) const {
+  const QuantConfig& quant = w_.quantization();
+  if (!dense.ok() || dense->rank() != 2) return dense;
+  if (quant.method == QuantMethod::kBnb4AtLoad) {
+    // Blocks of whole rows, so that every world size quantizes alike.
+    const Tensor& rows = whole != nullptr ? *whole : *dense;
+    auto q = QuantizeBnb4AtLoad(rows, quant.bnb4_type, cols.value_or(Range{0, rows.dim(1)}), name);
+    if (!q.ok() && !w_.FileOf(name).empty()) {
+      return absl::Status(q.status().code(),
+                          absl::StrCat(q.status().message(), " (", w_.FileOf(name), ")"));
+    }
+    return q;
   }
+  if (quant.method != QuantMethod::kInt8AtLoad) return dense;
   std::vector<float> absmax;
   if (whole != nullptr) {  // [out, in] in the run dtype, as a world size of 1 would load it
     const Tensor f = whole->dtype() == DType::kF32 ? *whole : whole->To(DType::kF32);
@@ -245,7 +256,8 @@ absl::StatusOr<Tensor> ShardedLoader::OutputRows(const std::string& name,
                                                      ") of ", t->dim(dim), " do not exist"));
     }
   }
-  return MaybeInt8(name, Select(*t, dim, ranges, matrix && conv1d, matrix ? dtype_ : DType::kF32));
+  return MaybeQuantizeAtLoad(
+      name, Select(*t, dim, ranges, matrix && conv1d, matrix ? dtype_ : DType::kF32));
 }
 
 absl::StatusOr<Tensor> ShardedLoader::StackOutputRows(
@@ -272,12 +284,14 @@ absl::StatusOr<Tensor> ShardedLoader::InputColumns(const std::string& name, Rang
   }
   if (!conv1d && range.begin == 0 && range.end == t->dim(1)) {
     // Whole: a view when the dtype matches.
-    return MaybeInt8(name, Select(*t, 0, {{0, t->dim(0)}}, false, dtype_));
+    return MaybeQuantizeAtLoad(name, Select(*t, 0, {{0, t->dim(0)}}, false, dtype_));
   }
-  if (w_.quantization().method == QuantMethod::kInt8AtLoad) {
-    // Row scales from the whole rows, so that every world size quantizes alike.
+  if (const QuantMethod m = w_.quantization().method;
+      m == QuantMethod::kInt8AtLoad || m == QuantMethod::kBnb4AtLoad) {
+    // Row scales (int8) or blocks (4 bits) from the whole rows, so that every world size
+    // quantizes alike.
     const Tensor whole = Select(*t, 0, {{0, t->dim(0)}}, conv1d, dtype_);
-    return MaybeInt8(name, Select(*t, dim, {range}, conv1d, dtype_), &whole);
+    return MaybeQuantizeAtLoad(name, Select(*t, dim, {range}, conv1d, dtype_), &whole, range);
   }
   return Select(*t, dim, {range}, conv1d, dtype_);
 }

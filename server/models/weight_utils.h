@@ -78,12 +78,12 @@ class ShardedLoader {
   // Whether the checkpoint holds linear weight `name` in any form: dense, or the tensors of a
   // quantized linear (GPTQ/AWQ's qweight, compressed-tensors' weight_packed).
   bool Stores(const std::string& name) const;
-  // The lm_head as the quantization method serves it: int8 at load under bitsandbytes (TGIS
-  // quantizes the head then, never the embedding), else as loaded (HeadRows: dense, or as the
-  // checkpoint quantized it).
+  // The lm_head as the quantization method serves it: int8 (or 4 bits) at load under
+  // bitsandbytes (TGIS quantizes the head then, never the embedding), else as loaded
+  // (HeadRows: dense, or as the checkpoint quantized it).
   absl::StatusOr<kernels::Tensor> LmHead(const std::string& name,
                                          const kernels::Tensor& rows) const {
-    return MaybeInt8(name, rows);
+    return MaybeQuantizeAtLoad(name, rows);
   }
   // This rank's q|k|v rows (weight or bias) of a fused projection: its q heads and its KV heads
   // (a KV head shared by several ranks is loaded by each of them).
@@ -97,12 +97,14 @@ class ShardedLoader {
   std::optional<absl::StatusOr<kernels::Tensor>> Quantized(const std::string& name,
                                                            const std::vector<Range>& rows,
                                                            std::optional<Range> cols) const;
-  // Int8 at load of a dense linear weight just read (the result as is otherwise); `whole`,
-  // when `dense` is some columns of it, gives the rows' scales (TP-invariant quantization).
-  // `name` (the checkpoint's tensor) for errors.
-  absl::StatusOr<kernels::Tensor> MaybeInt8(const std::string& name,
-                                            absl::StatusOr<kernels::Tensor> dense,
-                                            const kernels::Tensor* whole = nullptr) const;
+  // Int8 or 4 bits at load (--quantize bitsandbytes, bitsandbytes-nf4/-fp4) of a dense linear
+  // weight just read (the result as is otherwise); `whole`, when `dense` is columns `cols` of
+  // it, gives the rows' scales (TP-invariant quantization). `name` (the checkpoint's tensor)
+  // for errors.
+  absl::StatusOr<kernels::Tensor> MaybeQuantizeAtLoad(const std::string& name,
+                                                      absl::StatusOr<kernels::Tensor> dense,
+                                                      const kernels::Tensor* whole = nullptr,
+                                                      std::optional<Range> cols = {}) const;
 
   const WeightStore& w_;
   const DecoderSpec& spec_;

@@ -246,7 +246,7 @@ def test_help_lists_every_tgis_flag_with_its_variable():
 
 
 @pytest.mark.parametrize("args,env,expected", [
-    (["--quantize", "nf4"], {}, ["--quantize", "nf4", "gptq, bitsandbytes, awq"]),
+    (["--quantize", "nf4"], {}, ["--quantize", "nf4", "gptq, bitsandbytes, bitsandbytes-nf4"]),
     ([], {"QUANTIZE": "fp4"}, ["QUANTIZE", "is not a quantization method"]),
     (["--dtype-str", "float64"], {}, ["--dtype-str", "float16", "bfloat16", "float32"]),
     (["--dtype", "float16", "--dtype-str", "float32"], {},

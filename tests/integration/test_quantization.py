@@ -21,7 +21,8 @@ CASES = [("llama_gptq4", []), ("llama_gptq8", []), ("llama_gptq_dynamic", []), (
          ("llama_bnb4", ["--quantize", "bitsandbytes"]), ("llama_bnb4_fp4", []),
          ("llama_fp8_fbgemm", ["--quantize", "fp8"]), ("llama_fp8_block", []), ("llama_ct_w4a16", []),
          ("llama_ct_w8a8", []),
-         ("llama_int8", ["--quantize", "bitsandbytes"])]
+         ("llama_int8", ["--quantize", "bitsandbytes"]),
+         ("llama_nf4", ["--quantize", "bitsandbytes-nf4"])]
 
 
 @pytest.mark.parametrize("model,shard_args", CASES, ids=[c[0] for c in CASES])

@@ -214,7 +214,8 @@ TEST(LauncherFlagsTest, TgisChecks) {
   EXPECT_HAS(CheckError({}, {{"DTYPE_STR", "fp16"}}), "--dtype-str (env DTYPE_STR)");
   EXPECT_HAS(CheckError({"--quantize", "gptq-v9"}),
              "--quantize (env QUANTIZE) 'gptq-v9' is not a quantization method; accepted "
-             "values: gptq, bitsandbytes, awq, fp8, compressed-tensors");
+             "values: gptq, bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, awq, fp8, "
+             "compressed-tensors");
   EXPECT_HAS(CheckError({}, {{"QUANTIZE", "fp4"}}), "(env QUANTIZE)");
   EXPECT_HAS(CheckError({"--deployment-framework", "vllm"}),
              "--deployment-framework (env DEPLOYMENT_FRAMEWORK) 'vllm' is not one of "

@@ -185,8 +185,8 @@ TEST_F(LoaderTest, QuantizationConfigsAreCheckedAgainstTheFlag) {
   EXPECT_TRUE(read("bitsandbytes").ok());
   expect_error("gptq", "has no quantization config");
   expect_error("nf4",
-               "--quantize 'nf4': expected one of gptq, bitsandbytes, awq, fp8, "
-               "compressed-tensors");
+               "--quantize 'nf4': expected one of gptq, bitsandbytes, bitsandbytes-nf4, "
+               "bitsandbytes-fp4, awq, fp8, compressed-tensors");
   const Json gptq = {{"quant_method", "gptq"},
                      {"bits", 4},
                      {"group_size", 128},
@@ -449,6 +449,34 @@ TEST_F(LoaderTest, Bitsandbytes4BitCheckpointsAreReadStrictly) {
         header_.erase(record);
       },
       "model.layers.1.mlp.up_proj.weight: uint8 without a quant_state.bitsandbytes__nf4");
+}
+
+// --quantize bitsandbytes-nf4 / -fp4 (TGI's): dense weights to 4-bit codes at load (llama_nf4's
+// parity tests check the values); refusals name the tensor.
+TEST_F(LoaderTest, Bitsandbytes4BitAtLoadIsForDenseCheckpoints) {
+  EXPECT_TRUE(BuildQuantized("bitsandbytes-nf4").ok()) << BuildQuantized("bitsandbytes-nf4");
+  EXPECT_TRUE(BuildQuantized("bitsandbytes-fp4").ok()) << BuildQuantized("bitsandbytes-fp4");
+  ExpectError(ReadQuant("bitsandbytes-int4"), "expected one of gptq, bitsandbytes,");
+  const Json& at = header_["model.layers.0.self_attn.o_proj.weight"];
+  ASSERT_EQ(at["dtype"], "F32");
+  const int64_t cols = at["shape"][1].get<int64_t>();
+  const float inf = std::numeric_limits<float>::infinity();
+  std::memcpy(&data_[at["data_offsets"][0].get<size_t>() + 4 * (3 * cols + 7)], &inf, 4);
+  Save();
+  ExpectError(BuildQuantized("bitsandbytes-nf4"),
+              "model.layers.0.self_attn.o_proj.weight: row 3 holds a NaN or an infinity");
+  ExpectError(BuildQuantized("bitsandbytes-nf4"), "model.safetensors");
+  // Rows that are not whole blocks of 64 would put one block across two rows.
+  std::vector<float> v(2 * 96, 0.5f);
+  auto odd = tgis::server::QuantizeBnb4AtLoad(tgis::kernels::Tensor::FromVector(v, {2, 96}), "nf4",
+                                              {0, 96}, "w");
+  ExpectError(odd.status(), "w: rows of 96 weights are not whole blocks of 64");
+  UseFixture("llama_gptq4");
+  ExpectError(ReadQuant("bitsandbytes-nf4"),
+              "--quantize bitsandbytes-nf4: the checkpoint is "
+              "already quantized");
+  UseFixture("llama_bnb4");  // bitsandbytes' own 4-bit codes: served as they are
+  EXPECT_TRUE(BuildQuantized("bitsandbytes-nf4").ok()) << BuildQuantized("bitsandbytes-nf4");
 }
 
 // --quantize bitsandbytes over a weight with a NaN: int8 has no such value, so the load fails
