@@ -107,7 +107,9 @@ absl::StatusOr<std::vector<DynamicRule>> ReadDynamicRules(const std::filesystem:
 const DynamicRule* MatchDynamicRule(const std::vector<DynamicRule>& rules,
                                     const std::string& name) {
   for (const DynamicRule& rule : rules) {
-    if (std::regex_search(name, *rule.pattern, std::regex_constants::match_continuous)) {
+    if (std::regex_search(name, *rule.pattern,
+                          rule.search ? std::regex_constants::match_default
+                                      : std::regex_constants::match_continuous)) {
       return &rule;
     }
   }

@@ -23,6 +23,9 @@ struct DynamicRule {
   std::string key;  // as the config writes it, for errors
   std::shared_ptr<const std::regex> pattern;
   bool excluded = false;  // "-:": the module is not quantized
+  // The pattern may match anywhere in the name (Python's re.search: AutoRound's extra_config),
+  // not only from its start (re.match: GPTQModel's dynamic).
+  bool search = false;
   std::optional<int> bits;
   std::optional<int64_t> group_size;
 };

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "kernels/quantized.h"
+#include "server/auto_round.h"
 #include "server/compressed_tensors.h"
 #include "server/config_keys.h"
 #include "server/weights.h"
@@ -157,7 +158,11 @@ absl::StatusOr<QuantConfig> ParseGptq(const Json& j, const std::string& where) {
   std::set<std::string> read = {
       "bits", "group_size", "desc_act", "sym", "checkpoint_format", "is_marlin_format", "lm_head"};
   read.insert(kGptqModelKeys.begin(), kGptqModelKeys.end());
-  if (auto st = CheckKeys(j, where, read, kGptqIgnoredKeys); !st.ok()) return st;
+  // AutoRound's GPTQ exports carry its own keys too.
+  if (auto st = CheckAutoRoundKeys(j, where); !st.ok()) return st;
+  std::set<std::string> ignored = kGptqIgnoredKeys;
+  ignored.insert(AutoRoundKeys().begin(), AutoRoundKeys().end());
+  if (auto st = CheckKeys(j, where, read, ignored); !st.ok()) return st;
   return q;
 }
 
@@ -215,7 +220,11 @@ absl::StatusOr<QuantConfig> ParseAwq(const Json& j, const std::string& where) {
                                 "zero_point", "sym",    "version",    "checkpoint_format",
                                 "desc_act",   "lm_head"};
   read.insert(kGptqModelKeys.begin(), kGptqModelKeys.end());
-  if (auto st = CheckKeys(j, where, read, kAwqIgnoredKeys); !st.ok()) return st;
+  // AutoRound's AWQ exports carry its own keys too.
+  if (auto st = CheckAutoRoundKeys(j, where); !st.ok()) return st;
+  std::set<std::string> ignored = kAwqIgnoredKeys;
+  ignored.insert(AutoRoundKeys().begin(), AutoRoundKeys().end());
+  if (auto st = CheckKeys(j, where, read, ignored); !st.ok()) return st;
   return q;
 }
 
@@ -359,10 +368,12 @@ absl::StatusOr<QuantConfig> ParseQuantization(const Json& j, const std::string& 
       : *method == "fbgemm_fp8"         ? ParseFbgemmFp8(j, where)
       : *method == "fp8"                ? ParseFineGrainedFp8(j, where)
       : *method == "bitsandbytes"       ? ParseBitsandbytes(j, where)
-                                        : absl::UnimplementedError(absl::StrCat(
-                                              where, ": quant_method '", *method,
-                                              "' is not supported (gptq, awq, compressed-tensors, "
-                                                    "fbgemm_fp8, fp8 and bitsandbytes are)"));
+      : *method == "auto-round" || *method == "intel/auto-round"
+          ? ParseAutoRound(j, where)
+          : absl::UnimplementedError(
+                absl::StrCat(where, ": quant_method '", *method,
+                             "' is not supported (gptq, awq, compressed-tensors, fbgemm_fp8, fp8, "
+                             "bitsandbytes and auto-round are)"));
   if (q.ok()) q->quant_method = *method;
   return q;
 }
@@ -371,6 +382,12 @@ absl::StatusOr<QuantConfig> ParseQuantization(const Json& j, const std::string& 
 absl::Status ReadDynamic(const fs::path& file, const std::string& object_key,
                          const std::string& where, QuantConfig* q) {
   if (q->method != QuantMethod::kGptq && q->method != QuantMethod::kAwq) return absl::OkStatus();
+  if (q->quant_method == "auto-round" || q->quant_method == "intel/auto-round") {
+    auto rules = ReadAutoRoundRules(file, object_key, where, *q);
+    if (!rules.ok()) return rules.status();
+    q->dynamic = *std::move(rules);
+    return absl::OkStatus();
+  }
   DynamicRuleKeys keys;
   keys.bits = q->method == QuantMethod::kGptq ? std::set<int>{4, 8} : std::set<int>{4};
   keys.tensor_led = {"sym", "desc_act"};
@@ -511,7 +528,10 @@ absl::StatusOr<Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConf
   };
   if (scales->dim(1) != out)
     return bad(absl::StrCat("scales has ", scales->dim(1), " columns, qweight ", out));
-  if (qzeros->dim(0) != groups || qzeros->dim(1) * pack < out) {
+  // Exactly the words `out` zeros take (as every packer writes them): codes of other bits
+  // than the config says (a rule that does not match the tensors) fail here, not read as
+  // another width.
+  if (qzeros->dim(0) != groups || qzeros->dim(1) != (out + pack - 1) / pack) {
     return bad(absl::StrCat("qzeros is ", qzeros->DebugString(), " for ", groups, " groups of ",
                             out, " outputs"));
   }

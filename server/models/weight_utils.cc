@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 #include "kernels/quantized.h"
 
 namespace tgis::server {
@@ -12,23 +13,35 @@ namespace tgis::server {
 using kernels::DType;
 using kernels::Tensor;
 
-absl::StatusOr<Tensor> ConcatRows(const std::vector<Tensor>& parts, const std::string& what) {
+absl::StatusOr<Tensor> ConcatRows(const std::vector<Tensor>& parts, const std::string& what,
+                                  std::optional<DType> dense_dtype) {
+  bool mixed = false, compatible = true;
   for (const Tensor& p : parts) {
-    if ((p.quantized() != nullptr) != (parts[0].quantized() != nullptr)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": the fused parts are stored differently (some quantized, some dense)"));
+    mixed |= (p.quantized() != nullptr) != (parts[0].quantized() != nullptr);
+    compatible &= p.quantized() == nullptr || parts[0].quantized() == nullptr ||
+                  kernels::QuantizedCompatible(*parts[0].quantized(), *p.quantized());
+  }
+  if (mixed || !compatible) {
+    const std::string how = mixed ? "stored differently (some quantized, some dense)"
+                                  : "quantized differently (bits, group order or g_idx)";
+    if (!dense_dtype)
+      return absl::InvalidArgumentError(absl::StrCat(what, ": the fused parts are ", how));
+    // Checkpoints whose quantizer left some parts of a fused projection in 16 bits or gave
+    // them other bits (AutoRound and GPTQModel's per-layer rules; transformers runs the parts
+    // apart): the fused weight is served dense, each quantized part as it dequantizes.
+    LOG(WARNING) << what << ": the fused parts are " << how
+                 << "; served dense (more memory and bandwidth than quantized)";
+    std::vector<Tensor> dense;
+    for (const Tensor& p : parts) {
+      dense.push_back(p.quantized() == nullptr
+                          ? p.To(*dense_dtype)
+                          : kernels::Dequantize(*p.quantized()).To(*dense_dtype));
     }
+    return ConcatRows(dense, what);
   }
   if (parts[0].quantized() != nullptr) {
     std::vector<const kernels::QuantizedWeight*> qs;
-    for (const Tensor& p : parts) {
-      if (p.quantized() == nullptr ||
-          !kernels::QuantizedCompatible(*parts[0].quantized(), *p.quantized())) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            what, ": the fused parts are quantized differently (bits, group order or g_idx)"));
-      }
-      qs.push_back(p.quantized());
-    }
+    for (const Tensor& p : parts) qs.push_back(p.quantized());
     return Tensor::Quantized(
         std::make_shared<const kernels::QuantizedWeight>(kernels::ConcatQuantizedRows(qs)));
   }
@@ -268,7 +281,7 @@ absl::StatusOr<Tensor> ShardedLoader::StackOutputRows(
     if (!t.ok()) return t.status();
     got.push_back(*t);
   }
-  return got.size() == 1 ? got[0] : ConcatRows(got, parts[0].first);
+  return got.size() == 1 ? got[0] : ConcatRows(got, parts[0].first, dtype_);
 }
 
 absl::StatusOr<Tensor> ShardedLoader::InputColumns(const std::string& name, Range range,
@@ -281,6 +294,12 @@ absl::StatusOr<Tensor> ShardedLoader::InputColumns(const std::string& name, Rang
   if (range.begin < 0 || range.begin > range.end || range.end > t->dim(dim)) {
     return absl::InvalidArgumentError(absl::StrCat(
         name, ": columns [", range.begin, ", ", range.end, ") of ", t->dim(dim), " do not exist"));
+  }
+  // Row-parallel inputs split evenly over the ranks: the checkpoint's must be all of them (a
+  // wider weight would otherwise load its first columns).
+  if (const int64_t whole = range.size() * layout_.world_size; t->dim(dim) != whole) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", t->dim(dim),
+                                                   " input columns, the config says ", whole));
   }
   if (!conv1d && range.begin == 0 && range.end == t->dim(1)) {
     // Whole: a view when the dtype matches.

@@ -25,9 +25,12 @@ DecoderSpec MultiHeadSpec(const ModelConfig& c);
 using TensorLoads = std::vector<std::pair<kernels::Tensor*, absl::StatusOr<kernels::Tensor>>>;
 
 // Stacks 2-D tensors (same column count and dtype) or 1-D tensors along dim 0; quantized
-// weights must share their column layout (the same g_idx), else the error names `what`.
+// weights must share their column layout (the same bits and g_idx). Parts that differ so (or
+// mix quantized and dense ones) are stacked dense in `dense_dtype` where given, else the error
+// names `what`.
 absl::StatusOr<kernels::Tensor> ConcatRows(const std::vector<kernels::Tensor>& parts,
-                                           const std::string& what = "");
+                                           const std::string& what = "",
+                                           std::optional<kernels::DType> dense_dtype = {});
 // transformers' ACT2FN names: "gelu" -> erf GELU; "gelu_new", "gelu_pytorch_tanh", "gelu_fast"
 // -> tanh GELU; "relu". Others fail naming config.json's key `key` and the value.
 absl::StatusOr<kernels::Activation> ActivationFromName(const std::string& act,

@@ -16,7 +16,8 @@ from router_harness import Oracle, RouterServer, binaries_missing  # noqa: E402
 
 grpc = pytest.importorskip("grpc")
 
-CASES = [("llama_gptq4", []), ("llama_gptq8", []), ("llama_gptq_dynamic", []), ("llama_awq", []),
+CASES = [("llama_gptq4", []), ("llama_gptq8", []), ("llama_gptq_dynamic", []), ("llama_autoround", []),
+         ("llama_awq", []),
          ("llama_fp8", []), ("llama_bnb8", ["--quantize", "bitsandbytes"]),
          ("llama_bnb4", ["--quantize", "bitsandbytes"]), ("llama_bnb4_fp4", []),
          ("llama_fp8_fbgemm", ["--quantize", "fp8"]), ("llama_fp8_block", []), ("llama_ct_w4a16", []),

@@ -343,6 +343,81 @@ TEST_F(LoaderTest, TransformersWrittenGptqAndAwqConfigsAreRead) {
   ExpectError(ReadQuant(std::nullopt), "format 'gemv_fast': only AutoAWQ's GEMM packing");
 }
 
+// Intel AutoRound's checkpoints (llama_autoround: its parity tests check the values): the
+// packing by packing_format (or, before 2025, backend); extra_config's exact layer names first,
+// then its patterns searched in the file's order.
+TEST_F(LoaderTest, AutoRoundCheckpointsAreReadStrictly) {
+  using OrderedJson = nlohmann::ordered_json;
+  UseFixture("llama_autoround");
+  const OrderedJson original = OrderedJson::parse(ReadAll(dir_ / "config.json"));
+  auto with = [&](const std::function<void(OrderedJson&)>& edit) {
+    OrderedJson c = original;
+    edit(c["quantization_config"]);
+    std::ofstream(dir_ / "config.json", std::ios::trunc) << c.dump(1);
+  };
+  with([](OrderedJson&) {});
+  EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
+  EXPECT_TRUE(ReadQuant("gptq").ok());  // AutoGPTQ's packing
+  ExpectError(ReadQuant("awq"), "is quantized otherwise");
+  // Sorted, ".*layers\.1\..*" (4 bits in groups of 64) comes before the rule that gave layer
+  // 1's gate_proj 8 bits per channel.
+  EditConfig([](Json&) {});
+  ExpectError(BuildQuantized(), "model.layers.1.mlp.gate_proj: ");
+  // Without its exact name, layer 1's down_proj takes the pattern that matches it.
+  with([](OrderedJson& q) { q["extra_config"].erase("model.layers.1.mlp.down_proj"); });
+  ExpectError(BuildQuantized(), "model.layers.1.mlp.down_proj: ");
+  // A layer stored quantized that a rule leaves in 16 bits.
+  with([](OrderedJson& q) {
+    q["extra_config"]["model.layers.0.self_attn.o_proj"] = {{"bits", 16}};
+  });
+  ExpectError(BuildQuantized(),
+              "model.layers.0.self_attn.o_proj: stored quantized, but the "
+              "dynamic rule 'model.layers.0.self_attn.o_proj' leaves it");
+  // Before 2025: quant_method "intel/auto-round", the packing named by `backend`.
+  with([](OrderedJson& q) {
+    q["quant_method"] = "intel/auto-round";
+    q.erase("packing_format");
+    q["backend"] = "auto_round:gptq:exllamav2";
+  });
+  EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
+  // What the server cannot honour names itself.
+  auto expect = [&](const std::function<void(OrderedJson&)>& edit, const std::string& text) {
+    with(edit);
+    ExpectError(ReadQuant(std::nullopt), text);
+  };
+  expect([](OrderedJson& q) { q["packing_format"] = "auto_round:llm_compressor"; },
+         "packing_format 'auto_round:llm_compressor'");
+  expect([](OrderedJson& q) { q["data_type"] = "mx_fp"; }, "data_type 'mx_fp'");
+  expect([](OrderedJson& q) { q["bits"] = 2; }, "bits = 2");
+  expect([](OrderedJson& q) { q["super_bits"] = 6; }, "super_bits = 6");
+  expect([](OrderedJson& q) { q["static_kv_dtype"] = "fp8"; }, "a quantized KV cache");
+  expect(
+      [](OrderedJson& q) {
+        q["extra_config"]["lm_head"] = {{"bits", 3}};
+      },
+      "extra_config 'lm_head': bits = 3");
+  expect(
+      [](OrderedJson& q) {
+        q["extra_config"]["lm_head"] = {{"bits", 4}, {"zp", 1}};
+      },
+      "key 'zp' is not understood");
+  expect([](OrderedJson& q) { q["extra_config"]["(?P<x>fc1)"] = OrderedJson::object(); },
+         "not a regular expression this server reads");
+  expect([](OrderedJson& q) { q["iterz"] = 200; }, "key 'iterz' is not understood");
+  // Its GPTQ exports (quant_method "gptq") carry its keys too (AutoRound 0.5.1's, verbatim).
+  WithQuantConfig(Json::parse(R"({"act_bits": 16, "act_data_type": "int", "act_dynamic": true,
+      "act_group_size": 128, "act_sym": true, "amp": true, "autoround_version": "0.5.1",
+      "batch_size": 8, "bits": 4, "damp_percent": 0.01, "data_type": "int", "desc_act": false,
+      "enable_minmax_tuning": true, "enable_norm_bias_tuning": false,
+      "enable_quanted_input": true, "gradient_accumulate_steps": 1, "group_size": 128,
+      "iters": 1000, "low_gpu_mem_usage": true, "lr": 0.001, "minmax_lr": 0.001,
+      "nsamples": 512, "quant_method": "gptq", "scale_dtype": "torch.float16", "seqlen": 2048,
+      "super_bits": null, "super_group_size": null, "sym": true, "to_quant_block_names": null,
+      "true_sequential": false})"),
+                  [](Json&) {});
+  EXPECT_TRUE(ReadQuant(std::nullopt).ok()) << ReadQuant(std::nullopt);
+}
+
 // bitsandbytes' own 8-bit checkpoints (llama_bnb8: its parity tests check the values).
 TEST_F(LoaderTest, BitsandbytesCheckpointsAreReadStrictly) {
   const Json bnb = UseFixture("llama_bnb8");
