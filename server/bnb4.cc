@@ -227,7 +227,7 @@ std::optional<std::string> Bnb4QuantStateOf(const WeightStore& w, const std::str
 
 absl::StatusOr<Tensor> LoadBnb4Linear(const WeightStore& w, const QuantConfig& q,
                                       const std::string& prefix, const std::vector<Range>& rows,
-                                      std::optional<Range> cols) {
+                                      std::optional<ColumnSlice> cols) {
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, ": ", what, " (", q.source, ")"));
   };
@@ -321,7 +321,7 @@ absl::StatusOr<Tensor> QuantizeBnb4AtLoad(const Tensor& dense, const std::string
   }
   LinearSlice all;
   for (int64_t n = 0; n < out; ++n) all.rows.push_back(n);
-  all.cols = cols;
+  all.cols = cols;  // of the whole rows just quantized
   return BlockCodesWeight(all, in, kBlock, absmax, table,
                           [&](int64_t n, int64_t k) { return codes[n * in + k]; });
 }

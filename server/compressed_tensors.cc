@@ -267,7 +267,7 @@ absl::StatusOr<QuantConfig> ParseCompressedTensors(const Json& j, const std::str
 absl::StatusOr<Tensor> LoadCompressedIntLinear(const WeightStore& w, const QuantConfig& q,
                                                const std::string& prefix,
                                                const std::vector<Range>& rows,
-                                               std::optional<Range> cols) {
+                                               std::optional<ColumnSlice> cols) {
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, ": ", what, " (", q.source, ")"));
   };

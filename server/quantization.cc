@@ -480,12 +480,15 @@ absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const 
 
 absl::StatusOr<LinearSlice> SliceOfLinear(const std::string& prefix, const std::string& source,
                                           int64_t out, int64_t in, const std::vector<Range>& rows,
-                                          std::optional<Range> cols) {
+                                          std::optional<ColumnSlice> cols) {
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, ": ", what, " (", source, ")"));
   };
   LinearSlice s;
-  s.cols = cols.value_or(Range{0, in});
+  if (cols && cols->whole != in) {
+    return bad(absl::StrCat(in, " input columns, the config says ", cols->whole));
+  }
+  s.cols = cols ? cols->range : Range{0, in};
   if (s.cols.begin < 0 || s.cols.begin > s.cols.end || s.cols.end > in) {
     return bad(
         absl::StrCat("columns [", s.cols.begin, ", ", s.cols.end, ") of ", in, " do not exist"));
@@ -502,7 +505,7 @@ absl::StatusOr<LinearSlice> SliceOfLinear(const std::string& prefix, const std::
 absl::StatusOr<Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConfig& q,
                                            const std::string& prefix,
                                            const std::vector<Range>& rows,
-                                           std::optional<Range> cols) {
+                                           std::optional<ColumnSlice> cols) {
   const bool awq = q.method == QuantMethod::kAwq;
   const DynamicRule* rule = MatchDynamicRule(q.dynamic, prefix);
   if (rule != nullptr && rule->excluded) {
@@ -625,7 +628,7 @@ absl::StatusOr<Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConf
 
 absl::StatusOr<Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,
                                      const std::string& prefix, const std::vector<Range>& rows,
-                                     std::optional<Range> cols) {
+                                     std::optional<ColumnSlice> cols) {
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, ": ", what, " (", q.source, ")"));
   };
@@ -695,7 +698,7 @@ absl::StatusOr<Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,
 
 absl::StatusOr<Tensor> LoadBnbInt8Linear(const WeightStore& w, const QuantConfig& q,
                                          const std::string& prefix, const std::vector<Range>& rows,
-                                         std::optional<Range> cols) {
+                                         std::optional<ColumnSlice> cols) {
   auto bad = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat(prefix, ": ", what, " (", q.source, ")"));
   };

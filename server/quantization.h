@@ -89,6 +89,13 @@ const std::vector<std::string>& QuantizeFlagValues();
 absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const ModelConfig& c,
                                             const std::optional<std::string>& flag);
 
+// Input columns a row-parallel rank loads: `range` of the `whole` the config says the
+// weight's input has (the checkpoint's must be that: a wider one would load its first columns).
+struct ColumnSlice {
+  Range range;
+  int64_t whole = 0;
+};
+
 // What a loader reads of a linear [out, in]: the output rows `rows` asks for (none: all, in
 // order) and the input columns `cols` (unset: all), or an error naming `prefix` and `source`.
 struct LinearSlice {
@@ -97,7 +104,7 @@ struct LinearSlice {
 };
 absl::StatusOr<LinearSlice> SliceOfLinear(const std::string& prefix, const std::string& source,
                                           int64_t out, int64_t in, const std::vector<Range>& rows,
-                                          std::optional<Range> cols);
+                                          std::optional<ColumnSlice> cols);
 
 // The quantized linear `prefix` (its qweight, qzeros, scales, g_idx), rows `rows` of its
 // output dimension (concatenated in order; none: all) and columns `cols` of its input
@@ -106,21 +113,21 @@ absl::StatusOr<LinearSlice> SliceOfLinear(const std::string& prefix, const std::
 absl::StatusOr<kernels::Tensor> LoadQuantizedLinear(const WeightStore& w, const QuantConfig& q,
                                                     const std::string& prefix,
                                                     const std::vector<Range>& rows,
-                                                    std::optional<Range> cols);
+                                                    std::optional<ColumnSlice> cols);
 
 // The compressed-tensors integer linear `prefix` (weight_packed or an int8 weight, its scales
 // and zero points, weight_g_idx where present), rows and columns as above.
 absl::StatusOr<kernels::Tensor> LoadCompressedIntLinear(const WeightStore& w, const QuantConfig& q,
                                                         const std::string& prefix,
                                                         const std::vector<Range>& rows,
-                                                        std::optional<Range> cols);
+                                                        std::optional<ColumnSlice> cols);
 
 // The bitsandbytes 8-bit linear `prefix` (its int8 weight, SCB and weight_format), rows and
 // columns as above.
 absl::StatusOr<kernels::Tensor> LoadBnbInt8Linear(const WeightStore& w, const QuantConfig& q,
                                                   const std::string& prefix,
                                                   const std::vector<Range>& rows,
-                                                  std::optional<Range> cols);
+                                                  std::optional<ColumnSlice> cols);
 
 // The bitsandbytes 4-bit linear `prefix` (its packed weight, absmax, quant_map, the nested
 // absmax of double quantization and the quant_state.bitsandbytes__nf4 or __fp4 record), rows
@@ -128,7 +135,7 @@ absl::StatusOr<kernels::Tensor> LoadBnbInt8Linear(const WeightStore& w, const Qu
 absl::StatusOr<kernels::Tensor> LoadBnb4Linear(const WeightStore& w, const QuantConfig& q,
                                                const std::string& prefix,
                                                const std::vector<Range>& rows,
-                                               std::optional<Range> cols);
+                                               std::optional<ColumnSlice> cols);
 // bitsandbytes' quantize_4bit (`type` nf4 or fp4, blocks of 64 along each row, the blocks'
 // absmax kept in f32: no double quantization) of a dense [out, in] weight, columns `cols` of
 // it kept (a tensor-parallel slice quantized as the whole rows are); errors name `name`.
@@ -143,6 +150,6 @@ std::optional<std::string> Bnb4QuantStateOf(const WeightStore& w, const std::str
 absl::StatusOr<kernels::Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,
                                               const std::string& prefix,
                                               const std::vector<Range>& rows,
-                                              std::optional<Range> cols);
+                                              std::optional<ColumnSlice> cols);
 
 }  // namespace tgis::server

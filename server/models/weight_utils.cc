@@ -159,8 +159,11 @@ absl::StatusOr<Tensor> ShardedLoader::Raw(const std::string& name) const {
 
 std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string& name,
                                                                const std::vector<Range>& rows,
-                                                               std::optional<Range> cols) const {
+                                                               std::optional<Range> range) const {
   const QuantConfig& q = w_.quantization();
+  // Row-parallel inputs split evenly over the ranks (ShardLayout).
+  std::optional<ColumnSlice> cols;
+  if (range) cols = ColumnSlice{*range, range->size() * layout_.world_size};
   if (q.method != QuantMethod::kGptq && q.method != QuantMethod::kAwq &&
       q.method != QuantMethod::kFp8 && q.method != QuantMethod::kCompressedInt &&
       q.method != QuantMethod::kBnbInt8 && q.method != QuantMethod::kBnb4) {
@@ -298,8 +301,8 @@ absl::StatusOr<Tensor> ShardedLoader::InputColumns(const std::string& name, Rang
   // Row-parallel inputs split evenly over the ranks: the checkpoint's must be all of them (a
   // wider weight would otherwise load its first columns).
   if (const int64_t whole = range.size() * layout_.world_size; t->dim(dim) != whole) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": ", t->dim(dim),
-                                                   " input columns, the config says ", whole));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": ", t->dim(dim), " input columns, the config says ", whole));
   }
   if (!conv1d && range.begin == 0 && range.end == t->dim(1)) {
     // Whole: a view when the dtype matches.

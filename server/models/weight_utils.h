@@ -99,7 +99,7 @@ class ShardedLoader {
   // weight is stored dense and not to be quantized at load.
   std::optional<absl::StatusOr<kernels::Tensor>> Quantized(const std::string& name,
                                                            const std::vector<Range>& rows,
-                                                           std::optional<Range> cols) const;
+                                                           std::optional<Range> range) const;
   // Int8 or 4 bits at load (--quantize bitsandbytes, bitsandbytes-nf4/-fp4) of a dense linear
   // weight just read (the result as is otherwise); `whole`, when `dense` is columns `cols` of
   // it, gives the rows' scales (TP-invariant quantization). `name` (the checkpoint's tensor)

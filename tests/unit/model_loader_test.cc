@@ -343,6 +343,18 @@ TEST_F(LoaderTest, TransformersWrittenGptqAndAwqConfigsAreRead) {
   ExpectError(ReadQuant(std::nullopt), "format 'gemv_fast': only AutoAWQ's GEMM packing");
 }
 
+// A config narrower than its checkpoint: the row-parallel weights' inputs say so, dense or
+// quantized, where the first columns used to load (the output rows still select a prefix).
+TEST_F(LoaderTest, RowParallelWeightsMustHaveTheConfigsInputWidth) {
+  EditConfig([](Json& c) { c["intermediate_size"] = 64; });
+  ExpectError(Build(),
+              "model.layers.0.mlp.down_proj.weight: 128 input columns, the config says 64");
+  UseFixture("llama_gptq4");
+  EditConfig([](Json& c) { c["intermediate_size"] = 64; });
+  ExpectError(BuildQuantized(),
+              "model.layers.0.mlp.down_proj: 128 input columns, the config says 64");
+}
+
 // Intel AutoRound's checkpoints (llama_autoround: its parity tests check the values): the
 // packing by packing_format (or, before 2025, backend); extra_config's exact layer names first,
 // then its patterns searched in the file's order.
