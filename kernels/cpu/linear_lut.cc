@@ -102,6 +102,21 @@ TGIS_AVX2 void LutTile(const SmallArgs& a, const Planes& p, int64_t n) {
   }
 }
 
+// acc[t] += w . x[t] over `len` columns (8 at a time, in order) for TT tokens of x (row stride
+// ldx).
+template <int TT>
+TGIS_AVX2 inline void ScratchFma(const float* w, const float* x, int64_t ldx, int64_t len,
+                                 __m256* acc) {
+  __m256 a[TT];
+  for (int t = 0; t < TT; ++t) a[t] = acc[t];
+  for (int64_t k = 0; k < len; k += 8) {
+    const __m256 wv = _mm256_load_ps(w + k);
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) a[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * ldx + k), a[t]);
+  }
+  for (int t = 0; t < TT; ++t) acc[t] = a[t];
+}
+
 // The same for any T: rows [n, n + R) looked up once per chunk of columns into an f32 scratch,
 // then every token's FMAs in the same order as LutTile's.
 template <int R, bool kCompact>
@@ -123,14 +138,14 @@ TGIS_AVX2 void LutScratchTile(const SmallArgs& a, const Planes& p, int64_t n) {
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int64_t t = 0; t < a.t; ++t) {
-        __m256 s = acc[r * a.t + t];
-        const float* x = a.x + t * a.k + c0;
-        for (int64_t k = 0; k < len; k += 8) {
-          s = _mm256_fmadd_ps(_mm256_load_ps(&scratch[r][k]), _mm256_loadu_ps(x + k), s);
-        }
-        acc[r * a.t + t] = s;
-      }
+      // Up to 8 tokens' chains at once, so that FMA latency does not bound them.
+      int64_t t = 0;
+      for (; t + 8 <= a.t; t += 8)
+        ScratchFma<8>(scratch[r], a.x + t * a.k + c0, a.k, len, &acc[r * a.t + t]);
+      for (; t + 4 <= a.t; t += 4)
+        ScratchFma<4>(scratch[r], a.x + t * a.k + c0, a.k, len, &acc[r * a.t + t]);
+      for (; t < a.t; ++t)
+        ScratchFma<1>(scratch[r], a.x + t * a.k + c0, a.k, len, &acc[r * a.t + t]);
     }
   }
   for (int r = 0; r < R; ++r) {
