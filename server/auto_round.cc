@@ -1,8 +1,6 @@
 #include "server/auto_round.h"
 
-#include <fstream>
 #include <map>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "server/config_keys.h"
@@ -242,25 +240,17 @@ absl::StatusOr<std::vector<DynamicRule>> ReadAutoRoundRules(const std::filesyste
                                                             const std::string& object_key,
                                                             const std::string& where,
                                                             const QuantConfig& q) {
-  std::ifstream in(file, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  const OrderedJson root = OrderedJson::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded() || !root.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(file.string(), ": not a JSON object"));
+  auto extra = ReadInFileOrder(file, object_key, "extra_config");
+  if (!extra.ok()) return extra.status();
+  if (extra->is_null()) return std::vector<DynamicRule>{};
+  if (!extra->is_object()) {  // (ParseAutoRound checked it first)
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": extra_config = ", extra->dump(), ": expected an object"));
   }
-  const OrderedJson* config = &root;
-  if (!object_key.empty()) {
-    auto it = root.find(object_key);
-    if (it == root.end() || !it->is_object()) return std::vector<DynamicRule>{};
-    config = &*it;
-  }
-  auto it = config->find("extra_config");
-  if (it == config->end() || it->is_null()) return std::vector<DynamicRule>{};
   // Every key first as an exact layer name, then every key as a pattern, in the file's order.
   std::vector<DynamicRule> rules;
   for (bool exact : {true, false}) {
-    for (const auto& [key, value] : it->items()) {
+    for (const auto& [key, value] : extra->items()) {
       auto rule = ReadRule(key, value, exact, where, q);
       if (!rule.ok()) return rule.status();
       rules.push_back(*std::move(rule));

@@ -75,12 +75,13 @@ DEFINE_string(
     "detected without the flag), bitsandbytes (int8 weights quantized at load, per output "
     "row), bitsandbytes-nf4 or bitsandbytes-fp4 (4-bit codes in blocks of 64 quantized at "
     "load); empty: what the checkpoint says (env QUANTIZE)");
-DEFINE_bool(cpu_int8_activations, false,
-            "CPU, 8- and 4-bit weights (GPTQ, AWQ, bitsandbytes): prefill and decode multiply "
-            "them by activations rounded to int8 per 32 columns, as llama.cpp and "
-            "CTranslate2 do (AVX2, or AVX-512 VNNI where present): faster, and outputs move by "
-            "that rounding; "
-            "off: exact f32 activations (env CPU_INT8_ACTIVATIONS)");
+DEFINE_bool(
+    cpu_int8_activations, false,
+    "CPU, 8- and 4-bit integer weights (GPTQ, AWQ, bitsandbytes int8): prefill and decode multiply "
+    "them by activations rounded to int8 per 32 columns, as llama.cpp and "
+    "CTranslate2 do (AVX2, or AVX-512 VNNI where present): faster, and outputs move by "
+    "that rounding; "
+    "off: exact f32 activations (env CPU_INT8_ACTIVATIONS)");
 DEFINE_string(otlp_endpoint, "",
               "OpenTelemetry collector's OTLP/gRPC endpoint (http://host:4317); empty: no "
               "tracing (env OTLP_ENDPOINT)");

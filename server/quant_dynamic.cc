@@ -72,10 +72,8 @@ absl::StatusOr<DynamicRule> ReadRule(const std::string& key, const OrderedJson& 
 
 }  // namespace
 
-absl::StatusOr<std::vector<DynamicRule>> ReadDynamicRules(const std::filesystem::path& file,
-                                                          const std::string& object_key,
-                                                          const std::string& where,
-                                                          const DynamicRuleKeys& keys) {
+absl::StatusOr<OrderedJson> ReadInFileOrder(const std::filesystem::path& file,
+                                            const std::string& object_key, const std::string& key) {
   std::ifstream in(file, std::ios::binary);
   std::stringstream text;
   text << in.rdbuf();
@@ -86,17 +84,26 @@ absl::StatusOr<std::vector<DynamicRule>> ReadDynamicRules(const std::filesystem:
   const OrderedJson* config = &root;
   if (!object_key.empty()) {
     auto it = root.find(object_key);
-    if (it == root.end() || !it->is_object()) return std::vector<DynamicRule>{};
+    if (it == root.end() || !it->is_object()) return OrderedJson();
     config = &*it;
   }
-  auto it = config->find("dynamic");
-  if (it == config->end() || it->is_null()) return std::vector<DynamicRule>{};
-  if (!it->is_object()) {
+  auto it = config->find(key);
+  return it == config->end() ? OrderedJson() : *it;
+}
+
+absl::StatusOr<std::vector<DynamicRule>> ReadDynamicRules(const std::filesystem::path& file,
+                                                          const std::string& object_key,
+                                                          const std::string& where,
+                                                          const DynamicRuleKeys& keys) {
+  auto dynamic = ReadInFileOrder(file, object_key, "dynamic");
+  if (!dynamic.ok()) return dynamic.status();
+  if (dynamic->is_null()) return std::vector<DynamicRule>{};
+  if (!dynamic->is_object()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(where, ": dynamic = ", it->dump(), ": expected an object"));
+        absl::StrCat(where, ": dynamic = ", dynamic->dump(), ": expected an object"));
   }
   std::vector<DynamicRule> rules;
-  for (const auto& [key, overrides] : it->items()) {
+  for (const auto& [key, overrides] : dynamic->items()) {
     auto rule = ReadRule(key, overrides, where, keys);
     if (!rule.ok()) return rule.status();
     rules.push_back(*std::move(rule));

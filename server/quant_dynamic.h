@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
 #include <set>
@@ -44,6 +45,12 @@ absl::StatusOr<std::vector<DynamicRule>> ReadDynamicRules(const std::filesystem:
                                                           const std::string& object_key,
                                                           const std::string& where,
                                                           const DynamicRuleKeys& keys);
+
+// The value of `key` in the JSON object at `object_key` ("" for the root) of `file`, with its
+// objects' keys in the file's order (the rules' order decides); null where either is missing.
+absl::StatusOr<nlohmann::ordered_json> ReadInFileOrder(const std::filesystem::path& file,
+                                                       const std::string& object_key,
+                                                       const std::string& key);
 
 // The rule that decides for the module `name`, or nullptr where none matches.
 const DynamicRule* MatchDynamicRule(const std::vector<DynamicRule>& rules, const std::string& name);
