@@ -380,15 +380,27 @@ QuantizedWeight BuildFp8Rows(int64_t out, int64_t in, const std::vector<uint8_t>
   return BuildFp8(out, in, codes, std::vector<int32_t>(in, 0), 1, row_scales);
 }
 
+namespace {
+
+// Codes whose values (fp8, a table) carry their sign: zeros 0, a scale per row and group.
+QuantizedWeight BuildWithoutZeros(const char* what, int bits, int64_t out, int64_t in,
+                                  const std::vector<uint8_t>& codes,
+                                  const std::vector<int32_t>& group, int64_t groups,
+                                  const std::vector<float>& scales) {
+  TGIS_CHECK(static_cast<int64_t>(scales.size()) == out * groups,
+             "%s: %lld scales for %lld rows of %lld groups", what,
+             static_cast<long long>(scales.size()), static_cast<long long>(out),
+             static_cast<long long>(groups));
+  return BuildQuantized(bits, out, in, codes, group, groups, scales,
+                        std::vector<float>(out * groups, 0.f));
+}
+
+}  // namespace
+
 QuantizedWeight BuildFp8(int64_t out, int64_t in, const std::vector<uint8_t>& codes,
                          const std::vector<int32_t>& group, int64_t groups,
                          const std::vector<float>& scales) {
-  TGIS_CHECK(static_cast<int64_t>(scales.size()) == out * groups,
-             "BuildFp8: %lld scales for %lld rows of %lld groups",
-             static_cast<long long>(scales.size()), static_cast<long long>(out),
-             static_cast<long long>(groups));
-  QuantizedWeight q = BuildQuantized(8, out, in, codes, group, groups, scales,
-                                     std::vector<float>(out * groups, 0.f));
+  QuantizedWeight q = BuildWithoutZeros("BuildFp8", 8, out, in, codes, group, groups, scales);
   q.fp8 = true;
   return q;
 }
@@ -398,12 +410,7 @@ QuantizedWeight BuildCodebook4(int64_t out, int64_t in, const std::vector<uint8_
                                const std::vector<float>& scales,
                                const std::vector<float>& codebook) {
   TGIS_CHECK(codebook.size() == 16, "BuildCodebook4: %zu values for 4-bit codes", codebook.size());
-  TGIS_CHECK(static_cast<int64_t>(scales.size()) == out * groups,
-             "BuildCodebook4: %lld scales for %lld rows of %lld groups",
-             static_cast<long long>(scales.size()), static_cast<long long>(out),
-             static_cast<long long>(groups));
-  QuantizedWeight q = BuildQuantized(4, out, in, codes, group, groups, scales,
-                                     std::vector<float>(out * groups, 0.f));
+  QuantizedWeight q = BuildWithoutZeros("BuildCodebook4", 4, out, in, codes, group, groups, scales);
   q.codebook = codebook;
   return q;
 }

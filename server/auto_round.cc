@@ -144,11 +144,8 @@ absl::StatusOr<DynamicRule> ReadRule(const std::string& key, const OrderedJson& 
     }
     if (j.contains("bits")) rule.bits = static_cast<int>(*bits);
     if (j.contains("group_size")) {
-      auto group = IntKey(j, at, "group_size", std::nullopt);
+      auto group = config_keys::GroupSizeKey(j, at);
       if (!group.ok()) return group.status();
-      if (*group != -1 && *group <= 0) {
-        return absl::InvalidArgumentError(absl::StrCat(at, ": group_size = ", *group));
-      }
       rule.group_size = *group;
     }
   }
@@ -209,11 +206,8 @@ absl::StatusOr<QuantConfig> ParseAutoRound(const Json& j, const std::string& whe
         " supported"));
   }
   q.bits = static_cast<int>(*bits);
-  auto group = IntKey(j, where, "group_size", std::nullopt);
+  auto group = config_keys::GroupSizeKey(j, where);
   if (!group.ok()) return group.status();
-  if (*group != -1 && *group <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": group_size = ", *group));
-  }
   q.group_size = *group;
   // sym changes the stored zeros (AutoRound's symmetric codes use the full range, with a scale
   // of either sign), which the tensors hold.

@@ -29,6 +29,17 @@ inline absl::StatusOr<int64_t> IntKey(const Json& j, const std::string& where, c
   return it->get<int64_t>();
 }
 
+// A quantization group size: -1 (one group per output row) or a positive column count.
+inline absl::StatusOr<int64_t> GroupSizeKey(const Json& j, const std::string& where,
+                                            const char* key = "group_size") {
+  auto group = IntKey(j, where, key, std::nullopt);
+  if (!group.ok()) return group.status();
+  if (*group != -1 && *group <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", key, " = ", *group));
+  }
+  return *group;
+}
+
 inline absl::StatusOr<std::string> StringKey(const Json& j, const std::string& where,
                                              const char* key, const std::string& default_value) {
   auto it = j.find(key);

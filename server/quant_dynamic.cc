@@ -54,11 +54,8 @@ absl::StatusOr<DynamicRule> ReadRule(const std::string& key, const OrderedJson& 
       }
       rule.bits = static_cast<int>(*bits);
     } else if (name == "group_size") {
-      auto group = IntKey(j, at, "group_size", std::nullopt);
+      auto group = config_keys::GroupSizeKey(j, at);
       if (!group.ok()) return group.status();
-      if (*group != -1 && *group <= 0) {
-        return absl::InvalidArgumentError(absl::StrCat(at, ": group_size = ", *group));
-      }
       rule.group_size = *group;
     } else if (keys.tensor_led.count(name) != 0) {
       if (auto b = BoolKey(j, at, name.c_str(), false); !b.ok()) return b.status();

@@ -123,11 +123,8 @@ absl::StatusOr<QuantConfig> ParseGptq(const Json& j, const std::string& where) {
         absl::StrCat(where, ": bits = ", *bits, ": GPTQ with 4 or 8 bits is supported"));
   }
   q.bits = static_cast<int>(*bits);
-  auto group = IntKey(j, where, "group_size", std::nullopt);
+  auto group = config_keys::GroupSizeKey(j, where);
   if (!group.ok()) return group.status();
-  if (*group != -1 && *group <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": group_size = ", *group));
-  }
   q.group_size = *group;
   // desc_act and sym change the tensors (g_idx order, zero points), not how they are read:
   // the tensors say it all. They are still checked for type.
@@ -176,12 +173,9 @@ absl::StatusOr<QuantConfig> ParseAwq(const Json& j, const std::string& where) {
     return absl::UnimplementedError(absl::StrCat(where, ": bits = ", *bits, ": AWQ is 4-bit"));
   }
   q.bits = 4;
-  auto group =
-      IntKey(j, where, j.contains("q_group_size") ? "q_group_size" : "group_size", std::nullopt);
+  auto group = config_keys::GroupSizeKey(
+      j, where, j.contains("q_group_size") ? "q_group_size" : "group_size");
   if (!group.ok()) return group.status();
-  if (*group <= 0 && *group != -1) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": group_size = ", *group));
-  }
   q.group_size = *group;
   auto zero = BoolKey(j, where, "zero_point", true);
   if (!zero.ok()) return zero.status();

@@ -111,6 +111,14 @@ class LoaderTest : public ::testing::Test {
       edit(c["quantization_config"]);
     });
   }
+  // config.json as `original` (read in its file's order) with its quantization_config edited
+  // by `edit`, key order kept (the order of GPTQModel's and AutoRound's rules decides).
+  void WithOrderedQuantConfig(const nlohmann::ordered_json& original,
+                              const std::function<void(nlohmann::ordered_json&)>& edit) {
+    nlohmann::ordered_json c = original;
+    edit(c["quantization_config"]);
+    std::ofstream(dir_ / "config.json", std::ios::trunc) << c.dump(1);
+  }
   void EditConfig(const std::function<void(Json&)>& edit) {
     Json c = Json::parse(ReadAll(dir_ / "config.json"));
     edit(c);
@@ -250,9 +258,7 @@ TEST_F(LoaderTest, GptqModelDynamicRulesApplyInTheFilesOrder) {
   UseFixture("llama_gptq_dynamic");
   const OrderedJson original = OrderedJson::parse(ReadAll(dir_ / "config.json"));
   auto with = [&](const std::function<void(OrderedJson&)>& edit) {
-    OrderedJson c = original;
-    edit(c["quantization_config"]);
-    std::ofstream(dir_ / "config.json", std::ios::trunc) << c.dump(1);
+    WithOrderedQuantConfig(original, edit);
   };
   with([](OrderedJson&) {});
   EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
@@ -363,9 +369,7 @@ TEST_F(LoaderTest, AutoRoundCheckpointsAreReadStrictly) {
   UseFixture("llama_autoround");
   const OrderedJson original = OrderedJson::parse(ReadAll(dir_ / "config.json"));
   auto with = [&](const std::function<void(OrderedJson&)>& edit) {
-    OrderedJson c = original;
-    edit(c["quantization_config"]);
-    std::ofstream(dir_ / "config.json", std::ios::trunc) << c.dump(1);
+    WithOrderedQuantConfig(original, edit);
   };
   with([](OrderedJson&) {});
   EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
