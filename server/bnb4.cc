@@ -250,9 +250,10 @@ absl::StatusOr<Tensor> LoadBnb4Linear(const WeightStore& w, const QuantConfig& q
   auto weight = w.View(prefix + ".weight");
   if (!weight.ok()) return weight.status();
   // (The shape is the record's: bound it by the bytes before multiplying.)
-  if (weight->dtype() != DType::kU8 || (in > 0 && out > 2 * weight->numel() / in) ||
-      weight->numel() != (out * in + 1) / 2) {
-    return bad(absl::StrCat("weight is ", weight->DebugString(), ": expected ", (out * in + 1) / 2,
+  const bool bounded = in == 0 || out <= 2 * weight->numel() / in;
+  if (weight->dtype() != DType::kU8 || !bounded || weight->numel() != (out * in + 1) / 2) {
+    return bad(absl::StrCat("weight is ", weight->DebugString(), ": expected ",
+                            bounded ? absl::StrCat((out * in + 1) / 2) : "more",
                             " uint8 bytes of 4-bit codes for [", out, ", ", in, "]"));
   }
   const std::vector<float> table = Table(type);

@@ -543,8 +543,9 @@ TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {
       const int64_t out_f = 37, in = 1024;
       const CodebookCase c = RandomCodebookWeight(out_f, in, 64, 12);
       const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+      const bool scalar = isa == cpu::Isa::kScalar;  // (clang: no capture of a binding)
       auto reorder = [&](const std::vector<float>& v) {
-        if (isa == cpu::Isa::kScalar) return v;
+        if (scalar) return v;
         std::vector<float> o(v.size());
         for (size_t i = 0; i < v.size(); i += 8)
           for (int j = 0; j < 8; ++j) o[i + j] = v[i + order[j]];

@@ -56,7 +56,10 @@ class LoaderTest : public ::testing::Test {
     header_[name] = {{"dtype", "F32"}, {"shape", {numel}}, {"data_offsets", {begin, data_.size()}}};
   }
   void Save() {
-    const std::string h = header_.dump();
+    // Padded with spaces to a multiple of 8 bytes, as safetensors writes it, so that the
+    // tensors stay aligned.
+    std::string h = header_.dump();
+    h.append((8 - h.size() % 8) % 8, ' ');
     const uint64_t n = h.size();
     std::ofstream out(dir_ / "model.safetensors", std::ios::binary | std::ios::trunc);
     out.write(reinterpret_cast<const char*>(&n), 8);
@@ -490,8 +493,10 @@ TEST_F(LoaderTest, Bitsandbytes4BitCheckpointsAreReadStrictly) {
     Save();
     ExpectError(BuildQuantized(), text);
   };
-  // An edit of the JSON record (the tensors after it move by the change in its length).
-  auto in_record = [&](const std::string& from, const std::string& to) {
+  // An edit of the JSON record (the tensors after it move by the change in its length, padded
+  // with spaces, which JSON allows, to a multiple of 8 so that they stay aligned).
+  auto in_record = [&](const std::string& from, std::string to) {
+    while (to.size() < from.size() || (to.size() - from.size()) % 8 != 0) to += ' ';
     return [&, from, to] {
       const size_t begin = header_[record]["data_offsets"][0].get<size_t>();
       const size_t end = header_[record]["data_offsets"][1].get<size_t>();
