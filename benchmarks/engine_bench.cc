@@ -2,6 +2,7 @@
 // Llama-shaped checkpoint with random weights and compares with HF transformers):
 //   engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] [--quantize METHOD]
 //                [--prompt 128] [--steps 32] [--batches 1,16] [--int8-activations true]
+//                [--device cpu|cuda]
 // Prints prefill and decode tokens/s per batch size, the memory bandwidth measured in the
 // same run, and the fraction of it that batch-1 decode achieves (weights streamed per token),
 // after one untimed warm-up prompt.
@@ -99,6 +100,7 @@ int main(int argc, char** argv) {
   const std::string dir = argv[1];
   std::string dtype_name = "float32", quantize, batches_arg = "1,16";
   int prompt = 128, steps = 32;
+  bool cuda = false;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--dtype") {
@@ -109,6 +111,12 @@ int main(int argc, char** argv) {
       prompt = std::atoi(v.c_str());
     } else if (k == "--steps") {
       steps = std::atoi(v.c_str());
+    } else if (k == "--device") {  // cuda: the first GPU, as shard 0 (no roofline probe here)
+      if (v != "cpu" && v != "cuda") {
+        std::cerr << "--device: cpu or cuda\n";
+        return 2;
+      }
+      cuda = v == "cuda";
     } else if (k == "--batches") {
       batches_arg = v;
     } else if (k == "--int8-activations") {  // the shard's --cpu-int8-activations
@@ -131,6 +139,13 @@ int main(int argc, char** argv) {
   if (!tgis::kernels::WeightDTypeFromName(dtype_name, &dtype)) {
     std::cerr << "unknown --dtype " << dtype_name << "\n";
     return 2;
+  }
+  if (cuda) {
+    if (tgis::kernels::GpuCount() < 1) {
+      std::cerr << "--device cuda: no GPU (or a build without CUDA)\n";
+      return 1;
+    }
+    tgis::kernels::SelectGpu(0);
   }
   const auto load_start = std::chrono::steady_clock::now();
   auto config = tgis::server::ModelConfig::Load(dir);
@@ -155,7 +170,8 @@ int main(int argc, char** argv) {
     std::cerr << model.status() << "\n";
     return 1;
   }
-  (*model)->MoveTo(tgis::kernels::Device::kCpu);  // as the shard: the kernels' layouts at load
+  // As the shard: on the CPU the kernels' layouts are made at load.
+  (*model)->MoveTo(cuda ? tgis::kernels::Device::kCuda : tgis::kernels::Device::kCpu);
   std::cout << "resident after building the model: " << Resident() << "\n";
   (*weights)->ReleaseMappedPages();  // as the shard: the files' pages go, the store too
   weights->reset();
@@ -195,7 +211,8 @@ int main(int argc, char** argv) {
             << spec.hidden << " vocab " << spec.vocab << " dtype " << dtype_name
             << (quantize.empty() ? "" : " quantize " + quantize) << " streamed/token "
             << streamed / 1e6 << " MB\n";
-  const double bw = MeasureBandwidthGBs();
+  // On a GPU the roofline is the device's copy bandwidth, which gpu_bench.py measures.
+  const double bw = cuda ? 0.0 : MeasureBandwidthGBs();
   std::cout << "memory_bandwidth_gbs " << bw << "\n";
   {
     // One untimed prompt and step first, as llama-bench (its warm-up run) and cpu_bench.py's
@@ -249,7 +266,7 @@ int main(int argc, char** argv) {
     std::cout << "batch " << batch << ": prefill " << batch * prompt / prefill_s
               << " tok/s, decode " << batch * steps / decode_s << " tok/s (" << step_s * 1e3
               << " ms/step)";
-    if (batch == 1) {
+    if (batch == 1 && bw > 0) {
       std::cout << ", decode bandwidth " << streamed / step_s / 1e9
                 << " GB/s = " << 100.0 * streamed / step_s / 1e9 / bw << "% of measured";
     }

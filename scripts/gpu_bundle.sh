@@ -6,6 +6,9 @@
 #                          (CUDA runtime, cuBLAS, NCCL)
 #   .device/wheels/        grpcio, grpcio-tools and protobuf for Python 3.12, so the Python
 #                          client side matches the versions the stubs are generated with
+# GPU_BUNDLE=tests packs only the test binaries and engine_bench, and no wheels: the device
+# tool's 64 MiB covers the tracked tree (~46 MiB, mostly model fixtures) and the bundle, and
+# the router's ICU data alone is ~7.5 MB compressed.
 # Then, with the device tool: run(carry=[".device"], command="bash scripts/gpu_checks.sh").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,8 +16,12 @@ BUILD_DIR=${BUILD_DIR:-build}
 OUT=.device
 rm -rf "$OUT" && mkdir -p "$OUT/stage/lib" "$OUT/wheels"
 
-bins=(tests/kernels_test tests/model_parity_test server/text-generation-server
-      router/text-generation-router launcher/text-generation-launcher)
+if [ "${GPU_BUNDLE:-all}" = tests ]; then
+  bins=(tests/kernels_test tests/model_parity_test benchmarks/engine_bench)
+else
+  bins=(tests/kernels_test tests/model_parity_test server/text-generation-server
+        router/text-generation-router launcher/text-generation-launcher benchmarks/engine_bench)
+fi
 for b in "${bins[@]}"; do
   test -x "$BUILD_DIR/$b" || { echo "missing $BUILD_DIR/$b: run make build first" >&2; exit 1; }
   mkdir -p "$OUT/stage/build/$(dirname "$b")"
@@ -35,10 +42,10 @@ test -n "$blas" || { echo "libopenblas.so.0 not found: run make deps" >&2; exit 
   if [[ ! $name =~ $skip ]]; then cp -L "$path" "$OUT/stage/lib/$name"; fi
 done
 strip --strip-unneeded "$OUT"/stage/lib/*.so* 2>/dev/null || true
-tar -C "$OUT/stage" -cJf "$OUT/bundle.tar.xz" .
+XZ_OPT=-9e tar -C "$OUT/stage" -cJf "$OUT/bundle.tar.xz" .
 rm -rf "$OUT/stage"
 
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+[ "${GPU_BUNDLE:-all}" = tests ] || python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_28_x86_64 -d "$OUT/wheels" \
   "grpcio==$(python3 -c 'import grpc; print(grpc.__version__)')" \

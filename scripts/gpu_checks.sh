@@ -3,8 +3,12 @@
 # by scripts/gpu_bundle.sh): the CUDA op tests, the CUDA model parity tests, then the GPU
 # benchmark. Logs and figures go to $OUT when the device tool sets it; $OUT/summary.txt says
 # in one page what passed, what failed and the benchmark's figures.
-#   GPU_CHECKS="ops parity bench"   which parts to run (default: all three)
+#   GPU_CHECKS="ops parity bench"   which parts to run (default: all three; "engine" is batch-1
+#                                   decode through engine_bench, for a GPU_BUNDLE=tests bundle)
 #   BENCH_ARGS="..."                extra arguments for benchmarks/gpu_bench.py
+#   OPS_TIMEOUT, PARITY_TIMEOUT, BENCH_TIMEOUT  seconds per part (default 120, 180, 600), so
+#                                   that a hang in one part still leaves the others and the
+#                                   summary inside the device call's limit
 set -uo pipefail
 OUT=${OUT:-/tmp/tgis-gpu-checks}
 mkdir -p "$OUT"
@@ -24,7 +28,7 @@ for lib in libnccl.so.2 libcublasLt.so.13 libcudart.so.13; do
 done
 export LD_LIBRARY_PATH="$B/lib$gpu_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export TGIS_FIXTURES_DIR="$PWD/tests/fixtures" TGIS_BUILD_DIR="$B/build"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+ls .device/wheels/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/tgis-site .device/wheels/*.whl && export PYTHONPATH=/tmp/tgis-site
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 ldd "$B/build/server/text-generation-server" | grep -E "not found|cuda|cublas|nccl" | tee "$OUT/ldd.txt"
@@ -32,17 +36,22 @@ ldd "$B/build/server/text-generation-server" | grep -E "not found|cuda|cublas|nc
 rc=0
 parts=${GPU_CHECKS:-ops parity bench}
 if [[ " $parts " == *" ops "* ]]; then
-  "$B/build/tests/kernels_test" --gtest_filter='*Cuda*' 2>&1 | tee "$OUT/ops.log" |
+  timeout -k 5 "${OPS_TIMEOUT:-120}" "$B/build/tests/kernels_test" --gtest_filter='*Cuda*' 2>&1 | tee "$OUT/ops.log" |
     grep -E "FAILED|PASSED|SKIPPED \]|error" | tail -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 if [[ " $parts " == *" parity "* ]]; then
-  "$B/build/tests/model_parity_test" --gtest_filter='*Cuda*' 2>&1 | tee "$OUT/parity.log" |
+  timeout -k 5 "${PARITY_TIMEOUT:-180}" "$B/build/tests/model_parity_test" --gtest_filter='*Cuda*' 2>&1 | tee "$OUT/parity.log" |
     grep -E "FAILED|PASSED|Failure|error" | tail -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
+if [[ " $parts " == *" engine "* ]]; then
+  (cd benchmarks && PYTHONUNBUFFERED=1 timeout -k 10 "${BENCH_TIMEOUT:-600}" \
+    python3 -m gpubench.engine_only "$B/build" ${BENCH_ARGS:-}) 2>&1 | tee "$OUT/bench.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
 if [[ " $parts " == *" bench "* ]]; then
-  PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py --build-dir "$B/build" \
+  PYTHONUNBUFFERED=1 timeout -k 10 "${BENCH_TIMEOUT:-600}" python3 benchmarks/gpu_bench.py --build-dir "$B/build" \
     --out "$OUT/gpu_bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi

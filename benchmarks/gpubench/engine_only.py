@@ -1,0 +1,55 @@
+"""Batch-1 decode of the Llama-3-8B-shaped checkpoint through engine_bench (the engine without
+the router or the shard's gRPC service), beside the HBM copy bandwidth and HF transformers, all
+in one run. For a GPU call whose bundle has no router (see scripts/gpu_bundle.sh's
+GPU_BUNDLE=tests): it needs only the test binaries' libraries.
+
+    python3 -m gpubench.engine_only BUILD_DIR [MODEL_DIR] [--no-hf]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from .bandwidth import measure_bandwidth
+from .checkpoint import LLAMA3_8B, make_checkpoint
+from .common import log
+from .hf_reference import run_hf
+
+
+def main(argv: list[str]) -> int:
+    build = Path(argv[0])
+    model_dir = Path(argv[1] if len(argv) > 1 and not argv[1].startswith("--") else
+                     "/tmp/tgis-bench-llama3-8b")
+    results: dict = {"checkpoint": make_checkpoint(model_dir, LLAMA3_8B)}
+    results["bandwidth"] = measure_bandwidth(sys.executable)
+    bw = results["bandwidth"].get("hbm_bytes_per_s") or 0
+    cmd = [str(build / "benchmarks" / "engine_bench"), str(model_dir), "--device", "cuda",
+           "--dtype", "bfloat16", "--prompt", "128", "--steps", "256", "--batches", "1,16"]
+    log(" ".join(cmd))
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    print(p.stdout + p.stderr[-4000:], flush=True)
+    results["engine_bench_rc"] = p.returncode
+    streamed = re.search(r"streamed/token ([0-9.e+]+) MB", p.stdout)
+    step = re.search(r"batch 1: .*\(([0-9.e+]+) ms/step\)", p.stdout)
+    if streamed and step and bw:
+        mb, ms = float(streamed.group(1)), float(step.group(1))
+        results["decode_ms_per_token"] = ms
+        results["roofline_fraction"] = mb * 1e6 / (ms / 1e3) / bw
+        log(f"batch-1 decode {ms:.2f} ms/token = {100 * results['roofline_fraction']:.1f}% of "
+            f"the {bw / 1e12:.2f} TB/s copy bandwidth")
+    if "--no-hf" not in argv:
+        args = SimpleNamespace(ttft_lengths=[128, 2048], ttft_runs=3, decode_prompt=128,
+                               decode_tokens=256, hf_batch=16, level_prompt=1000,
+                               hf_new_tokens=100, hf_timeout=240)
+        results["hf"] = run_hf(sys.executable, model_dir, args)
+    print("RESULTS " + json.dumps(results), flush=True)
+    return 0 if p.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
