@@ -3,13 +3,20 @@ the router or the shard's gRPC service), beside the HBM copy bandwidth and HF tr
 in one run. For a GPU call whose bundle has no router (see scripts/gpu_bundle.sh's
 GPU_BUNDLE=tests): it needs only the test binaries' libraries.
 
-    python3 -m gpubench.engine_only BUILD_DIR [MODEL_DIR] [--no-hf]
+    python3 -m gpubench.engine_only BUILD_DIR [MODEL_DIR] [--no-hf] [--ncu]
+
+--ncu also runs a short engine_bench (16-token prompt, 3 decode steps) under Nsight Compute
+with one metric, the GPU time of every kernel, into $OUT/ncu.csv (or /tmp): the sum over a
+decode step's kernels against the step's wall time separates kernel time from host overhead.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +49,19 @@ def main(argv: list[str]) -> int:
         results["roofline_fraction"] = mb * 1e6 / (ms / 1e3) / bw
         log(f"batch-1 decode {ms:.2f} ms/token = {100 * results['roofline_fraction']:.1f}% of "
             f"the {bw / 1e12:.2f} TB/s copy bandwidth")
+    if "--ncu" in argv:
+        ncu = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))),
+                                          None)
+        csv = Path(os.environ.get("OUT", "/tmp")) / "ncu.csv"
+        if ncu is None:
+            log("--ncu: no ncu found")
+        else:
+            prof = [ncu, "--metrics", "gpu__time_duration.sum", "--csv", "--log-file", str(csv),
+                    cmd[0], str(model_dir), "--device", "cuda", "--dtype", "bfloat16",
+                    "--prompt", "16", "--steps", "3", "--batches", "1"]
+            log(" ".join(prof))
+            q = subprocess.run(prof, capture_output=True, text=True, timeout=300)
+            print(q.stdout[-3000:] + q.stderr[-2000:], flush=True)
     if "--no-hf" not in argv:
         args = SimpleNamespace(ttft_lengths=[128, 2048], ttft_runs=3, decode_prompt=128,
                                decode_tokens=256, hf_batch=16, level_prompt=1000,

@@ -120,7 +120,10 @@ template <typename T>
 __global__ void ClampKernel(float lo, float hi, T* x, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    x[i] = FromF32<T>(fminf(fmaxf(ToF32(x[i]), lo), hi));
+    // NaN stays NaN, as torch.clamp has it (fminf/fmaxf alone would turn it into a bound and
+    // hide a broken row from the non-finite logits check).
+    const float v = ToF32(x[i]);
+    x[i] = FromF32<T>(v != v ? v : fminf(fmaxf(v, lo), hi));
   }
 }
 

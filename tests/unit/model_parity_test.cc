@@ -132,6 +132,72 @@ class ParityFixture {
     fs::remove_all(tmpl);
   }
 
+  // The bf16 tolerance of this fixture: HF transformers' own drift in bf16 on the same
+  // prompts and golden tokens (models/bf16_drift.json, measure_bf16_drift.py: max |bf16 - f32|
+  // logprob), times 2.5. Our bf16 path rounds at other points than torch (f32 accumulation
+  // everywhere, bf16 activations between ops), so its noise is of the same size but not the
+  // same samples: on the H100 our max drift was 0.6-1.9x HF's over the 18 bf16 llama-family
+  // fixtures. A fixed figure cannot serve: HF's own drift runs from 0.07 (mpt_clip) to 1.02
+  // nats (nf4 quantized at load from bf16 weights, where codes flip).
+  double Bf16Tolerance() const {
+    std::ifstream in(FixturesDir() / "models" / "bf16_drift.json");
+    std::stringstream buf;
+    buf << in.rdbuf();
+    const Json j = Json::parse(buf.str(), nullptr, /*allow_exceptions=*/false);
+    const std::string name = fs::path(dir_).filename().string();
+    if (j.is_discarded() || !j.contains(name)) {
+      ADD_FAILURE() << "no bf16 drift for " << name
+                    << " in models/bf16_drift.json: run tests/fixtures/measure_bf16_drift.py";
+      return 0;
+    }
+    return 2.5 * j[name]["max_logprob_drift"].get<double>();
+  }
+
+  // Teacher-forced: one prefill of each prompt and its golden continuation gives our logprob
+  // and rank of every golden token, so one early near-tie cannot derail the rest. f32: cuBLAS
+  // and our kernels sum in other orders than torch: ~1e-5 per logit, 1e-3 on a logprob is
+  // generous, and the golden token is our best. bf16: logprobs within Bf16Tolerance(), and the
+  // golden token (the f32 best) within twice that of our best: each of the two moved by at most
+  // the tolerance.
+  void ExpectGoldensWithinDtypeNoise() {
+    const bool f32 = dtype_ == tgis::kernels::DType::kF32;
+    const double tol = f32 ? 1e-3 : Bf16Tolerance();
+    OnEveryRank([&](Engine& engine) {
+      for (size_t i = 0; i < goldens_.size(); ++i) {
+        const Golden& g = goldens_[i];
+        NewSequence n = Seq(i, g, /*input_logprobs=*/true);
+        n.input_ids.insert(n.input_ids.end(), g.generated.begin(), g.generated.end() - 1);
+        n.top_n = 1;
+        std::vector<StepOutput> out;
+        std::vector<SequenceError> errors;
+        engine.Prefill({n}, &out, &errors);
+        ASSERT_TRUE(errors.empty()) << errors[0].status;
+        ASSERT_EQ(out.size(), 1u);
+        const size_t prompt = g.input.size();
+        ASSERT_EQ(out[0].input_tokens.size(), n.input_ids.size());
+        for (size_t k = 0; k < g.generated.size(); ++k) {
+          const tgis::server::TokenInfo& t =
+              k + 1 < g.generated.size() ? out[0].input_tokens[prompt + k] : out[0].token;
+          if (k + 1 == g.generated.size() && t.id != g.generated[k]) {
+            // Our own last choice: the golden token is not in the input; compare the best.
+            ASSERT_FALSE(f32) << "prompt " << i << ": last token " << t.id
+                              << " != " << g.generated[k];
+            continue;
+          }
+          EXPECT_NEAR(t.logprob, g.logprobs[k], tol) << "prompt " << i << " step " << k;
+          ASSERT_FALSE(t.top.empty());
+          if (f32) {
+            EXPECT_EQ(t.rank, 1u) << "prompt " << i << " step " << k;
+          } else {
+            EXPECT_LE(t.top[0].logprob - t.logprob, 2 * tol) << "prompt " << i << " step " << k;
+          }
+        }
+        engine.Release(i);
+      }
+      EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+    });
+  }
+
   // Decodes sequence `id`, whose prefill gave `first`, one step at a time to the golden's
   // length, and compares its tokens and logprobs with the golden's.
   static void DecodeAndCompare(Engine& engine, uint64_t id, const StepOutput& first,
@@ -929,48 +995,29 @@ class CudaParityTest
 };
 
 TEST_P(CudaParityTest, GoldenTokensAreOursWithinDtypeNoise) {
-  // f32: cuBLAS and our kernels sum in other orders than torch on the CPU: ~1e-5 per logit,
-  // 1e-3 on a logprob is generous. bf16: 8 significant bits per activation over a few layers:
-  // logprobs within 0.15 nats, and the golden token is our best or within that of it (a tie
-  // in bf16 noise, where either choice is right).
   if (rope_stepwise_) GTEST_SKIP() << "stepwise rope goldens: not comparable teacher-forced";
-  const bool f32 = dtype_ == tgis::kernels::DType::kF32;
-  const double tol = f32 ? 1e-3 : 0.15;
-  OnEveryRank([&](Engine& engine) {
-    for (size_t i = 0; i < goldens_.size(); ++i) {
-      const Golden& g = goldens_[i];
-      NewSequence n = Seq(i, g, /*input_logprobs=*/true);
-      n.input_ids.insert(n.input_ids.end(), g.generated.begin(), g.generated.end() - 1);
-      n.top_n = 1;
-      std::vector<StepOutput> out;
-      std::vector<SequenceError> errors;
-      engine.Prefill({n}, &out, &errors);
-      ASSERT_TRUE(errors.empty()) << errors[0].status;
-      ASSERT_EQ(out.size(), 1u);
-      const size_t prompt = g.input.size();
-      ASSERT_EQ(out[0].input_tokens.size(), n.input_ids.size());
-      for (size_t k = 0; k < g.generated.size(); ++k) {
-        const tgis::server::TokenInfo& t =
-            k + 1 < g.generated.size() ? out[0].input_tokens[prompt + k] : out[0].token;
-        if (k + 1 == g.generated.size() && t.id != g.generated[k]) {
-          // Our own last choice: the golden token is not in the input; compare the best.
-          ASSERT_FALSE(f32) << "prompt " << i << ": last token " << t.id
-                            << " != " << g.generated[k];
-          continue;
-        }
-        EXPECT_NEAR(t.logprob, g.logprobs[k], tol) << "prompt " << i << " step " << k;
-        ASSERT_FALSE(t.top.empty());
-        if (f32) {
-          EXPECT_EQ(t.rank, 1u) << "prompt " << i << " step " << k;
-        } else {
-          EXPECT_LE(t.top[0].logprob - t.logprob, tol) << "prompt " << i << " step " << k;
-        }
-      }
-      engine.Release(i);
-    }
-    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
-  });
+  ExpectGoldensWithinDtypeNoise();
 }
+
+// The bf16 bound on the CPU too (bf16 weights, f32 activations), so that CI checks the drift
+// file and the tolerance on every fixture, and a GPU run only adds the device's own rounding.
+class CpuBf16ParityTest : public ParityFixture, public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    Load(GetParam());
+    dtype_ = tgis::kernels::DType::kBF16;
+  }
+};
+
+TEST_P(CpuBf16ParityTest, GoldenTokensAreOursWithinBf16Noise) {
+  if (rope_stepwise_) GTEST_SKIP() << "stepwise rope goldens: not comparable teacher-forced";
+  ExpectGoldensWithinDtypeNoise();
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, CpuBf16ParityTest, ::testing::ValuesIn(ModelFixtures()),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
 
 // On the GPU too, a sequence whose logits come out NaN (a NaN prompt-tuning prefix) fails alone,
 // on the greedy (GreedyPick on the device), sampling and prompt-details paths, and the one
