@@ -6,6 +6,7 @@
 #   GPU_CHECKS="ops parity bench"   which parts to run (default: all three; "engine" is batch-1
 #                                   decode through engine_bench, for a GPU_BUNDLE=tests bundle)
 #   BENCH_ARGS="..."                extra arguments for benchmarks/gpu_bench.py
+#   ENGINE_ARGS="..."               extra arguments for the engine part (gpubench.engine_only)
 #   OPS_TIMEOUT, PARITY_TIMEOUT, BENCH_TIMEOUT  seconds per part (default 120, 180, 600), so
 #                                   that a hang in one part still leaves the others and the
 #                                   summary inside the device call's limit
@@ -47,7 +48,7 @@ if [[ " $parts " == *" parity "* ]]; then
 fi
 if [[ " $parts " == *" engine "* ]]; then
   (cd benchmarks && PYTHONUNBUFFERED=1 timeout -k 10 "${BENCH_TIMEOUT:-600}" \
-    python3 -m gpubench.engine_only "$B/build" ${BENCH_ARGS:-}) 2>&1 | tee "$OUT/bench.log"
+    python3 -m gpubench.engine_only "$B/build" ${ENGINE_ARGS:-}) 2>&1 | tee "$OUT/bench.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 if [[ " $parts " == *" bench "* ]]; then

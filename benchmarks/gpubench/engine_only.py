@@ -3,7 +3,11 @@ the router or the shard's gRPC service), beside the HBM copy bandwidth and HF tr
 in one run. For a GPU call whose bundle has no router (see scripts/gpu_bundle.sh's
 GPU_BUNDLE=tests): it needs only the test binaries' libraries.
 
-    python3 -m gpubench.engine_only BUILD_DIR [MODEL_DIR] [--no-hf] [--ncu]
+    python3 -m gpubench.engine_only BUILD_DIR [MODEL_DIR] [--no-hf] [--ncu] [--overhead]
+
+--overhead also times decode of a model with the 8B shape's 32 layers (so as many kernels per
+step) but tiny matrices (hidden 256, vocabulary 32000): its ms/step is the per-step cost that
+is not the weights' bytes (launches, host work, synchronization), the floor CUDA graphs lower.
 
 --ncu also runs a short engine_bench (16-token prompt, 3 decode steps) under Nsight Compute
 with one metric, the GPU time of every kernel, into $OUT/ncu.csv (or /tmp): the sum over a
@@ -23,7 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from .bandwidth import measure_bandwidth
-from .checkpoint import LLAMA3_8B, make_checkpoint
+from .checkpoint import LLAMA3_8B, TINY, make_checkpoint
 from .common import log
 from .hf_reference import run_hf
 
@@ -49,6 +53,16 @@ def main(argv: list[str]) -> int:
         results["roofline_fraction"] = mb * 1e6 / (ms / 1e3) / bw
         log(f"batch-1 decode {ms:.2f} ms/token = {100 * results['roofline_fraction']:.1f}% of "
             f"the {bw / 1e12:.2f} TB/s copy bandwidth")
+    if "--overhead" in argv:
+        small = Path("/tmp/tgis-bench-overhead")
+        make_checkpoint(small, dict(TINY, num_hidden_layers=32, vocab_size=32000))
+        q = subprocess.run([cmd[0], str(small)] + cmd[2:], capture_output=True, text=True,
+                           timeout=300)
+        print(q.stdout + q.stderr[-2000:], flush=True)
+        step = re.search(r"batch 1: .*\(([0-9.e+]+) ms/step\)", q.stdout)
+        if step:
+            results["overhead_ms_per_step"] = float(step.group(1))
+            log(f"32 tiny layers: {results['overhead_ms_per_step']:.2f} ms/step (not bytes)")
     if "--ncu" in argv:
         ncu = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))),
                                           None)

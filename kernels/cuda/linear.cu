@@ -349,6 +349,89 @@ void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, co
   TGIS_CUDA_LAUNCHED();
 }
 
+// Decode-sized calls (at most kGemvTokens rows of x) on a dense weight: out[t, n] = x[t] . w[n]
+// (+ bias[n]), f32 products and sums. Decode streams every weight once per step, so this is a
+// copy at the HBM's speed or nothing: one warp per output row reads the row in 16-byte loads,
+// four in flight per lane, bypassing L1 (each weight byte is read once; x, re-read by every
+// warp, stays cached). On the H100 cuBLASLt's split-K choices for one row of x ran the 8B
+// shape's o_proj at half the copy bandwidth and added a reduction kernel per GEMM. A token's
+// sum does not depend on how many rows come with it, so decode is batch invariant up to 8.
+template <typename T>
+__device__ __forceinline__ void AccumulateVec(const uint4& wv, const T* x, int64_t in, int64_t col,
+                                              int tokens, float* acc) {
+  constexpr int kVec = 16 / sizeof(T);
+  const T* wp = reinterpret_cast<const T*>(&wv);
+  float wf[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) wf[i] = ToF32(wp[i]);
+#pragma unroll
+  for (int t = 0; t < kGemvTokens; ++t) {
+    if (t < tokens) {
+      const uint4 xv = *reinterpret_cast<const uint4*>(x + t * in + col);
+      const T* xp = reinterpret_cast<const T*>(&xv);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc[t] += wf[i] * ToF32(xp[i]);
+    }
+  }
+}
+
+template <typename T, typename TOut>
+__global__ void DenseGemvKernel(const T* w, int64_t out, int64_t in, const T* x, int tokens,
+                                const T* bias, TOut* y) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kUnroll = 4;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (n >= out) return;  // the whole warp: n is the same for its lanes
+  const uint4* row = reinterpret_cast<const uint4*>(w + n * in);
+  const int64_t vecs = in / kVec;
+  float acc[kGemvTokens] = {};
+  int64_t v = lane;
+  for (; v + 32 * (kUnroll - 1) < vecs; v += 32 * kUnroll) {
+    uint4 wv[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) wv[u] = __ldcs(row + v + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      AccumulateVec<T>(wv[u], x, in, (v + 32 * u) * kVec, tokens, acc);
+  }
+  for (; v < vecs; v += 32) AccumulateVec<T>(__ldcs(row + v), x, in, v * kVec, tokens, acc);
+#pragma unroll
+  for (int t = 0; t < kGemvTokens; ++t) {
+    if (t >= tokens) break;
+    const float sum = WarpSum(acc[t]);
+    if (lane == 0) y[t * out + n] = FromF32<TOut>(bias != nullptr ? sum + ToF32(bias[n]) : sum);
+  }
+}
+
+// Whether DenseGemv takes the call: few rows, whole 16-byte vectors, aligned operands.
+bool DenseGemvTakes(const Tensor& x, const Tensor& w, int64_t rows) {
+  const int64_t vec = 16 / static_cast<int64_t>(DTypeSize(x.dtype()));
+  return rows <= kGemvTokens && w.dim(1) % vec == 0 &&
+         reinterpret_cast<uintptr_t>(w.raw()) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(x.raw()) % 16 == 0;
+}
+
+void DenseGemv(const Tensor& w, const Tensor& x, int64_t tokens, const Tensor* bias, Tensor* out) {
+  const int64_t out_f = w.dim(0), in = w.dim(1);
+  const unsigned blocks = Blocks(out_f, kGemvWarps);
+  const bool f32_out = out->dtype() == DType::kF32;
+  TGIS_DISPATCH_FLOAT(x.dtype(), "Linear", {
+    const T* b = bias != nullptr && bias->defined() ? bias->data<T>() : nullptr;
+    auto launch = [&](auto* y) {
+      using TOut = std::remove_pointer_t<decltype(y)>;
+      DenseGemvKernel<T, TOut><<<blocks, kGemvWarps * 32, 0, Stream()>>>(
+          w.data<T>(), out_f, in, x.data<T>(), static_cast<int>(tokens), b, y);
+    };
+    if (f32_out) {
+      launch(out->data<float>());
+    } else {
+      launch(out->data<T>());
+    }
+  });
+  TGIS_CUDA_LAUNCHED();
+}
+
 // The dense weight of x's dtype that a quantized one stands for, for calls of more tokens than
 // the GEMV takes.
 // TODO(issue 14): a fused int4/int8 GEMM (Marlin style) for prefill in place of this
@@ -406,6 +489,10 @@ void Linear(const Tensor& x, const Tensor& w_in, const Tensor* bias, Tensor* out
     return;
   }
   if (q != nullptr && rows <= kGemvTokens) return QuantizedGemv(*q, x, rows, bias, out);
+  if (q == nullptr && !g_force_fallback.load(std::memory_order_relaxed) &&
+      DenseGemvTakes(x, w_in, rows)) {
+    return DenseGemv(w_in, x, rows, bias, out);
+  }
   const Tensor w = q != nullptr ? DequantizeOnDevice(*q, x.dtype()) : w_in;
   const void* b = has_bias ? bias->raw() : nullptr;
   const uint32_t align = Alignment({w.raw(), x.raw(), b, out->raw()});

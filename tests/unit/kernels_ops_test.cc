@@ -260,9 +260,10 @@ TEST_P(OpsTest, Linear) {
   struct Size {
     int64_t in, out;
   };
-  // Odd sizes (tails of the 8-wide vectors and the 4-row tiles), an aligned one and one that
-  // spans several 512-column chunks.
-  const Size sizes[] = {{67, 35}, {64, 16}, {1030, 45}};
+  // Odd sizes (tails of the 8-wide vectors and the 4-row tiles), an aligned one, one that
+  // spans several 512-column chunks, and one of whole 16-byte vectors past the CUDA decode
+  // GEMV's unrolled stride (32 lanes x 4 loads) with a tail.
+  const Size sizes[] = {{67, 35}, {64, 16}, {1030, 45}, {1032, 21}};
   uint32_t seed = 10;
   for (const auto& [isa, isa_name] : Isas()) {
     cpu::SetIsaForTesting(isa);
@@ -585,6 +586,29 @@ void ExpectBatchInvariant(const Tensor& x, const Tensor& w, int64_t out_f,
     Linear(x.Rows(4, 4 + rows), w, nullptr, &some);
     for (int64_t i = 0; i < rows * out_f; ++i)
       ASSERT_EQ(some.data<float>()[i], all.data<float>()[4 * out_f + i]) << what << " " << rows;
+  }
+}
+
+// On CUDA, decode-sized calls (up to 8 rows) run the dense GEMV: each row's outputs are the
+// same bits alone as beside the others, as the CPU's decode kernels are.
+TEST_P(OpsTest, LinearDecodeRowsAreBatchInvariantOnCuda) {
+  if (device() != Device::kCuda) GTEST_SKIP() << "the CUDA decode GEMV";
+  const int64_t in = 1032, out_f = 45, rows = 8;
+  std::vector<float> ws;
+  const Tensor w = Weight(Random(out_f * in, 91), {out_f, in}, &ws);
+  const Tensor x = Act(Random(rows * in, 92), {rows, in});
+  Tensor all;
+  Linear(x, w, nullptr, &all);
+  const std::vector<float> want = Host(all);
+  for (int64_t n : {1, 3}) {
+    for (int64_t r = 0; r + n <= rows; r += n) {
+      Tensor some;
+      Linear(x.Rows(r, r + n), w, nullptr, &some);
+      const std::vector<float> got = Host(some);
+      for (int64_t i = 0; i < n * out_f; ++i) {
+        ASSERT_EQ(got[i], want[r * out_f + i]) << "rows " << r << ".." << r + n << " at " << i;
+      }
+    }
   }
 }
 
@@ -1127,41 +1151,47 @@ TEST_P(OpsTest, SoftmaxAndLogSoftmaxLargeMagnitudes) {
 
 TEST_P(OpsTest, GreedyPickFirstMaximumAfterBans) {
   if (dtype() != DType::kF32) GTEST_SKIP() << "logits are f32 on every device";
-  const int64_t rows = 4, v = 3001;
-  std::vector<float> x = Random(rows * v, 60, -10, 10);
-  x[0 * v + 17] = 30.0f;  // row 0: a clear winner
-  x[1 * v + 5] = 25.0f;   // row 1: a tie, the first index wins
-  x[1 * v + 2900] = 25.0f;
-  x[2 * v + 40] = 50.0f;  // row 2: the winner is banned (EOS before min_new_tokens)
-  x[2 * v + 41] = 20.0f;
-  const std::vector<int32_t> banned = {-1, -1, -1, -1, 40, -1, -1, -1};  // [R, 2]
-  std::vector<int32_t> want_ids;
-  std::vector<double> want_lp;
-  for (int64_t r = 0; r < rows; ++r) {
-    std::vector<double> row(x.begin() + r * v, x.begin() + (r + 1) * v);
-    for (int64_t m = 0; m < 2; ++m) {
-      if (banned[r * 2 + m] >= 0) row[banned[r * 2 + m]] = -INFINITY;
+  // 3001: two parts of the CUDA kernel's split (the tie spans them); 128256 (Llama 3's
+  // vocabulary): the most parts, the tie between the first and the last.
+  for (const int64_t v : {int64_t{3001}, int64_t{128256}}) {
+    const int64_t rows = 4;
+    std::vector<float> x = Random(rows * v, 60, -10, 10);
+    x[0 * v + 17] = 30.0f;  // row 0: a clear winner
+    x[1 * v + 5] = 25.0f;   // row 1: a tie, the first index wins
+    x[1 * v + v - 101] = 25.0f;
+    x[2 * v + 40] = 50.0f;  // row 2: the winner is banned (EOS before min_new_tokens)
+    x[2 * v + 41] = 20.0f;
+    const std::vector<int32_t> banned = {-1, -1, -1, -1, 40, -1, -1, -1};  // [R, 2]
+    std::vector<int32_t> want_ids;
+    std::vector<double> want_lp;
+    for (int64_t r = 0; r < rows; ++r) {
+      std::vector<double> row(x.begin() + r * v, x.begin() + (r + 1) * v);
+      for (int64_t m = 0; m < 2; ++m) {
+        if (banned[r * 2 + m] >= 0) row[banned[r * 2 + m]] = -INFINITY;
+      }
+      const int64_t best = std::max_element(row.begin(), row.end()) - row.begin();
+      double sum = 0;
+      for (double y : row) sum += std::exp(y - row[best]);
+      want_ids.push_back(static_cast<int32_t>(best));
+      want_lp.push_back(-std::log(sum));
     }
-    const int64_t best = std::max_element(row.begin(), row.end()) - row.begin();
-    double sum = 0;
-    for (double y : row) sum += std::exp(y - row[best]);
-    want_ids.push_back(static_cast<int32_t>(best));
-    want_lp.push_back(-std::log(sum));
+    Tensor logits = Tensor::FromVector(x, {rows, v});
+    Tensor banned_t = Tensor::FromVector(banned, {rows, 2});
+    if (device() != Device::kCpu) {
+      logits = logits.ToDevice(device());
+      banned_t = banned_t.ToDevice(device());
+    }
+    Tensor ids, lps;
+    GreedyPick(&logits, banned_t, &ids, &lps);
+    const Tensor ids_h = ids.device() == Device::kCpu ? ids : ids.ToDevice(Device::kCpu);
+    EXPECT_EQ(std::vector<int32_t>(ids_h.data<int32_t>(), ids_h.data<int32_t>() + rows), want_ids);
+    EXPECT_EQ(want_ids[1], 5);
+    EXPECT_EQ(want_ids[2], 41);
+    // log(sum of exp) over 3001 terms in f32: a few ulps of values up to ~log(3001).
+    // f32 sums over 128256 terms: ten times the slack.
+    ExpectClose(Host(lps), want_lp, std::vector<double>(rows, v > 10000 ? 100.0 : 10.0), 1e-6,
+                "greedy logprob");
   }
-  Tensor logits = Tensor::FromVector(x, {rows, v});
-  Tensor banned_t = Tensor::FromVector(banned, {rows, 2});
-  if (device() != Device::kCpu) {
-    logits = logits.ToDevice(device());
-    banned_t = banned_t.ToDevice(device());
-  }
-  Tensor ids, lps;
-  GreedyPick(&logits, banned_t, &ids, &lps);
-  const Tensor ids_h = ids.device() == Device::kCpu ? ids : ids.ToDevice(Device::kCpu);
-  EXPECT_EQ(std::vector<int32_t>(ids_h.data<int32_t>(), ids_h.data<int32_t>() + rows), want_ids);
-  EXPECT_EQ(want_ids[1], 5);
-  EXPECT_EQ(want_ids[2], 41);
-  // log(sum of exp) over 3001 terms in f32: a few ulps of values up to ~log(3001).
-  ExpectClose(Host(lps), want_lp, std::vector<double>(rows, 10.0), 1e-6, "greedy logprob");
 }
 
 // A row with a NaN or +inf anywhere (not only at its maximum) has no choice: id -1 and a NaN
