@@ -48,7 +48,7 @@ if [[ " $parts " == *" parity "* ]]; then
 fi
 if [[ " $parts " == *" engine "* ]]; then
   (cd benchmarks && PYTHONUNBUFFERED=1 timeout -k 10 "${BENCH_TIMEOUT:-600}" \
-    python3 -m gpubench.engine_only "$B/build" ${ENGINE_ARGS:-}) 2>&1 | tee "$OUT/bench.log"
+    python3 -m gpubench.engine_only "$B/build" ${ENGINE_ARGS:-}) 2>&1 | tee "$OUT/engine.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 if [[ " $parts " == *" bench "* ]]; then
@@ -65,10 +65,11 @@ fi
     echo "== $part"
     grep -E "^\[  (PASSED|FAILED|SKIPPED) +\]|^\[  FAILED  \] .*\(" "$OUT/$part.log" | head -80
   done
-  if [ -f "$OUT/bench.log" ]; then
-    echo "== bench"
-    tail -40 "$OUT/bench.log"
-  fi
+  for part in engine bench; do
+    [ -f "$OUT/$part.log" ] || continue
+    echo "== $part"
+    grep -v "^RESULTS " "$OUT/$part.log" | tail -40
+  done
   echo "== exit $rc"
 } > "$OUT/summary.txt" 2>&1
 exit $rc
