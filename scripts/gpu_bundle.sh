@@ -31,7 +31,7 @@ done
 # Shared libraries, minus glibc's and the GPU stack the device machine brings itself.
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libpthread|libdl\.so|librt\.so|libcuda\.so|libcudart|libcublas|libnccl)'
 # OpenBLAS is dlopen'ed (kernels/cpu/blas.h), so ldd does not list it: add it and its needs.
-blas=$(ldconfig -p | awk '$1 == "libopenblas.so.0" {print $NF; exit}')
+blas=$(ldconfig -p | awk '$1 == "libopenblas.so.0" && !seen {print $NF; seen = 1}')  # no early exit: ldconfig would die of SIGPIPE under pipefail
 test -n "$blas" || { echo "libopenblas.so.0 not found: run make deps" >&2; exit 1; }
 {
   echo "libopenblas.so.0 $blas"
