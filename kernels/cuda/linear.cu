@@ -356,7 +356,7 @@ void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, co
 // warp, stays cached). On the H100 cuBLASLt's split-K choices for one row of x ran the 8B
 // shape's o_proj at half the copy bandwidth and added a reduction kernel per GEMM. A token's
 // sum does not depend on how many rows come with it, so decode is batch invariant up to 8.
-template <typename T>
+template <typename T, int kTokens>
 __device__ __forceinline__ void AccumulateVec(const uint4& wv, const T* x, int64_t in, int64_t col,
                                               int tokens, float* acc) {
   constexpr int kVec = 16 / sizeof(T);
@@ -365,7 +365,7 @@ __device__ __forceinline__ void AccumulateVec(const uint4& wv, const T* x, int64
 #pragma unroll
   for (int i = 0; i < kVec; ++i) wf[i] = ToF32(wp[i]);
 #pragma unroll
-  for (int t = 0; t < kGemvTokens; ++t) {
+  for (int t = 0; t < kTokens; ++t) {
     if (t < tokens) {
       const uint4 xv = *reinterpret_cast<const uint4*>(x + t * in + col);
       const T* xp = reinterpret_cast<const T*>(&xv);
@@ -375,29 +375,51 @@ __device__ __forceinline__ void AccumulateVec(const uint4& wv, const T* x, int64
   }
 }
 
-template <typename T, typename TOut>
-__global__ void DenseGemvKernel(const T* w, int64_t out, int64_t in, const T* x, int tokens,
-                                const T* bias, TOut* y) {
+// kTokens (1, 2, 4 or 8) bounds the rows of x (fewer accumulators, fewer registers). The
+// weight loads are double-buffered: the next chunk's loads are issued before this chunk's
+// arithmetic, so they are in flight while it runs. Without that, ptxas sank each load next to
+// its use to save registers (2 of 4 in flight, SASS showed), and batch-1 decode of the 8B
+// shape ran at 13.5 ms/token against cuBLASLt's 9.0 on the H100.
+template <typename T, typename TOut, int kTokens>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    DenseGemvKernel(const T* w, int64_t out, int64_t in, const T* x, int tokens, const T* bias,
+                    TOut* y) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kUnroll = 4;
+  constexpr int64_t kChunk = 32 * kUnroll;  // vectors per warp and chunk
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (n >= out) return;  // the whole warp: n is the same for its lanes
   const uint4* row = reinterpret_cast<const uint4*>(w + n * in);
-  const int64_t vecs = in / kVec;
-  float acc[kGemvTokens] = {};
-  int64_t v = lane;
-  for (; v + 32 * (kUnroll - 1) < vecs; v += 32 * kUnroll) {
-    uint4 wv[kUnroll];
+  const int64_t vecs = in / kVec, chunks = vecs / kChunk;
+  float acc[kTokens] = {};
+  uint4 cur[kUnroll];
+  if (chunks > 0) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) wv[u] = __ldcs(row + v + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      AccumulateVec<T>(wv[u], x, in, (v + 32 * u) * kVec, tokens, acc);
+    for (int u = 0; u < kUnroll; ++u) cur[u] = __ldcs(row + lane + 32 * u);
   }
-  for (; v < vecs; v += 32) AccumulateVec<T>(__ldcs(row + v), x, in, v * kVec, tokens, acc);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t v = c * kChunk + lane;
+    uint4 next[kUnroll];
+    const bool more = c + 1 < chunks;
+    if (more) {
 #pragma unroll
-  for (int t = 0; t < kGemvTokens; ++t) {
+      for (int u = 0; u < kUnroll; ++u) next[u] = __ldcs(row + v + kChunk + 32 * u);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      AccumulateVec<T, kTokens>(cur[u], x, in, (v + 32 * u) * kVec, tokens, acc);
+    }
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) cur[u] = next[u];
+    }
+  }
+  for (int64_t v = chunks * kChunk + lane; v < vecs; v += 32) {
+    AccumulateVec<T, kTokens>(__ldcs(row + v), x, in, v * kVec, tokens, acc);
+  }
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t) {
     if (t >= tokens) break;
     const float sum = WarpSum(acc[t]);
     if (lane == 0) y[t * out + n] = FromF32<TOut>(bias != nullptr ? sum + ToF32(bias[n]) : sum);
@@ -420,8 +442,20 @@ void DenseGemv(const Tensor& w, const Tensor& x, int64_t tokens, const Tensor* b
     const T* b = bias != nullptr && bias->defined() ? bias->data<T>() : nullptr;
     auto launch = [&](auto* y) {
       using TOut = std::remove_pointer_t<decltype(y)>;
-      DenseGemvKernel<T, TOut><<<blocks, kGemvWarps * 32, 0, Stream()>>>(
-          w.data<T>(), out_f, in, x.data<T>(), static_cast<int>(tokens), b, y);
+      const int k = static_cast<int>(tokens);
+      auto go = [&](auto kernel) {
+        kernel<<<blocks, kGemvWarps * 32, 0, Stream()>>>(w.data<T>(), out_f, in, x.data<T>(), k, b,
+                                                         y);
+      };
+      if (k == 1) {
+        go(DenseGemvKernel<T, TOut, 1>);
+      } else if (k == 2) {
+        go(DenseGemvKernel<T, TOut, 2>);
+      } else if (k <= 4) {
+        go(DenseGemvKernel<T, TOut, 4>);
+      } else {
+        go(DenseGemvKernel<T, TOut, 8>);
+      }
     };
     if (f32_out) {
       launch(out->data<float>());
