@@ -11,14 +11,14 @@ Reports, in one markdown table and a JSON file (--out):
     fraction of the HBM roofline: tok/s x weight bytes read per token (every weight but the
     embedding table) / HBM bandwidth measured in the same run (torch device-to-device copy);
   * time to first token for prompts of 128 and 2048 tokens (median of --ttft-runs);
-  * output tokens/s with 1, 16, 64 and 256 concurrent streams of 1000 in / 1000 out through
+  * output tokens/s with 1, 8, 64 and 256 concurrent streams of 1000 in / 1000 out through
     the public gRPC API, each level for --duration seconds, counting streamed tokens;
   * the same figures (batch 16 with fewer new tokens, see --hf-new-tokens) from HF
     transformers, when a python with torch (CUDA) and transformers is found, after our server
     has been stopped (so that both get the whole GPU).
 
     python3 benchmarks/gpu_bench.py                                   # H100: ~5-7 minutes
-    python3 benchmarks/gpu_bench.py --levels 1,16 --duration 20 --no-hf
+    python3 benchmarks/gpu_bench.py --levels 1,8 --duration 20 --no-hf
     python3 benchmarks/gpu_bench.py --tiny --device cpu --levels 1,4 --duration 5 \\
         --model-dir /tmp/tgis-bench-tiny                              # smoke test on a CPU
 """

@@ -32,8 +32,8 @@ def parse_args(argv=None, description: str | None = None):
                     help="TGIS_DEVICE for the shard (default cuda)")
     ap.add_argument("--dtype", default="bfloat16", help="DTYPE_STR (default bfloat16)")
     ap.add_argument("--build-dir", default="build")
-    ap.add_argument("--levels", type=ints, default=[1, 16, 64, 256],
-                    help="concurrent streams per level (default 1,16,64,256)")
+    ap.add_argument("--levels", type=ints, default=[1, 8, 64, 256],
+                    help="concurrent streams per level (default 1,8,64,256, the issue's)")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per level (default 30)")
     ap.add_argument("--level-prompt", type=int, default=1000, help="input tokens per level request")
     ap.add_argument("--level-new", type=int, default=1000, help="new tokens per level request")
