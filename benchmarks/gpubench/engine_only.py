@@ -4,6 +4,7 @@ in one run. For a GPU call whose bundle has no router (see scripts/gpu_bundle.sh
 GPU_BUNDLE=tests): it needs only the test binaries' libraries.
 
     python3 -m gpubench.engine_only BUILD_DIR [MODEL_DIR] [--no-hf] [--ncu] [--overhead]
+                                    [--prefill N]
 
 --overhead also times decode of a model with the 8B shape's 32 layers (so as many kernels per
 step) but tiny matrices (hidden 256, vocabulary 32000): its ms/step is the per-step cost that
@@ -53,6 +54,16 @@ def main(argv: list[str]) -> int:
         results["roofline_fraction"] = mb * 1e6 / (ms / 1e3) / bw
         log(f"batch-1 decode {ms:.2f} ms/token = {100 * results['roofline_fraction']:.1f}% of "
             f"the {bw / 1e12:.2f} TB/s copy bandwidth")
+    if "--prefill" in argv:  # --prefill N: time to first token of an N-token prompt, alone
+        n = argv[argv.index("--prefill") + 1]
+        q = subprocess.run([cmd[0], str(model_dir), "--device", "cuda", "--dtype", "bfloat16",
+                            "--prompt", n, "--steps", "8", "--batches", "1"],
+                           capture_output=True, text=True, timeout=300)
+        print(q.stdout + q.stderr[-2000:], flush=True)
+        rate = re.search(r"batch 1: prefill ([0-9.e+]+) tok/s", q.stdout)
+        if rate:
+            results[f"prefill_{n}_ms"] = int(n) / float(rate.group(1)) * 1e3
+            log(f"prefill of {n} tokens: {results[f'prefill_{n}_ms']:.1f} ms")
     if "--overhead" in argv:
         small = Path("/tmp/tgis-bench-overhead")
         make_checkpoint(small, dict(TINY, num_hidden_layers=32, vocab_size=32000))

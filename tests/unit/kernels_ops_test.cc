@@ -1619,6 +1619,27 @@ TEST_P(OpsTest, PagedAttentionLongPrefillGqa8) {
   c.alibi = true;
   RunAttention(this, c, dtype(), device(), tol());
 }
+// Prefill-shaped batches (CUDA's tiled kernel: 8 or more query rows per sequence): a 100-token
+// prompt (7 tiles, the last partial) beside a decode at 1700 and a chunk at 1300 (one tile
+// each, over many key chunks), at the head sizes the tiled kernel takes; with a window and
+// ALiBi; and not causal (an encoder's prompt).
+TEST_P(OpsTest, PagedAttentionTiledPrefill) {
+  for (int64_t d : {64, 80, 128}) {
+    SCOPED_TRACE("head_dim " + std::to_string(d));
+    AttnCase c{8, 2, 0, false, /*long_context=*/true};
+    c.d = d;
+    c.long_prefill = 100;
+    RunAttention(this, c, dtype(), device(), tol());
+  }
+  AttnCase c{4, 1, 40, true, /*long_context=*/true};
+  c.d = 64;
+  c.long_prefill = 100;
+  RunAttention(this, c, dtype(), device(), tol());
+  AttnCase e{8, 2, 0, false, false, /*causal=*/false};
+  e.d = 64;
+  e.long_prefill = 100;
+  RunAttention(this, e, dtype(), device(), tol());
+}
 // Encoders and cross-attention: every query sees the whole context.
 TEST_P(OpsTest, PagedAttentionNotCausal) {
   RunAttention(this, {8, 2, 0, false, false, /*causal=*/false}, dtype(), device(), tol());
