@@ -5,6 +5,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -373,6 +374,60 @@ QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_
   });
   if (nonfinite_row != nullptr && bad.load() < out) *nonfinite_row = bad.load();
   return BuildQuantized(8, out, in, codes, std::vector<int32_t>(in, 0), 1, scales, zeros);
+}
+
+bool QuantizeBlocks4(const Tensor& w, int64_t block, const std::vector<float>& table,
+                     std::vector<uint8_t>* codes, std::vector<float>* absmax,
+                     int64_t* nonfinite_row) {
+  TGIS_CHECK(w.rank() == 2 && w.device() == Device::kCpu && !w.quantized(),
+             "QuantizeBlocks4: w must be a dense [out, in] CPU tensor");
+  TGIS_CHECK(table.size() == 16 && block > 0 && w.dim(1) % block == 0,
+             "QuantizeBlocks4: 16 table values and rows of whole blocks");
+  const Tensor f = w.dtype() == DType::kF32 ? w : w.To(DType::kF32);
+  const int64_t out = f.dim(0), in = f.dim(1), groups = in / block;
+  // The code of x is the number of midpoints of the sorted table below it (lower_bound's
+  // index), mapped back to the table's own order: 15 compares without a branch.
+  std::array<int, 16> order;
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return table[a] < table[b]; });
+  float mid[15];
+  for (int i = 0; i < 15; ++i) mid[i] = (table[order[i]] + table[order[i + 1]]) / 2.f;
+  codes->assign(out * in, 0);
+  absmax->assign(out * groups, 0.f);
+  std::atomic<int64_t> bad{out};  // the first row that is not finite (out: none)
+  cpu::ParallelFor(out, 4, [&](int64_t first, int64_t last) {
+    for (int64_t n = first; n < last; ++n) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* v = f.data<float>() + n * in + g * block;
+        float m = 0.f;
+        bool finite = true;
+        for (int64_t k = 0; k < block; ++k) {
+          finite &= std::isfinite(v[k]);
+          m = std::max(m, std::fabs(v[k]));
+        }
+        if (!finite) {
+          int64_t seen = bad.load();
+          while (n < seen && !bad.compare_exchange_weak(seen, n)) {
+          }
+          break;
+        }
+        (*absmax)[n * groups + g] = m;
+        const float inv = 1.f / std::max(m, 1e-38f);
+        uint8_t* dst = codes->data() + n * in + g * block;
+        for (int64_t k = 0; k < block; ++k) {
+          const float x = std::clamp(v[k] * inv, -1.f, 1.f);
+          int below = 0;
+          for (int i = 0; i < 15; ++i) below += mid[i] < x;
+          dst[k] = static_cast<uint8_t>(order[below]);
+        }
+      }
+    }
+  });
+  if (bad.load() < out) {
+    *nonfinite_row = bad.load();
+    return false;
+  }
+  return true;
 }
 
 QuantizedWeight BuildFp8Rows(int64_t out, int64_t in, const std::vector<uint8_t>& codes,

@@ -117,6 +117,16 @@ Tensor Dequantize(const QuantizedWeight& q);
 QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_absmax = nullptr,
                                  int64_t* nonfinite_row = nullptr);
 
+// bitsandbytes' quantize_4bit on whole rows of a dense [out, in] CPU weight: per block of
+// `block` columns, absmax ([out, in / block], into *absmax) and, per weight, the index into
+// `table` (16 values) of the value nearest w / absmax clamped to [-1, 1], a value on a
+// midpoint taking the lower one as torch.bucketize does (into *codes, [out * in]). `in` must be
+// a multiple of `block`. Rows over the CPU threads. A row holding a NaN or an infinity has no
+// such form: false, and its index (the first such row) in *nonfinite_row.
+bool QuantizeBlocks4(const Tensor& w, int64_t block, const std::vector<float>& table,
+                     std::vector<uint8_t>* codes, std::vector<float>* absmax,
+                     int64_t* nonfinite_row);
+
 // An fp8 weight: `codes` [out * in] float8 e4m3fn bytes (no NaN), one scale per row.
 QuantizedWeight BuildFp8Rows(int64_t out, int64_t in, const std::vector<uint8_t>& codes,
                              const std::vector<float>& row_scales);

@@ -279,46 +279,21 @@ absl::StatusOr<Tensor> LoadBnb4Linear(const WeightStore& w, const QuantConfig& q
 absl::StatusOr<Tensor> QuantizeBnb4AtLoad(const Tensor& dense, const std::string& type, Range cols,
                                           const std::string& name) {
   constexpr int64_t kBlock = 64;  // bitsandbytes' quantize_4bit default
-  const Tensor w = dense.dtype() == DType::kF32 ? dense : dense.To(DType::kF32);
-  const int64_t out = w.dim(0), in = w.dim(1);
+  const int64_t out = dense.dim(0), in = dense.dim(1);
   if (in % kBlock != 0) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": rows of ", in,
                                                    " weights are not whole blocks of ", kBlock,
                                                    " (--quantize bitsandbytes-", type, ")"));
   }
   const std::vector<float> table = Table(type);
-  // bitsandbytes' quantize_4bit (its default op): the nearest table value of w * (1 / absmax),
-  // clamped to [-1, 1], found among the midpoints of the sorted table (a value on a midpoint
-  // takes the lower one, as torch.bucketize does).
-  std::vector<int> order(16);
-  for (int i = 0; i < 16; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return table[a] < table[b]; });
-  float mid[15];
-  for (int i = 0; i < 15; ++i) mid[i] = (table[order[i]] + table[order[i + 1]]) / 2.f;
-  const int64_t groups = in / kBlock;
-  std::vector<float> absmax(out * groups);
-  std::vector<uint8_t> codes(out * in);
-  const float* src = w.data<float>();
-  for (int64_t n = 0; n < out; ++n) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* v = src + n * in + g * kBlock;
-      float m = 0.f;
-      for (int64_t k = 0; k < kBlock; ++k) {
-        if (!std::isfinite(v[k])) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              name, ": row ", n, " holds a NaN or an infinity, which --quantize bitsandbytes-",
-              type, " cannot hold"));
-        }
-        m = std::max(m, std::fabs(v[k]));
-      }
-      absmax[n * groups + g] = m;
-      const float inv = 1.f / std::max(m, 1e-38f);
-      for (int64_t k = 0; k < kBlock; ++k) {
-        const float x = std::clamp(v[k] * inv, -1.f, 1.f);
-        codes[n * in + g * kBlock + k] =
-            static_cast<uint8_t>(order[std::lower_bound(mid, mid + 15, x) - mid]);
-      }
-    }
+  std::vector<uint8_t> codes;
+  std::vector<float> absmax;
+  int64_t bad_row = -1;
+  if (!kernels::QuantizeBlocks4(dense, kBlock, table, &codes, &absmax, &bad_row)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": row ", bad_row,
+                                                   " holds a NaN or an infinity, which "
+                                                   "--quantize bitsandbytes-",
+                                                   type, " cannot hold"));
   }
   LinearSlice all;
   for (int64_t n = 0; n < out; ++n) all.rows.push_back(n);
