@@ -59,7 +59,10 @@ def parse_args(argv=None, description: str | None = None):
                     help="seconds to wait for the server to go idle after a level")
     ap.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     ap.add_argument("--hf-python", help="python with torch (CUDA) and transformers")
-    ap.add_argument("--hf-timeout", type=float, default=240.0, help="seconds for the HF run")
+    ap.add_argument("--hf-timeout", type=float, default=360.0,
+                    help="seconds for the HF run (its torch.compile anchor compiles for ~1-2 min)")
+    ap.add_argument("--no-hf-compile", action="store_true",
+                    help="skip HF's static cache + torch.compile decode (the gpt-fast anchor)")
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--hf-new-tokens", type=int, default=200,
                     help="new tokens per sequence in HF's batch run (default 200)")

@@ -15,6 +15,7 @@ lengths = [int(x) for x in sys.argv[2].split(",")]
 runs, dprompt, dnew = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 batch, bprompt, bnew = int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8])
 dev = sys.argv[9] if len(sys.argv) > 9 else "cuda"
+compile_decode = (sys.argv[10] if len(sys.argv) > 10 else "1") == "1"
 def sync():
     if dev == "cuda":
         torch.cuda.synchronize()
@@ -70,6 +71,23 @@ emit(batch={"batch": batch, "prompt_tokens": bprompt, "new_tokens": bnew, "secon
             "output_tokens_per_s": batch * bnew / total})
 if dev == "cuda":
     emit(max_memory_allocated_gb=torch.cuda.max_memory_allocated() / 1e9)
+# The fast way to run a model in PyTorch (gpt-fast): a static KV cache and the forward under
+# torch.compile (CUDA graphs by mode="reduce-overhead"). Last, because the compiled forward
+# stays; its compile time is reported, and a failure is reported, not fatal.
+if dev == "cuda" and hasattr(torch, "compile") and compile_decode:
+    try:
+        t1 = time.perf_counter()
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        for _ in range(2):
+            gen(ids(1, dprompt), 16)  # compiles prefill and decode, then a warm run
+        compile_s = time.perf_counter() - t1
+        one = statistics.median(gen(ids(1, dprompt), 1) for _ in range(3))
+        total = gen(ids(1, dprompt), dnew)
+        emit(decode_compiled={"tokens_per_s": (dnew - 1) / (total - one), "total_s": total,
+                              "prefill_s": one, "compile_s": compile_s})
+    except Exception as e:  # noqa: BLE001 (any failure of the optional anchor)
+        emit(decode_compiled={"error": f"{type(e).__name__}: {e}"[:400]})
 '''
 
 
@@ -78,5 +96,6 @@ def run_hf(torch_py: str, model_dir: Path, args) -> dict:
         torch_py, HF_SCRIPT,
         [str(model_dir), ",".join(map(str, args.ttft_lengths)), str(args.ttft_runs),
          str(args.decode_prompt), str(args.decode_tokens), str(args.hf_batch),
-         str(args.level_prompt), str(args.hf_new_tokens)],
+         str(args.level_prompt), str(args.hf_new_tokens), "cuda",
+         "0" if getattr(args, "no_hf_compile", False) else "1"],
         args.hf_timeout, "HF transformers")

@@ -51,6 +51,13 @@ def report(results: dict, args) -> str:
     hd = hf.get("decode", {}).get("tokens_per_s")
     lines.append(f"| batch-1 decode tok/s ({args.decode_prompt} in, {args.decode_tokens} out, decode part) "
                  f"| {fmt(d)} | {fmt(hd)} | {fmt(ratio(d, hd), '.2f')} |")
+    dc = hf.get("decode_compiled", {})
+    if dc.get("tokens_per_s") or dc.get("error"):
+        hc = dc.get("tokens_per_s")
+        what = fmt(hc) if hc else "failed: " + dc["error"].splitlines()[0][:80]
+        lines.append(f"| batch-1 decode tok/s, HF with a static cache + torch.compile "
+                     f"(compiled in {fmt(dc.get('compile_s'))} s) | {fmt(d)} | {what} | "
+                     f"{fmt(ratio(d, hc), '.2f')} |")
     if bw.get("hbm_bytes_per_s"):
         roof = bw["hbm_bytes_per_s"] / bpt
         f_ours = d * bpt / bw["hbm_bytes_per_s"] if d else None
