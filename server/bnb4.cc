@@ -278,7 +278,7 @@ absl::StatusOr<Tensor> LoadBnb4Linear(const WeightStore& w, const QuantConfig& q
 
 absl::StatusOr<Tensor> QuantizeBnb4AtLoad(const Tensor& dense, const std::string& type, Range cols,
                                           const std::string& name) {
-  constexpr int64_t kBlock = 64;  // bitsandbytes' quantize_4bit default
+  constexpr int64_t kBlock = kBnb4AtLoadBlock;
   const int64_t out = dense.dim(0), in = dense.dim(1);
   if (in % kBlock != 0) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": rows of ", in,

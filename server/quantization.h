@@ -136,9 +136,11 @@ absl::StatusOr<kernels::Tensor> LoadBnb4Linear(const WeightStore& w, const Quant
                                                const std::string& prefix,
                                                const std::vector<Range>& rows,
                                                std::optional<ColumnSlice> cols);
-// bitsandbytes' quantize_4bit (`type` nf4 or fp4, blocks of 64 along each row, the blocks'
-// absmax kept in f32: no double quantization) of a dense [out, in] weight, columns `cols` of
-// it kept (a tensor-parallel slice quantized as the whole rows are); errors name `name`.
+// bitsandbytes' quantize_4bit (`type` nf4 or fp4, blocks of kBnb4AtLoadBlock along each row,
+// the blocks' absmax kept in f32: no double quantization) of a dense [out, in] weight, columns
+// `cols` of it kept (a tensor-parallel slice quantized as the whole rows are); errors name
+// `name`.
+inline constexpr int64_t kBnb4AtLoadBlock = 64;  // bitsandbytes' quantize_4bit default
 absl::StatusOr<kernels::Tensor> QuantizeBnb4AtLoad(const kernels::Tensor& dense,
                                                    const std::string& type, Range cols,
                                                    const std::string& name);

@@ -308,8 +308,14 @@ absl::StatusOr<Tensor> ShardedLoader::InputColumns(const std::string& name, Rang
     // Whole: a view when the dtype matches.
     return MaybeQuantizeAtLoad(name, Select(*t, 0, {{0, t->dim(0)}}, false, dtype_));
   }
-  if (const QuantMethod m = w_.quantization().method;
-      m == QuantMethod::kInt8AtLoad || m == QuantMethod::kBnb4AtLoad) {
+  const QuantMethod m = w_.quantization().method;
+  if (m == QuantMethod::kBnb4AtLoad && range.begin % kBnb4AtLoadBlock == 0 &&
+      range.size() % kBnb4AtLoadBlock == 0) {
+    // Whole 4-bit blocks: each block's absmax is its own, so this rank's columns quantize
+    // alone as they would in the whole rows (not world size times the work at start).
+    return MaybeQuantizeAtLoad(name, Select(*t, dim, {range}, conv1d, dtype_));
+  }
+  if (m == QuantMethod::kInt8AtLoad || m == QuantMethod::kBnb4AtLoad) {
     // Row scales (int8) or blocks (4 bits) from the whole rows, so that every world size
     // quantizes alike.
     const Tensor whole = Select(*t, 0, {{0, t->dim(0)}}, conv1d, dtype_);
