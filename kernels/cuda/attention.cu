@@ -428,31 +428,32 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   PrepareOut(out, q.shape(), q.dtype(), op);
   if (t == 0 || num_seqs == 0) return;
 
+  AttnParams p{batch.query_start.data<int>(),
+               batch.context_lens.data<int>(),
+               batch.block_tables.data<int>(),
+               static_cast<int>(batch.block_tables.dim(1)),
+               static_cast<int>(num_seqs),
+               batch.block_size,
+               static_cast<int>(hq),
+               static_cast<int>(hk),
+               static_cast<int>(d),
+               scale,
+               sliding_window,
+               alibi,
+               batch.causal,
+               relative ? bias->relative_table.data<float>() : nullptr,
+               relative ? bias->num_buckets : 0,
+               relative ? bias->max_distance : 0,
+               relative && bias->bidirectional,
+               /*partitions=*/1,
+               /*keys_per_part=*/1};
+  Slopes slopes{};
+  if (alibi) std::copy(alibi_slopes->begin(), alibi_slopes->end(), slopes.v);
+
   // Prefill-shaped batches (8 or more query rows per sequence on average) take the tiled
   // kernel; decode steps, and the T5 relative bias and head sizes over 128 it does not
   // cover, the per-row one with its key partitions.
   if (!relative && d <= kTileMaxDim && t >= 8 * num_seqs) {
-    AttnParams p{batch.query_start.data<int>(),
-                 batch.context_lens.data<int>(),
-                 batch.block_tables.data<int>(),
-                 static_cast<int>(batch.block_tables.dim(1)),
-                 static_cast<int>(num_seqs),
-                 batch.block_size,
-                 static_cast<int>(hq),
-                 static_cast<int>(hk),
-                 static_cast<int>(d),
-                 scale,
-                 sliding_window,
-                 alibi,
-                 batch.causal,
-                 nullptr,
-                 0,
-                 0,
-                 false,
-                 1,
-                 1};
-    Slopes slopes{};
-    if (alibi) std::copy(alibi_slopes->begin(), alibi_slopes->end(), slopes.v);
     // At most t / kTileQ + num_seqs tiles: each sequence's last one may be partial.
     const dim3 grid(static_cast<unsigned>((t + kTileQ - 1) / kTileQ + num_seqs),
                     static_cast<unsigned>(hq));
@@ -479,29 +480,8 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   const int64_t cap = std::max<int64_t>(1, kWorkspaceBytes / std::max<int64_t>(1, per_partition));
   const int partitions =
       static_cast<int>(std::clamp<int64_t>((keys + kChunk - 1) / kChunk, 1, cap));
-  const int keys_per_part = static_cast<int>((keys + partitions - 1) / partitions);
-
-  AttnParams p{batch.query_start.data<int>(),
-               batch.context_lens.data<int>(),
-               batch.block_tables.data<int>(),
-               static_cast<int>(batch.block_tables.dim(1)),
-               static_cast<int>(num_seqs),
-               batch.block_size,
-               static_cast<int>(hq),
-               static_cast<int>(hk),
-               static_cast<int>(d),
-               scale,
-               sliding_window,
-               alibi,
-               batch.causal,
-               relative ? bias->relative_table.data<float>() : nullptr,
-               relative ? bias->num_buckets : 0,
-               relative ? bias->max_distance : 0,
-               relative && bias->bidirectional,
-               partitions,
-               std::max(1, keys_per_part)};
-  Slopes slopes{};
-  if (alibi) std::copy(alibi_slopes->begin(), alibi_slopes->end(), slopes.v);
+  p.partitions = partitions;
+  p.keys_per_part = std::max(1, static_cast<int>((keys + partitions - 1) / partitions));
   Tensor m, l, acc;
   if (partitions > 1) {
     m = Tensor::Empty({t, hq, partitions}, DType::kF32, Device::kCuda);
