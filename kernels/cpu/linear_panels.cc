@@ -57,8 +57,8 @@ size_t BytesOf(const CodePanels& p) {
 std::shared_ptr<const CodePanels> Build(const QuantizedWeight& q) {
   TGIS_CHECK(!q.codes_only_in_panels,
              "a copy of a weight whose codes were kept only in its panels has neither");
-  if ((q.bits != 4 && q.bits != 8) || q.fp8 || !q.codebook.empty() || q.codes.device() != Device::kCpu || !CpuHasAvx2() ||
-      !WholeBlockRuns(&q)) {
+  if ((q.bits != 4 && q.bits != 8) || q.fp8 || !q.codebook.empty() ||
+      q.codes.device() != Device::kCpu || !CpuHasAvx2() || !WholeBlockRuns(&q)) {
     return nullptr;
   }
   // Counted while they live.
