@@ -94,7 +94,8 @@ const std::vector<FlagSpec>& Specs() {
        .env = "QUANTIZE",
        .group = Group::kModel,
        .field = &L::quantize,
-       .help = "Quantization: gptq, awq, fp8, compressed-tensors or bitsandbytes (a checkpoint "
+       .help = "Quantization: gptq, awq, fp8, compressed-tensors, auto-round or bitsandbytes (a "
+               "checkpoint "
                "quantized so; detected without the flag), bitsandbytes (int8 weights quantized "
                "at load), bitsandbytes-nf4 or bitsandbytes-fp4 (4-bit weights quantized at load, "
                "as TGI)"},
@@ -650,8 +651,8 @@ absl::StatusOr<LaunchSettings> CheckLauncherFlags(const LauncherFlags& flags,
   // TGIS's values (gptq, bitsandbytes) and ours; the shard checks them against the checkpoint
   // (server/quantization.h).
   static const std::vector<std::string> kQuantize = {
-      "gptq", "bitsandbytes", "bitsandbytes-nf4",  "bitsandbytes-fp4",
-      "awq",  "fp8",          "compressed-tensors"};
+      "gptq", "bitsandbytes", "bitsandbytes-nf4",   "bitsandbytes-fp4",
+      "awq",  "fp8",          "compressed-tensors", "auto-round"};
   if (flags.quantize) {
     if (std::find(kQuantize.begin(), kQuantize.end(), *flags.quantize) == kQuantize.end()) {
       return absl::InvalidArgumentError(absl::StrCat(

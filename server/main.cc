@@ -71,7 +71,8 @@ DEFINE_bool(prefix_caching, true,
             "rest; outputs are unchanged (env PREFIX_CACHING)");
 DEFINE_string(
     quantize, "",
-    "Quantization: gptq, awq, fp8, compressed-tensors or bitsandbytes (the checkpoint's own; "
+    "Quantization: gptq, awq, fp8, compressed-tensors, auto-round or bitsandbytes (the "
+    "checkpoint's own; "
     "detected without the flag), bitsandbytes (int8 weights quantized at load, per output "
     "row), bitsandbytes-nf4 or bitsandbytes-fp4 (4-bit codes in blocks of 64 quantized at "
     "load); empty: what the checkpoint says (env QUANTIZE)");

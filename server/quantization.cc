@@ -396,8 +396,8 @@ absl::Status ReadDynamic(const fs::path& file, const std::string& object_key,
 
 const std::vector<std::string>& QuantizeFlagValues() {
   static const std::vector<std::string> v = {
-      "gptq", "bitsandbytes", "bitsandbytes-nf4",  "bitsandbytes-fp4",
-      "awq",  "fp8",          "compressed-tensors"};
+      "gptq", "bitsandbytes", "bitsandbytes-nf4",   "bitsandbytes-fp4",
+      "awq",  "fp8",          "compressed-tensors", "auto-round"};
   return v;
 }
 
@@ -456,12 +456,14 @@ absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const 
     q.source = "--quantize " + *flag;
     return q;
   }
-  // fp8: float8 weights of any origin; compressed-tensors: any scheme of that format (vLLM's
-  // --quantization value).
-  const bool matches = *flag == "gptq"  ? found.method == QuantMethod::kGptq
-                       : *flag == "awq" ? found.method == QuantMethod::kAwq
-                       : *flag == "fp8" ? found.method == QuantMethod::kFp8
-                                        : found.quant_method == "compressed-tensors";
+  // fp8: float8 weights of any origin; compressed-tensors and auto-round: any scheme of that
+  // format (vLLM's --quantization values; AutoRound's older exports say intel/auto-round).
+  const bool matches = *flag == "gptq"         ? found.method == QuantMethod::kGptq
+                       : *flag == "awq"        ? found.method == QuantMethod::kAwq
+                       : *flag == "fp8"        ? found.method == QuantMethod::kFp8
+                       : *flag == "auto-round" ? found.quant_method == "auto-round" ||
+                                                     found.quant_method == "intel/auto-round"
+                                               : found.quant_method == "compressed-tensors";
   if (!matches) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--quantize ", *flag, ": ", model_dir,

@@ -197,7 +197,7 @@ TEST_F(LoaderTest, QuantizationConfigsAreCheckedAgainstTheFlag) {
   expect_error("gptq", "has no quantization config");
   expect_error("nf4",
                "--quantize 'nf4': expected one of gptq, bitsandbytes, bitsandbytes-nf4, "
-               "bitsandbytes-fp4, awq, fp8, compressed-tensors");
+               "bitsandbytes-fp4, awq, fp8, compressed-tensors, auto-round");
   const Json gptq = {{"quant_method", "gptq"},
                      {"bits", 4},
                      {"group_size", 128},
@@ -208,6 +208,7 @@ TEST_F(LoaderTest, QuantizationConfigsAreCheckedAgainstTheFlag) {
   EXPECT_TRUE(read("gptq").ok());
   expect_error("bitsandbytes", "already quantized");
   expect_error("awq", "is quantized otherwise");
+  expect_error("auto-round", "is quantized otherwise");  // a GPTQ checkpoint of another tool
   EditConfig([&](Json& c) { c["quantization_config"]["bits"] = 3; });
   expect_error(std::nullopt, "quantization_config: bits = 3");
   EditConfig([&](Json& c) {
@@ -376,7 +377,8 @@ TEST_F(LoaderTest, AutoRoundCheckpointsAreReadStrictly) {
   };
   with([](OrderedJson&) {});
   EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
-  EXPECT_TRUE(ReadQuant("gptq").ok());  // AutoGPTQ's packing
+  EXPECT_TRUE(ReadQuant("gptq").ok());        // AutoGPTQ's packing
+  EXPECT_TRUE(ReadQuant("auto-round").ok());  // vLLM's name for the format
   ExpectError(ReadQuant("awq"), "is quantized otherwise");
   // Sorted, ".*layers\.1\..*" (4 bits in groups of 64) comes before the rule that gave layer
   // 1's gate_proj 8 bits per channel.
@@ -399,6 +401,7 @@ TEST_F(LoaderTest, AutoRoundCheckpointsAreReadStrictly) {
     q["backend"] = "auto_round:gptq:exllamav2";
   });
   EXPECT_TRUE(BuildQuantized().ok()) << BuildQuantized();
+  EXPECT_TRUE(ReadQuant("auto-round").ok());
   // What the server cannot honour names itself.
   auto expect = [&](const std::function<void(OrderedJson&)>& edit, const std::string& text) {
     with(edit);
