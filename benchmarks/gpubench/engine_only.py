@@ -10,6 +10,8 @@ GPU_BUNDLE=tests): it needs only the test binaries' libraries.
 step) but tiny matrices (hidden 256, vocabulary 32000): its ms/step is the per-step cost that
 is not the weights' bytes (launches, host work, synchronization), the floor CUDA graphs lower.
 
+--prefill N also times the first token of one N-token prompt alone (engine_bench --prompt N).
+
 --ncu also runs a short engine_bench (16-token prompt, 3 decode steps) under Nsight Compute
 with one metric, the GPU time of every kernel, into $OUT/ncu.csv (or /tmp): the sum over a
 decode step's kernels against the step's wall time separates kernel time from host overhead.
