@@ -316,6 +316,17 @@ __attribute__((target("avx2"))) void Int8CodesAvx2(const float* row, int64_t in,
 
 }  // namespace
 
+namespace {
+
+// *first = min(*first, row), from any thread: the first row that failed, whichever found it.
+void KeepFirstRow(std::atomic<int64_t>* first, int64_t row) {
+  int64_t seen = first->load();
+  while (row < seen && !first->compare_exchange_weak(seen, row)) {
+  }
+}
+
+}  // namespace
+
 QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_absmax,
                                  int64_t* nonfinite_row) {
   TGIS_CHECK(w.rank() == 2 && w.device() == Device::kCpu && !w.quantized(),
@@ -353,9 +364,7 @@ QuantizedWeight QuantizeInt8Rows(const Tensor& w, const std::vector<float>* row_
         TGIS_CHECK(nonfinite_row != nullptr,
                    "QuantizeInt8Rows: row %lld holds a NaN or an infinity",
                    static_cast<long long>(n));
-        int64_t seen = bad.load();
-        while (n < seen && !bad.compare_exchange_weak(seen, n)) {
-        }
+        KeepFirstRow(&bad, n);
         scales[n] = 0.f;  // the row's codes stay 0: a weight the caller discards
         continue;
       }
@@ -406,9 +415,7 @@ bool QuantizeBlocks4(const Tensor& w, int64_t block, const std::vector<float>& t
           m = std::max(m, std::fabs(v[k]));
         }
         if (!finite) {
-          int64_t seen = bad.load();
-          while (n < seen && !bad.compare_exchange_weak(seen, n)) {
-          }
+          KeepFirstRow(&bad, n);
           break;
         }
         (*absmax)[n * groups + g] = m;
