@@ -138,6 +138,12 @@ void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mappin
                 slot_mapping, cache);
 }
 
+void QkvToCache(const Tensor& qkv, const RotaryConfig* rotary, const Tensor& positions,
+                const Tensor& slot_mapping, Tensor* q, KvCacheLayer* cache) {
+  TGIS_DISPATCH(QkvToCache, TGIS_TENSORS(&qkv, &positions, &slot_mapping, q, &cache->k, &cache->v),
+                qkv, rotary, positions, slot_mapping, q, cache);
+}
+
 void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
                     float scale, int sliding_window, const AttentionBias* bias, Tensor* out) {
   const Tensor* table =

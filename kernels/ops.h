@@ -127,6 +127,14 @@ struct KvCacheLayer {
 void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
                      KvCacheLayer* cache);
 
+// The attention inputs of a fused projection qkv: [T, (Hq + 2 Hk) * D] (q | k | v columns) in
+// one pass: q: [T, Hq, D] gets the q columns, rotated by `positions` when `rotary` is given;
+// the k columns (rotated alike) and the v columns go into the cache at slot_mapping[t]
+// (negative: skipped). Bit for bit what CopyColumns into q, k, v, then Rotary, then
+// ReshapeAndCache give; a decode step launches one kernel per layer instead of five.
+void QkvToCache(const Tensor& qkv, const RotaryConfig* rotary, const Tensor& positions,
+                const Tensor& slot_mapping, Tensor* q, KvCacheLayer* cache);
+
 // Attention over a ragged batch whose keys/values are all in the paged cache (the new tokens'
 // too: call ReshapeAndCache first). Sequence s owns query rows [query_start[s],
 // query_start[s+1]) which are its last (query_start[s+1]-query_start[s]) positions of

@@ -321,10 +321,6 @@ void CausalLM::Mlp(const LayerWeights& w, const Tensor& x, Tensor* out) const {
 }
 
 void CausalLM::Rotate(const ForwardInput& in, Tensor* q, Tensor* k) const {
-  if (!spec_.rope_by_length) {
-    kernels::Rotary(spec_.rotary, in.positions, q, k);
-    return;
-  }
   const std::vector<int32_t>& starts = in.host_query_start;
   const std::vector<int32_t>& lens = in.host_context_lens;
   const int64_t original = spec_.rope_by_length->original_max_positions;
@@ -387,7 +383,17 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
   Tensor x = InputRows(in);
   Tensor h = Buf({t, s.hidden});
   Tensor qkv = Buf({t, (hq + 2 * hk) * d});
-  Tensor q = Buf({t, hq, d}), k = Buf({t, hk, d}), v = Buf({t, hk, d});
+  Tensor q = Buf({t, hq, d});
+  // Rotary frequencies that depend on each sequence's length (Phi-3's longrope) rotate runs of
+  // rows apart, through k and v buffers; every other model splits, rotates and caches q|k|v in
+  // one op.
+  const bool split_apart = s.position == PositionKind::kRotary && s.rope_by_length.has_value();
+  Tensor k, v;
+  if (split_apart) {
+    k = Buf({t, hk, d});
+    v = Buf({t, hk, d});
+  }
+  const kernels::RotaryConfig* rotary = s.position == PositionKind::kRotary ? &s.rotary : nullptr;
   Tensor attn = Buf({t, hq, d});
   Tensor o = Buf({t, s.hidden});
   Tensor m = Buf({t, s.hidden});
@@ -398,12 +404,16 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
     // The attention's input: this layer's input norm in h (pre-norm), or x itself.
     kernels::Linear(post_norm ? x : h, w.qkv_w, w.qkv_b.defined() ? &w.qkv_b : nullptr, &qkv);
     if (s.clip_qkv > 0) kernels::Clamp(-s.clip_qkv, s.clip_qkv, &qkv);
-    Tensor q2 = q.Reshape({t, hq * d}), k2 = k.Reshape({t, hk * d}), v2 = v.Reshape({t, hk * d});
-    kernels::CopyColumns(qkv, 0, hq * d, &q2, 0);
-    kernels::CopyColumns(qkv, hq * d, hk * d, &k2, 0);
-    kernels::CopyColumns(qkv, (hq + hk) * d, hk * d, &v2, 0);
-    if (s.position == PositionKind::kRotary) Rotate(in, &q, &k);
-    kernels::ReshapeAndCache(k, v, in.slot_mapping, &(*cache)[l]);
+    if (split_apart) {
+      Tensor q2 = q.Reshape({t, hq * d}), k2 = k.Reshape({t, hk * d}), v2 = v.Reshape({t, hk * d});
+      kernels::CopyColumns(qkv, 0, hq * d, &q2, 0);
+      kernels::CopyColumns(qkv, hq * d, hk * d, &k2, 0);
+      kernels::CopyColumns(qkv, (hq + hk) * d, hk * d, &v2, 0);
+      Rotate(in, &q, &k);
+      kernels::ReshapeAndCache(k, v, in.slot_mapping, &(*cache)[l]);
+    } else {
+      kernels::QkvToCache(qkv, rotary, in.positions, in.slot_mapping, &q, &(*cache)[l]);
+    }
     kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.sliding_window,
                             alibi_.alibi_slopes.empty() ? nullptr : &alibi_, &attn);
     kernels::Linear(attn.Reshape({t, hq * d}), w.o_w, RowParallelBias(w.o_b), &o);

@@ -87,8 +87,8 @@ class CausalLM : public Model {
     return b.defined() && layout_.rank == 0 ? &b : nullptr;
   }
   void Mlp(const LayerWeights& w, const kernels::Tensor& x, kernels::Tensor* out) const;
-  // Rotary on q and k; with length-dependent frequencies, each sequence past the original
-  // context gets its own.
+  // Rotary with length-dependent frequencies on q and k: each sequence past the original
+  // context gets its own (the other rotary models rotate inside QkvToCache).
   void Rotate(const ForwardInput& in, kernels::Tensor* q, kernels::Tensor* k) const;
   void Norm(const kernels::Tensor& x, const kernels::Tensor& w, const kernels::Tensor& b,
             kernels::Tensor* out) const;

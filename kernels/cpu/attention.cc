@@ -9,6 +9,7 @@
 #include "kernels/cpu/attention_rows.h"
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/rotary_rows.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace tgis::kernels::cpu {
@@ -99,6 +100,64 @@ void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mappin
     StoreAs(cache->k.dtype(), cache->k.raw(), slot * row, k.data<float>() + t * row, row);
     StoreAs(cache->v.dtype(), cache->v.raw(), slot * row, v.data<float>() + t * row, row);
   }
+}
+
+void QkvToCache(const Tensor& qkv, const RotaryConfig* rotary, const Tensor& positions,
+                const Tensor& slot_mapping, Tensor* q, KvCacheLayer* cache) {
+  const char* op = "QkvToCache";
+  CheckF32(qkv, op, "qkv");
+  CheckF32(*q, op, "q");
+  CheckIndexTensor(slot_mapping, op, "slot_mapping");
+  CheckCache(*cache, op);
+  TGIS_CHECK(q->rank() == 3 && qkv.rank() == 2 && qkv.dim(0) == q->dim(0),
+             "%s: q must be [T, Hq, D] and qkv [T, (Hq + 2 Hk) * D]", op);
+  const int64_t t_count = q->dim(0), hq = q->dim(1), d = q->dim(2);
+  const int64_t hk = cache->k.dim(2);
+  TGIS_CHECK(cache->k.dim(3) == d && qkv.dim(1) == (hq + 2 * hk) * d,
+             "%s: qkv has %lld columns, want (%lld + 2 x %lld cache heads) x %lld", op,
+             static_cast<long long>(qkv.dim(1)), static_cast<long long>(hq),
+             static_cast<long long>(hk), static_cast<long long>(d));
+  TGIS_CHECK(slot_mapping.numel() == t_count, "%s: slot_mapping has %lld entries, want %lld", op,
+             static_cast<long long>(slot_mapping.numel()), static_cast<long long>(t_count));
+  if (rotary != nullptr) {
+    CheckIndexTensor(positions, op, "positions");
+    CheckRotary(*rotary, d, op);
+    TGIS_CHECK(positions.numel() == t_count, "%s: positions has %lld entries, want %lld", op,
+               static_cast<long long>(positions.numel()), static_cast<long long>(t_count));
+  }
+  const int64_t num_slots = cache->k.dim(0) * cache->k.dim(1);
+  for (int64_t t = 0; t < t_count; ++t) {
+    const int64_t slot = IndexAt(slot_mapping, t);
+    TGIS_CHECK(slot < num_slots, "%s: slot %lld out of %lld", op, static_cast<long long>(slot),
+               static_cast<long long>(num_slots));
+  }
+  const int64_t width = qkv.dim(1), q_width = hq * d, kv_width = hk * d;
+  const int half = rotary != nullptr ? rotary->rotary_dim / 2 : 0;
+  const float* src = qkv.data<float>();
+  float* qp = q->data<float>();
+  ParallelFor(t_count, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> angles(2 * half), k_row(kv_width);
+    float* c = angles.data();
+    float* s = c + half;
+    for (int64_t t = b; t < e; ++t) {
+      const float* row = src + t * width;
+      float* q_row = qp + t * q_width;
+      std::copy(row, row + q_width, q_row);
+      const int64_t slot = IndexAt(slot_mapping, t);
+      if (slot >= 0) std::copy(row + q_width, row + q_width + kv_width, k_row.data());
+      if (rotary != nullptr) {
+        RotaryAngles(*rotary, IndexAt(positions, t), c, s);
+        for (int64_t h = 0; h < hq; ++h) RotateHead(*rotary, q_row + h * d, c, s);
+        if (slot >= 0) {
+          for (int64_t h = 0; h < hk; ++h) RotateHead(*rotary, k_row.data() + h * d, c, s);
+        }
+      }
+      if (slot < 0) continue;
+      StoreAs(cache->k.dtype(), cache->k.raw(), slot * kv_width, k_row.data(), kv_width);
+      StoreAs(cache->v.dtype(), cache->v.raw(), slot * kv_width, row + q_width + kv_width,
+              kv_width);
+    }
+  });
 }
 
 void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,

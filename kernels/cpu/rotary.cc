@@ -7,6 +7,7 @@
 
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/rotary_rows.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/ops.h"
 
@@ -84,6 +85,44 @@ std::vector<float> AlibiSlopes(int num_heads) {
 
 namespace cpu {
 
+void CheckRotary(const RotaryConfig& cfg, int64_t d, const char* op) {
+  const int rot = cfg.rotary_dim;
+  TGIS_CHECK(rot > 0 && rot % 2 == 0 && rot <= d, "%s: rotary_dim %d with head_dim %lld", op, rot,
+             static_cast<long long>(d));
+  TGIS_CHECK(static_cast<int>(cfg.inv_freq.size()) == rot / 2,
+             "%s: inv_freq has %zu entries, want %d", op, cfg.inv_freq.size(), rot / 2);
+}
+
+void RotaryAngles(const RotaryConfig& cfg, int64_t position, float* c, float* s) {
+  // HF: freqs = inv_freq @ position (f32 product), then cos / sin in f32.
+  const float pos = static_cast<float>(position);
+  const int half = cfg.rotary_dim / 2;
+  for (int j = 0; j < half; ++j) {
+    const float f = pos * cfg.inv_freq[j];
+    c[j] = std::cos(f);
+    s[j] = std::sin(f);
+  }
+}
+
+void RotateHead(const RotaryConfig& cfg, float* x, const float* c, const float* s) {
+  const int half = cfg.rotary_dim / 2;
+  if (cfg.style == RotaryStyle::kNeox) {
+    for (int j = 0; j < half; ++j) {
+      const float x1 = x[j];
+      const float x2 = x[j + half];
+      x[j] = x1 * c[j] - x2 * s[j];
+      x[j + half] = x2 * c[j] + x1 * s[j];
+    }
+  } else {
+    for (int j = 0; j < half; ++j) {
+      const float x1 = x[2 * j];
+      const float x2 = x[2 * j + 1];
+      x[2 * j] = x1 * c[j] - x2 * s[j];
+      x[2 * j + 1] = x2 * c[j] + x1 * s[j];
+    }
+  }
+}
+
 void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor* k) {
   CheckIndexTensor(positions, "Rotary", "positions");
   TGIS_CHECK(q != nullptr, "Rotary: q is null");
@@ -93,12 +132,7 @@ void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor*
   TGIS_CHECK(q->rank() == 3, "Rotary: q must be [T, Hq, D]");
   const int64_t t_count = q->dim(0);
   const int64_t d = q->dim(2);
-  const int rot = cfg.rotary_dim;
-  const int half = rot / 2;
-  TGIS_CHECK(rot > 0 && rot % 2 == 0 && rot <= d, "Rotary: rotary_dim %d with head_dim %lld", rot,
-             static_cast<long long>(d));
-  TGIS_CHECK(static_cast<int>(cfg.inv_freq.size()) == half,
-             "Rotary: inv_freq has %zu entries, want %d", cfg.inv_freq.size(), half);
+  CheckRotary(cfg, d, "Rotary");
   TGIS_CHECK(positions.numel() == t_count, "Rotary: positions has %lld entries, want %lld",
              static_cast<long long>(positions.numel()), static_cast<long long>(t_count));
   if (has_k) {
@@ -107,26 +141,7 @@ void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor*
   }
   const int64_t hq = q->dim(1);
   const int64_t hk = has_k ? k->dim(1) : 0;
-  const bool neox = cfg.style == RotaryStyle::kNeox;
-
-  auto rotate = [&](float* x, const float* c, const float* s) {
-    if (neox) {
-      for (int j = 0; j < half; ++j) {
-        const float x1 = x[j];
-        const float x2 = x[j + half];
-        x[j] = x1 * c[j] - x2 * s[j];
-        x[j + half] = x2 * c[j] + x1 * s[j];
-      }
-    } else {
-      for (int j = 0; j < half; ++j) {
-        const float x1 = x[2 * j];
-        const float x2 = x[2 * j + 1];
-        x[2 * j] = x1 * c[j] - x2 * s[j];
-        x[2 * j + 1] = x2 * c[j] + x1 * s[j];
-      }
-    }
-  };
-
+  const int half = cfg.rotary_dim / 2;
   float* qp = q->data<float>();
   float* kp = has_k ? k->data<float>() : nullptr;
   ParallelFor(t_count, 16, [&](int64_t b, int64_t e) {
@@ -134,15 +149,9 @@ void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor*
     float* c = cs.data();
     float* s = c + half;
     for (int64_t t = b; t < e; ++t) {
-      // HF: freqs = inv_freq @ position (f32 product), then cos / sin in f32.
-      const float pos = static_cast<float>(IndexAt(positions, t));
-      for (int j = 0; j < half; ++j) {
-        const float f = pos * cfg.inv_freq[j];
-        c[j] = std::cos(f);
-        s[j] = std::sin(f);
-      }
-      for (int64_t h = 0; h < hq; ++h) rotate(qp + (t * hq + h) * d, c, s);
-      for (int64_t h = 0; h < hk; ++h) rotate(kp + (t * hk + h) * d, c, s);
+      RotaryAngles(cfg, IndexAt(positions, t), c, s);
+      for (int64_t h = 0; h < hq; ++h) RotateHead(cfg, qp + (t * hq + h) * d, c, s);
+      for (int64_t h = 0; h < hk; ++h) RotateHead(cfg, kp + (t * hk + h) * d, c, s);
     }
   });
 }

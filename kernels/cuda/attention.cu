@@ -358,15 +358,6 @@ void CheckCudaI32(const Tensor& t, const char* op, const char* what) {
              "%s: %s must be a CUDA i32 tensor", op, what);
 }
 
-void CheckCache(const KvCacheLayer& cache, DType act, const char* op) {
-  CheckCudaFloat(cache.k, op, "cache k");
-  CheckCudaFloat(cache.v, op, "cache v");
-  TGIS_CHECK(cache.k.rank() == 4 && cache.k.shape() == cache.v.shape(),
-             "%s: cache k and v must both be [num_blocks, block_size, Hk, D]", op);
-  TGIS_CHECK(cache.k.dtype() == act && cache.v.dtype() == act,
-             "%s: the cache dtype must be the activations' (%s)", op, DTypeName(act));
-}
-
 }  // namespace
 
 void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "kernels/check.h"
+#include "kernels/ops.h"
 #include "kernels/tensor.h"
 
 #define TGIS_CUDA_CHECK(expr)                                                             \
@@ -118,6 +119,9 @@ bool IsFloat(DType t);
 void CheckCudaFloat(const Tensor& t, const char* op, const char* what);
 // Checks that t is a defined CUDA tensor of i32 or i64.
 void CheckCudaIndex(const Tensor& t, const char* op, const char* what);
+// Checks that a layer's paged cache is two CUDA [num_blocks, block_size, Hk, D] tensors of the
+// activations' dtype.
+void CheckCache(const KvCacheLayer& cache, DType act, const char* op);
 // Allocates *out (dtype, CUDA) when undefined; otherwise checks shape, dtype and device.
 void PrepareOut(Tensor* out, const Shape& shape, DType dtype, const char* op);
 

@@ -1283,6 +1283,69 @@ TEST_P(OpsTest, Rotary) {
   }
 }
 
+// The fused op against the ops it stands for, bit for bit: q, and every cache slot (written
+// ones and the sentinel elsewhere); a padding row (slot -1) writes nothing.
+TEST_P(OpsTest, QkvToCacheIsCopyColumnsRotaryAndReshapeAndCache) {
+  struct Case {
+    int64_t hq, hk, d;
+    int rot;  // 0: no rotary (ALiBi, learned positions)
+    RotaryStyle style;
+    const char* name;
+  };
+  const Case cases[] = {{4, 2, 16, 16, RotaryStyle::kNeox, "gqa neox"},
+                        {3, 3, 24, 8, RotaryStyle::kGptj, "mha gptj partial"},
+                        {4, 1, 24, 8, RotaryStyle::kNeox, "mqa neox partial"},
+                        {2, 2, 16, 0, RotaryStyle::kNeox, "no rotary"}};
+  const std::vector<int32_t> pos = {0, 7, 3, 4000, 37};
+  const std::vector<int32_t> slots = {5, 12, -1, 3, 8};  // blocks of 4: across blocks
+  const int64_t t_count = 5, num_blocks = 4, bs = 4;
+  uint32_t seed = 70;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    RotaryConfig cfg;
+    if (c.rot > 0) {
+      cfg.rotary_dim = c.rot;
+      cfg.style = c.style;
+      cfg.inv_freq = RotaryInvFreq(c.rot, 10000.0);
+    }
+    const RotaryConfig* rotary = c.rot > 0 ? &cfg : nullptr;
+    const int64_t width = (c.hq + 2 * c.hk) * c.d;
+    const Tensor qkv = Act(Random(t_count * width, ++seed), {t_count, width});
+    auto fresh_cache = [&] {
+      KvCacheLayer cache;
+      const std::vector<float> sentinel(num_blocks * bs * c.hk * c.d, 512.0f);
+      cache.k = Tensor::FromVector(sentinel, {num_blocks, bs, c.hk, c.d}).To(dtype());
+      cache.v = cache.k.To(dtype());
+      if (device() != Device::kCpu) {
+        cache.k = cache.k.ToDevice(device());
+        cache.v = cache.v.ToDevice(device());
+      }
+      return cache;
+    };
+    const std::vector<float> zeros_q(t_count * c.hq * c.d, 0.0f);
+    const std::vector<float> zeros_kv(t_count * c.hk * c.d, 0.0f);
+    // Apart.
+    KvCacheLayer want_cache = fresh_cache();
+    Tensor want_q = Act(zeros_q, {t_count, c.hq, c.d});
+    Tensor k = Act(zeros_kv, {t_count, c.hk, c.d}), v = Act(zeros_kv, {t_count, c.hk, c.d});
+    Tensor q2 = want_q.Reshape({t_count, c.hq * c.d}), k2 = k.Reshape({t_count, c.hk * c.d}),
+           v2 = v.Reshape({t_count, c.hk * c.d});
+    CopyColumns(qkv, 0, c.hq * c.d, &q2, 0);
+    CopyColumns(qkv, c.hq * c.d, c.hk * c.d, &k2, 0);
+    CopyColumns(qkv, (c.hq + c.hk) * c.d, c.hk * c.d, &v2, 0);
+    if (rotary != nullptr) Rotary(cfg, Index(pos), &want_q, &k);
+    ReshapeAndCache(k, v, Index(slots), &want_cache);
+    // Fused.
+    KvCacheLayer got_cache = fresh_cache();
+    Tensor got_q = Act(zeros_q, {t_count, c.hq, c.d});
+    QkvToCache(qkv, rotary, rotary != nullptr ? Index(pos) : Tensor(), Index(slots), &got_q,
+               &got_cache);
+    EXPECT_EQ(Host(got_q), Host(want_q));
+    EXPECT_EQ(Host(got_cache.k), Host(want_cache.k));
+    EXPECT_EQ(Host(got_cache.v), Host(want_cache.v));
+  }
+}
+
 TEST_P(OpsTest, RotaryInvFreqDefault) {
   for (int dim : {64, 80, 128}) {
     for (double theta : {10000.0, 500000.0, 1e6}) {
