@@ -323,6 +323,118 @@ __global__ void QuantizedGemvKernel(const uint8_t* codes, int64_t code_row, int 
   }
 }
 
+// Eight consecutive values of x as f32 (16- or 32-byte aligned loads).
+template <typename T>
+__device__ __forceinline__ void LoadX8(const T* p, float* v) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+    const uint4 a = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&a);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = ToF32(e[i]);
+  }
+}
+
+// One 16-byte vector of codes (whole 8-column blocks starting at column col0) into the
+// accumulators: each weight dequantized as QuantizedGemvKernel does it.
+template <typename T, int kTokens, int kBits>
+__device__ __forceinline__ void AccumulateCodes(const uint4& vec, int64_t col0,
+                                                const CodeValues& values, const float* row_scale,
+                                                const float* row_zero, const int32_t* block_run,
+                                                const T* x, int64_t in, int tokens, float* acc) {
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(&vec);
+  constexpr int kBlocks = 16 / kBits;  // 8-column blocks per vector: 4 (4-bit) or 2 (8-bit)
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b) {
+    const int64_t col = col0 + 8 * b;
+    const int32_t run = block_run[col / 8];
+    const float scale = row_scale[run], zero = row_zero[run];
+    float w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t code =
+          kBits == 8 ? (words[2 * b + i / 4] >> (8 * (i % 4))) & 0xFF : (words[b] >> (4 * i)) & 0xF;
+      w[i] = ToF32(FromF32<T>((CodeValue(values, code) - zero) * scale));
+    }
+#pragma unroll
+    for (int t = 0; t < kTokens; ++t) {
+      if (t < tokens) {
+        float xv[8];
+        LoadX8(x + t * in + col, xv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[t] += w[i] * xv[i];
+      }
+    }
+  }
+}
+
+// The wide path of the quantized GEMV, for weights whose stored columns are x's (no gather,
+// no padding) in rows of whole 16-byte vectors: each lane reads 16 bytes of codes at a time
+// (32 4-bit or 16 8-bit codes), the next ones in flight while these are dequantized, and x
+// eight values at a time. The scalar kernel above read 4 bytes and one x value at a time, with
+// a gather lookup per column.
+template <typename T, typename TOut, int kTokens, int kBits>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    QuantizedGemvWideKernel(const uint8_t* codes, int64_t code_row, CodeValues values,
+                            const float* scales, const float* zeros, int64_t runs,
+                            const int32_t* block_run, int64_t out, int64_t in, const T* x,
+                            int tokens, const T* bias, TOut* y) {
+  constexpr int kUnroll = 2;
+  constexpr int64_t kChunk = 32 * kUnroll;  // vectors per warp and chunk
+  constexpr int64_t kCols = 128 / kBits;    // columns per vector
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (n >= out) return;  // the whole warp
+  const uint4* row = reinterpret_cast<const uint4*>(codes + n * code_row);
+  const float* row_scale = scales + n * runs;
+  const float* row_zero = zeros + n * runs;
+  const int64_t vecs = code_row / 16, chunks = vecs / kChunk;
+  float acc[kTokens] = {};
+  auto accumulate = [&](const uint4& vec, int64_t v) {
+    AccumulateCodes<T, kTokens, kBits>(vec, v * kCols, values, row_scale, row_zero, block_run, x,
+                                       in, tokens, acc);
+  };
+  uint4 cur[kUnroll];
+  if (chunks > 0) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) cur[u] = __ldcs(row + lane + 32 * u);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t v = c * kChunk + lane;
+    uint4 next[kUnroll];
+    const bool more = c + 1 < chunks;
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) next[u] = __ldcs(row + v + kChunk + 32 * u);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) accumulate(cur[u], v + 32 * u);
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) cur[u] = next[u];
+    }
+  }
+  for (int64_t v = chunks * kChunk + lane; v < vecs; v += 32) accumulate(__ldcs(row + v), v);
+#pragma unroll
+  for (int t = 0; t < kTokens; ++t) {
+    if (t >= tokens) break;
+    const float sum = WarpSum(acc[t]);
+    if (lane == 0) y[t * out + n] = FromF32<TOut>(bias != nullptr ? sum + ToF32(bias[n]) : sum);
+  }
+}
+
+// Whether the wide kernel takes q and x: stored columns are x's, rows are whole 16-byte
+// vectors, and x's rows start 16-byte aligned.
+bool QuantizedGemvWideTakes(const QuantizedWeight& q, const Tensor& x) {
+  return !q.gather.defined() && q.stored_in == q.in && q.code_bytes_per_row() % 16 == 0 &&
+         q.in % 8 == 0 && reinterpret_cast<uintptr_t>(q.codes.raw()) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(x.raw()) % 16 == 0;
+}
+
 void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, const Tensor* bias,
                    Tensor* out) {
   TGIS_CHECK(!q.compact(), "Linear: a compact quantized weight reached CUDA without widening");
@@ -332,13 +444,34 @@ void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, co
   const bool f32_out = out->dtype() == DType::kF32;
   TGIS_DISPATCH_FLOAT(x.dtype(), "Linear", {
     const T* b = bias != nullptr && bias->defined() ? bias->data<T>() : nullptr;
+    const bool wide = QuantizedGemvWideTakes(q, x);
     auto launch = [&](auto* y) {
       using TOut = std::remove_pointer_t<decltype(y)>;
-      QuantizedGemvKernel<T, TOut><<<blocks, kGemvWarps * 32, 0, Stream()>>>(
-          q.codes.data<uint8_t>(), q.codes.dim(1), q.bits, CodeValuesOf(q), q.scales.data<float>(),
-          q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(),
-          q.gather.defined() ? q.gather.data<int32_t>() : nullptr, q.out, q.in, x.data<T>(),
-          static_cast<int>(tokens), b, y);
+      const int k = static_cast<int>(tokens);
+      if (!wide) {
+        QuantizedGemvKernel<T, TOut><<<blocks, kGemvWarps * 32, 0, Stream()>>>(
+            q.codes.data<uint8_t>(), q.codes.dim(1), q.bits, CodeValuesOf(q),
+            q.scales.data<float>(), q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(),
+            q.gather.defined() ? q.gather.data<int32_t>() : nullptr, q.out, q.in, x.data<T>(), k, b,
+            y);
+        return;
+      }
+      auto go = [&](auto kernel) {
+        kernel<<<blocks, kGemvWarps * 32, 0, Stream()>>>(
+            q.codes.data<uint8_t>(), q.codes.dim(1), CodeValuesOf(q), q.scales.data<float>(),
+            q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(), q.out, q.in, x.data<T>(),
+            k, b, y);
+      };
+      // One accumulator for batch-1 decode; eight for the rest.
+      if (q.bits == 4 && k == 1) {
+        go(QuantizedGemvWideKernel<T, TOut, 1, 4>);
+      } else if (q.bits == 4) {
+        go(QuantizedGemvWideKernel<T, TOut, kGemvTokens, 4>);
+      } else if (k == 1) {
+        go(QuantizedGemvWideKernel<T, TOut, 1, 8>);
+      } else {
+        go(QuantizedGemvWideKernel<T, TOut, kGemvTokens, 8>);
+      }
     };
     if (f32_out) {
       launch(out->data<float>());
