@@ -2,7 +2,7 @@
 // Llama-shaped checkpoint with random weights and compares with HF transformers):
 //   engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] [--quantize METHOD]
 //                [--prompt 128] [--steps 32] [--batches 1,16] [--int8-activations true]
-//                [--device cpu|cuda]
+//                [--device cpu|cuda] [--cuda-graphs true]
 // Prints prefill and decode tokens/s per batch size, the memory bandwidth measured in the
 // same run, and the fraction of it that batch-1 decode achieves (weights streamed per token),
 // after one untimed warm-up prompt.
@@ -94,13 +94,13 @@ int main(int argc, char** argv) {
   if (argc < 2 || argc % 2 != 0) {
     std::cerr << "usage: engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] "
                  "[--quantize METHOD] [--prompt N] [--steps N] [--batches 1,16] "
-                 "[--int8-activations true]\n";
+                 "[--int8-activations true] [--device cpu|cuda] [--cuda-graphs true]\n";
     return 2;
   }
   const std::string dir = argv[1];
   std::string dtype_name = "float32", quantize, batches_arg = "1,16";
   int prompt = 128, steps = 32;
-  bool cuda = false;
+  bool cuda = false, graphs = false;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--dtype") {
@@ -117,6 +117,8 @@ int main(int argc, char** argv) {
         return 2;
       }
       cuda = v == "cuda";
+    } else if (k == "--cuda-graphs") {  // the shard's --cuda-graphs
+      graphs = v == "true";
     } else if (k == "--batches") {
       batches_arg = v;
     } else if (k == "--int8-activations") {  // the shard's --cpu-int8-activations
@@ -206,6 +208,10 @@ int main(int argc, char** argv) {
   const int blocks = 16 * ((prompt + steps) / block + 2);
   tgis::server::Engine engine(std::move(*model), config->eos_token_ids,
                               config->max_position_embeddings, blocks, block);
+  if (graphs && !engine.EnableDecodeGraphs()) {
+    std::cerr << "--cuda-graphs: this model or device runs eagerly\n";
+    return 2;
+  }
   std::mt19937 rng(1);
   std::cout << "model: " << config->model_type << " layers " << spec.num_layers << " hidden "
             << spec.hidden << " vocab " << spec.vocab << " dtype " << dtype_name

@@ -36,6 +36,18 @@ size_t FreeMemory();
 // The device's whole memory in bytes.
 size_t TotalMemory();
 
+// Graphs (decode steps). Between BeginCapture and EndCapture the work queued on the stream is
+// recorded, not run (nothing in between may synchronize with the host: no copy to or from
+// it). EndCapture gives the instantiated graph, or null (logged) when recording or
+// instantiation failed; LaunchGraph replays it on the stream (false, logged, when the launch
+// failed, e.g. for lack of memory for the graph's allocations).
+void BeginCapture();
+void* EndCapture();
+bool LaunchGraph(void* graph);
+void DestroyGraph(void* graph);
+// Device memory the driver holds for graphs' own allocations.
+size_t GraphMemoryBytes();
+
 // Ops: same contracts as in ops.h.
 #include "kernels/op_signatures.inc"
 

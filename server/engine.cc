@@ -9,6 +9,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 
 namespace tgis::server {
 
@@ -245,6 +246,21 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
     seqs_[n.id] = std::move(s);
   }
   if (!batch.empty()) RunStep(batch, /*prefill=*/true, prompt_budget, out, errors, prefilling);
+}
+
+bool Engine::EnableDecodeGraphs(int64_t capture_batch) {
+  if (!DecodeGraphs::Supports(*model_)) return false;
+  if (graphs_ == nullptr) graphs_ = std::make_unique<DecodeGraphs>(cache_->block_size());
+  if (capture_batch > 0) {
+    const int64_t bs = cache_->block_size();
+    const int64_t tokens =
+        std::min<int64_t>(max_positions_ > 0 ? max_positions_ : INT32_MAX, num_blocks() * bs);
+    const int captured = graphs_->CaptureAll(*model_, cache_->layers(), capture_batch,
+                                             std::max<int64_t>(1, (tokens + bs - 1) / bs));
+    LOG(INFO) << "decode graphs: " << captured << " of " << graphs_->graphs()
+              << " buckets captured, " << (graphs_->MemoryBytes() >> 20) << " MiB of graph memory";
+  }
+  return true;
 }
 
 void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* out,
@@ -549,50 +565,65 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
   }
   const int64_t t = static_cast<int64_t>(ids.size());
   const int64_t nseq = static_cast<int64_t>(seqs.size());
-  // The step's index tensors travel to the model's device as one buffer (one copy, not six)
-  // and are views into it.
   const int64_t table_cols = static_cast<int64_t>(std::max<size_t>(max_blocks, 1));
-  std::vector<int32_t> meta;
-  meta.reserve(3 * t + 2 * nseq + 1 + tables.size());
-  std::vector<int64_t> at;  // where each part starts
-  for (const std::vector<int32_t>* part :
-       {&ids, &positions, &slots, &query_start, &context_lens, &tables}) {
-    at.push_back(static_cast<int64_t>(meta.size()));
-    meta.insert(meta.end(), part->begin(), part->end());
-  }
-  Tensor all = Tensor::FromVector(meta, {static_cast<int64_t>(meta.size())});
-  if (model_->device() != kernels::Device::kCpu) all = all.ToDevice(model_->device());
-  ForwardInput in;
-  in.input_ids = all.Rows(at[0], at[0] + t);
-  in.positions = all.Rows(at[1], at[1] + t);
-  in.slot_mapping = all.Rows(at[2], at[2] + t);
-  in.attn.query_start = all.Rows(at[3], at[3] + nseq + 1);
-  in.attn.context_lens = all.Rows(at[4], at[4] + nseq);
-  in.attn.block_tables = all.Rows(at[5], at[5] + nseq * table_cols).Reshape({nseq, table_cols});
-  in.attn.block_size = bs;
-  in.attn.max_context_len = *std::max_element(context_lens.begin(), context_lens.end());
-  in.host_query_start = std::move(query_start);
-  in.host_context_lens = std::move(context_lens);
-  if (model_->encoder_decoder()) {
-    if (prefill) Encode(seqs);
-    in.cross_attn = CrossBatch(seqs, in.host_query_start, /*causal=*/false);
-  }
-  std::vector<PrefixSpan> spans;
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    spans.push_back({seqs[i]->prefix.get(), seqs[i]->prefix_len, seqs[i]->cached, ends[i]});
-  }
-  AddPrefixRows(spans, &in);
-  // A step of prompt chunks only still asks for one row (unused): no op sees zero rows.
+  // A step's logits rows: the choosing rows first, then the detail rows, whose logits are made
+  // a chunk at a time below (a long prompt's [prompt, vocabulary] f32 logits at once would be
+  // gigabytes). A step of prompt chunks only still asks for one row (unused): no op sees zero
+  // rows.
+  const bool one_row_each =
+      !prefill && t == nseq && detail_rows.empty() &&
+      static_cast<int64_t>(logit_rows.size()) == nseq &&
+      std::all_of(seqs.begin(), seqs.end(), [](const Sequence* s) {
+        return s->cached >= s->prefix_len;  // no virtual token (prompt tuning)
+      });
   if (logit_rows.empty()) logit_rows.push_back(static_cast<int32_t>(t - 1));
-  const auto t0 = std::chrono::steady_clock::now();
-  // The final hidden rows: the choosing rows first, then the detail rows, whose logits are
-  // made a chunk at a time below (a long prompt's [prompt, vocabulary] f32 logits at once
-  // would be gigabytes).
   const int64_t choosing = static_cast<int64_t>(logit_rows.size());
-  std::vector<int32_t> hidden_rows = logit_rows;
-  hidden_rows.insert(hidden_rows.end(), detail_rows.begin(), detail_rows.end());
-  const Tensor hidden = model_->ForwardHidden(in, cache_->layers(), hidden_rows);
-  Tensor logits = model_->Logits(hidden.Rows(0, choosing));
+  const auto t0 = std::chrono::steady_clock::now();
+  Tensor hidden, logits;
+  // A plain decode step (one new token and one logits row per sequence) replays its bucket's
+  // captured graph where the model allows it.
+  if (graphs_ != nullptr && one_row_each) {
+    logits = graphs_->Step(*model_, cache_->layers(), ids, positions, slots, context_lens, tables,
+                           table_cols);
+  }
+  if (!logits.defined()) {
+    // The step's index tensors travel to the model's device as one buffer (one copy, not six)
+    // and are views into it.
+    std::vector<int32_t> meta;
+    meta.reserve(3 * t + 2 * nseq + 1 + tables.size());
+    std::vector<int64_t> at;  // where each part starts
+    for (const std::vector<int32_t>* part :
+         {&ids, &positions, &slots, &query_start, &context_lens, &tables}) {
+      at.push_back(static_cast<int64_t>(meta.size()));
+      meta.insert(meta.end(), part->begin(), part->end());
+    }
+    Tensor all = Tensor::FromVector(meta, {static_cast<int64_t>(meta.size())});
+    if (model_->device() != kernels::Device::kCpu) all = all.ToDevice(model_->device());
+    ForwardInput in;
+    in.input_ids = all.Rows(at[0], at[0] + t);
+    in.positions = all.Rows(at[1], at[1] + t);
+    in.slot_mapping = all.Rows(at[2], at[2] + t);
+    in.attn.query_start = all.Rows(at[3], at[3] + nseq + 1);
+    in.attn.context_lens = all.Rows(at[4], at[4] + nseq);
+    in.attn.block_tables = all.Rows(at[5], at[5] + nseq * table_cols).Reshape({nseq, table_cols});
+    in.attn.block_size = bs;
+    in.attn.max_context_len = *std::max_element(context_lens.begin(), context_lens.end());
+    in.host_query_start = std::move(query_start);
+    in.host_context_lens = std::move(context_lens);
+    if (model_->encoder_decoder()) {
+      if (prefill) Encode(seqs);
+      in.cross_attn = CrossBatch(seqs, in.host_query_start, /*causal=*/false);
+    }
+    std::vector<PrefixSpan> spans;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      spans.push_back({seqs[i]->prefix.get(), seqs[i]->prefix_len, seqs[i]->cached, ends[i]});
+    }
+    AddPrefixRows(spans, &in);
+    std::vector<int32_t> hidden_rows = logit_rows;
+    hidden_rows.insert(hidden_rows.end(), detail_rows.begin(), detail_rows.end());
+    hidden = model_->ForwardHidden(in, cache_->layers(), hidden_rows);
+    logits = model_->Logits(hidden.Rows(0, choosing));
+  }
   // Plain greedy rows pick where the logits are (on CUDA only their ids and logprobs come
   // back); the other sequences' rows are read on the host.
   std::vector<std::optional<TokenInfo>> picked = PickGreedy(seqs, details, seq_rows, &logits);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "server/decode_graphs.h"
 #include "server/kv_cache.h"
 #include "server/model.h"
 #include "server/sampling.h"
@@ -138,6 +139,12 @@ class Engine {
   // sized and proven for at Warmup. A step that would compute more refuses its newest prompts
   // (RESOURCE_EXHAUSTED) until it fits, so no step asks for memory that warmup did not.
   void set_max_step_tokens(size_t tokens) { max_step_tokens_ = tokens; }
+  // Decode steps of up to DecodeGraphs::kMaxBatch sequences replay captured CUDA graphs, one
+  // per batch and context bucket: with `capture_batch` > 0 every bucket up to that batch and
+  // the longest context is captured now (warmup), else each on first use. False, and nothing
+  // changes, when the model cannot (DecodeGraphs::Supports: CPU, encoder-decoder, several
+  // ranks, rotary frequencies chosen per length).
+  bool EnableDecodeGraphs(int64_t capture_batch = 0);
   size_t max_step_tokens() const { return max_step_tokens_; }
 
  private:
@@ -241,6 +248,7 @@ class Engine {
   void Append(Sequence* s, TokenInfo token, std::vector<StepOutput>* out);
 
   std::unique_ptr<Model> model_;
+  std::unique_ptr<DecodeGraphs> graphs_;  // null: every step runs eagerly
   std::vector<int32_t> eos_;
   int64_t max_positions_;
   std::unique_ptr<KvCache> cache_;

@@ -83,6 +83,10 @@ DEFINE_bool(
     "CTranslate2 do (AVX2, or AVX-512 VNNI where present): faster, and outputs move by "
     "that rounding; "
     "off: exact f32 activations (env CPU_INT8_ACTIVATIONS)");
+DEFINE_bool(cuda_graphs, false,
+            "CUDA: decode steps of up to 64 sequences replay a graph captured per batch and "
+            "context size bucket (one launch per step instead of one per kernel); outputs are "
+            "unchanged (env CUDA_GRAPHS)");
 DEFINE_string(otlp_endpoint, "",
               "OpenTelemetry collector's OTLP/gRPC endpoint (http://host:4317); empty: no "
               "tracing (env OTLP_ENDPOINT)");
@@ -147,6 +151,7 @@ int main(int argc, char** argv) {
                                    {"prefix_caching", "PREFIX_CACHING"},
                                    {"quantize", "QUANTIZE"},
                                    {"cpu_int8_activations", "CPU_INT8_ACTIVATIONS"},
+                                   {"cuda_graphs", "CUDA_GRAPHS"},
                                    {"otlp_endpoint", "OTLP_ENDPOINT"},
                                    {"otlp_service_name", "OTLP_SERVICE_NAME"}});
       !err.empty()) {
@@ -287,6 +292,7 @@ int main(int argc, char** argv) {
   opts.prefix_store_path = FLAGS_prefix_store_path;
   opts.prompt_cache_mb = FLAGS_prompt_cache_size_mb;
   opts.prefix_caching = FLAGS_prefix_caching;
+  opts.cuda_graphs = FLAGS_cuda_graphs;
   for (int r = 0; r < FLAGS_world_size; ++r) {
     opts.urls.push_back("unix://" + FLAGS_uds_path + "-" + std::to_string(r));
   }

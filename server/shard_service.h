@@ -35,6 +35,8 @@ struct ShardOptions {
   double prompt_cache_mb = 512;
   // Keys and values of full blocks kept and shared between prompts that start alike.
   bool prefix_caching = true;
+  // CUDA decode steps replayed from captured graphs (Engine::EnableDecodeGraphs).
+  bool cuda_graphs = false;
 };
 
 class ShardService final : public generate::v1::TextGenerationService::Service {

@@ -4,13 +4,19 @@ in one run. For a GPU call whose bundle has no router (see scripts/gpu_bundle.sh
 GPU_BUNDLE=tests): it needs only the test binaries' libraries.
 
     python3 -m gpubench.engine_only BUILD_DIR [MODEL_DIR] [--no-hf] [--ncu] [--overhead]
-                                    [--prefill N]
+                                    [--prefill N] [--graphs] [--quantize M1,M2]
 
 --overhead also times decode of a model with the 8B shape's 32 layers (so as many kernels per
 step) but tiny matrices (hidden 256, vocabulary 32000): its ms/step is the per-step cost that
 is not the weights' bytes (launches, host work, synchronization), the floor CUDA graphs lower.
 
 --prefill N also times the first token of one N-token prompt alone (engine_bench --prompt N).
+
+--graphs also times batch-1 decode (and, with --overhead, the tiny-layer floor) with the
+shard's --cuda-graphs: decode steps replayed from captured CUDA graphs.
+
+--quantize M1,M2 also times batch-1 decode with each of the shard's --quantize methods applied
+at load (bitsandbytes: int8 rows; bitsandbytes-nf4: 4-bit codes), against bf16's ms/token.
 
 --ncu also runs a short engine_bench (16-token prompt, 3 decode steps) under Nsight Compute
 with one metric, the GPU time of every kernel, into $OUT/ncu.csv (or /tmp): the sum over a
@@ -56,6 +62,30 @@ def main(argv: list[str]) -> int:
         results["roofline_fraction"] = mb * 1e6 / (ms / 1e3) / bw
         log(f"batch-1 decode {ms:.2f} ms/token = {100 * results['roofline_fraction']:.1f}% of "
             f"the {bw / 1e12:.2f} TB/s copy bandwidth")
+    def decode_ms(extra: list[str], model: Path = model_dir, what: str = "") -> float | None:
+        q = subprocess.run([cmd[0], str(model)] + cmd[2:] + extra, capture_output=True,
+                           text=True, timeout=600)
+        print(q.stdout + q.stderr[-3000:], flush=True)
+        m = re.search(r"batch 1: .*\(([0-9.e+]+) ms/step\)", q.stdout)
+        if m is None:
+            log(f"{what}: no batch-1 figure (rc {q.returncode})")
+            return None
+        log(f"{what}: batch-1 decode {float(m.group(1)):.2f} ms/token")
+        return float(m.group(1))
+
+    if "--graphs" in argv:
+        ms = decode_ms(["--cuda-graphs", "true"], what="cuda graphs")
+        if ms is not None:
+            results["decode_ms_per_token_graphs"] = ms
+            if streamed and bw:
+                results["roofline_fraction_graphs"] = float(streamed.group(1)) * 1e6 / (ms / 1e3) / bw
+    if "--quantize" in argv:
+        for method in argv[argv.index("--quantize") + 1].split(","):
+            ms = decode_ms(["--quantize", method], what=f"--quantize {method}")
+            if ms is not None:
+                results[f"decode_ms_per_token_{method}"] = ms
+                if results.get("decode_ms_per_token"):
+                    log(f"--quantize {method}: {results['decode_ms_per_token'] / ms:.2f}x bf16")
     if "--prefill" in argv:  # --prefill N: time to first token of an N-token prompt, alone
         n = argv[argv.index("--prefill") + 1]
         q = subprocess.run([cmd[0], str(model_dir), "--device", "cuda", "--dtype", "bfloat16",
@@ -76,6 +106,10 @@ def main(argv: list[str]) -> int:
         if step:
             results["overhead_ms_per_step"] = float(step.group(1))
             log(f"32 tiny layers: {results['overhead_ms_per_step']:.2f} ms/step (not bytes)")
+        if "--graphs" in argv:
+            ms = decode_ms(["--cuda-graphs", "true"], small, "32 tiny layers, cuda graphs")
+            if ms is not None:
+                results["overhead_ms_per_step_graphs"] = ms
     if "--ncu" in argv:
         ncu = shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))),
                                           None)

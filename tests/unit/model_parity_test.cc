@@ -1065,6 +1065,60 @@ TEST_P(CudaParityTest, NonFiniteLogitsFailOnlyTheirSequence) {
   });
 }
 
+// Decode steps replayed from CUDA graphs give the eager steps' tokens: every golden prompt
+// together (a batch padded to its bucket), greedy, eager first and then with graphs (captured
+// at the first step of each bucket). Attention's key partitions follow the bucket's longest
+// context instead of the step's, so sums may differ in their last bits: f32 must keep every
+// id; in bf16 a sequence is compared up to its first differing id (a near-tie inside bf16
+// noise).
+TEST_P(CudaParityTest, DecodeGraphsGiveTheEagerSteps) {
+  prefix_caching_ = false;  // both runs compute their prompts whole, alike
+  OnEveryRank([&](Engine& engine) {
+    if (!tgis::server::DecodeGraphs::Supports(engine.model())) {
+      GTEST_SKIP() << "this model decodes eagerly (DecodeGraphs::Supports)";
+    }
+    const bool f32 = dtype_ == tgis::kernels::DType::kF32;
+    size_t steps = 8;
+    for (const Golden& g : goldens_) steps = std::min(steps, g.generated.size() - 1);
+    using Tokens = std::map<uint64_t, std::vector<tgis::server::TokenInfo>>;
+    auto run = [&](Tokens* tokens) {
+      std::vector<NewSequence> news;
+      std::vector<uint64_t> ids;
+      for (size_t i = 0; i < goldens_.size(); ++i) {
+        news.push_back(Seq(i, goldens_[i]));
+        ids.push_back(i);
+      }
+      std::vector<StepOutput> out;
+      std::vector<SequenceError> errors;
+      engine.Prefill(std::move(news), &out, &errors);
+      for (size_t step = 0; step <= steps; ++step) {
+        ASSERT_TRUE(errors.empty()) << errors[0].status;
+        ASSERT_EQ(out.size(), ids.size());
+        for (const StepOutput& o : out) (*tokens)[o.id].push_back(o.token);
+        if (step == steps) break;
+        out.clear();
+        engine.Decode(ids, &out, &errors);
+      }
+      for (uint64_t id : ids) engine.Release(id);
+    };
+    Tokens eager, graphed;
+    ASSERT_NO_FATAL_FAILURE(run(&eager));
+    ASSERT_TRUE(engine.EnableDecodeGraphs());
+    ASSERT_NO_FATAL_FAILURE(run(&graphed));
+    const double tol = f32 ? 1e-4 : Bf16Tolerance();
+    for (const auto& [id, want] : eager) {
+      const std::vector<tgis::server::TokenInfo>& got = graphed[id];
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t k = 0; k < want.size(); ++k) {
+        if (!f32 && got[k].id != want[k].id) break;
+        ASSERT_EQ(got[k].id, want[k].id) << "sequence " << id << " token " << k;
+        EXPECT_NEAR(got[k].logprob, want[k].logprob, tol) << "sequence " << id << " token " << k;
+      }
+    }
+    EXPECT_EQ(engine.free_blocks(), engine.num_blocks());
+  });
+}
+
 // Encoder-decoder models (T5 family): the engine encodes the input once and decodes from the
 // decoder start token; goldens from transformers (golden_seq2seq.json), alone, ragged, with
 // others joining and leaving, at world sizes 1 and 2.
