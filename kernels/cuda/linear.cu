@@ -323,6 +323,40 @@ __global__ void QuantizedGemvKernel(const uint8_t* codes, int64_t code_row, int 
   }
 }
 
+// Streams a row of `vecs` 16-byte vectors through accumulate(vector, index): lane l takes
+// vectors l, l + 32, ..., kUnroll at a time, and the next kUnroll loads are issued before this
+// chunk's arithmetic, so they are in flight while it runs (loads bypass L1: each byte is read
+// once). Without that, ptxas sank each load next to its use to save registers (2 of 4 in
+// flight, SASS showed), and batch-1 decode of the 8B shape ran at 13.5 ms/token against
+// cuBLASLt's 9.0 on the H100.
+template <int kUnroll, typename Accumulate>
+__device__ __forceinline__ void StreamRow(const uint4* row, int64_t vecs, int lane,
+                                          Accumulate&& accumulate) {
+  constexpr int64_t kChunk = 32 * kUnroll;  // vectors per warp and chunk
+  const int64_t chunks = vecs / kChunk;
+  uint4 cur[kUnroll];
+  if (chunks > 0) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) cur[u] = __ldcs(row + lane + 32 * u);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t v = c * kChunk + lane;
+    uint4 next[kUnroll];
+    const bool more = c + 1 < chunks;
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) next[u] = __ldcs(row + v + kChunk + 32 * u);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) accumulate(cur[u], v + 32 * u);
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) cur[u] = next[u];
+    }
+  }
+  for (int64_t v = chunks * kChunk + lane; v < vecs; v += 32) accumulate(__ldcs(row + v), v);
+}
+
 // Eight consecutive values of x as f32 (16- or 32-byte aligned loads).
 template <typename T>
 __device__ __forceinline__ void LoadX8(const T* p, float* v) {
@@ -374,51 +408,27 @@ __device__ __forceinline__ void AccumulateCodes(const uint4& vec, int64_t col0,
 
 // The wide path of the quantized GEMV, for weights whose stored columns are x's (no gather,
 // no padding) in rows of whole 16-byte vectors: each lane reads 16 bytes of codes at a time
-// (32 4-bit or 16 8-bit codes), the next ones in flight while these are dequantized, and x
-// eight values at a time. The scalar kernel above read 4 bytes and one x value at a time, with
-// a gather lookup per column.
+// (32 4-bit or 16 8-bit codes), two more in flight while these are dequantized (StreamRow),
+// and x eight values at a time. The scalar kernel above read 4 bytes and one x value at a time,
+// with a gather lookup per column.
 template <typename T, typename TOut, int kTokens, int kBits>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     QuantizedGemvWideKernel(const uint8_t* codes, int64_t code_row, CodeValues values,
                             const float* scales, const float* zeros, int64_t runs,
                             const int32_t* block_run, int64_t out, int64_t in, const T* x,
                             int tokens, const T* bias, TOut* y) {
-  constexpr int kUnroll = 2;
-  constexpr int64_t kChunk = 32 * kUnroll;  // vectors per warp and chunk
-  constexpr int64_t kCols = 128 / kBits;    // columns per vector
+  constexpr int64_t kCols = 128 / kBits;  // columns per vector
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (n >= out) return;  // the whole warp
-  const uint4* row = reinterpret_cast<const uint4*>(codes + n * code_row);
   const float* row_scale = scales + n * runs;
   const float* row_zero = zeros + n * runs;
-  const int64_t vecs = code_row / 16, chunks = vecs / kChunk;
   float acc[kTokens] = {};
-  auto accumulate = [&](const uint4& vec, int64_t v) {
-    AccumulateCodes<T, kTokens, kBits>(vec, v * kCols, values, row_scale, row_zero, block_run, x,
-                                       in, tokens, acc);
-  };
-  uint4 cur[kUnroll];
-  if (chunks > 0) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) cur[u] = __ldcs(row + lane + 32 * u);
-  }
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t v = c * kChunk + lane;
-    uint4 next[kUnroll];
-    const bool more = c + 1 < chunks;
-    if (more) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) next[u] = __ldcs(row + v + kChunk + 32 * u);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) accumulate(cur[u], v + 32 * u);
-    if (more) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) cur[u] = next[u];
-    }
-  }
-  for (int64_t v = chunks * kChunk + lane; v < vecs; v += 32) accumulate(__ldcs(row + v), v);
+  StreamRow<2>(reinterpret_cast<const uint4*>(codes + n * code_row), code_row / 16, lane,
+               [&](const uint4& vec, int64_t v) {
+                 AccumulateCodes<T, kTokens, kBits>(vec, v * kCols, values, row_scale, row_zero,
+                                                    block_run, x, in, tokens, acc);
+               });
 #pragma unroll
   for (int t = 0; t < kTokens; ++t) {
     if (t >= tokens) break;
@@ -508,49 +518,21 @@ __device__ __forceinline__ void AccumulateVec(const uint4& wv, const T* x, int64
   }
 }
 
-// kTokens (1, 2, 4 or 8) bounds the rows of x (fewer accumulators, fewer registers). The
-// weight loads are double-buffered: the next chunk's loads are issued before this chunk's
-// arithmetic, so they are in flight while it runs. Without that, ptxas sank each load next to
-// its use to save registers (2 of 4 in flight, SASS showed), and batch-1 decode of the 8B
-// shape ran at 13.5 ms/token against cuBLASLt's 9.0 on the H100.
+// kTokens (1, 2, 4 or 8) bounds the rows of x (fewer accumulators, fewer registers); four
+// 16-byte weight loads in flight per lane (StreamRow).
 template <typename T, typename TOut, int kTokens>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     DenseGemvKernel(const T* w, int64_t out, int64_t in, const T* x, int tokens, const T* bias,
                     TOut* y) {
   constexpr int kVec = 16 / sizeof(T);
-  constexpr int kUnroll = 4;
-  constexpr int64_t kChunk = 32 * kUnroll;  // vectors per warp and chunk
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (n >= out) return;  // the whole warp: n is the same for its lanes
-  const uint4* row = reinterpret_cast<const uint4*>(w + n * in);
-  const int64_t vecs = in / kVec, chunks = vecs / kChunk;
   float acc[kTokens] = {};
-  uint4 cur[kUnroll];
-  if (chunks > 0) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) cur[u] = __ldcs(row + lane + 32 * u);
-  }
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t v = c * kChunk + lane;
-    uint4 next[kUnroll];
-    const bool more = c + 1 < chunks;
-    if (more) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) next[u] = __ldcs(row + v + kChunk + 32 * u);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      AccumulateVec<T, kTokens>(cur[u], x, in, (v + 32 * u) * kVec, tokens, acc);
-    }
-    if (more) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) cur[u] = next[u];
-    }
-  }
-  for (int64_t v = chunks * kChunk + lane; v < vecs; v += 32) {
-    AccumulateVec<T, kTokens>(__ldcs(row + v), x, in, v * kVec, tokens, acc);
-  }
+  StreamRow<4>(reinterpret_cast<const uint4*>(w + n * in), in / kVec, lane,
+               [&](const uint4& wv, int64_t v) {
+                 AccumulateVec<T, kTokens>(wv, x, in, v * kVec, tokens, acc);
+               });
 #pragma unroll
   for (int t = 0; t < kTokens; ++t) {
     if (t >= tokens) break;
