@@ -406,9 +406,9 @@ __device__ __forceinline__ void AccumulateCodes(const uint4& vec, int64_t col0,
   }
 }
 
-// The wide path of the quantized GEMV, for weights whose stored columns are x's (no gather,
-// no padding) in rows of whole 16-byte vectors: each lane reads 16 bytes of codes at a time
-// (32 4-bit or 16 8-bit codes), two more in flight while these are dequantized (StreamRow),
+// The wide path of the quantized GEMV, for rows of whole 16-byte vectors of codes, x in the
+// stored column order (gathered first for act-order weights): each lane reads 16 bytes of codes at
+// a time (32 4-bit or 16 8-bit codes), two more in flight while these are dequantized (StreamRow),
 // and x eight values at a time. The scalar kernel above read 4 bytes and one x value at a time,
 // with a gather lookup per column.
 template <typename T, typename TOut, int kTokens, int kBits>
@@ -437,12 +437,27 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   }
 }
 
-// Whether the wide kernel takes q and x: stored columns are x's, rows are whole 16-byte
-// vectors, and x's rows start 16-byte aligned.
+// x's columns in a weight's stored order (act-order GPTQ stores its columns group by group):
+// xs[t, j] = x[t, gather[j]], zero for padding (-1), so the wide kernel reads x as it reads
+// the codes.
+template <typename T>
+__global__ void GatherColumnsKernel(const T* x, int64_t in, const int32_t* gather,
+                                    int64_t stored_in, T* xs) {
+  const int64_t t = blockIdx.y;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < stored_in;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t col = gather[j];
+    xs[t * stored_in + j] = col >= 0 ? x[t * in + col] : FromF32<T>(0.0f);
+  }
+}
+
+// Whether the wide kernel takes q and x: rows of whole 16-byte vectors of codes, and x's rows
+// 16-byte aligned in the stored column order (a weight with a gather gets a gathered copy).
 bool QuantizedGemvWideTakes(const QuantizedWeight& q, const Tensor& x) {
-  return !q.gather.defined() && q.stored_in == q.in && q.code_bytes_per_row() % 16 == 0 &&
-         q.in % 8 == 0 && reinterpret_cast<uintptr_t>(q.codes.raw()) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(x.raw()) % 16 == 0;
+  const bool x_as_stored =
+      !q.gather.defined() && q.stored_in == q.in && reinterpret_cast<uintptr_t>(x.raw()) % 16 == 0;
+  return (q.gather.defined() || x_as_stored) && q.code_bytes_per_row() % 16 == 0 &&
+         q.stored_in % 8 == 0 && reinterpret_cast<uintptr_t>(q.codes.raw()) % 16 == 0;
 }
 
 void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, const Tensor* bias,
@@ -455,6 +470,17 @@ void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, co
   TGIS_DISPATCH_FLOAT(x.dtype(), "Linear", {
     const T* b = bias != nullptr && bias->defined() ? bias->data<T>() : nullptr;
     const bool wide = QuantizedGemvWideTakes(q, x);
+    const T* xs = x.data<T>();
+    int64_t xs_in = q.in;
+    Tensor gathered;
+    if (wide && q.gather.defined()) {
+      gathered = Tensor::Empty({tokens, q.stored_in}, x.dtype(), Device::kCuda);
+      GatherColumnsKernel<T>
+          <<<dim3(Blocks(q.stored_in, 256), static_cast<unsigned>(tokens)), 256, 0, Stream()>>>(
+              x.data<T>(), q.in, q.gather.data<int32_t>(), q.stored_in, gathered.data<T>());
+      xs = gathered.data<T>();
+      xs_in = q.stored_in;
+    }
     auto launch = [&](auto* y) {
       using TOut = std::remove_pointer_t<decltype(y)>;
       const int k = static_cast<int>(tokens);
@@ -469,8 +495,8 @@ void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, co
       auto go = [&](auto kernel) {
         kernel<<<blocks, kGemvWarps * 32, 0, Stream()>>>(
             q.codes.data<uint8_t>(), q.codes.dim(1), CodeValuesOf(q), q.scales.data<float>(),
-            q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(), q.out, q.in, x.data<T>(),
-            k, b, y);
+            q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(), q.out, xs_in, xs, k, b,
+            y);
       };
       // One accumulator for batch-1 decode; eight for the rest.
       if (q.bits == 4 && k == 1) {
