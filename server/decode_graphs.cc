@@ -103,6 +103,7 @@ DecodeGraphs::Graph* DecodeGraphs::Ready(const Model& model,
                                          std::vector<kernels::KvCacheLayer>* cache, int64_t batch,
                                          int64_t width, const std::vector<int32_t>& meta) {
 #ifdef TGIS_WITH_CUDA
+  if (!capture_on_demand_ && graphs_.count({batch, width}) == 0) return nullptr;
   auto [it, fresh] = graphs_.try_emplace({batch, width});
   Graph& g = it->second;
   if (fresh)
@@ -159,13 +160,15 @@ int DecodeGraphs::CaptureAll(const Model& model, std::vector<kernels::KvCacheLay
                              int64_t max_batch, int64_t max_width) {
   const std::vector<int32_t> none;
   int captured = 0;
-  for (int64_t batch = 1; batch <= std::min(max_batch, kMaxBatch); batch *= 2) {
+  const int64_t batches = NextPowerOfTwo(std::min(max_batch, kMaxBatch));
+  for (int64_t batch = 1; batch <= batches; batch *= 2) {
     for (int64_t width = 1;; width *= 2) {
       const std::vector<int32_t> meta = PaddedMeta(batch, width, none, none, none, none, none, 0);
       if (Ready(model, cache, batch, width, meta) != nullptr) ++captured;
       if (width >= max_width) break;
     }
   }
+  capture_on_demand_ = false;
   return captured;
 }
 

@@ -47,8 +47,8 @@ class DecodeGraphs {
   // Captures every bucket up front, for batches up to `max_batch` (at most kMaxBatch) and
   // contexts up to `max_width` blocks: all rows padding, so no sequence is touched. At warmup,
   // before traffic: a capture records whatever is queued on the stream meanwhile, so it must
-  // not race other CUDA work (a prompt-tuning prefix loaded beside a step). Returns how many
-  // buckets captured.
+  // not race other CUDA work (a prompt-tuning prefix loaded beside a step); afterwards steps
+  // outside these buckets run eagerly instead of capturing. Returns how many buckets captured.
   int CaptureAll(const Model& model, std::vector<kernels::KvCacheLayer>* cache, int64_t max_batch,
                  int64_t max_width);
 
@@ -71,6 +71,7 @@ class DecodeGraphs {
                int64_t width, const std::vector<int32_t>& meta);
 
   int block_size_;
+  bool capture_on_demand_ = true;                        // until CaptureAll
   std::map<std::pair<int64_t, int64_t>, Graph> graphs_;  // by (batch, width)
   std::map<int64_t, kernels::Tensor> logits_;            // by batch
 };
