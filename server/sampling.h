@@ -56,6 +56,9 @@ class Sampler {
  private:
   bool RepetitionPenalized() const;
   bool LengthPenalized(uint32_t generated) const;
+  // A sampled token from log-probabilities `lp` after the warpers (top_k, top_p, typical_p),
+  // the draft accepted or rejected first when there is one.
+  int32_t Draw(const std::vector<float>& lp, std::optional<int32_t> draft);
 
   SamplingParams p_;
   std::vector<int32_t> eos_;

@@ -5,7 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <random>
 #include <vector>
 
 namespace {
@@ -69,6 +72,103 @@ TEST(Sampler, GreedyIgnoresTheDraft) {
   Sampler sampler(params, {});
   std::vector<float> row = {0.1f, 3.0f, 0.2f};
   EXPECT_EQ(sampler.Next(row, {}, 0, 0, 2).id, 1);
+}
+
+// The sampler sorts only as much of the vocabulary as the warpers and the draw read; the
+// choices must be those of sorting it all (a stable sort by probability, then the warpers and
+// an inverse-CDF walk, as the sampler was first written), with the same random numbers.
+int32_t DrawByFullSort(const std::vector<float>& lp, const SamplingParams& p,
+                       std::mt19937_64* rng) {
+  const size_t v = lp.size();
+  std::vector<float> prob(v);
+  for (size_t i = 0; i < v; ++i) prob[i] = std::exp(lp[i]);
+  std::vector<int32_t> order(v);
+  for (size_t i = 0; i < v; ++i) order[i] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&prob](int32_t a, int32_t b) { return prob[a] > prob[b]; });
+  size_t keep = v;
+  if (p.top_k > 0) keep = std::min<size_t>(keep, p.top_k);
+  if (p.top_p > 0 && p.top_p < 1.0f) {
+    double cum = 0;
+    size_t k = 0;
+    while (k < keep) {
+      cum += prob[order[k]];
+      ++k;
+      if (cum >= p.top_p) break;
+    }
+    keep = std::max<size_t>(1, k);
+  }
+  order.resize(keep);
+  if (p.typical_p > 0 && p.typical_p < 1.0f) {
+    double entropy = 0;
+    for (size_t i = 0; i < v; ++i) {
+      if (prob[i] > 0) entropy -= prob[i] * lp[i];
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      return std::abs(-lp[a] - entropy) < std::abs(-lp[b] - entropy);
+    });
+    double cum = 0;
+    size_t k = 0;
+    while (k < order.size()) {
+      cum += prob[order[k]];
+      ++k;
+      if (cum >= p.typical_p) break;
+    }
+    order.resize(std::max<size_t>(1, k));
+  }
+  double total = 0;
+  for (int32_t id : order) total += prob[id];
+  std::uniform_real_distribution<double> uni(0.0, total);
+  double r = uni(*rng);
+  for (int32_t id : order) {
+    r -= prob[id];
+    if (r <= 0) return id;
+  }
+  return order.back();
+}
+
+TEST(Sampler, PartialSortingChoosesWhatAFullSortChooses) {
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (size_t vocab : {7, 1000, 20000, 3000}) {
+    std::vector<float> logits(vocab);
+    for (float& x : logits) x = normal(gen);
+    // The last: a flat distribution (every token in one exponent bin; long walks).
+    if (vocab == 3000) std::fill(logits.begin(), logits.end(), 0.25f);
+    // Ties (equal probabilities keep id order) and tokens that can never be drawn.
+    for (size_t i = 0; i + 3 < vocab; i += 97) logits[i + 3] = logits[i];
+    logits[vocab / 2] = -std::numeric_limits<float>::infinity();
+    for (int top_k : {0, 1, 5, 300}) {
+      for (float top_p : {1.0f, 0.3f, 0.95f}) {
+        for (float typical_p : {1.0f, 0.8f}) {
+          for (float temperature : {1.0f, 2.5f}) {
+            SamplingParams p;
+            p.do_sample = true;
+            p.top_k = top_k;
+            p.top_p = top_p;
+            p.typical_p = typical_p;
+            p.temperature = temperature;
+            p.seed = 11 + vocab;
+            Sampler sampler(p, {});
+            std::mt19937_64 rng(p.seed);
+            std::vector<float> scaled = logits;
+            if (temperature != 1.0f) {
+              for (float& x : scaled) x /= temperature;
+            }
+            std::vector<float> lp;
+            tgis::server::LogSoftmaxInto(scaled, &lp);
+            for (int draw = 0; draw < 20; ++draw) {
+              std::vector<float> step = logits;
+              const int32_t got = sampler.Next(step, {}, 1, 0).id;
+              ASSERT_EQ(got, DrawByFullSort(lp, p, &rng))
+                  << "vocab " << vocab << " top_k " << top_k << " top_p " << top_p << " typical_p "
+                  << typical_p << " temperature " << temperature << " draw " << draw;
+            }
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

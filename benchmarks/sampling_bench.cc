@@ -1,0 +1,73 @@
+// Host-side cost of choosing one token (Sampler::Next) per vocabulary size and warper setting:
+// the CPU backend samples every row this way, and the CUDA one every row that is not plain
+// greedy (its logits row comes back to the host).
+//   sampling_bench [--vocab 32000,128256] [--reps 9]
+// Prints the best of `reps` calls in milliseconds for random logits (normal, sigma 3).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "server/sampling.h"
+
+int main(int argc, char** argv) {
+  std::vector<int> vocabs = {32000, 128256};
+  int reps = 9;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--vocab") {
+      vocabs.clear();
+      for (size_t pos = 0; pos < v.size();) {
+        const size_t comma = std::min(v.find(',', pos), v.size());
+        vocabs.push_back(std::atoi(v.substr(pos, comma - pos).c_str()));
+        pos = comma + 1;
+      }
+    } else if (k == "--reps") {
+      reps = std::max(1, std::atoi(v.c_str()));
+    } else {
+      std::fprintf(stderr, "usage: sampling_bench [--vocab 32000,128256] [--reps 9]\n");
+      return 2;
+    }
+  }
+  struct Setting {
+    const char* name;
+    bool sample;
+    int top_k;
+    float top_p, temperature;
+  };
+  const Setting settings[] = {{"sampling, temperature 0.8", true, 0, 1.0f, 0.8f},
+                              {"sampling, top_p 0.9", true, 0, 0.9f, 1.0f},
+                              {"sampling, top_k 50", true, 50, 1.0f, 1.0f},
+                              {"greedy with a penalty", false, 0, 1.0f, 1.0f}};
+  for (int vocab : vocabs) {
+    std::mt19937 gen(1);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    std::vector<float> logits(vocab);
+    for (float& x : logits) x = normal(gen);
+    for (const Setting& s : settings) {
+      tgis::server::SamplingParams p;
+      p.do_sample = s.sample;
+      p.top_k = s.top_k;
+      p.top_p = s.top_p;
+      p.temperature = s.temperature;
+      p.repetition_penalty = s.sample ? 1.0f : 1.2f;
+      p.seed = 3;
+      tgis::server::Sampler sampler(p, {});
+      const std::vector<int32_t> context = {1, 2, 3};
+      double best = 1e30;
+      for (int r = 0; r < reps; ++r) {
+        std::vector<float> step = logits;
+        const auto t0 = std::chrono::steady_clock::now();
+        sampler.Next(step, context, 1, 0);
+        best = std::min(
+            best, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                      .count());
+      }
+      std::printf("vocab %6d  %-28s %.2f ms\n", vocab, s.name, best);
+    }
+  }
+  return 0;
+}
