@@ -36,6 +36,14 @@ void PrepareCpuWeight(Tensor* w) {
   *w = Tensor::Quantized(std::move(kept));
 }
 
+void ParallelTasks(int64_t n, const std::function<void(int64_t)>& fn) {
+  if (n <= 1) {
+    if (n == 1) fn(0);
+    return;
+  }
+  cpu::ThreadPool::Global().Run(n, fn);
+}
+
 size_t CpuDerivedLayoutBytes() { return cpu::DerivedLayoutBytes(); }
 
 size_t CpuReleasedCodeBytes() { return g_released_code_bytes.load(); }

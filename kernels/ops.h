@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,6 +27,11 @@ namespace tgis::kernels {
 // pool's threads and the OpenBLAS kernel family (this loads OpenBLAS: call it before other
 // threads start, as it sets OpenBLAS's environment variables first).
 std::string CpuBackendSummary();
+
+// Runs fn(i) for every i in [0, n) on the kernels' CPU thread pool (the caller takes part) and
+// returns when all are done: for the host's work between steps, such as choosing the tokens of
+// a step's sampled sequences.
+void ParallelTasks(int64_t n, const std::function<void(int64_t)>& fn);
 
 // Opt-in CPU speed mode for 8- and 4-bit weights: prefill and decode multiply them by
 // activations rounded to int8 per 32 columns (as llama.cpp and CTranslate2 do: outputs move by

@@ -643,6 +643,13 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
                                     "(a numerical overflow); the request was stopped")});
     failed.push_back(s->id);
   };
+  struct Sample {
+    Sequence* seq;
+    size_t out_index;  // its StepOutput in *out
+    Tensor rows;       // its logits on the host (kept alive until the choice)
+    float* last;       // the row it chooses from
+  };
+  std::vector<Sample> samples;
   for (size_t i = 0; i < seqs.size(); ++i) {
     Sequence* s = seqs[i];
     if (seq_rows[i].second == 0) {  // a prompt chunk: its keys and values are in the cache
@@ -715,16 +722,29 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
         continue;
       }
     }
-    std::span<float> last(rows.data<float>() + (count - 1) * v, v);
-    // The sampler's context (repetition penalty) is the real tokens, without placeholders.
-    TokenChoice c = s->sampler->Next(
-        last, std::span<const int32_t>(s->tokens).subspan(s->prefix_len), s->generated, s->top_n);
-    o.token.id = c.id;
-    o.token.logprob = c.logprob;
-    o.token.rank = c.rank;
-    o.token.top = std::move(c.top);
-    Advance(s, o.token.id);
+    // The token is chosen below, with the other sampled sequences' (in parallel); its output
+    // keeps its place.
+    samples.push_back({s, out->size(), rows, rows.data<float>() + (count - 1) * v});
     out->push_back(std::move(o));
+  }
+  // Each sequence has its own sampler (and random generator) and logits row, so they choose
+  // side by side: a sampled row costs milliseconds at a 128K vocabulary (sampling_bench).
+  std::vector<TokenChoice> choices(samples.size());
+  kernels::ParallelTasks(static_cast<int64_t>(samples.size()), [&](int64_t k) {
+    const Sample& c = samples[k];
+    // The sampler's context (repetition penalty) is the real tokens, without placeholders.
+    choices[k] =
+        c.seq->sampler->Next(std::span<float>(c.last, v),
+                             std::span<const int32_t>(c.seq->tokens).subspan(c.seq->prefix_len),
+                             c.seq->generated, c.seq->top_n);
+  });
+  for (size_t k = 0; k < samples.size(); ++k) {
+    TokenInfo& t = (*out)[samples[k].out_index].token;
+    t.id = choices[k].id;
+    t.logprob = choices[k].logprob;
+    t.rank = choices[k].rank;
+    t.top = std::move(choices[k].top);
+    Advance(samples[k].seq, t.id);
   }
   for (uint64_t id : failed) Release(id);
 }
