@@ -631,7 +631,6 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
           .count();
   const int64_t v = logits.dim(1);
-  std::vector<float> lp;
   // A NaN or +inf in a sequence's logits (its activations overflowed, or a prompt-tuning
   // prefix held one) fails that sequence alone: no token is made up for it, and its blocks,
   // which may hold non-finite keys and values, go back (attention never reads past a
@@ -708,14 +707,19 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
         Tensor chunk = model_->Logits(hidden.Rows(at + c0, at + c1));
         if (chunk.device() != kernels::Device::kCpu) chunk = chunk.ToDevice(kernels::Device::kCpu);
         finite = AllFinite(chunk.data<float>(), (c1 - c0) * v);
-        for (int32_t r = c0; r < c1 && finite; ++r) {
-          TokenInfo ti;
-          ti.id = s->tokens[first_token + r];
-          LogSoftmaxInto(std::span<const float>(chunk.data<float>() + (r - c0) * v, v), &lp);
-          ti.logprob = lp[ti.id];
-          RankAndTop(lp, ti.id, s->top_n, &ti.rank, &ti.top);
-          o.input_tokens.push_back(std::move(ti));
-        }
+        if (!finite) break;
+        // The rows are independent: their log-softmax and rank (O(vocabulary) each) side by
+        // side.
+        const size_t first = o.input_tokens.size();
+        o.input_tokens.resize(first + (c1 - c0));
+        kernels::ParallelTasks(c1 - c0, [&](int64_t k) {
+          std::vector<float> row_lp;
+          TokenInfo& ti = o.input_tokens[first + k];
+          ti.id = s->tokens[first_token + c0 + k];
+          LogSoftmaxInto(std::span<const float>(chunk.data<float>() + k * v, v), &row_lp);
+          ti.logprob = row_lp[ti.id];
+          RankAndTop(row_lp, ti.id, s->top_n, &ti.rank, &ti.top);
+        });
       }
       if (!finite) {
         fail(s);
