@@ -874,21 +874,26 @@ std::vector<std::optional<TokenInfo>> Engine::PickGreedy(
   const int64_t rows = logits->dim(0);
   std::vector<int32_t> banned(rows * m, -1);
   std::vector<bool> greedy(seqs.size(), false);
-  bool any = false;
+  bool any = false, any_banned = false;
   for (size_t i = 0; i < seqs.size(); ++i) {
     bool mask_eos = false;
     greedy[i] = seq_rows[i].second > 0 && !details[i] && seqs[i]->draft.empty() &&
                 seqs[i]->top_n == 0 && seqs[i]->sampler->PlainGreedy(seqs[i]->generated, &mask_eos);
     any = any || greedy[i];
-    if (greedy[i] && mask_eos) {
+    if (greedy[i] && mask_eos && !eos_.empty()) {
       std::copy(eos_.begin(), eos_.end(), banned.begin() + seq_rows[i].first * m);
+      any_banned = true;
     }
   }
   if (!any) return picked;
   // Every row is picked (cheap); only the qualifying ones are used. Rows of other sequences
-  // have nothing banned, so their logits stay as they were for the host.
-  Tensor banned_t = Tensor::FromVector(banned, {rows, static_cast<int64_t>(m)});
-  if (logits->device() != kernels::Device::kCpu) banned_t = banned_t.ToDevice(logits->device());
+  // have nothing banned, so their logits stay as they were for the host. Most steps ban
+  // nothing: no table then (one copy to the device fewer).
+  Tensor banned_t;
+  if (any_banned) {
+    banned_t = Tensor::FromVector(banned, {rows, static_cast<int64_t>(m)});
+    if (logits->device() != kernels::Device::kCpu) banned_t = banned_t.ToDevice(logits->device());
+  }
   Tensor ids, logprobs;
   kernels::GreedyPick(logits, banned_t, &ids, &logprobs);
   const Tensor ids_h = ids.ToDevice(kernels::Device::kCpu);  // a copy on the CPU: cheap
