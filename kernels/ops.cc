@@ -140,6 +140,11 @@ void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logpr
                 logprobs);
 }
 
+void RepetitionPenalty(Tensor* logits, const Tensor& tokens, const Tensor& penalties) {
+  TGIS_DISPATCH(RepetitionPenalty, TGIS_TENSORS(logits, &tokens, &penalties), logits, tokens,
+                penalties);
+}
+
 void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
                      KvCacheLayer* cache) {
   TGIS_DISPATCH(ReshapeAndCache, TGIS_TENSORS(&k, &v, &slot_mapping, &cache->k, &cache->v), k, v,

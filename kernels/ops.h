@@ -122,6 +122,12 @@ void LogSoftmax(Tensor* x);
 // on the device: only the ids and logprobs are copied back.
 void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logprobs);
 
+// HF's repetition penalty, in place on f32 logits [R, V]: for each token t listed in row r of
+// `tokens` ([R, M] i32, -1 = none; a row's tokens distinct), logits[r, t] is divided by
+// penalties[r] ([R] f32) where positive and multiplied by it where negative. Rows whose penalty
+// is 1 are left as they are. On CUDA this lets penalized greedy rows pick on the device.
+void RepetitionPenalty(Tensor* logits, const Tensor& tokens, const Tensor& penalties);
+
 // The paged KV cache of one layer: [num_blocks, block_size, Hk, D] for keys and for values.
 struct KvCacheLayer {
   Tensor k;

@@ -875,11 +875,27 @@ std::vector<std::optional<TokenInfo>> Engine::PickGreedy(
   std::vector<int32_t> banned(rows * m, -1);
   std::vector<bool> greedy(seqs.size(), false);
   bool any = false, any_banned = false;
+  // Rows with a repetition penalty: their context's distinct tokens, penalized on the device.
+  std::vector<float> penalties(rows, 1.0f);
+  std::vector<std::vector<int32_t>> penalized(rows);
+  size_t most_penalized = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     bool mask_eos = false;
-    greedy[i] = seq_rows[i].second > 0 && !details[i] && seqs[i]->draft.empty() &&
-                seqs[i]->top_n == 0 && seqs[i]->sampler->PlainGreedy(seqs[i]->generated, &mask_eos);
+    float penalty = 1.0f;
+    const Sequence* s = seqs[i];
+    greedy[i] = seq_rows[i].second > 0 && !details[i] && s->draft.empty() && s->top_n == 0 &&
+                s->sampler->PlainGreedy(s->generated, &mask_eos, &penalty);
     any = any || greedy[i];
+    if (greedy[i] && penalty != 1.0f) {
+      const int32_t row = seq_rows[i].first;
+      penalties[row] = penalty;
+      // The sampler's context: the real tokens, without prompt-tuning placeholders.
+      std::vector<int32_t>& ctx = penalized[row];
+      ctx.assign(s->tokens.begin() + static_cast<std::ptrdiff_t>(s->prefix_len), s->tokens.end());
+      std::sort(ctx.begin(), ctx.end());
+      ctx.erase(std::unique(ctx.begin(), ctx.end()), ctx.end());
+      most_penalized = std::max(most_penalized, ctx.size());
+    }
     if (greedy[i] && mask_eos && !eos_.empty()) {
       std::copy(eos_.begin(), eos_.end(), banned.begin() + seq_rows[i].first * m);
       any_banned = true;
@@ -889,6 +905,20 @@ std::vector<std::optional<TokenInfo>> Engine::PickGreedy(
   // Every row is picked (cheap); only the qualifying ones are used. Rows of other sequences
   // have nothing banned, so their logits stay as they were for the host. Most steps ban
   // nothing: no table then (one copy to the device fewer).
+  if (most_penalized > 0) {
+    const int64_t m = static_cast<int64_t>(most_penalized);
+    std::vector<int32_t> table(rows * m, -1);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy(penalized[r].begin(), penalized[r].end(), table.begin() + r * m);
+    }
+    Tensor tokens_t = Tensor::FromVector(table, {rows, m});
+    Tensor penalties_t = Tensor::FromVector(penalties, {rows});
+    if (logits->device() != kernels::Device::kCpu) {
+      tokens_t = tokens_t.ToDevice(logits->device());
+      penalties_t = penalties_t.ToDevice(logits->device());
+    }
+    kernels::RepetitionPenalty(logits, tokens_t, penalties_t);
+  }
   Tensor banned_t;
   if (any_banned) {
     banned_t = Tensor::FromVector(banned, {rows, static_cast<int64_t>(m)});

@@ -211,9 +211,10 @@ bool Sampler::LengthPenalized(uint32_t generated) const {
   return p_.length_penalty_decay > 0 && generated > p_.length_penalty_start;
 }
 
-bool Sampler::PlainGreedy(uint32_t generated, bool* mask_eos) const {
+bool Sampler::PlainGreedy(uint32_t generated, bool* mask_eos, float* repetition_penalty) const {
   *mask_eos = generated < p_.min_new_tokens;
-  return !p_.do_sample && !RepetitionPenalized() && !LengthPenalized(generated);
+  *repetition_penalty = RepetitionPenalized() ? p_.repetition_penalty : 1.0f;
+  return !p_.do_sample && !LengthPenalized(generated);
 }
 
 TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> context,

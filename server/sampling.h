@@ -48,9 +48,11 @@ class Sampler {
   // choice is distributed exactly as without a draft (rejection sampling against a point mass).
   TokenChoice Next(std::span<float> logits, std::span<const int32_t> context, uint32_t generated,
                    uint32_t top_n, std::optional<int32_t> draft = std::nullopt);
-  // True when the next choice is a plain argmax of the logits, with at most the EOS ids masked
-  // (`*mask_eos`): no penalties, no sampling. The engine then picks on the device.
-  bool PlainGreedy(uint32_t generated, bool* mask_eos) const;
+  // True when the next choice is a plain argmax of the logits after at most a repetition
+  // penalty (`*repetition_penalty`, 1 for none) and the EOS ids masked (`*mask_eos`): no
+  // length penalty, no sampling. The engine then picks on the device (RepetitionPenalty,
+  // GreedyPick).
+  bool PlainGreedy(uint32_t generated, bool* mask_eos, float* repetition_penalty) const;
   const std::vector<int32_t>& eos_ids() const { return eos_; }
 
  private:

@@ -230,6 +230,27 @@ void SoftmaxImpl(Tensor* x, const char* op) {
 void Softmax(Tensor* x) { SoftmaxImpl<false>(x, "Softmax"); }
 void LogSoftmax(Tensor* x) { SoftmaxImpl<true>(x, "LogSoftmax"); }
 
+void RepetitionPenalty(Tensor* logits, const Tensor& tokens, const Tensor& penalties) {
+  const char* op = "RepetitionPenalty";
+  CheckF32(*logits, op, "logits");
+  CheckIndexTensor(tokens, op, "tokens");
+  CheckF32(penalties, op, "penalties");
+  TGIS_CHECK(logits->rank() == 2 && tokens.rank() == 2 && tokens.dim(0) == logits->dim(0) &&
+                 penalties.numel() == logits->dim(0),
+             "%s: logits [R, V], tokens [R, M] and penalties [R]", op);
+  const int64_t rows = logits->dim(0), v = logits->dim(1), m = tokens.dim(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float p = penalties.data<float>()[r];
+    if (p == 1.0f) continue;
+    float* x = logits->data<float>() + r * v;
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t t = IndexAt(tokens, r * m + j);
+      if (t < 0 || t >= v) continue;
+      x[t] = x[t] < 0 ? x[t] * p : x[t] / p;
+    }
+  }
+}
+
 void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logprobs) {
   CheckF32(*logits, "GreedyPick", "logits");
   TGIS_CHECK(logits->rank() == 2, "GreedyPick: logits must be [R, V]");

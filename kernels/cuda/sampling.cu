@@ -16,6 +16,19 @@ __global__ void BanKernel(float* logits, int64_t v, const void* banned, bool wid
   }
 }
 
+__global__ void RepetitionPenaltyKernel(float* logits, int64_t v, const void* tokens, bool wide,
+                                        int m, const float* penalties) {
+  const int64_t r = blockIdx.x;
+  const float p = penalties[r];
+  if (p == 1.0f) return;
+  for (int j = threadIdx.x; j < m; j += blockDim.x) {
+    const int64_t t = LoadIndex(tokens, wide, r * m + j);
+    if (t < 0 || t >= v) continue;
+    float& x = logits[r * v + t];  // a row's tokens are distinct: one thread per logit
+    x = x < 0 ? __fmul_rn(x, p) : __fdiv_rn(x, p);
+  }
+}
+
 // (value, index) with the larger value winning, the smaller index on ties: torch.argmax's and
 // std::max_element's "first maximum".
 __device__ __forceinline__ void Better(float& v, int& i, float ov, int oi) {
@@ -101,6 +114,24 @@ __global__ void GreedyCombineKernel(const GreedyPart* parts, int count, int* ids
 }
 
 }  // namespace
+
+void RepetitionPenalty(Tensor* logits, const Tensor& tokens, const Tensor& penalties) {
+  const char* op = "RepetitionPenalty";
+  TGIS_CHECK(logits->defined() && logits->device() == Device::kCuda &&
+                 logits->dtype() == DType::kF32 && logits->rank() == 2,
+             "%s: logits must be CUDA f32 [R, V]", op);
+  CheckCudaIndex(tokens, op, "tokens");
+  TGIS_CHECK(penalties.defined() && penalties.device() == Device::kCuda &&
+                 penalties.dtype() == DType::kF32 && penalties.numel() == logits->dim(0) &&
+                 tokens.rank() == 2 && tokens.dim(0) == logits->dim(0),
+             "%s: tokens [R, M] and CUDA f32 penalties [R]", op);
+  const int64_t rows = logits->dim(0);
+  if (rows == 0 || tokens.dim(1) == 0) return;
+  RepetitionPenaltyKernel<<<static_cast<unsigned>(rows), 256, 0, Stream()>>>(
+      logits->data<float>(), logits->dim(1), tokens.raw(), tokens.dtype() == DType::kI64,
+      static_cast<int>(tokens.dim(1)), penalties.data<float>());
+  TGIS_CUDA_LAUNCHED();
+}
 
 void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logprobs) {
   const char* op = "GreedyPick";

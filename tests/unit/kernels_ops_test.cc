@@ -1194,6 +1194,38 @@ TEST_P(OpsTest, GreedyPickFirstMaximumAfterBans) {
   }
 }
 
+// HF's repetition penalty: listed tokens' positive logits divided, negative ones multiplied,
+// once each; rows with penalty 1 untouched, bit for bit; -1 entries and other tokens too.
+TEST_P(OpsTest, RepetitionPenaltyDividesPositiveAndMultipliesNegativeLogits) {
+  if (dtype() != DType::kF32) GTEST_SKIP() << "logits are f32 on every device";
+  const int64_t rows = 3, v = 1000, m = 4;
+  const std::vector<float> x = Random(rows * v, 61, -5, 5);
+  const std::vector<int32_t> tokens = {3, 999, -1, 500,  // row 0
+                                       3, 10,  11, 12,   // row 1: penalty 1, untouched
+                                       0, -1,  -1, -1};  // row 2
+  const std::vector<float> penalties = {1.3f, 1.0f, 0.7f};
+  std::vector<float> want = x;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (penalties[r] == 1.0f) continue;
+    for (int64_t j = 0; j < m; ++j) {
+      const int32_t t = tokens[r * m + j];
+      if (t < 0) continue;
+      float& y = want[r * v + t];
+      y = y < 0 ? y * penalties[r] : y / penalties[r];
+    }
+  }
+  Tensor logits = Tensor::FromVector(x, {rows, v});
+  Tensor tokens_t = Tensor::FromVector(tokens, {rows, m});
+  Tensor penalties_t = Tensor::FromVector(penalties, {rows});
+  if (device() != Device::kCpu) {
+    logits = logits.ToDevice(device());
+    tokens_t = tokens_t.ToDevice(device());
+    penalties_t = penalties_t.ToDevice(device());
+  }
+  RepetitionPenalty(&logits, tokens_t, penalties_t);
+  EXPECT_EQ(Host(logits), want);
+}
+
 // A row with a NaN or +inf anywhere (not only at its maximum) has no choice: id -1 and a NaN
 // logprob, on every device; -inf (a banned token) is a normal value; the other rows are as
 // always.

@@ -11,6 +11,8 @@
 #include <random>
 #include <vector>
 
+#include "kernels/ops.h"
+
 namespace {
 
 using tgis::server::Sampler;
@@ -167,6 +169,54 @@ TEST(Sampler, PartialSortingChoosesWhatAFullSortChooses) {
           }
         }
       }
+    }
+  }
+}
+
+// A greedy request with a repetition penalty picks on the device (the engine runs the
+// RepetitionPenalty and GreedyPick ops): the same token as the host sampler, and its logprob
+// up to the f32 log-sum-exp's rounding.
+TEST(Sampler, PenalizedGreedyOpsChooseWhatTheSamplerChooses) {
+  std::mt19937 gen(9);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const int64_t v = 5000;
+  for (float penalty : {1.2f, 0.8f, 3.0f}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<float> logits(v);
+      for (float& x : logits) x = normal(gen);
+      std::vector<int32_t> context;
+      std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(v) - 1);
+      for (int i = 0; i < 40; ++i) context.push_back(token(gen));
+      // The context's likeliest tokens, so that the penalty changes the choice.
+      for (int i = 0; i < 3; ++i) {
+        context.push_back(
+            static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin()));
+        logits[context.back()] += 0.5f;
+      }
+      context.push_back(context.front());  // a repeat: penalized once
+      SamplingParams p;
+      p.repetition_penalty = penalty;
+      Sampler sampler(p, {});
+      bool mask_eos = true;
+      float device_penalty = 0;
+      ASSERT_TRUE(sampler.PlainGreedy(0, &mask_eos, &device_penalty));
+      EXPECT_FALSE(mask_eos);
+      ASSERT_EQ(device_penalty, penalty);
+      std::vector<float> host = logits;
+      const tgis::server::TokenChoice want = sampler.Next(host, context, 0, 0);
+
+      std::vector<int32_t> distinct = context;
+      std::sort(distinct.begin(), distinct.end());
+      distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+      using tgis::kernels::Tensor;
+      Tensor t = Tensor::FromVector(logits, {1, v});
+      tgis::kernels::RepetitionPenalty(
+          &t, Tensor::FromVector(distinct, {1, static_cast<int64_t>(distinct.size())}),
+          Tensor::FromVector(std::vector<float>{penalty}, {1}));
+      Tensor ids, lps;
+      tgis::kernels::GreedyPick(&t, Tensor(), &ids, &lps);
+      EXPECT_EQ(ids.data<int32_t>()[0], want.id) << "penalty " << penalty << " trial " << trial;
+      EXPECT_NEAR(lps.data<float>()[0], want.logprob, 1e-5);
     }
   }
 }
