@@ -61,10 +61,9 @@ ForwardInput DecodeGraphs::Inputs(const Graph& g, int64_t batch, int64_t width) 
   in.attn.context_lens = g.meta.Rows(at.context_lens, at.context_lens + batch);
   in.attn.block_tables = g.meta.Rows(at.tables, at.tables + batch * width).Reshape({batch, width});
   in.attn.block_size = block_size_;
-  // Launch sizes for the longest context the bucket holds, whatever this step's is.
+  // Launch sizes for the longest context the bucket holds, whatever this step's is. (The host
+  // copies of the batch stay empty: Supports leaves out the models that read them.)
   in.attn.max_context_len = width * block_size_;
-  in.host_query_start.resize(batch + 1);
-  std::iota(in.host_query_start.begin(), in.host_query_start.end(), 0);
   return in;
 }
 
@@ -106,6 +105,7 @@ DecodeGraphs::Graph* DecodeGraphs::Ready(const Model& model,
   if (!capture_on_demand_ && graphs_.count({batch, width}) == 0) return nullptr;
   auto [it, fresh] = graphs_.try_emplace({batch, width});
   Graph& g = it->second;
+  if (!fresh && g.exec == nullptr) return nullptr;  // its capture failed: eager, no copy
   if (fresh)
     g.meta = Tensor::Empty({static_cast<int64_t>(meta.size())}, DType::kI32, Device::kCuda);
   kernels::cuda::Copy(g.meta.raw(), Device::kCuda, meta.data(), Device::kCpu,

@@ -65,7 +65,6 @@ class SortedTokens {
   explicit SortedTokens(const std::vector<float>& prob) : prob_(prob) {
     for (float p : prob_) ++count_[Exponent(p)];
   }
-  size_t size() const { return prob_.size(); }
   // The i-th token of the order.
   int32_t at(size_t i) {
     Extend(i + 1);
@@ -89,11 +88,10 @@ class SortedTokens {
     });
     lowest_ = lowest;
   }
-  // The ids in [begin, end) of the order.
-  std::vector<int32_t> Range(size_t begin, size_t end) {
-    Extend(end);
-    return std::vector<int32_t>(prefix_.begin() + static_cast<std::ptrdiff_t>(begin),
-                                prefix_.begin() + static_cast<std::ptrdiff_t>(end));
+  // The order's first n ids.
+  std::vector<int32_t> First(size_t n) {
+    Extend(n);
+    return std::vector<int32_t>(prefix_.begin(), prefix_.begin() + static_cast<std::ptrdiff_t>(n));
   }
   // The sum of every token's probability: the sorted prefix in order, then the rest by id.
   double Total() const {
@@ -150,7 +148,7 @@ int32_t Sampler::Draw(const std::vector<float>& lp, std::optional<int32_t> draft
     for (size_t i = 0; i < v; ++i) {
       if (prob[i] > 0) entropy -= prob[i] * lp[i];
     }
-    std::vector<int32_t> by_typical = sorted.Range(0, keep);
+    std::vector<int32_t> by_typical = sorted.First(keep);
     std::stable_sort(by_typical.begin(), by_typical.end(), [&](int32_t a, int32_t b) {
       return std::abs(-lp[a] - entropy) < std::abs(-lp[b] - entropy);
     });
@@ -165,7 +163,7 @@ int32_t Sampler::Draw(const std::vector<float>& lp, std::optional<int32_t> draft
     order = std::move(by_typical);
     keep = order.size();
   } else if (draft.has_value() || keep < v) {
-    order = sorted.Range(0, keep);
+    order = sorted.First(keep);
   }
   auto kept = [&](size_t i) { return order.empty() ? sorted.at(i) : order[i]; };
   // Every token kept (no truncation): summed without sorting them all, which moves the total

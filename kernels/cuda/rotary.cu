@@ -98,25 +98,34 @@ __global__ void QkvToCacheKernel(const InvFreq inv, int rot, bool neox, const vo
 
 }  // namespace
 
+// cfg's frequencies as a kernel parameter, after checking cfg against head_dim d and the
+// positions against the t rows they rotate.
+InvFreq Frequencies(const RotaryConfig& cfg, int64_t d, const Tensor& positions, int64_t t,
+                    const char* op) {
+  CheckCudaIndex(positions, op, "positions");
+  const int half = cfg.rotary_dim / 2;
+  TGIS_CHECK(cfg.rotary_dim % 2 == 0 && half > 0 && half <= kMaxHalf && cfg.rotary_dim <= d &&
+                 static_cast<int>(cfg.inv_freq.size()) == half,
+             "%s: rotary_dim %d does not fit head_dim %lld / inv_freq", op, cfg.rotary_dim,
+             static_cast<long long>(d));
+  TGIS_CHECK(positions.numel() == t, "%s: positions has %lld entries, want %lld", op,
+             static_cast<long long>(positions.numel()), static_cast<long long>(t));
+  InvFreq inv{};
+  for (int j = 0; j < half; ++j) inv.v[j] = cfg.inv_freq[j];
+  return inv;
+}
+
 void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor* k) {
   const char* op = "Rotary";
-  CheckCudaIndex(positions, op, "positions");
   CheckCudaFloat(*q, op, "q");
   CheckCudaFloat(*k, op, "k");
   TGIS_CHECK(q->rank() == 3 && k->rank() == 3 && q->dim(0) == k->dim(0) && q->dim(2) == k->dim(2) &&
                  q->dtype() == k->dtype(),
              "%s: q [T, Hq, D] and k [T, Hk, D] must agree", op);
   const int half = cfg.rotary_dim / 2;
-  TGIS_CHECK(half > 0 && half <= kMaxHalf && cfg.rotary_dim <= q->dim(2) &&
-                 static_cast<int>(cfg.inv_freq.size()) == half,
-             "%s: rotary_dim %d does not fit head_dim %lld / inv_freq", op, cfg.rotary_dim,
-             static_cast<long long>(q->dim(2)));
   const int64_t t = q->dim(0);
-  TGIS_CHECK(positions.numel() == t, "%s: positions has %lld entries, want %lld", op,
-             static_cast<long long>(positions.numel()), static_cast<long long>(t));
+  const InvFreq inv = Frequencies(cfg, q->dim(2), positions, t, op);
   if (t == 0) return;
-  InvFreq inv{};
-  for (int j = 0; j < half; ++j) inv.v[j] = cfg.inv_freq[j];
   const int hq = static_cast<int>(q->dim(1)), hk = static_cast<int>(k->dim(1));
   const int d = static_cast<int>(q->dim(2));
   // A token's pairs over several blocks: one block per token left a decode step's rotary on a
@@ -151,14 +160,8 @@ void QkvToCache(const Tensor& qkv, const RotaryConfig* rotary, const Tensor& pos
   InvFreq inv{};
   int rot = 0;
   if (rotary != nullptr) {
-    CheckCudaIndex(positions, op, "positions");
+    inv = Frequencies(*rotary, d, positions, t, op);
     rot = rotary->rotary_dim;
-    TGIS_CHECK(rot > 0 && rot % 2 == 0 && rot / 2 <= kMaxHalf && rot <= d &&
-                   static_cast<int>(rotary->inv_freq.size()) == rot / 2,
-               "%s: rotary_dim %d does not fit head_dim %d / inv_freq", op, rot, d);
-    TGIS_CHECK(positions.numel() == t, "%s: positions has %lld entries, want %lld", op,
-               static_cast<long long>(positions.numel()), static_cast<long long>(t));
-    for (int j = 0; j < rot / 2; ++j) inv.v[j] = rotary->inv_freq[j];
   }
   if (t == 0) return;
   constexpr int kThreads = 256;
