@@ -645,8 +645,7 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
   struct Sample {
     Sequence* seq;
     size_t out_index;  // its StepOutput in *out
-    Tensor rows;       // its logits on the host (kept alive until the choice)
-    float* last;       // the row it chooses from
+    Tensor rows;       // its logits on the host; it chooses from the last row
   };
   std::vector<Sample> samples;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -728,7 +727,7 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
     }
     // The token is chosen below, with the other sampled sequences' (in parallel); its output
     // keeps its place.
-    samples.push_back({s, out->size(), rows, rows.data<float>() + (count - 1) * v});
+    samples.push_back({s, out->size(), rows});
     out->push_back(std::move(o));
   }
   // Each sequence has its own sampler (and random generator) and logits row, so they choose
@@ -738,7 +737,7 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
     const Sample& c = samples[k];
     // The sampler's context (repetition penalty) is the real tokens, without placeholders.
     choices[k] =
-        c.seq->sampler->Next(std::span<float>(c.last, v),
+        c.seq->sampler->Next(std::span<float>(c.rows.data<float>() + (c.rows.dim(0) - 1) * v, v),
                              std::span<const int32_t>(c.seq->tokens).subspan(c.seq->prefix_len),
                              c.seq->generated, c.seq->top_n);
   });
@@ -903,15 +902,15 @@ std::vector<std::optional<TokenInfo>> Engine::PickGreedy(
   }
   if (!any) return picked;
   // Every row is picked (cheap); only the qualifying ones are used. Rows of other sequences
-  // have nothing banned, so their logits stay as they were for the host. Most steps ban
-  // nothing: no table then (one copy to the device fewer).
+  // have nothing penalized or banned, so their logits stay as they were for the host. Most
+  // steps penalize and ban nothing: no tables then (copies to the device fewer).
   if (most_penalized > 0) {
-    const int64_t m = static_cast<int64_t>(most_penalized);
-    std::vector<int32_t> table(rows * m, -1);
+    const int64_t width = static_cast<int64_t>(most_penalized);
+    std::vector<int32_t> table(rows * width, -1);
     for (int64_t r = 0; r < rows; ++r) {
-      std::copy(penalized[r].begin(), penalized[r].end(), table.begin() + r * m);
+      std::copy(penalized[r].begin(), penalized[r].end(), table.begin() + r * width);
     }
-    Tensor tokens_t = Tensor::FromVector(table, {rows, m});
+    Tensor tokens_t = Tensor::FromVector(table, {rows, width});
     Tensor penalties_t = Tensor::FromVector(penalties, {rows});
     if (logits->device() != kernels::Device::kCpu) {
       tokens_t = tokens_t.ToDevice(logits->device());
