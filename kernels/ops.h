@@ -163,6 +163,10 @@ struct AttentionBatch {
   // max(context_lens) when the caller knows it (host side): CUDA sizes its launch by it
   // without reading context_lens back. 0: unknown.
   int64_t max_context_len = 0;
+  // The shortest and longest query (rows of a sequence) when the caller knows them: CUDA skips
+  // the kernels no sequence needs. 0: unknown.
+  int64_t min_query_len = 0;
+  int64_t max_query_len = 0;
 };
 // What attention adds to a (scaled) logit, by the key's position relative to the query's.
 // Position schemes are these biases (or rotary, applied to q and k before), never special

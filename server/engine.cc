@@ -28,6 +28,19 @@ bool AllFinite(const float* logits, int64_t n) {
   });
 }
 
+// The batch's shortest and longest query from its row offsets (CUDA attention launches only
+// the kernels some sequence needs).
+void NoteQueryLengths(const std::vector<int32_t>& query_start, kernels::AttentionBatch* b) {
+  int32_t lo = std::numeric_limits<int32_t>::max(), hi = 0;
+  for (size_t i = 1; i < query_start.size(); ++i) {
+    lo = std::min(lo, query_start[i] - query_start[i - 1]);
+    hi = std::max(hi, query_start[i] - query_start[i - 1]);
+  }
+  if (hi == 0) return;  // no sequence, or none with a row: leave the hints unknown
+  b->min_query_len = std::max(lo, 1);
+  b->max_query_len = hi;
+}
+
 // Prompt details take their logits this many rows at a time: at most ~64 MB of f32 (128 rows of
 // a 128K vocabulary), at least one row.
 std::atomic<int64_t> g_detail_chunk_bytes{int64_t{64} << 20};
@@ -608,6 +621,7 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
     in.attn.block_tables = all.Rows(at[5], at[5] + nseq * table_cols).Reshape({nseq, table_cols});
     in.attn.block_size = bs;
     in.attn.max_context_len = *std::max_element(context_lens.begin(), context_lens.end());
+    NoteQueryLengths(query_start, &in.attn);
     in.host_query_start = std::move(query_start);
     in.host_context_lens = std::move(context_lens);
     if (model_->encoder_decoder()) {
@@ -776,6 +790,7 @@ kernels::AttentionBatch Engine::CrossBatch(const std::vector<Sequence*>& seqs,
   b.block_size = cache_->block_size();
   b.causal = causal;
   b.max_context_len = *std::max_element(lens.begin(), lens.end());
+  NoteQueryLengths(query_start, &b);
   return b;
 }
 

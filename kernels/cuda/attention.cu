@@ -6,13 +6,22 @@
 // unnormalized output, and a second kernel combines them (flash-decoding), so a single long
 // sequence still fills the GPU. A block walks its keys in chunks with an online softmax; within
 // a chunk each warp scores one key at a time (lanes split the head dimension), then the
-// threads split the head dimension to sum values. Scores and softmax are f32.
+// threads split the head dimension to sum values. Scores and softmax are f32. Prompts and
+// chunks (sequences with several query rows) go to tiled kernels instead, which read each
+// staged key once for many rows: mma_attention.cuh's on tensor cores, or the f32 one below.
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <vector>
 
+#include "kernels/cuda/attention_params.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/warp_mma.cuh"
 #include "kernels/cuda_ops.h"
 #include "kernels/relative_position.h"
+
+// After the primitives it uses (common.cuh, warp_mma.cuh).
+#include "kernels/cuda/mma_attention.cuh"
 
 namespace tgis::kernels::cuda {
 
@@ -24,11 +33,6 @@ constexpr int kMaxHeadDim = 256;
 // Partitions split a long context over blocks; their f32 partial outputs live in a workspace
 // of at most this many bytes (a large prefill gets fewer, longer partitions).
 constexpr int64_t kWorkspaceBytes = 256ll << 20;
-constexpr int kMaxHeads = 256;
-
-struct Slopes {
-  float v[kMaxHeads];
-};
 
 template <typename T>
 __global__ void ReshapeAndCacheKernel(const T* k, const T* v, const void* slots, bool wide,
@@ -42,24 +46,21 @@ __global__ void ReshapeAndCacheKernel(const T* k, const T* v, const void* slots,
   }
 }
 
-struct AttnParams {
-  const int* query_start;
-  const int* context_lens;
-  const int* tables;
-  int max_blocks, num_seqs, block_size;
-  int hq, hk, d;
-  float scale;
-  int window;
-  bool alibi;
-  bool causal;
-  const float* relative;  // [hq, num_buckets] or null
-  int num_buckets, max_distance;
-  bool bidirectional;
-  int partitions;     // blocks along the keys of one (row, head)
-  int keys_per_part;  // keys each of them covers (in chunks of kChunk)
-};
-
 constexpr int kDimsPerThread = kMaxHeadDim / kThreads;
+
+// The sequence that owns query row t: query_start[s] <= t < query_start[s + 1].
+__device__ __forceinline__ int SequenceOfRow(const AttnParams& p, int t) {
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.query_start[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -72,18 +73,9 @@ __global__ void __launch_bounds__(kThreads)
   const int t = blockIdx.x, h = blockIdx.y, part = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
 
-  // The sequence that owns query row t: query_start[s] <= t < query_start[s + 1].
-  int lo = 0, hi = p.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (p.query_start[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const int s = lo;
+  const int s = SequenceOfRow(p, t);
   const int q_len = p.query_start[s + 1] - p.query_start[s];
+  if (q_len >= p.tiled_min_rows) return;  // a tiled kernel takes this sequence
   const int qpos = p.context_lens[s] - q_len + (t - p.query_start[s]);
   const int first = p.window > 0 ? max(0, qpos - p.window + 1) : 0;
   const int k_begin = first + part * p.keys_per_part;
@@ -181,8 +173,11 @@ __global__ void __launch_bounds__(kThreads)
 // softmax is a warp reduction, and for the values lane l sums dimensions l, l + 32, l + 64,
 // l + 96. f32 arithmetic; a row's chunks start at the tile's first key, which for causal
 // attention without a window is 0 for every tile, so a row's result does not depend on the
-// batch or the tile it fell in.
+// batch or the tile it fell in. It takes f32 activations and head sizes that are not multiples
+// of 16; 16-bit ones go to the tensor-core kernel of mma_attention.cuh.
 constexpr int kTileQ = 16;
+// Query rows from which a sequence goes to a tiled kernel (this one or mma_attention.cuh's).
+constexpr int kTiledMinRows = 8;
 constexpr int kTileThreads = 128;  // 4 warps of 4 rows
 constexpr int kTileMaxDim = 128;
 constexpr int kTileRowsPerWarp = kTileQ / (kTileThreads / 32);
@@ -212,14 +207,9 @@ __global__ void __launch_bounds__(kTileThreads)
   const int h = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  // This block's tile: the sequences' rows in tiles of kTileQ, in order.
-  int s = 0, tile = blockIdx.x;
-  for (; s < p.num_seqs; ++s) {
-    const int tiles = (p.query_start[s + 1] - p.query_start[s] + kTileQ - 1) / kTileQ;
-    if (tile < tiles) break;
-    tile -= tiles;
-  }
-  if (s == p.num_seqs) return;  // past the last tile (the grid is an upper bound)
+  int tile = blockIdx.x;
+  const int s = FindTile(p, kTileQ, &tile);
+  if (s == p.num_seqs) return;
   const int q0 = p.query_start[s], q_len = p.query_start[s + 1] - q0;
   const int ctx = p.context_lens[s];
   const int row0 = tile * kTileQ, rows = min(kTileQ, q_len - row0);
@@ -332,26 +322,32 @@ __global__ void __launch_bounds__(kTileThreads)
 }
 
 // Combines the partitions of one (row, head): rescale each by exp(m_p - max) and normalize.
+// Rows of the sequences a tiled kernel takes are left to it.
 template <typename T>
-__global__ void CombinePartitionsKernel(int hq, int d, int partitions, const float* part_m,
+__global__ void CombinePartitionsKernel(const AttnParams p, const float* part_m,
                                         const float* part_l, const float* part_acc, T* out) {
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * hq + blockIdx.y;
+  const int row = blockIdx.x, hq = p.hq, d = p.d, partitions = p.partitions;
+  const int s = SequenceOfRow(p, row);
+  if (p.query_start[s + 1] - p.query_start[s] >= p.tiled_min_rows) return;
+  const int64_t base = static_cast<int64_t>(row) * hq + blockIdx.y;
   const float* m = part_m + base * partitions;
   const float* l = part_l + base * partitions;
   float mx = -INFINITY;
-  for (int p = 0; p < partitions; ++p) mx = fmaxf(mx, m[p]);
+  for (int k = 0; k < partitions; ++k) mx = fmaxf(mx, m[k]);
   float total = 0;
-  for (int p = 0; p < partitions; ++p) {
-    if (m[p] != -INFINITY) total += l[p] * expf(m[p] - mx);
+  for (int k = 0; k < partitions; ++k) {
+    if (m[k] != -INFINITY) total += l[k] * expf(m[k] - mx);
   }
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
     float acc = 0;
-    for (int p = 0; p < partitions; ++p) {
-      if (m[p] != -INFINITY) acc += part_acc[(base * partitions + p) * d + i] * expf(m[p] - mx);
+    for (int k = 0; k < partitions; ++k) {
+      if (m[k] != -INFINITY) acc += part_acc[(base * partitions + k) * d + i] * expf(m[k] - mx);
     }
     out[base * d + i] = FromF32<T>(acc / total);
   }
 }
+
+bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 void CheckCudaI32(const Tensor& t, const char* op, const char* what) {
   TGIS_CHECK(t.defined() && t.device() == Device::kCuda && t.dtype() == DType::kI32,
@@ -393,8 +389,9 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   TGIS_CHECK(q.rank() == 3, "%s: q must be [T, Hq, D]", op);
   const int64_t t = q.dim(0), hq = q.dim(1), d = q.dim(2), hk = cache.k.dim(2);
   TGIS_CHECK(cache.k.dim(3) == d && hq % hk == 0, "%s: head_dim or head counts disagree", op);
-  TGIS_CHECK(d <= kMaxHeadDim && hq <= kMaxHeads, "%s: head_dim %lld / %lld heads unsupported", op,
-             static_cast<long long>(d), static_cast<long long>(hq));
+  TGIS_CHECK(d <= kMaxHeadDim && hq <= kMaxAttentionHeads,
+             "%s: head_dim %lld / %lld heads unsupported", op, static_cast<long long>(d),
+             static_cast<long long>(hq));
   const int64_t num_seqs = batch.context_lens.numel();
   TGIS_CHECK(batch.query_start.numel() == num_seqs + 1 && batch.block_tables.rank() == 2 &&
                  batch.block_tables.dim(0) == num_seqs,
@@ -437,23 +434,44 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
                relative ? bias->max_distance : 0,
                relative && bias->bidirectional,
                /*partitions=*/1,
-               /*keys_per_part=*/1};
+               /*keys_per_part=*/1,
+               /*tiled_min_rows=*/0};
   Slopes slopes{};
   if (alibi) std::copy(alibi_slopes->begin(), alibi_slopes->end(), slopes.v);
 
-  // Prefill-shaped batches (8 or more query rows per sequence on average) take the tiled
-  // kernel; decode steps, and the T5 relative bias and head sizes over 128 it does not
-  // cover, the per-row one with its key partitions.
-  if (!relative && d <= kTileMaxDim && t >= 8 * num_seqs) {
-    // At most t / kTileQ + num_seqs tiles: each sequence's last one may be partial.
-    const dim3 grid(static_cast<unsigned>((t + kTileQ - 1) / kTileQ + num_seqs),
+  // Sequences of kTiledMinRows or more query rows (prompts, chunks) take a tiled kernel: on
+  // tensor cores for 16-bit activations and head sizes in multiples of 16 up to 128, in f32
+  // otherwise; T5's relative bias and head sizes over 128 stay on the per-row kernel, as do
+  // decode rows. The caller's hints on query lengths spare launches that would find nothing to
+  // do; without them the bounds come from the row and sequence counts.
+  const int64_t longest = batch.max_query_len > 0 ? batch.max_query_len : t - (num_seqs - 1);
+  const int64_t shortest = batch.min_query_len > 0 ? batch.min_query_len : (num_seqs == 1 ? t : 1);
+  const bool tiled = !relative && d <= kTileMaxDim && longest >= kTiledMinRows;
+  p.tiled_min_rows = tiled ? kTiledMinRows : std::numeric_limits<int>::max();
+  if (tiled) {
+    const bool mma = q.dtype() != DType::kF32 && d % 16 == 0 && Aligned(q.raw(), 4) &&
+                     Aligned(cache.k.raw(), 16) && Aligned(cache.v.raw(), 16);
+    const int tile_rows = mma ? kMmaTileQ : kTileQ;
+    // At most t / tile_rows + num_seqs tiles: each sequence's last one may be partial.
+    const dim3 grid(static_cast<unsigned>((t + tile_rows - 1) / tile_rows + num_seqs),
                     static_cast<unsigned>(hq));
-    TGIS_DISPATCH_FLOAT(
-        q.dtype(), op,
-        TiledAttentionKernel<T><<<grid, kTileThreads, 0, Stream()>>>(
-            p, slopes, q.data<T>(), cache.k.data<T>(), cache.v.data<T>(), out->data<T>()));
+    if (mma) {
+      if (q.dtype() == DType::kBF16) {
+        MmaAttentionKernel<bf16>
+            <<<grid, kMmaThreads, 0, Stream()>>>(p, slopes, q.data<bf16>(), cache.k.data<bf16>(),
+                                                 cache.v.data<bf16>(), out->data<bf16>());
+      } else {
+        MmaAttentionKernel<f16><<<grid, kMmaThreads, 0, Stream()>>>(
+            p, slopes, q.data<f16>(), cache.k.data<f16>(), cache.v.data<f16>(), out->data<f16>());
+      }
+    } else {
+      TGIS_DISPATCH_FLOAT(
+          q.dtype(), op,
+          TiledAttentionKernel<T><<<grid, kTileThreads, 0, Stream()>>>(
+              p, slopes, q.data<T>(), cache.k.data<T>(), cache.v.data<T>(), out->data<T>()));
+    }
     TGIS_CUDA_LAUNCHED();
-    return;
+    if (shortest >= kTiledMinRows) return;
   }
 
   // Launch sizes come from the longest context; read it back only when the caller did not
@@ -489,9 +507,9 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   if (partitions > 1) {
     const dim3 cgrid(static_cast<unsigned>(t), static_cast<unsigned>(hq));
     TGIS_DISPATCH_FLOAT(q.dtype(), op,
-                        CombinePartitionsKernel<T><<<cgrid, RowThreads(d), 0, Stream()>>>(
-                            static_cast<int>(hq), static_cast<int>(d), partitions, m.data<float>(),
-                            l.data<float>(), acc.data<float>(), out->data<T>()));
+                        CombinePartitionsKernel<T>
+                        <<<cgrid, RowThreads(d), 0, Stream()>>>(p, m.data<float>(), l.data<float>(),
+                                                                acc.data<float>(), out->data<T>()));
     TGIS_CUDA_LAUNCHED();
   }
 }

@@ -1735,6 +1735,43 @@ TEST_P(OpsTest, PagedAttentionTiledPrefill) {
   e.long_prefill = 100;
   RunAttention(this, e, dtype(), device(), tol());
 }
+// A prompt's attention is the same, bit for bit, alone and beside decode rows and a short chunk
+// (on CUDA a sequence's own length picks its kernel, tiled or per row, not its batch's: five
+// decodes, the prompt and the chunk average 7 rows a sequence).
+TEST_P(OpsTest, PagedAttentionPromptIsBatchInvariant) {
+  const int64_t hq = 4, hk = 2, d = 64, bs = 16, num_blocks = 7, len = 40, decodes = 5;
+  KvCacheLayer cache;
+  cache.k = Weight(Random(num_blocks * bs * hk * d, 3), {num_blocks, bs, hk, d});
+  cache.v = Weight(Random(num_blocks * bs * hk * d, 4), {num_blocks, bs, hk, d});
+  const std::vector<float> q_prompt = Random(len * hq * d, 5),
+                           q_decodes = Random(decodes * hq * d, 6), q_chunk = Random(5 * hq * d, 7);
+  const auto attend = [&](const std::vector<float>& q, const std::vector<int32_t>& query_start,
+                          const std::vector<int32_t>& context_lens,
+                          const std::vector<int32_t>& tables) {
+    AttentionBatch batch;
+    batch.query_start = Index(query_start);
+    batch.context_lens = Index(context_lens);
+    const int64_t seqs = static_cast<int64_t>(context_lens.size());
+    batch.block_tables = Index(tables).Reshape({seqs, static_cast<int64_t>(tables.size()) / seqs});
+    batch.block_size = static_cast<int>(bs);
+    Tensor out;
+    PagedAttention(Act(q, {query_start.back(), hq, d}), cache, batch, 0.125f, 0, nullptr, &out);
+    return Host(out);
+  };
+  // The prompt in blocks 0-2; the decodes at 30 in blocks 3-4; the chunk ending at 20 in 5-6.
+  const std::vector<float> alone = attend(q_prompt, {0, 40}, {40}, {0, 1, 2});
+  std::vector<float> q = q_decodes;
+  q.insert(q.end(), q_prompt.begin(), q_prompt.end());
+  q.insert(q.end(), q_chunk.begin(), q_chunk.end());
+  const std::vector<float> mixed =
+      attend(q, {0, 1, 2, 3, 4, 5, 45, 50}, {30, 30, 30, 30, 30, 40, 20},
+             {3, 4, -1, 3, 4, -1, 3, 4, -1, 3, 4, -1, 3, 4, -1, 0, 1, 2, 5, 6, -1});
+  ASSERT_EQ(alone.size(), static_cast<size_t>(len * hq * d));
+  for (size_t i = 0; i < alone.size(); ++i) {
+    ASSERT_EQ(alone[i], mixed[decodes * hq * d + i]) << "element " << i;
+  }
+}
+
 // Encoders and cross-attention: every query sees the whole context.
 TEST_P(OpsTest, PagedAttentionNotCausal) {
   RunAttention(this, {8, 2, 0, false, false, /*causal=*/false}, dtype(), device(), tol());

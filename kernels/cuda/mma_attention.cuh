@@ -1,0 +1,240 @@
+// Internal: prefill attention on tensor cores (bf16 and f16), FlashAttention-2 style.
+//
+// One block takes kMmaTileQ query rows of one sequence and one head; each of its four warps owns
+// 16 of those rows. The block stages 64 keys and values at a time in shared memory with 16-byte
+// loads; each warp computes its 16 x 64 scores with mma.m16n8k16 (f32 accumulators), keeps the
+// online softmax in registers (a row's values live in the four lanes of one lane group), rounds
+// the probabilities to the element type and multiplies them into the values with mma again: the
+// score fragments are laid out as the next product's A operand, so they never leave registers.
+//
+// Numerics: products of the stored elements summed in f32, softmax in f32, probabilities
+// rounded to T (as FlashAttention does) and normalized by the sum of the rounded values, so a
+// row's output is a convex combination of its values. Chunks start at the same key for every
+// tile of a causal sequence without a window, and a row's arithmetic does not depend on the
+// other rows of its tile, so its result is the same whatever batch or tile it falls in.
+//
+// The including file provides the primitives: CUDA (common.cuh, warp_mma.cuh) in the build, or
+// the warp emulator of tests/unit/warp_emulator.h, which runs this same code on the CPU.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/attention_params.h"
+
+namespace tgis::kernels::cuda {
+
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = 32 * kMmaWarps;
+constexpr int kMmaTileQ = 16 * kMmaWarps;  // query rows per block
+constexpr int kMmaKeys = 64;               // keys per staged chunk
+constexpr int kMmaMaxDim = 128;
+// Halves per staged row: 16-byte aligned rows whose 4-byte words start 4 banks apart, so the
+// eight lane groups reading eight keys at one dimension pair hit 32 different banks.
+constexpr int kMmaStride = kMmaMaxDim + 8;
+
+// The tile `tile` of the sequences with at least p.tiled_min_rows query rows, cut into tiles of
+// `tile_rows` rows in order: its sequence (num_seqs when past the last tile; the grid is an
+// upper bound) and its index within that sequence.
+__device__ __forceinline__ int FindTile(const AttnParams& p, int tile_rows, int* tile) {
+  int s = 0;
+  for (; s < p.num_seqs; ++s) {
+    const int len = p.query_start[s + 1] - p.query_start[s];
+    if (len < p.tiled_min_rows) continue;
+    const int tiles = (len + tile_rows - 1) / tile_rows;
+    if (*tile < tiles) break;
+    *tile -= tiles;
+  }
+  return s;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMmaThreads)
+    MmaAttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc,
+                       const T* vc, T* out) {
+  struct alignas(16) Staged {
+    T k[kMmaKeys][kMmaStride];
+    T v[kMmaKeys][kMmaStride];
+    int64_t rows[kMmaKeys];  // cache row (slot * Hk + kv head) of each key
+  };
+  __shared__ Staged sm;
+  auto& k_s = sm.k;
+  auto& v_s = sm.v;
+  auto& rows_s = sm.rows;
+  constexpr int kDimChunks = kMmaMaxDim / 16;  // k16 steps of q . k
+  constexpr int kDimTiles = kMmaMaxDim / 8;    // n8 tiles of the output
+  constexpr int kKeyTiles = kMmaKeys / 8;      // n8 tiles of the scores
+  const int h = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int grp = lane >> 2, quad = lane & 3;  // mma's groupID and threadID_in_group
+
+  int tile = blockIdx.x;
+  const int s = FindTile(p, kMmaTileQ, &tile);
+  if (s == p.num_seqs) return;
+  const int q0 = p.query_start[s], q_len = p.query_start[s + 1] - q0;
+  const int ctx = p.context_lens[s];
+  const int row0 = tile * kMmaTileQ, rows = min(kMmaTileQ, q_len - row0);
+  const int pos0 = ctx - q_len + row0;  // position of the tile's first row
+  const int kvh = h / (p.hq / p.hk);
+  const int dim_chunks = p.d / 16, dim_tiles = p.d / 8;
+
+  // This lane's two rows of the warp's 16 (lo: grp, hi: grp + 8), tile-relative.
+  const int r_lo = warp * 16 + grp, r_hi = r_lo + 8;
+  const int warp_rows = min(16, rows - warp * 16);  // <= 0: the warp has no row
+  uint32_t qa[kDimChunks][4];                       // q as mma A fragments
+  {
+    const T* q_lo = q + (static_cast<int64_t>(q0 + row0 + r_lo) * p.hq + h) * p.d;
+    const T* q_hi = q + (static_cast<int64_t>(q0 + row0 + r_hi) * p.hq + h) * p.d;
+#pragma unroll
+    for (int c = 0; c < kDimChunks; ++c) {
+      const int x = c * 16 + 2 * quad;
+      const bool in = c < dim_chunks;
+      qa[c][0] = in && r_lo < rows ? LoadPair(q_lo + x) : 0u;
+      qa[c][1] = in && r_hi < rows ? LoadPair(q_hi + x) : 0u;
+      qa[c][2] = in && r_lo < rows ? LoadPair(q_lo + x + 8) : 0u;
+      qa[c][3] = in && r_hi < rows ? LoadPair(q_hi + x + 8) : 0u;
+    }
+  }
+  const int k_first = p.window > 0 ? max(0, pos0 - p.window + 1) : 0;
+  const int k_last = p.causal ? pos0 + rows : ctx;  // exclusive
+  const int warp_last_pos = pos0 + warp * 16 + warp_rows - 1;
+  const float slope = p.alibi ? slopes.v[h] : 0.0f;
+
+  // Running max and sum of this lane's two rows (the sum is this lane's share; the four lanes
+  // of a group add theirs at the end), and its share of their outputs: o[i][0..1] row lo,
+  // dimensions 8i + 2 quad + {0, 1}; o[i][2..3] row hi.
+  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.0f, l_hi = 0.0f;
+  float o[kDimTiles][4];
+#pragma unroll
+  for (int i = 0; i < kDimTiles; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+
+  for (int c0 = k_first; c0 < k_last; c0 += kMmaKeys) {
+    const int n = min(kMmaKeys, k_last - c0);
+    __syncthreads();  // the previous chunk's readers are done
+    for (int j = tid; j < n; j += kMmaThreads) {
+      const int pos = c0 + j;
+      const int block = p.tables[static_cast<int64_t>(s) * p.max_blocks + pos / p.block_size];
+      rows_s[j] = (static_cast<int64_t>(block) * p.block_size + pos % p.block_size) * p.hk + kvh;
+    }
+    __syncthreads();
+    // Keys past n are zeros: their probabilities are 0, and 0 times a stale value that happens
+    // to be inf or NaN would not be.
+    const int pieces = p.d / 8;  // 16-byte pieces of a row
+    for (int i = tid; i < kMmaKeys * pieces; i += kMmaThreads) {
+      const int j = i / pieces, x = (i % pieces) * 8;
+      if (j < n) {
+        Copy16(&k_s[j][x], kc + rows_s[j] * p.d + x);
+        Copy16(&v_s[j][x], vc + rows_s[j] * p.d + x);
+      } else {
+        Zero16(&k_s[j][x]);
+        Zero16(&v_s[j][x]);
+      }
+    }
+    __syncthreads();
+    // A warp whose rows all come before this chunk's first key (causal) has nothing to add;
+    // the test is the same for all its lanes, as mma needs.
+    if (warp_rows <= 0 || (p.causal && c0 > warp_last_pos)) continue;
+
+    float sc[kKeyTiles][4];  // sc[t][0..1]: row lo, keys 8t + 2 quad + {0, 1}; [2..3]: row hi
+#pragma unroll
+    for (int t = 0; t < kKeyTiles; ++t) {
+      sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kDimChunks; ++c) {
+        if (c < dim_chunks) {
+          const uint32_t b[2] = {LoadPair(&k_s[8 * t + grp][16 * c + 2 * quad]),
+                                 LoadPair(&k_s[8 * t + grp][16 * c + 8 + 2 * quad])};
+          Mma16816<T>(sc[t], qa[c], b);
+        }
+      }
+    }
+    float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < kKeyTiles; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = 8 * t + 2 * quad + (e & 1), pos = c0 + j;
+        const int row = e < 2 ? r_lo : r_hi, qpos = pos0 + row;
+        const bool seen = row < rows && j < n && (!p.causal || pos <= qpos) &&
+                          (p.window <= 0 || pos > qpos - p.window);
+        sc[t][e] = seen ? sc[t][e] * p.scale + slope * static_cast<float>(pos - qpos) : -INFINITY;
+        if (e < 2) {
+          mx_lo = fmaxf(mx_lo, sc[t][e]);
+        } else {
+          mx_hi = fmaxf(mx_hi, sc[t][e]);
+        }
+      }
+    }
+    // The four lanes of a group hold the rest of their rows' scores.
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+    // A row that has seen no key yet keeps an empty sum (and no NaN from -inf - -inf).
+    const float fix_lo = new_lo == -INFINITY ? 1.0f : expf(m_lo - new_lo);
+    const float fix_hi = new_hi == -INFINITY ? 1.0f : expf(m_hi - new_hi);
+    m_lo = new_lo;
+    m_hi = new_hi;
+    // Probabilities rounded to T, packed as the A fragments of P . V: keys 16k..16k+15 are
+    // score tiles 2k and 2k + 1, whose accumulator layout is mma's A layout.
+    uint32_t pa[kKeyTiles / 2][4];
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kKeyTiles; ++t) {
+      T e[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float m = i < 2 ? m_lo : m_hi;
+        e[i] = FromF32<T>(sc[t][i] == -INFINITY ? 0.0f : expf(sc[t][i] - m));
+      }
+      sum_lo += ToF32(e[0]) + ToF32(e[1]);
+      sum_hi += ToF32(e[2]) + ToF32(e[3]);
+      pa[t / 2][(t & 1) * 2] = JoinHalves(e[0], e[1]);
+      pa[t / 2][(t & 1) * 2 + 1] = JoinHalves(e[2], e[3]);
+    }
+    l_lo = l_lo * fix_lo + sum_lo;
+    l_hi = l_hi * fix_hi + sum_hi;
+#pragma unroll
+    for (int i = 0; i < kDimTiles; ++i) {
+      o[i][0] *= fix_lo;
+      o[i][1] *= fix_lo;
+      o[i][2] *= fix_hi;
+      o[i][3] *= fix_hi;
+    }
+#pragma unroll
+    for (int k = 0; k < kKeyTiles / 2; ++k) {
+      const int j = 16 * k + 2 * quad;
+#pragma unroll
+      for (int i = 0; i < kDimTiles; ++i) {
+        if (i < dim_tiles) {
+          const int x = 8 * i + grp;
+          const uint32_t b[2] = {JoinHalves(v_s[j][x], v_s[j + 1][x]),
+                                 JoinHalves(v_s[j + 8][x], v_s[j + 9][x])};
+          Mma16816<T>(o[i], pa[k], b);
+        }
+      }
+    }
+  }
+
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  T* o_lo = out + (static_cast<int64_t>(q0 + row0 + r_lo) * p.hq + h) * p.d;
+  T* o_hi = out + (static_cast<int64_t>(q0 + row0 + r_hi) * p.hq + h) * p.d;
+#pragma unroll
+  for (int i = 0; i < kDimTiles; ++i) {
+    if (i >= dim_tiles) continue;
+    const int x = 8 * i + 2 * quad;
+    if (r_lo < rows) {
+      o_lo[x] = FromF32<T>(o[i][0] / l_lo);
+      o_lo[x + 1] = FromF32<T>(o[i][1] / l_lo);
+    }
+    if (r_hi < rows) {
+      o_hi[x] = FromF32<T>(o[i][2] / l_hi);
+      o_hi[x + 1] = FromF32<T>(o[i][3] / l_hi);
+    }
+  }
+}
+
+}  // namespace tgis::kernels::cuda

@@ -1,0 +1,72 @@
+// Internal: the warp-level pieces of the tensor-core kernels (mma.m16n8k16 with f32
+// accumulators, and the 32-bit register pairs its 16-bit operands travel in). The warp emulator
+// of tests/unit/warp_emulator.h gives the same functions on the CPU.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/common.cuh"
+
+namespace tgis::kernels::cuda {
+
+// Two 16-bit elements as one register, `lo` in the low half: the order of mma's operands.
+template <typename T>
+__device__ __forceinline__ uint32_t JoinHalves(T lo, T hi);
+template <>
+__device__ __forceinline__ uint32_t JoinHalves<bf16>(bf16 lo, bf16 hi) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
+         (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
+}
+template <>
+__device__ __forceinline__ uint32_t JoinHalves<f16>(f16 lo, f16 hi) {
+  return static_cast<uint32_t>(__half_as_ushort(lo)) |
+         (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
+}
+
+// Elements p[0] and p[1] (4-byte aligned) as one register.
+template <typename T>
+__device__ __forceinline__ uint32_t LoadPair(const T* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// 16 bytes, both ends 16-byte aligned.
+__device__ __forceinline__ void Copy16(void* dst, const void* src) {
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+__device__ __forceinline__ void Zero16(void* dst) {
+  *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+}
+
+// d += a . b for a 16x16 A (row major: four registers per lane) and a 16x8 B (column major:
+// two), f32 accumulators (four per lane), in the PTX ISA's fragment layouts. Needs sm_80.
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]);
+template <>
+__device__ __forceinline__ void Mma16816<bf16>(float (&d)[4], const uint32_t (&a)[4],
+                                               const uint32_t (&b)[2]) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  __trap();  // the host side only launches this kernel on sm_80 and newer
+#endif
+}
+template <>
+__device__ __forceinline__ void Mma16816<f16>(float (&d)[4], const uint32_t (&a)[4],
+                                              const uint32_t (&b)[2]) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  __trap();
+#endif
+}
+
+}  // namespace tgis::kernels::cuda
