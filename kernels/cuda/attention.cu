@@ -1,26 +1,29 @@
 // The paged KV cache on CUDA: writing new keys/values into their slots, and attention of a
 // ragged batch (prefill and decode rows alike) over the cache.
 //
-// Attention runs one thread block per (query row, head, key partition). Long contexts are
-// split into partitions that run in parallel, each leaving its softmax max, sum and
-// unnormalized output, and a second kernel combines them (flash-decoding), so a single long
-// sequence still fills the GPU. A block walks its keys in chunks with an online softmax; within
-// a chunk each warp scores one key at a time (lanes split the head dimension), then the
-// threads split the head dimension to sum values. Scores and softmax are f32. Prompts and
-// chunks (sequences with several query rows) go to tiled kernels instead, which read each
-// staged key once for many rows: mma_attention.cuh's on tensor cores, or the f32 one below.
+// A sequence's own query length picks its kernel. Prompts and chunks (kTiledMinRows rows or
+// more) go to tiled kernels, which read each staged key once for many rows: on tensor cores
+// (mma_attention.cuh) for 16-bit activations, or the f32 one below. Decode rows and short
+// chunks go to the grouped kernel (grouped_attention.cuh: the query heads of one KV head in one
+// block, 16-byte loads), or, for T5's relative bias and head rows that are not whole 16-byte
+// pieces, to the per-row kernel below: one thread block per (query row, head, key partition),
+// each warp scoring one key at a time. Both split long contexts into partitions that run in
+// parallel, each leaving its softmax max, sum and unnormalized output, and a second kernel
+// combines them (flash-decoding), so a single long sequence still fills the GPU. Scores and
+// softmax are f32.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
-#include "kernels/cuda/attention_params.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/warp_mma.cuh"
 #include "kernels/cuda_ops.h"
 #include "kernels/relative_position.h"
 
-// After the primitives it uses (common.cuh, warp_mma.cuh).
+// After the primitives they use (common.cuh, warp_mma.cuh).
+#include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/grouped_attention.cuh"
 #include "kernels/cuda/mma_attention.cuh"
 
 namespace tgis::kernels::cuda {
@@ -47,20 +50,6 @@ __global__ void ReshapeAndCacheKernel(const T* k, const T* v, const void* slots,
 }
 
 constexpr int kDimsPerThread = kMaxHeadDim / kThreads;
-
-// The sequence that owns query row t: query_start[s] <= t < query_start[s + 1].
-__device__ __forceinline__ int SequenceOfRow(const AttnParams& p, int t) {
-  int lo = 0, hi = p.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (p.query_start[mid] <= t) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -321,32 +310,6 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
-// Combines the partitions of one (row, head): rescale each by exp(m_p - max) and normalize.
-// Rows of the sequences a tiled kernel takes are left to it.
-template <typename T>
-__global__ void CombinePartitionsKernel(const AttnParams p, const float* part_m,
-                                        const float* part_l, const float* part_acc, T* out) {
-  const int row = blockIdx.x, hq = p.hq, d = p.d, partitions = p.partitions;
-  const int s = SequenceOfRow(p, row);
-  if (p.query_start[s + 1] - p.query_start[s] >= p.tiled_min_rows) return;
-  const int64_t base = static_cast<int64_t>(row) * hq + blockIdx.y;
-  const float* m = part_m + base * partitions;
-  const float* l = part_l + base * partitions;
-  float mx = -INFINITY;
-  for (int k = 0; k < partitions; ++k) mx = fmaxf(mx, m[k]);
-  float total = 0;
-  for (int k = 0; k < partitions; ++k) {
-    if (m[k] != -INFINITY) total += l[k] * expf(m[k] - mx);
-  }
-  for (int i = threadIdx.x; i < d; i += blockDim.x) {
-    float acc = 0;
-    for (int k = 0; k < partitions; ++k) {
-      if (m[k] != -INFINITY) acc += part_acc[(base * partitions + k) * d + i] * expf(m[k] - mx);
-    }
-    out[base * d + i] = FromF32<T>(acc / total);
-  }
-}
-
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 void CheckCudaI32(const Tensor& t, const char* op, const char* what) {
@@ -487,22 +450,42 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
       sliding_window > 0 ? std::min<int64_t>(max_context, sliding_window) : max_context;
   const int64_t per_partition = t * hq * d * static_cast<int64_t>(sizeof(float));
   const int64_t cap = std::max<int64_t>(1, kWorkspaceBytes / std::max<int64_t>(1, per_partition));
+  // The grouped kernel (one block for the query heads of a KV head, 16-byte loads) takes rows
+  // whose 16-bit or f32 head rows are whole 16-byte pieces, in partitions of a fixed size; the
+  // per-row kernel the rest (T5's relative bias, odd head sizes, partition counts past the
+  // workspace), in partitions sized by the longest context.
+  const int64_t grouped_partitions = (keys + kKeysPerPart - 1) / kKeysPerPart;
+  const bool grouped = !relative && d * static_cast<int64_t>(DTypeSize(q.dtype())) % 16 == 0 &&
+                       d <= kGroupMaxDim && Aligned(cache.k.raw(), 16) &&
+                       Aligned(cache.v.raw(), 16) && grouped_partitions <= cap;
   const int partitions =
-      static_cast<int>(std::clamp<int64_t>((keys + kChunk - 1) / kChunk, 1, cap));
+      grouped ? static_cast<int>(std::max<int64_t>(1, grouped_partitions))
+              : static_cast<int>(std::clamp<int64_t>((keys + kChunk - 1) / kChunk, 1, cap));
   p.partitions = partitions;
-  p.keys_per_part = std::max(1, static_cast<int>((keys + partitions - 1) / partitions));
+  p.keys_per_part =
+      grouped ? kKeysPerPart : std::max(1, static_cast<int>((keys + partitions - 1) / partitions));
   Tensor m, l, acc;
   if (partitions > 1) {
     m = Tensor::Empty({t, hq, partitions}, DType::kF32, Device::kCuda);
     l = Tensor::Empty({t, hq, partitions}, DType::kF32, Device::kCuda);
     acc = Tensor::Empty({t, hq, partitions, d}, DType::kF32, Device::kCuda);
   }
-  const dim3 grid(static_cast<unsigned>(t), static_cast<unsigned>(hq),
-                  static_cast<unsigned>(partitions));
-  TGIS_DISPATCH_FLOAT(q.dtype(), op,
-                      AttentionKernel<T><<<grid, kThreads, 0, Stream()>>>(
-                          p, slopes, q.data<T>(), cache.k.data<T>(), cache.v.data<T>(),
-                          out->data<T>(), m.data<float>(), l.data<float>(), acc.data<float>()));
+  if (grouped) {
+    const int64_t splits = (hq / hk + kGroupMax - 1) / kGroupMax;
+    const dim3 grid(static_cast<unsigned>(t), static_cast<unsigned>(hk * splits),
+                    static_cast<unsigned>(partitions));
+    TGIS_DISPATCH_FLOAT(q.dtype(), op,
+                        GroupedAttentionKernel<T><<<grid, kGroupThreads, 0, Stream()>>>(
+                            p, slopes, q.data<T>(), cache.k.data<T>(), cache.v.data<T>(),
+                            out->data<T>(), m.data<float>(), l.data<float>(), acc.data<float>()));
+  } else {
+    const dim3 grid(static_cast<unsigned>(t), static_cast<unsigned>(hq),
+                    static_cast<unsigned>(partitions));
+    TGIS_DISPATCH_FLOAT(q.dtype(), op,
+                        AttentionKernel<T><<<grid, kThreads, 0, Stream()>>>(
+                            p, slopes, q.data<T>(), cache.k.data<T>(), cache.v.data<T>(),
+                            out->data<T>(), m.data<float>(), l.data<float>(), acc.data<float>()));
+  }
   TGIS_CUDA_LAUNCHED();
   if (partitions > 1) {
     const dim3 cgrid(static_cast<unsigned>(t), static_cast<unsigned>(hq));

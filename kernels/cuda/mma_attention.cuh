@@ -19,7 +19,7 @@
 
 #include <cstdint>
 
-#include "kernels/cuda/attention_params.h"
+#include "kernels/cuda/attention_common.cuh"
 
 namespace tgis::kernels::cuda {
 
@@ -31,21 +31,6 @@ constexpr int kMmaMaxDim = 128;
 // Halves per staged row: 16-byte aligned rows whose 4-byte words start 4 banks apart, so the
 // eight lane groups reading eight keys at one dimension pair hit 32 different banks.
 constexpr int kMmaStride = kMmaMaxDim + 8;
-
-// The tile `tile` of the sequences with at least p.tiled_min_rows query rows, cut into tiles of
-// `tile_rows` rows in order: its sequence (num_seqs when past the last tile; the grid is an
-// upper bound) and its index within that sequence.
-__device__ __forceinline__ int FindTile(const AttnParams& p, int tile_rows, int* tile) {
-  int s = 0;
-  for (; s < p.num_seqs; ++s) {
-    const int len = p.query_start[s + 1] - p.query_start[s];
-    if (len < p.tiled_min_rows) continue;
-    const int tiles = (len + tile_rows - 1) / tile_rows;
-    if (*tile < tiles) break;
-    *tile -= tiles;
-  }
-  return s;
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kMmaThreads)

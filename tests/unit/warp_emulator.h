@@ -42,6 +42,7 @@ struct EmuDim3 {
   unsigned x = 0, y = 0, z = 0;
 };
 inline thread_local EmuDim3 threadIdx, blockIdx;
+inline EmuDim3 blockDim;
 
 // 16-bit element types as bit patterns (the kernels only move them and convert them).
 struct EmuBf16 {
@@ -54,6 +55,10 @@ struct EmuF16 {
 template <typename T>
 float ToF32(T v);
 template <>
+inline float ToF32<float>(float v) {
+  return v;
+}
+template <>
 inline float ToF32<EmuBf16>(EmuBf16 v) {
   return Bf16ToF32(v.bits);
 }
@@ -63,6 +68,10 @@ inline float ToF32<EmuF16>(EmuF16 v) {
 }
 template <typename T>
 T FromF32(float v);
+template <>
+inline float FromF32<float>(float v) {
+  return v;
+}
 template <>
 inline EmuBf16 FromF32<EmuBf16>(float v) {
   return {F32ToBf16(v)};
@@ -195,6 +204,7 @@ void EmulateLaunch(EmuDim3 grid, int threads, void (*kernel)(Params...), const A
       for (unsigned x = 0; x < std::max(grid.x, 1u); ++x) {
         emu::Block block(threads);
         emu::g_block = &block;
+        blockDim = {static_cast<unsigned>(threads), 1, 1};
         std::vector<std::thread> pool;
         for (int t = 0; t < threads; ++t) {
           pool.emplace_back([&, t] {

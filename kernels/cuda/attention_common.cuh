@@ -1,0 +1,91 @@
+// Internal: what the CUDA attention kernels of a paged batch share: their parameters and the
+// row/tile bookkeeping. Like the kernels in mma_attention.cuh and grouped_attention.cuh, it
+// needs its includer to provide the CUDA keywords: common.cuh in the build, or the warp
+// emulator of tests/unit/warp_emulator.h, under which a test runs those kernels on the CPU.
+#pragma once
+
+namespace tgis::kernels::cuda {
+
+constexpr int kMaxAttentionHeads = 256;
+
+struct Slopes {
+  float v[kMaxAttentionHeads];
+};
+
+struct AttnParams {
+  const int* query_start;
+  const int* context_lens;
+  const int* tables;
+  int max_blocks, num_seqs, block_size;
+  int hq, hk, d;
+  float scale;
+  int window;
+  bool alibi;
+  bool causal;
+  const float* relative;  // [hq, num_buckets] or null
+  int num_buckets, max_distance;
+  bool bidirectional;
+  int partitions;     // blocks along the keys of one (row, head)
+  int keys_per_part;  // keys each of them covers (in chunks of kChunk)
+  // Sequences with at least this many query rows go to a tiled kernel, the others to the
+  // per-row one: the choice is the sequence's own, whatever else is in the batch, so a
+  // request's result does not depend on its batch. A huge value: no tiled kernel runs.
+  int tiled_min_rows;
+};
+
+// The sequence that owns query row t: query_start[s] <= t < query_start[s + 1].
+__device__ __forceinline__ int SequenceOfRow(const AttnParams& p, int t) {
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.query_start[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// The tile `tile` of the sequences with at least p.tiled_min_rows query rows, cut into tiles of
+// `tile_rows` rows in order: its sequence (num_seqs when past the last tile; the grid is an
+// upper bound) and its index within that sequence.
+__device__ __forceinline__ int FindTile(const AttnParams& p, int tile_rows, int* tile) {
+  int s = 0;
+  for (; s < p.num_seqs; ++s) {
+    const int len = p.query_start[s + 1] - p.query_start[s];
+    if (len < p.tiled_min_rows) continue;
+    const int tiles = (len + tile_rows - 1) / tile_rows;
+    if (*tile < tiles) break;
+    *tile -= tiles;
+  }
+  return s;
+}
+
+// Combines the partitions of one (row, head): rescale each by exp(m_p - max) and normalize.
+// Rows of the sequences a tiled kernel takes are left to it.
+template <typename T>
+__global__ void CombinePartitionsKernel(const AttnParams p, const float* part_m,
+                                        const float* part_l, const float* part_acc, T* out) {
+  const int row = blockIdx.x, hq = p.hq, d = p.d, partitions = p.partitions;
+  const int s = SequenceOfRow(p, row);
+  if (p.query_start[s + 1] - p.query_start[s] >= p.tiled_min_rows) return;
+  const int64_t base = static_cast<int64_t>(row) * hq + blockIdx.y;
+  const float* m = part_m + base * partitions;
+  const float* l = part_l + base * partitions;
+  float mx = -INFINITY;
+  for (int k = 0; k < partitions; ++k) mx = fmaxf(mx, m[k]);
+  float total = 0;
+  for (int k = 0; k < partitions; ++k) {
+    if (m[k] != -INFINITY) total += l[k] * expf(m[k] - mx);
+  }
+  for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    float acc = 0;
+    for (int k = 0; k < partitions; ++k) {
+      if (m[k] != -INFINITY) acc += part_acc[(base * partitions + k) * d + i] * expf(m[k] - mx);
+    }
+    out[base * d + i] = FromF32<T>(acc / total);
+  }
+}
+
+}  // namespace tgis::kernels::cuda

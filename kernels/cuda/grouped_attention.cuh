@@ -1,0 +1,211 @@
+// Internal: attention of decode rows (and the rows of short chunks) with the query heads of one
+// KV head in one block, so that each key and value is read once for all of them (GQA: 4 or 8
+// query heads a KV head in Llama-3 and Mistral shapes; MQA models have up to 8 per block),
+// with 16-byte loads.
+//
+// One block takes one query row, one KV head (up to kGroupMax of its query heads) and one key
+// partition of kKeysPerPart keys; longer contexts are split over blocks and CombinePartitions
+// joins them (flash-decoding). Partitions start at fixed offsets from the row's first visible
+// key, so a row's arithmetic depends on its own context only, not on its batch.
+//
+// Per chunk of keys: lane groups score one key each (a group's lanes hold 16-byte pieces of the
+// key, and add their partial dot products for every query head by shuffles); a warp per query
+// head runs the online softmax over the chunk; then threads split into key groups times 16-byte
+// pieces of the head dimension multiply the probabilities into the values. At the end the key
+// groups' sums meet in shared memory. f32 arithmetic throughout.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/attention_common.cuh"
+
+namespace tgis::kernels::cuda {
+
+constexpr int kGroupThreads = 128;
+constexpr int kGroupWarps = kGroupThreads / 32;
+constexpr int kGroupMax = 8;       // query heads per block
+constexpr int kGroupChunk = 256;   // keys scored at a time
+constexpr int kKeysPerPart = 512;  // keys of one partition
+constexpr int kGroupMaxDim = 256;
+
+// Lanes that share one key or value row: a power of two covering its 16-byte pieces.
+__device__ __forceinline__ int LanesForPieces(int pieces, int most) {
+  int lanes = 1;
+  while (lanes < pieces && lanes < most) lanes <<= 1;
+  return lanes;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kGroupThreads)
+    GroupedAttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc,
+                           const T* vc, T* out, float* part_m, float* part_l, float* part_acc) {
+  constexpr int kPiece = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
+  // The loop's buffers, then (after it) the key groups' partial outputs.
+  union Shared {
+    struct {
+      float q[kGroupMax][kGroupMaxDim];
+      float scores[kGroupMax][kGroupChunk];
+    } loop;
+    float partial[kGroupThreads * kPiece * kGroupMax];  // [key group][head][dim]
+  };
+  __shared__ Shared sm;
+  __shared__ int64_t rows_s[kGroupChunk];  // cache row (slot * Hk + kv head) of each key
+  __shared__ float m_s[kGroupMax], l_s[kGroupMax], fix_s[kGroupMax];
+  const int t = blockIdx.x, part = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int group = p.hq / p.hk, splits = (group + kGroupMax - 1) / kGroupMax;
+  const int kvh = blockIdx.y / splits;
+  const int h0 = kvh * group + static_cast<int>(blockIdx.y % splits) * kGroupMax;
+  const int heads = min(kGroupMax, kvh * group + group - h0);
+
+  const int s = SequenceOfRow(p, t);
+  const int q_len = p.query_start[s + 1] - p.query_start[s];
+  if (q_len >= p.tiled_min_rows) return;  // a tiled kernel takes this sequence
+  const int qpos = p.context_lens[s] - q_len + (t - p.query_start[s]);
+  const int first = p.window > 0 ? max(0, qpos - p.window + 1) : 0;
+  const int k_begin = first + part * kKeysPerPart;
+  const int k_end = min(p.causal ? qpos + 1 : p.context_lens[s], k_begin + kKeysPerPart);
+  const int64_t part_base = (static_cast<int64_t>(t) * p.hq + h0) * p.partitions + part;
+  if (k_begin >= k_end) {  // this row needs fewer partitions than the longest one
+    if (p.partitions > 1 && tid < heads) {
+      part_m[part_base + tid * p.partitions] = -INFINITY;
+      part_l[part_base + tid * p.partitions] = 0.0f;
+    }
+    return;
+  }
+  for (int i = tid; i < heads * p.d; i += kGroupThreads)
+    sm.loop.q[i / p.d][i % p.d] = ToF32(q[(static_cast<int64_t>(t) * p.hq + h0) * p.d + i]);
+  if (tid < kGroupMax) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.0f;
+  }
+
+  const int pieces = p.d / kPiece;
+  // Scoring: `score_lanes` lanes a key (each `piece_steps` pieces apart), keys_per_warp keys
+  // a warp at a time.
+  const int score_lanes = LanesForPieces(pieces, 32);
+  const int keys_per_warp = 32 / score_lanes, piece_steps = (pieces + 31) / 32;
+  // Values: `value_lanes` threads a key (a piece each), key groups of them over the keys.
+  const int value_lanes = LanesForPieces(pieces, kGroupThreads);
+  const int key_groups = kGroupThreads / value_lanes;
+  const int vpiece = tid % value_lanes, kgroup = tid / value_lanes;
+  float acc[kGroupMax][kPiece];
+#pragma unroll
+  for (int g = 0; g < kGroupMax; ++g) {
+#pragma unroll
+    for (int e = 0; e < kPiece; ++e) acc[g][e] = 0.0f;
+  }
+
+  for (int c0 = k_begin; c0 < k_end; c0 += kGroupChunk) {
+    const int n = min(kGroupChunk, k_end - c0);
+    __syncthreads();  // q and the running max are written; the previous chunk's readers are done
+    for (int j = tid; j < n; j += kGroupThreads) {
+      const int pos = c0 + j;
+      const int block = p.tables[static_cast<int64_t>(s) * p.max_blocks + pos / p.block_size];
+      rows_s[j] = (static_cast<int64_t>(block) * p.block_size + pos % p.block_size) * p.hk + kvh;
+    }
+    __syncthreads();
+    // Scores. The loop bound is the same for a whole warp: every lane reaches the shuffles.
+    for (int base = warp * keys_per_warp; base < n; base += kGroupWarps * keys_per_warp) {
+      const int j = base + lane / score_lanes, sub = lane % score_lanes;
+      float dot[kGroupMax];
+#pragma unroll
+      for (int g = 0; g < kGroupMax; ++g) dot[g] = 0.0f;
+      for (int step = 0; step < piece_steps; ++step) {
+        const int piece = sub + step * score_lanes;
+        if (j >= n || piece >= pieces) continue;
+        alignas(16) T kv[kPiece];
+        Copy16(kv, kc + rows_s[j] * p.d + piece * kPiece);
+#pragma unroll
+        for (int g = 0; g < kGroupMax; ++g) {
+          if (g >= heads) break;
+#pragma unroll
+          for (int e = 0; e < kPiece; ++e)
+            dot[g] += sm.loop.q[g][piece * kPiece + e] * ToF32(kv[e]);
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < kGroupMax; ++g) {
+        if (g >= heads) break;  // the same for every lane
+        for (int o = score_lanes / 2; o > 0; o >>= 1)
+          dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
+      }
+      if (sub == 0 && j < n) {
+        for (int g = 0; g < heads; ++g) {
+          sm.loop.scores[g][j] =
+              dot[g] * p.scale +
+              (p.alibi ? slopes.v[h0 + g] * static_cast<float>(c0 + j - qpos) : 0.0f);
+        }
+      }
+    }
+    __syncthreads();
+    // Online softmax, a warp per query head.
+    for (int g = warp; g < heads; g += kGroupWarps) {
+      float mx = -INFINITY;
+      for (int j = lane; j < n; j += 32) mx = fmaxf(mx, sm.loop.scores[g][j]);
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_new = fmaxf(m_s[g], mx);  // finite: every key here is visible
+      float sum = 0.0f;
+      for (int j = lane; j < n; j += 32) {
+        const float e = expf(sm.loop.scores[g][j] - m_new);
+        sm.loop.scores[g][j] = e;
+        sum += e;
+      }
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      __syncwarp();  // every lane has read m_s[g] before lane 0 moves it
+      if (lane == 0) {
+        const float fix = expf(m_s[g] - m_new);  // 0 for the first chunk
+        fix_s[g] = fix;
+        l_s[g] = l_s[g] * fix + sum;
+        m_s[g] = m_new;
+      }
+    }
+    __syncthreads();
+    // Values.
+#pragma unroll
+    for (int g = 0; g < kGroupMax; ++g) {
+      const float fix = g < heads ? fix_s[g] : 0.0f;
+#pragma unroll
+      for (int e = 0; e < kPiece; ++e) acc[g][e] *= fix;
+    }
+    if (vpiece < pieces) {
+      for (int j = kgroup; j < n; j += key_groups) {
+        alignas(16) T vv[kPiece];
+        Copy16(vv, vc + rows_s[j] * p.d + vpiece * kPiece);
+#pragma unroll
+        for (int g = 0; g < kGroupMax; ++g) {
+          if (g >= heads) break;
+          const float pj = sm.loop.scores[g][j];
+#pragma unroll
+          for (int e = 0; e < kPiece; ++e) acc[g][e] += pj * ToF32(vv[e]);
+        }
+      }
+    }
+  }
+
+  __syncthreads();  // the loop's buffers become the partial sums
+  if (vpiece < pieces) {
+    for (int g = 0; g < heads; ++g) {
+#pragma unroll
+      for (int e = 0; e < kPiece; ++e)
+        sm.partial[(kgroup * heads + g) * p.d + vpiece * kPiece + e] = acc[g][e];
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < heads * p.d; i += kGroupThreads) {
+    const int g = i / p.d, x = i % p.d;
+    float sum = 0.0f;
+    for (int k = 0; k < key_groups; ++k) sum += sm.partial[(k * heads + g) * p.d + x];
+    if (p.partitions == 1) {
+      out[(static_cast<int64_t>(t) * p.hq + h0 + g) * p.d + x] = FromF32<T>(sum / l_s[g]);
+    } else {
+      part_acc[(part_base + g * p.partitions) * p.d + x] = sum;
+    }
+  }
+  if (p.partitions > 1 && tid < heads) {
+    part_m[part_base + tid * p.partitions] = m_s[tid];
+    part_l[part_base + tid * p.partitions] = l_s[tid];
+  }
+}
+
+}  // namespace tgis::kernels::cuda

@@ -1,0 +1,226 @@
+// CUDA attention kernels run on the CPU under the warp emulator, against attention computed in
+// double from the same stored keys and values: the tensor-core prefill kernel
+// (kernels/cuda/mma_attention.cuh: fragment indexing, masking, online softmax, tiles) and the
+// grouped decode kernel (grouped_attention.cuh: lane groups, query-head groups, partitions and
+// their combination) are checked on every machine, GPU or not. (On a GPU, OpsTest.PagedAttention*
+// run the real kernels.)
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "warp_emulator.h"
+// After the emulator, which provides the primitives the kernel uses.
+#include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/grouped_attention.cuh"
+#include "kernels/cuda/mma_attention.cuh"
+
+namespace tgis::kernels::cuda {
+namespace {
+
+struct Case {
+  int hq, hk, d;
+  int window = 0;
+  bool alibi = false;
+  bool causal = true;
+};
+
+struct Seq {
+  int q_len, ctx;
+};
+enum class Kernel { kMma, kGrouped };
+
+constexpr int kBlockSize = 16;
+constexpr int kTiledMinRows = 8;
+
+template <typename T>
+std::vector<T> RandomElements(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<T> v(n);
+  for (T& x : v) x = FromF32<T>(dist(rng));
+  return v;
+}
+
+// Runs `kernel` on a batch of `seqs` and checks the rows it owns (the tiled kernel: sequences
+// of kTiledMinRows rows or more; the grouped one: the others) against the reference, and that it
+// left the other rows alone.
+template <typename T>
+void RunCase(Kernel kernel, const Case& c, const std::vector<Seq>& seqs, double tol) {
+  const int num_seqs = static_cast<int>(seqs.size()), d = c.d;
+  std::vector<int> query_start = {0}, q_lens, contexts;
+  for (const Seq& s : seqs) {
+    query_start.push_back(query_start.back() + s.q_len);
+    q_lens.push_back(s.q_len);
+    contexts.push_back(s.ctx);
+  }
+  const int rows = query_start.back();
+
+  // Each sequence's blocks, scattered over the cache in a shuffled order.
+  int max_blocks = 0, total_blocks = 0;
+  for (int ctx : contexts) {
+    max_blocks = std::max(max_blocks, (ctx + kBlockSize - 1) / kBlockSize);
+    total_blocks += (ctx + kBlockSize - 1) / kBlockSize;
+  }
+  std::vector<int> order(total_blocks + 3);  // 3 blocks nobody owns
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), std::mt19937(5));
+  std::vector<int> tables(num_seqs * max_blocks, 0);
+  for (int s = 0, next = 0; s < num_seqs; ++s) {
+    for (int b = 0; b < (contexts[s] + kBlockSize - 1) / kBlockSize; ++b)
+      tables[s * max_blocks + b] = order[next++];
+  }
+  const size_t cache_rows = order.size() * kBlockSize * c.hk;
+  std::vector<T> kc = RandomElements<T>(cache_rows * d, 1),
+                 vc = RandomElements<T>(cache_rows * d, 2);
+  // Slots no sequence holds are NaN: reading one would show in the results.
+  std::vector<bool> held(order.size() * kBlockSize, false);
+  for (int s = 0; s < num_seqs; ++s) {
+    for (int pos = 0; pos < contexts[s]; ++pos)
+      held[tables[s * max_blocks + pos / kBlockSize] * kBlockSize + pos % kBlockSize] = true;
+  }
+  for (size_t slot = 0; slot < held.size(); ++slot) {
+    if (held[slot]) continue;
+    for (size_t i = slot * c.hk * d; i < (slot + 1) * c.hk * d; ++i)
+      kc[i] = vc[i] = FromF32<T>(NAN);
+  }
+  const std::vector<T> q = RandomElements<T>(static_cast<size_t>(rows) * c.hq * d, 3);
+  const T sentinel = FromF32<T>(-7.0f);
+  std::vector<T> out(q.size(), sentinel);
+
+  AttnParams p{};
+  p.query_start = query_start.data();
+  p.context_lens = contexts.data();
+  p.tables = tables.data();
+  p.max_blocks = max_blocks;
+  p.num_seqs = num_seqs;
+  p.block_size = kBlockSize;
+  p.hq = c.hq;
+  p.hk = c.hk;
+  p.d = d;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.window = c.window;
+  p.alibi = c.alibi;
+  p.causal = c.causal;
+  p.partitions = 1;
+  p.keys_per_part = 1;
+  p.tiled_min_rows = kTiledMinRows;
+  Slopes slopes{};
+  for (int h = 0; h < c.hq; ++h) slopes.v[h] = std::exp2(-1.0f - static_cast<float>(h));
+  if (kernel == Kernel::kMma) {
+    if constexpr (sizeof(T) == 2) {  // tensor cores take 16-bit elements
+      const EmuDim3 grid{static_cast<unsigned>((rows + kMmaTileQ - 1) / kMmaTileQ + num_seqs),
+                         static_cast<unsigned>(c.hq), 1};
+      EmulateLaunch(grid, kMmaThreads, &MmaAttentionKernel<T>, p, slopes, q.data(), kc.data(),
+                    vc.data(), out.data());
+    } else {
+      FAIL() << "the tensor-core kernel takes bf16 and f16";
+    }
+  } else {
+    int keys = *std::max_element(contexts.begin(), contexts.end());
+    if (c.window > 0) keys = std::min(keys, c.window);
+    p.partitions = (keys + kKeysPerPart - 1) / kKeysPerPart;
+    p.keys_per_part = kKeysPerPart;
+    const size_t parts = static_cast<size_t>(rows) * c.hq * p.partitions;
+    std::vector<float> part_m(parts), part_l(parts), part_acc(parts * d);
+    const int splits = (c.hq / c.hk + kGroupMax - 1) / kGroupMax;
+    const EmuDim3 grid{static_cast<unsigned>(rows), static_cast<unsigned>(c.hk * splits),
+                       static_cast<unsigned>(p.partitions)};
+    EmulateLaunch(grid, kGroupThreads, &GroupedAttentionKernel<T>, p, slopes, q.data(), kc.data(),
+                  vc.data(), out.data(), part_m.data(), part_l.data(), part_acc.data());
+    if (p.partitions > 1) {
+      EmulateLaunch({static_cast<unsigned>(rows), static_cast<unsigned>(c.hq), 1}, 32,
+                    &CombinePartitionsKernel<T>, p, part_m.data(), part_l.data(), part_acc.data(),
+                    out.data());
+    }
+  }
+
+  const auto cached = [&](const std::vector<T>& cache, int s, int pos, int kvh, int x) {
+    const int slot = tables[s * max_blocks + pos / kBlockSize] * kBlockSize + pos % kBlockSize;
+    return static_cast<double>(ToF32(cache[(static_cast<size_t>(slot) * c.hk + kvh) * d + x]));
+  };
+  int bad = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    for (int i = 0; i < q_lens[s]; ++i) {
+      const int row = query_start[s] + i, qpos = contexts[s] - q_lens[s] + i;
+      for (int h = 0; h < c.hq; ++h) {
+        const T* o = &out[(static_cast<size_t>(row) * c.hq + h) * d];
+        if ((q_lens[s] >= kTiledMinRows) != (kernel == Kernel::kMma)) {  // not this kernel's
+          for (int x = 0; x < d; ++x) ASSERT_EQ(ToF32(o[x]), -7.0f) << "row " << row;
+          continue;
+        }
+        const int kvh = h / (c.hq / c.hk);
+        std::vector<double> logits;
+        std::vector<int> seen;
+        for (int j = 0; j < (c.causal ? qpos + 1 : contexts[s]); ++j) {
+          if (c.window > 0 && j <= qpos - c.window) continue;
+          double dot = 0;
+          for (int x = 0; x < d; ++x)
+            dot +=
+                ToF32(q[(static_cast<size_t>(row) * c.hq + h) * d + x]) * cached(kc, s, j, kvh, x);
+          logits.push_back(dot * p.scale + (c.alibi ? slopes.v[h] * (j - qpos) : 0.0));
+          seen.push_back(j);
+        }
+        const double mx = *std::max_element(logits.begin(), logits.end());
+        double sum = 0;
+        for (double& l : logits) sum += (l = std::exp(l - mx));
+        for (int x = 0; x < d; ++x) {
+          double want = 0, mag = 1e-3;
+          for (size_t n = 0; n < seen.size(); ++n) {
+            const double v = cached(vc, s, seen[n], kvh, x);
+            want += logits[n] / sum * v;
+            mag += logits[n] / sum * std::fabs(v);
+          }
+          const double got = ToF32(o[x]);
+          if (!(std::fabs(got - want) <= tol * (mag + std::fabs(want))) && ++bad <= 5) {
+            ADD_FAILURE() << "row " << row << " head " << h << " dim " << x << ": got " << got
+                          << " want " << want;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+// Sequences as (query rows, context). For the tiled kernel: a prompt over two tiles (the second
+// partial), a chunk late in a context (many key chunks), one at the threshold, and two below it
+// that are not its own. For the grouped one: a decode over three partitions, a short chunk, a
+// prompt that is not its own, a first token, and two rows over two partitions.
+const std::vector<Seq> kPrefills = {{100, 100}, {70, 300}, {8, 8}, {1, 50}, {7, 20}};
+const std::vector<Seq> kDecodes = {{1, 1030}, {3, 20}, {9, 30}, {1, 1}, {2, 520}};
+
+// Tolerances as OpsTest's for the element type (kernels_ops_test.cc's RelTol); the tensor-core
+// kernel adds one rounding of each probability to the element type.
+TEST(AttentionEmulated, MmaCausalHeadDimsBf16) {
+  for (int d : {64, 80, 128}) {
+    SCOPED_TRACE("head_dim " + std::to_string(d));
+    RunCase<EmuBf16>(Kernel::kMma, {d == 128 ? 4 : 2, d == 128 ? 2 : 1, d}, kPrefills, 1e-2);
+  }
+}
+TEST(AttentionEmulated, MmaWindowAlibiMqaF16) {
+  RunCase<EmuF16>(Kernel::kMma, {4, 1, 64, /*window=*/40, /*alibi=*/true}, kPrefills, 2e-3);
+}
+TEST(AttentionEmulated, MmaNotCausalF16) {
+  RunCase<EmuF16>(Kernel::kMma, {2, 2, 96, 0, false, /*causal=*/false}, kPrefills, 2e-3);
+}
+// GQA 4 at head sizes of 16 and 10 pieces; 10 query heads of one KV head (two head groups) with a
+// window and ALiBi; f32 rows of 64 pieces (two a lane) without causality.
+TEST(AttentionEmulated, GroupedGqaBf16) {
+  for (int d : {128, 80}) {
+    SCOPED_TRACE("head_dim " + std::to_string(d));
+    RunCase<EmuBf16>(Kernel::kGrouped, {4, 1, d}, kDecodes, 1e-2);
+  }
+}
+TEST(AttentionEmulated, GroupedMqaWindowAlibiF16) {
+  RunCase<EmuF16>(Kernel::kGrouped, {10, 1, 64, /*window=*/40, /*alibi=*/true}, kDecodes, 2e-3);
+}
+TEST(AttentionEmulated, GroupedNotCausalF32) {
+  RunCase<float>(Kernel::kGrouped, {1, 1, 256, 0, false, /*causal=*/false}, kDecodes, 1e-5);
+}
+
+}  // namespace
+}  // namespace tgis::kernels::cuda
