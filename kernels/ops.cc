@@ -145,6 +145,12 @@ void RepetitionPenalty(Tensor* logits, const Tensor& tokens, const Tensor& penal
                 penalties);
 }
 
+void TopLogits(const Tensor& logits, const Tensor& rows, const Tensor& temperatures, int64_t count,
+               Tensor* values, Tensor* ids, Tensor* stats) {
+  TGIS_DISPATCH(TopLogits, TGIS_TENSORS(&logits, &rows, &temperatures, values, ids, stats), logits,
+                rows, temperatures, count, values, ids, stats);
+}
+
 void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mapping,
                      KvCacheLayer* cache) {
   TGIS_DISPATCH(ReshapeAndCache, TGIS_TENSORS(&k, &v, &slot_mapping, &cache->k, &cache->v), k, v,

@@ -128,6 +128,17 @@ void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logpr
 // is 1 are left as they are. On CUDA this lets penalized greedy rows pick on the device.
 void RepetitionPenalty(Tensor* logits, const Tensor& tokens, const Tensor& penalties);
 
+// What the host needs to sample a row without reading all of it: for each selected row rows[i]
+// ([S] i32) of f32 logits [R, V], with x = logits[rows[i]] / temperatures[i] ([S] f32; 1: none),
+// stats[i] = {lse, mass}: lse = the log-sum-exp of x as a log-softmax takes it (the max plus the
+// log of the double sum of exp(x - max)), mass = the sum of the f32 probabilities exp(x - lse);
+// and the `count` largest x (ties: the smaller id first), in no particular order:
+// values[i, :] and ids[i, :]. A row holding a NaN or +inf has lse NaN (and ids -1).
+// count <= V. values [S, count] f32, ids [S, count] i32, stats [S, 2] f32, allocated when
+// undefined. On CUDA a sampled row then sends count values and ids to the host, not V logits.
+void TopLogits(const Tensor& logits, const Tensor& rows, const Tensor& temperatures, int64_t count,
+               Tensor* values, Tensor* ids, Tensor* stats);
+
 // The paged KV cache of one layer: [num_blocks, block_size, Hk, D] for keys and for values.
 struct KvCacheLayer {
   Tensor k;

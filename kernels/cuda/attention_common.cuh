@@ -5,6 +5,9 @@
 #pragma once
 
 namespace tgis::kernels::cuda {
+// Internal linkage: the warp emulator's test compiles these same kernels for the host, and the
+// two definitions must not meet at link time.
+namespace {
 
 constexpr int kMaxAttentionHeads = 256;
 
@@ -88,4 +91,5 @@ __global__ void CombinePartitionsKernel(const AttnParams p, const float* part_m,
   }
 }
 
+}  // namespace
 }  // namespace tgis::kernels::cuda

@@ -20,6 +20,9 @@
 #include "kernels/cuda/attention_common.cuh"
 
 namespace tgis::kernels::cuda {
+// Internal linkage: the warp emulator's test compiles these same kernels for the host, and the
+// two definitions must not meet at link time.
+namespace {
 
 constexpr int kGroupThreads = 128;
 constexpr int kGroupWarps = kGroupThreads / 32;
@@ -208,4 +211,5 @@ __global__ void __launch_bounds__(kGroupThreads)
   }
 }
 
+}  // namespace
 }  // namespace tgis::kernels::cuda

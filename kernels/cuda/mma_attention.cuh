@@ -22,6 +22,9 @@
 #include "kernels/cuda/attention_common.cuh"
 
 namespace tgis::kernels::cuda {
+// Internal linkage: the warp emulator's test compiles these same kernels for the host, and the
+// two definitions must not meet at link time.
+namespace {
 
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = 32 * kMmaWarps;
@@ -222,4 +225,5 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
 }
 
+}  // namespace
 }  // namespace tgis::kernels::cuda

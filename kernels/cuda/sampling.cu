@@ -4,6 +4,9 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda_ops.h"
 
+// After the primitives it uses (common.cuh).
+#include "kernels/cuda/top_logits.cuh"
+
 namespace tgis::kernels::cuda {
 
 namespace {
@@ -161,6 +164,29 @@ void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logpr
   TGIS_CUDA_LAUNCHED();
   GreedyCombineKernel<<<static_cast<unsigned>(rows), 32, 0, Stream()>>>(
       part, static_cast<int>(count), ids->data<int>(), logprobs->data<float>());
+  TGIS_CUDA_LAUNCHED();
+}
+
+void TopLogits(const Tensor& logits, const Tensor& rows, const Tensor& temperatures, int64_t count,
+               Tensor* values, Tensor* ids, Tensor* stats) {
+  const char* op = "TopLogits";
+  TGIS_CHECK(logits.defined() && logits.device() == Device::kCuda &&
+                 logits.dtype() == DType::kF32 && logits.rank() == 2,
+             "%s: logits must be CUDA f32 [R, V]", op);
+  TGIS_CHECK(rows.defined() && rows.device() == Device::kCuda && rows.dtype() == DType::kI32 &&
+                 temperatures.defined() && temperatures.device() == Device::kCuda &&
+                 temperatures.dtype() == DType::kF32 && temperatures.numel() == rows.numel(),
+             "%s: rows [S] i32 and temperatures [S] f32, on CUDA", op);
+  const int64_t s = rows.numel(), v = logits.dim(1);
+  TGIS_CHECK(count >= 1 && count <= v && v <= 0x7fffffff, "%s: count %lld outside [1, %lld]", op,
+             static_cast<long long>(count), static_cast<long long>(v));
+  PrepareOut(values, {s, count}, DType::kF32, op);
+  PrepareOut(ids, {s, count}, DType::kI32, op);
+  PrepareOut(stats, {s, 2}, DType::kF32, op);
+  if (s == 0) return;
+  TopLogitsKernel<<<static_cast<unsigned>(s), kTopThreads, 0, Stream()>>>(
+      logits.data<float>(), v, rows.data<int>(), temperatures.data<float>(),
+      static_cast<int>(count), values->data<float>(), ids->data<int>(), stats->data<float>());
   TGIS_CUDA_LAUNCHED();
 }
 

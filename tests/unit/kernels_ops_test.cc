@@ -1251,6 +1251,67 @@ TEST_P(OpsTest, GreedyPickRefusesNonFiniteRows) {
   for (int64_t r : {2, 4}) EXPECT_TRUE(std::isfinite(lps_h[r])) << r;
 }
 
+// TopLogits against its definition: x = logits / temperature in f32; lse = max + log of the
+// double sum of exp(x - max); mass = the double sum of the f32 exp(x - lse); the count largest x
+// with ties going to smaller ids (compared as (value, id) sets: the op leaves them unordered).
+// Rows with tied plateaus, -inf entries, a NaN (lse NaN, ids -1), count 1, 100 and all of V.
+TEST_P(OpsTest, TopLogitsAreTheLargestValuesWithTheLogSumExp) {
+  if (dtype() != DType::kF32) GTEST_SKIP() << "logits are f32 on every device";
+  const int64_t rows = 4, v = 3001;
+  std::vector<float> x = Random(rows * v, 71, -8, 8);
+  for (int64_t i = 0; i < v; i += 3) x[1 * v + i] = 2.5f;  // a plateau across the cut
+  for (int64_t i = 0; i < v; i += 7) x[2 * v + i] = -INFINITY;
+  x[3 * v + 1234] = NAN;
+  const std::vector<int32_t> picked = {1, 3, 0, 2, 1};
+  const std::vector<float> temps = {1.0f, 0.8f, 0.7f, 1.0f, 1.7f};
+  for (int64_t count : {int64_t{1}, int64_t{100}, v}) {
+    SCOPED_TRACE("count " + std::to_string(count));
+    Tensor logits = Tensor::FromVector(x, {rows, v});
+    Tensor rows_t = Tensor::FromVector(picked, {5});
+    Tensor temps_t = Tensor::FromVector(temps, {5});
+    if (device() != Device::kCpu) {
+      logits = logits.ToDevice(device());
+      rows_t = rows_t.ToDevice(device());
+      temps_t = temps_t.ToDevice(device());
+    }
+    Tensor values, ids, stats;
+    TopLogits(logits, rows_t, temps_t, count, &values, &ids, &stats);
+    const std::vector<float> got_v = Host(values), got_s = Host(stats);
+    const Tensor ids_h = ids.device() == Device::kCpu ? ids : ids.ToDevice(Device::kCpu);
+    for (size_t i = 0; i < picked.size(); ++i) {
+      const float* row = x.data() + picked[i] * v;
+      std::vector<float> t(row, row + v);
+      for (float& f : t) f /= temps[i];
+      const int32_t* gi = ids_h.data<int32_t>() + i * count;
+      if (picked[i] == 3) {  // the NaN row
+        EXPECT_TRUE(std::isnan(got_s[i * 2])) << i;
+        EXPECT_EQ(gi[0], -1);
+        continue;
+      }
+      float mx = -INFINITY;
+      for (float f : t) mx = std::max(mx, f);
+      double sum = 0;
+      for (float f : t) sum += f == -INFINITY ? 0.0 : std::exp(static_cast<double>(f - mx));
+      const float lse = mx + static_cast<float>(std::log(sum));
+      double mass = 0;
+      for (float f : t) mass += std::exp(f - lse);
+      EXPECT_NEAR(got_s[i * 2], lse, 1e-6 * std::fabs(lse) + 1e-6) << i;
+      EXPECT_NEAR(got_s[i * 2 + 1], mass, 1e-6) << i;
+      std::vector<std::pair<float, int32_t>> want, got;
+      for (int64_t k = 0; k < v; ++k) want.push_back({t[k], static_cast<int32_t>(k)});
+      std::sort(want.begin(), want.end(), [](const auto& a, const auto& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      });
+      want.resize(count);
+      for (int64_t k = 0; k < count; ++k) got.push_back({got_v[i * count + k], gi[k]});
+      std::sort(got.begin(), got.end(), [](const auto& a, const auto& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      });
+      EXPECT_EQ(got, want) << "row " << i;
+    }
+  }
+}
+
 // ---- Rotary -------------------------------------------------------------------------------
 
 // HF: freqs = inv_freq (f32) * position (f32), rounded to f32; cos and sin of that.

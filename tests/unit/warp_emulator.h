@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/tensor.h"
@@ -35,7 +36,10 @@
 
 namespace tgis::kernels::cuda {
 
+using std::exp;
+using std::log;
 using std::max;
+using std::memcpy;
 using std::min;
 
 struct EmuDim3 {
@@ -125,9 +129,12 @@ class Barrier {
 
 // What a lane puts on the table for a collective: a shuffled value or its mma operands.
 struct Slot {
-  float value;
+  double value;
   uint32_t a[4], b[2];
 };
+
+// Atomics on shared memory: one lock for all (the kernels' histograms are small).
+inline std::mutex g_atomics;
 
 // Two sets per warp, used in turn: a lane writes the next set while slower lanes still read
 // this one, and cannot come back to this one before they have all reached the next barrier.
@@ -163,10 +170,19 @@ inline Slot* Exchange(const Slot& mine, const char* what) {
 inline void __syncthreads() { emu::g_block->block.Wait("__syncthreads"); }
 inline void __syncwarp() { emu::g_block->warps[emu::Warp()]->Wait("__syncwarp"); }
 
-inline float __shfl_xor_sync(unsigned /*mask: the kernels use full warps*/, float v, int m) {
+template <typename T>
+T __shfl_xor_sync(unsigned /*mask: the kernels use full warps*/, T v, int m) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>);
   emu::Slot mine{};
   mine.value = v;
-  return emu::Exchange(mine, "__shfl_xor_sync")[emu::Lane() ^ m].value;
+  return static_cast<T>(emu::Exchange(mine, "__shfl_xor_sync")[emu::Lane() ^ m].value);
+}
+
+inline int atomicAdd(int* at, int v) {
+  std::lock_guard<std::mutex> lock(emu::g_atomics);
+  const int old = *at;
+  *at = old + v;
+  return old;
 }
 
 // d += A . B for mma.m16n8k16.row.col with f32 accumulators: A element (row, k) sits in lane

@@ -1,9 +1,10 @@
-// CUDA attention kernels run on the CPU under the warp emulator, against attention computed in
+// CUDA kernels run on the CPU under the warp emulator. Attention, against attention computed in
 // double from the same stored keys and values: the tensor-core prefill kernel
 // (kernels/cuda/mma_attention.cuh: fragment indexing, masking, online softmax, tiles) and the
 // grouped decode kernel (grouped_attention.cuh: lane groups, query-head groups, partitions and
-// their combination) are checked on every machine, GPU or not. (On a GPU, OpsTest.PagedAttention*
-// run the real kernels.)
+// their combination) are checked on every machine, GPU or not. TopLogits (top_logits.cuh: block
+// reductions, radix select, ties), against the CPU op. (On a GPU, OpsTest runs the real
+// kernels.)
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,6 +18,8 @@
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/grouped_attention.cuh"
 #include "kernels/cuda/mma_attention.cuh"
+#include "kernels/cuda/top_logits.cuh"
+#include "kernels/ops.h"
 
 namespace tgis::kernels::cuda {
 namespace {
@@ -220,6 +223,53 @@ TEST(AttentionEmulated, GroupedMqaWindowAlibiF16) {
 }
 TEST(AttentionEmulated, GroupedNotCausalF32) {
   RunCase<float>(Kernel::kGrouped, {1, 1, 256, 0, false, /*causal=*/false}, kDecodes, 1e-5);
+}
+
+// The emulated kernel's values and ids are the CPU op's (as sets: neither orders them), and its
+// log-sum-exp and mass agree within the summation order's rounding; a row with a NaN gets ids
+// -1. Rows with a plateau of ties across the cut, -inf entries, temperatures; count 1, 37, V.
+TEST(TopLogitsEmulated, MatchesTheCpuOp) {
+  const int64_t rows = 3, v = 2500;
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> dist(-6.0f, 6.0f);
+  std::vector<float> x(rows * v);
+  for (float& f : x) f = dist(rng);
+  for (int64_t i = 0; i < v; i += 4) x[v + i] = 1.25f;
+  for (int64_t i = 0; i < v; i += 5) x[2 * v + i] = -INFINITY;
+  std::vector<float> nan_row(x.begin(), x.begin() + v);
+  nan_row[77] = NAN;
+  x.insert(x.end(), nan_row.begin(), nan_row.end());
+  const std::vector<int32_t> picked = {2, 0, 1, 3};
+  const std::vector<float> temps = {0.9f, 1.0f, 1.3f, 1.0f};
+  for (int count : {1, 37, static_cast<int>(v)}) {
+    SCOPED_TRACE("count " + std::to_string(count));
+    const int s = static_cast<int>(picked.size());
+    std::vector<float> values(s * count), stats(s * 2);
+    std::vector<int> ids(s * count);
+    EmulateLaunch({static_cast<unsigned>(s), 1, 1}, kTopThreads, &TopLogitsKernel, x.data(), v,
+                  picked.data(), temps.data(), count, values.data(), ids.data(), stats.data());
+    Tensor want_v, want_i, want_s;
+    kernels::TopLogits(Tensor::FromVector(x, {rows + 1, v}), Tensor::FromVector(picked, {s}),
+                       Tensor::FromVector(temps, {s}), count, &want_v, &want_i, &want_s);
+    for (int i = 0; i < s; ++i) {
+      if (picked[i] == 3) {
+        EXPECT_TRUE(std::isnan(stats[i * 2]));
+        EXPECT_EQ(ids[i * count], -1);
+        continue;
+      }
+      EXPECT_NEAR(stats[i * 2], want_s.data<float>()[i * 2], 1e-6);
+      EXPECT_NEAR(stats[i * 2 + 1], want_s.data<float>()[i * 2 + 1], 1e-6);
+      std::vector<std::pair<float, int>> got, want;
+      for (int k = 0; k < count; ++k) {
+        got.push_back({values[i * count + k], ids[i * count + k]});
+        want.push_back(
+            {want_v.data<float>()[i * count + k], want_i.data<int32_t>()[i * count + k]});
+      }
+      std::sort(got.begin(), got.end());
+      std::sort(want.begin(), want.end());
+      EXPECT_EQ(got, want) << "row " << i;
+    }
+  }
 }
 
 }  // namespace
