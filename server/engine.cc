@@ -28,6 +28,12 @@ bool AllFinite(const float* logits, int64_t n) {
   });
 }
 
+// Largest logits a sampled row sends to the host (TopLogits) instead of its whole row: enough
+// for the warpers and the draw to finish within them almost always (a walk that would go
+// further reads the row).
+constexpr int64_t kTopValues = 1024;
+std::atomic<bool> g_top_values_on_cpu{false};
+
 // The batch's shortest and longest query from its row offsets (CUDA attention launches only
 // the kernels some sequence needs).
 void NoteQueryLengths(const std::vector<int32_t>& query_start, kernels::AttentionBatch* b) {
@@ -62,6 +68,7 @@ bool PrefixCachingApplies(const Model& model) {
 }  // namespace
 
 void SetDetailChunkBytesForTesting(int64_t bytes) { g_detail_chunk_bytes.store(bytes); }
+void SetTopValuesOnCpuForTesting(bool on) { g_top_values_on_cpu.store(on); }
 
 bool KeysIndependentOfLength(const Model& model) {
   return !model.spec().rope_by_length.has_value();
@@ -639,8 +646,10 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
     logits = model_->Logits(hidden.Rows(0, choosing));
   }
   // Plain greedy rows pick where the logits are (on CUDA only their ids and logprobs come
-  // back); the other sequences' rows are read on the host.
-  std::vector<std::optional<TokenInfo>> picked = PickGreedy(seqs, details, seq_rows, &logits);
+  // back), sampled ones mostly choose from their largest values; the other sequences' rows are
+  // read on the host.
+  DevicePicks picks = PickOnDevice(seqs, details, seq_rows, &logits);
+  std::vector<std::optional<TokenInfo>>& picked = picks.greedy;
   last_forward_ns_ =
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
           .count();
@@ -659,7 +668,9 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
   struct Sample {
     Sequence* seq;
     size_t out_index;  // its StepOutput in *out
-    Tensor rows;       // its logits on the host; it chooses from the last row
+    Tensor rows;       // its logits on the host (it chooses from the last row); or
+    int64_t top_row;   // its row of picks' TopLogits outputs (-1: none)
+    int32_t logits_row;
   };
   std::vector<Sample> samples;
   for (size_t i = 0; i < seqs.size(); ++i) {
@@ -678,11 +689,21 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
       continue;
     }
     auto [first_row, count] = seq_rows[i];
-    Tensor rows = logits.Rows(first_row, first_row + count);
-    if (rows.device() != kernels::Device::kCpu) rows = rows.ToDevice(kernels::Device::kCpu);
-    if (!AllFinite(rows.data<float>(), count * v)) {
-      fail(s);
-      continue;
+    const int64_t top_row = picks.top_row[i];
+    Tensor rows;
+    if (top_row >= 0) {
+      // TopLogits' log-sum-exp is NaN when the row holds a NaN or +inf.
+      if (std::isnan(picks.stats.data<float>()[top_row * 2])) {
+        fail(s);
+        continue;
+      }
+    } else {
+      rows = logits.Rows(first_row, first_row + count);
+      if (rows.device() != kernels::Device::kCpu) rows = rows.ToDevice(kernels::Device::kCpu);
+      if (!AllFinite(rows.data<float>(), count * v)) {
+        fail(s);
+        continue;
+      }
     }
     if (!s->draft.empty()) {
       VerifyDraft(s, rows.data<float>(), v, out);
@@ -741,19 +762,44 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
     }
     // The token is chosen below, with the other sampled sequences' (in parallel); its output
     // keeps its place.
-    samples.push_back({s, out->size(), rows});
+    samples.push_back({s, out->size(), rows, top_row, first_row + count - 1});
     out->push_back(std::move(o));
   }
   // Each sequence has its own sampler (and random generator) and logits row, so they choose
-  // side by side: a sampled row costs milliseconds at a 128K vocabulary (sampling_bench).
+  // side by side: a whole sampled row costs milliseconds at a 128K vocabulary (sampling_bench),
+  // its largest values far less. First from the largest values where they were taken; the
+  // rows where those were not enough are read whole (their penalty and bans already applied),
+  // then every row read whole chooses.
   std::vector<TokenChoice> choices(samples.size());
+  std::vector<char> chosen(samples.size(), 0);
+  const int64_t tc = picks.count;
   kernels::ParallelTasks(static_cast<int64_t>(samples.size()), [&](int64_t k) {
     const Sample& c = samples[k];
+    if (c.top_row < 0) return;
+    std::optional<TokenChoice> choice = c.seq->sampler->NextFromTop(
+        std::span<const float>(picks.values.data<float>() + c.top_row * tc, tc),
+        std::span<const int32_t>(picks.ids.data<int32_t>() + c.top_row * tc, tc),
+        picks.stats.data<float>()[c.top_row * 2], picks.stats.data<float>()[c.top_row * 2 + 1], v,
+        c.seq->top_n);
+    if (choice.has_value()) {
+      choices[k] = std::move(*choice);
+      chosen[k] = 1;
+    }
+  });
+  for (Sample& c : samples) {
+    if (c.top_row < 0 || chosen[&c - samples.data()]) continue;
+    c.rows = logits.Rows(c.logits_row, c.logits_row + 1);
+    if (c.rows.device() != kernels::Device::kCpu) c.rows = c.rows.ToDevice(kernels::Device::kCpu);
+  }
+  kernels::ParallelTasks(static_cast<int64_t>(samples.size()), [&](int64_t k) {
+    const Sample& c = samples[k];
+    if (chosen[k]) return;
     // The sampler's context (repetition penalty) is the real tokens, without placeholders.
     choices[k] =
         c.seq->sampler->Next(std::span<float>(c.rows.data<float>() + (c.rows.dim(0) - 1) * v, v),
                              std::span<const int32_t>(c.seq->tokens).subspan(c.seq->prefix_len),
-                             c.seq->generated, c.seq->top_n);
+                             c.seq->generated, c.seq->top_n, std::nullopt,
+                             /*penalty_applied=*/c.top_row >= 0);
   });
   for (size_t k = 0; k < samples.size(); ++k) {
     TokenInfo& t = (*out)[samples[k].out_index].token;
@@ -878,30 +924,47 @@ void Engine::Append(Sequence* s, TokenInfo token, std::vector<StepOutput>* out) 
   out->push_back(std::move(o));
 }
 
-std::vector<std::optional<TokenInfo>> Engine::PickGreedy(
-    const std::vector<Sequence*>& seqs, const std::vector<bool>& details,
-    const std::vector<std::pair<int32_t, int32_t>>& seq_rows, Tensor* logits) {
-  // A sequence qualifies with one logits row (no prompt details), no top-n (the rank of an
-  // argmax is 1) and a plain greedy choice; its EOS ids are banned before min_new_tokens.
-  std::vector<std::optional<TokenInfo>> picked(seqs.size());
+Engine::DevicePicks Engine::PickOnDevice(const std::vector<Sequence*>& seqs,
+                                         const std::vector<bool>& details,
+                                         const std::vector<std::pair<int32_t, int32_t>>& seq_rows,
+                                         Tensor* logits) {
+  // A greedy pick: one logits row (no prompt details), no top-n (the rank of an argmax is 1)
+  // and a plain greedy choice. A top row: any other sequence with a logits row and no draft
+  // whose sampler can choose from the largest values. Either gets its repetition penalty and,
+  // before min_new_tokens, its EOS ids banned on the device.
+  DevicePicks picks;
+  picks.greedy.resize(seqs.size());
+  picks.top_row.assign(seqs.size(), -1);
   const size_t m = std::max<size_t>(1, eos_.size());
   const int64_t rows = logits->dim(0);
   std::vector<int32_t> banned(rows * m, -1);
   std::vector<bool> greedy(seqs.size(), false);
-  bool any = false, any_banned = false;
+  std::vector<int32_t> top_rows;
+  std::vector<float> temperatures;
+  const bool tops = logits->device() != kernels::Device::kCpu || g_top_values_on_cpu.load();
+  bool any_greedy = false, any_banned = false;
   // Rows with a repetition penalty: their context's distinct tokens, penalized on the device.
   std::vector<float> penalties(rows, 1.0f);
   std::vector<std::vector<int32_t>> penalized(rows);
   size_t most_penalized = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     bool mask_eos = false;
-    float penalty = 1.0f;
+    float penalty = 1.0f, temperature = 1.0f;
     const Sequence* s = seqs[i];
-    greedy[i] = seq_rows[i].second > 0 && !details[i] && s->draft.empty() && s->top_n == 0 &&
-                s->sampler->PlainGreedy(s->generated, &mask_eos, &penalty);
-    any = any || greedy[i];
-    if (greedy[i] && penalty != 1.0f) {
-      const int32_t row = seq_rows[i].first;
+    if (seq_rows[i].second == 0 || !s->draft.empty()) continue;
+    greedy[i] =
+        !details[i] && s->top_n == 0 && s->sampler->PlainGreedy(s->generated, &mask_eos, &penalty);
+    any_greedy = any_greedy || greedy[i];
+    const int32_t row = seq_rows[i].first;
+    if (!greedy[i]) {
+      if (!tops || !s->sampler->TopChoosable(s->generated, &mask_eos, &penalty, &temperature)) {
+        continue;
+      }
+      picks.top_row[i] = static_cast<int64_t>(top_rows.size());
+      top_rows.push_back(row);
+      temperatures.push_back(temperature);
+    }
+    if (penalty != 1.0f) {
       penalties[row] = penalty;
       // The sampler's context: the real tokens, without prompt-tuning placeholders.
       std::vector<int32_t>& ctx = penalized[row];
@@ -910,47 +973,54 @@ std::vector<std::optional<TokenInfo>> Engine::PickGreedy(
       ctx.erase(std::unique(ctx.begin(), ctx.end()), ctx.end());
       most_penalized = std::max(most_penalized, ctx.size());
     }
-    if (greedy[i] && mask_eos && !eos_.empty()) {
-      std::copy(eos_.begin(), eos_.end(), banned.begin() + seq_rows[i].first * m);
+    if (mask_eos && !eos_.empty()) {
+      std::copy(eos_.begin(), eos_.end(), banned.begin() + row * m);
       any_banned = true;
     }
   }
-  if (!any) return picked;
-  // Every row is picked (cheap); only the qualifying ones are used. Rows of other sequences
-  // have nothing penalized or banned, so their logits stay as they were for the host. Most
-  // steps penalize and ban nothing: no tables then (copies to the device fewer).
+  if (!any_greedy && top_rows.empty()) return picks;
+  // Rows of other sequences have nothing penalized or banned, so their logits stay as they
+  // were for the host. Most steps penalize and ban nothing: no tables then (copies to the
+  // device fewer).
   if (most_penalized > 0) {
     const int64_t width = static_cast<int64_t>(most_penalized);
     std::vector<int32_t> table(rows * width, -1);
     for (int64_t r = 0; r < rows; ++r) {
       std::copy(penalized[r].begin(), penalized[r].end(), table.begin() + r * width);
     }
-    Tensor tokens_t = Tensor::FromVector(table, {rows, width});
-    Tensor penalties_t = Tensor::FromVector(penalties, {rows});
-    if (logits->device() != kernels::Device::kCpu) {
-      tokens_t = tokens_t.ToDevice(logits->device());
-      penalties_t = penalties_t.ToDevice(logits->device());
+    kernels::RepetitionPenalty(logits, OnDevice(table, {rows, width}),
+                               Tensor::FromVector(penalties, {rows}).ToDevice(logits->device()));
+  }
+  if (any_greedy || any_banned) {
+    // Every row is picked (cheap); only the greedy ones are used. The bans stay in the logits
+    // for the top rows.
+    Tensor banned_t;
+    if (any_banned) banned_t = OnDevice(banned, {rows, static_cast<int64_t>(m)});
+    Tensor ids, logprobs;
+    kernels::GreedyPick(logits, banned_t, &ids, &logprobs);
+    const Tensor ids_h = ids.ToDevice(kernels::Device::kCpu);  // a copy on the CPU: cheap
+    const Tensor lps_h = logprobs.ToDevice(kernels::Device::kCpu);
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      if (!greedy[i]) continue;
+      TokenInfo t;
+      t.id = ids_h.data<int32_t>()[seq_rows[i].first];
+      t.logprob = lps_h.data<float>()[seq_rows[i].first];
+      t.rank = 1;
+      picks.greedy[i] = std::move(t);
     }
-    kernels::RepetitionPenalty(logits, tokens_t, penalties_t);
   }
-  Tensor banned_t;
-  if (any_banned) {
-    banned_t = Tensor::FromVector(banned, {rows, static_cast<int64_t>(m)});
-    if (logits->device() != kernels::Device::kCpu) banned_t = banned_t.ToDevice(logits->device());
+  if (!top_rows.empty()) {
+    const int64_t s = static_cast<int64_t>(top_rows.size());
+    picks.count = std::min<int64_t>(kTopValues, logits->dim(1));
+    Tensor values, ids, stats;
+    kernels::TopLogits(*logits, OnDevice(top_rows, {s}),
+                       Tensor::FromVector(temperatures, {s}).ToDevice(logits->device()),
+                       picks.count, &values, &ids, &stats);
+    picks.values = values.ToDevice(kernels::Device::kCpu);
+    picks.ids = ids.ToDevice(kernels::Device::kCpu);
+    picks.stats = stats.ToDevice(kernels::Device::kCpu);
   }
-  Tensor ids, logprobs;
-  kernels::GreedyPick(logits, banned_t, &ids, &logprobs);
-  const Tensor ids_h = ids.ToDevice(kernels::Device::kCpu);  // a copy on the CPU: cheap
-  const Tensor lps_h = logprobs.ToDevice(kernels::Device::kCpu);
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    if (!greedy[i]) continue;
-    TokenInfo t;
-    t.id = ids_h.data<int32_t>()[seq_rows[i].first];
-    t.logprob = lps_h.data<float>()[seq_rows[i].first];
-    t.rank = 1;
-    picked[i] = std::move(t);
-  }
-  return picked;
+  return picks;
 }
 
 }  // namespace tgis::server

@@ -55,6 +55,10 @@ struct StepOutput {
 
 // The most bytes of f32 logits a prompt's details take at once (64 MB; tests make it small).
 void SetDetailChunkBytesForTesting(int64_t bytes);
+// Sampled rows choose from their largest values (TopLogits) where the logits are on a GPU; on
+// the CPU, where the whole row is already on the host and that is no cheaper, only when a test
+// turns this on (to run that path against the whole-row one).
+void SetTopValuesOnCpuForTesting(bool on);
 
 struct SequenceError {
   uint64_t id = 0;
@@ -238,11 +242,20 @@ class Engine {
   };
   // The prefix rows of a step's input (prompt tuning), if any span has virtual tokens.
   void AddPrefixRows(const std::vector<PrefixSpan>& spans, ForwardInput* in) const;
-  // The choices of the sequences whose next token is a plain greedy one, made where the
-  // logits are; nullopt for the others. seq_rows: each sequence's [first logits row, count].
-  std::vector<std::optional<TokenInfo>> PickGreedy(
-      const std::vector<Sequence*>& seqs, const std::vector<bool>& details,
-      const std::vector<std::pair<int32_t, int32_t>>& seq_rows, kernels::Tensor* logits);
+  // What a step's logits give the host without being read whole (on CUDA they stay on the
+  // device): the choices of the sequences whose next token is a plain greedy one, and, for those
+  // that sample or want details from the largest values alone (Sampler::TopChoosable), those
+  // values (TopLogits). Their repetition penalty and EOS ban are applied where the logits are.
+  struct DevicePicks {
+    std::vector<std::optional<TokenInfo>> greedy;  // per sequence; nullopt: not picked
+    std::vector<int64_t> top_row;                  // per sequence: its TopLogits row, or -1
+    int64_t count = 0;                             // values per TopLogits row
+    kernels::Tensor values, ids, stats;            // TopLogits' outputs, on the host
+  };
+  // seq_rows: each sequence's [first logits row, count].
+  DevicePicks PickOnDevice(const std::vector<Sequence*>& seqs, const std::vector<bool>& details,
+                           const std::vector<std::pair<int32_t, int32_t>>& seq_rows,
+                           kernels::Tensor* logits);
   // Records `token` as s's next one.
   void Advance(Sequence* s, int32_t token);
   void Append(Sequence* s, TokenInfo token, std::vector<StepOutput>* out);

@@ -216,10 +216,11 @@ bool Sampler::PlainGreedy(uint32_t generated, bool* mask_eos, float* repetition_
 }
 
 TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> context,
-                          uint32_t generated, uint32_t top_n, std::optional<int32_t> draft) {
+                          uint32_t generated, uint32_t top_n, std::optional<int32_t> draft,
+                          bool penalty_applied) {
   const int64_t v = static_cast<int64_t>(logits.size());
   // Processors.
-  if (RepetitionPenalized()) {
+  if (RepetitionPenalized() && !penalty_applied) {
     std::vector<uint8_t> seen(v, 0);
     for (int32_t t : context) {
       if (t < 0 || t >= v || seen[t]) continue;
@@ -256,6 +257,118 @@ TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> cont
   }
   choice.logprob = lp[choice.id];
   RankAndTop(lp, choice.id, top_n, &choice.rank, &choice.top);
+  return choice;
+}
+
+bool Sampler::TopChoosable(uint32_t generated, bool* mask_eos, float* repetition_penalty,
+                           float* temperature) const {
+  *mask_eos = generated < p_.min_new_tokens;
+  *repetition_penalty = RepetitionPenalized() ? p_.repetition_penalty : 1.0f;
+  *temperature =
+      p_.do_sample && p_.temperature > 0 && p_.temperature != 1.0f ? p_.temperature : 1.0f;
+  const bool typical = p_.do_sample && p_.typical_p > 0 && p_.typical_p < 1.0f;
+  return !LengthPenalized(generated) && !typical;
+}
+
+std::optional<TokenChoice> Sampler::NextFromTop(std::span<const float> values,
+                                                std::span<const int32_t> ids, float lse, float mass,
+                                                int64_t vocab, uint32_t top_n) {
+  struct Candidate {
+    int32_t id;
+    float value, lp, prob;
+  };
+  const size_t c = values.size();
+  if (c == 0) return std::nullopt;
+  std::vector<Candidate> cand(c);
+  for (size_t i = 0; i < c; ++i) {
+    const float lp = values[i] - lse;  // as LogSoftmaxInto and Draw compute them
+    cand[i] = {ids[i], values[i], lp, std::exp(lp)};
+  }
+  // Draw's order: probability descending, ties by id. A token not given has a value, so a
+  // log-probability and a probability, no larger than the smallest given: the given tokens
+  // whose probability is larger than that come first in the whole row's order too, in this
+  // order ("settled"); past them, tokens not given may tie in.
+  std::sort(cand.begin(), cand.end(), [](const Candidate& a, const Candidate& b) {
+    return a.prob > b.prob || (a.prob == b.prob && a.id < b.id);
+  });
+  const bool whole = static_cast<int64_t>(c) == vocab;
+  size_t settled = c;
+  if (!whole) {
+    settled = 0;
+    while (settled < c && cand[settled].prob > cand.back().prob) ++settled;
+  }
+  // RankAndTop's top n (before the draw: a row that cannot give them leaves the generator
+  // untouched).
+  std::vector<TopToken> top;
+  if (top_n > 0) {
+    std::vector<Candidate> by_lp = cand;
+    std::sort(by_lp.begin(), by_lp.end(), [](const Candidate& a, const Candidate& b) {
+      return a.lp > b.lp || (a.lp == b.lp && a.id < b.id);
+    });
+    const size_t n = std::min<size_t>(top_n, static_cast<size_t>(vocab));
+    if (n > c) return std::nullopt;
+    const float cutoff = by_lp[n - 1].lp;
+    // Ties with the n-th may include tokens not given when it is as low as the lowest given.
+    if (!whole && cutoff <= by_lp.back().lp) return std::nullopt;
+    for (size_t i = 0; i < n; ++i) top.push_back({by_lp[i].id, by_lp[i].lp});
+    // The other ties with the n-th, by id (RankAndTop appends them in index order).
+    for (size_t i = n; i < c && by_lp[i].lp == cutoff; ++i) {
+      top.push_back({by_lp[i].id, by_lp[i].lp});
+    }
+  }
+  TokenChoice choice;
+  if (!p_.do_sample) {
+    // Next's argmax of the logits: the largest value, the first id among equals.
+    const Candidate* best = &cand[0];
+    for (const Candidate& k : cand) {
+      if (k.value > best->value || (k.value == best->value && k.id < best->id)) best = &k;
+    }
+    choice.id = best->id;
+  } else {
+    size_t keep = static_cast<size_t>(vocab);
+    if (p_.top_k > 0) keep = std::min<size_t>(keep, p_.top_k);
+    if (p_.top_p > 0 && p_.top_p < 1.0f) {
+      double cum = 0;
+      size_t k = 0;
+      while (k < keep) {
+        if (k >= settled) return std::nullopt;
+        cum += cand[k].prob;
+        ++k;
+        if (cum >= p_.top_p) break;
+      }
+      keep = std::max<size_t>(1, k);
+    }
+    double total = mass;
+    if (keep < static_cast<size_t>(vocab)) {
+      if (keep > settled) return std::nullopt;
+      total = 0;
+      for (size_t i = 0; i < keep; ++i) total += cand[i].prob;
+    }
+    const std::mt19937_64 before = rng_;
+    std::uniform_real_distribution<double> uni(0.0, total);
+    double r = uni(rng_);
+    std::optional<size_t> at;
+    for (size_t i = 0; i < keep; ++i) {
+      if (i >= settled) {  // the draw walks past the tokens given
+        rng_ = before;
+        return std::nullopt;
+      }
+      r -= cand[i].prob;
+      if (r <= 0) {
+        at = i;
+        break;
+      }
+    }
+    choice.id = cand[at.value_or(keep - 1)].id;
+  }
+  const auto chosen =
+      std::find_if(cand.begin(), cand.end(), [&](const Candidate& k) { return k.id == choice.id; });
+  choice.logprob = chosen->lp;
+  // RankAndTop: tokens not given have log-probabilities no larger than any given one's, so
+  // none is strictly above a given token's.
+  choice.rank = 1;
+  for (const Candidate& k : cand) choice.rank += k.lp > chosen->lp;
+  choice.top = std::move(top);
   return choice;
 }
 

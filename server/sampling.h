@@ -46,8 +46,27 @@ class Sampler {
   // (the caller compares). Sampling accepts it with its probability p(draft) under the warped
   // distribution and otherwise samples from that distribution without it, renormalized: the
   // choice is distributed exactly as without a draft (rejection sampling against a point mass).
+  // `penalty_applied`: the repetition penalty was applied where the logits were made (a row
+  // NextFromTop could not finish).
   TokenChoice Next(std::span<float> logits, std::span<const int32_t> context, uint32_t generated,
-                   uint32_t top_n, std::optional<int32_t> draft = std::nullopt);
+                   uint32_t top_n, std::optional<int32_t> draft = std::nullopt,
+                   bool penalty_applied = false);
+  // True when the next choice can come from a row's largest values alone (NextFromTop): no
+  // length penalty and no typical_p (which read every token). The row must first get
+  // `*repetition_penalty` (1: none) and, if `*mask_eos`, its EOS ids banned, where it is; and
+  // TopLogits divides it by `*temperature` (1: none).
+  bool TopChoosable(uint32_t generated, bool* mask_eos, float* repetition_penalty,
+                    float* temperature) const;
+  // The choice Next would make (same warpers, same draw from the same generator, same details),
+  // from TopLogits' output for the row: the `values` (tempered logits) and `ids` of its largest
+  // entries, its log-sum-exp `lse` and probability `mass`, out of `vocab`. nullopt when those
+  // are not enough (the warpers' walk, the draw or the top-n ties reach tokens not given); the
+  // generator is then as it was, and the caller takes the whole row to Next. The sum a draw
+  // scales by, without truncation, is `mass` rather than Next's own sum of the row: the same
+  // to a few ulps.
+  std::optional<TokenChoice> NextFromTop(std::span<const float> values,
+                                         std::span<const int32_t> ids, float lse, float mass,
+                                         int64_t vocab, uint32_t top_n);
   // True when the next choice is a plain argmax of the logits after at most a repetition
   // penalty (`*repetition_penalty`, 1 for none) and the EOS ids masked (`*mask_eos`): no
   // length penalty, no sampling. The engine then picks on the device (RepetitionPenalty,

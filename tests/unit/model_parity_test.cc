@@ -38,6 +38,7 @@ using tgis::server::Engine;
 using tgis::server::NewSequence;
 using tgis::server::SequenceError;
 using tgis::server::StepOutput;
+using tgis::server::TokenInfo;
 
 constexpr double kLogprobTolerance = 1e-4;
 
@@ -407,6 +408,67 @@ TEST_P(ParityTest, SeededSamplingIsTheSameOnEveryRankAsOnOneShard) {
   });
   ASSERT_EQ(ranks.size(), static_cast<size_t>(world));
   for (const auto& r : ranks) EXPECT_EQ(r, one);
+}
+
+// Rows that choose from their largest values (TopLogits, then Sampler::NextFromTop: the CUDA
+// path for rows that are not plain greedy, or whole rows when those are not enough) make the
+// choices, logprobs, ranks and top-n that whole rows make, step after step, seeded: sampling
+// with every warper but typical_p, a repetition penalty, EOS banned until min_new_tokens, and
+// greedy with top-n. (On the CPU the path is a test's choice.)
+TEST_P(ParityTest, SampledRowsChooseFromTheirLargestValuesAsFromWholeRows) {
+  auto run = [&](Engine& engine) {
+    std::vector<std::vector<TokenInfo>> got(goldens_.size());
+    std::vector<NewSequence> seqs;
+    for (size_t i = 0; i < goldens_.size(); ++i) {
+      NewSequence n = Seq(i, goldens_[i]);
+      n.params.do_sample = i % 4 != 3;
+      n.params.seed = 77 + i;
+      n.params.temperature = i % 2 == 0 ? 0.7f : 1.0f;
+      n.params.top_k = i % 3 == 1 ? 20 : 0;
+      n.params.top_p = i % 3 == 2 ? 0.8f : 1.0f;
+      n.params.repetition_penalty = 1.2f;
+      n.params.min_new_tokens = 3;
+      n.top_n = i % 4 == 3 ? 4 : 0;
+      seqs.push_back(std::move(n));
+    }
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    engine.Prefill(std::move(seqs), &out, &errors);
+    std::vector<uint64_t> live;
+    for (size_t i = 0; i < goldens_.size(); ++i) live.push_back(i);
+    for (int step = 0; step < 10; ++step) {
+      for (const StepOutput& o : out) got[o.id].push_back(o.token);
+      out.clear();
+      engine.Decode(live, &out, &errors);
+      EXPECT_TRUE(errors.empty());
+    }
+    return got;
+  };
+  struct TopValuesOnCpu {
+    TopValuesOnCpu() { tgis::server::SetTopValuesOnCpuForTesting(true); }
+    ~TopValuesOnCpu() { tgis::server::SetTopValuesOnCpuForTesting(false); }
+  };
+  const int world = world_;
+  world_ = 1;
+  std::vector<std::vector<TokenInfo>> whole, top;
+  OnEveryRank([&](Engine& engine) { whole = run(engine); });
+  {
+    TopValuesOnCpu on;
+    OnEveryRank([&](Engine& engine) { top = run(engine); });
+  }
+  world_ = world;
+  ASSERT_EQ(top.size(), whole.size());
+  for (size_t i = 0; i < whole.size(); ++i) {
+    ASSERT_EQ(top[i].size(), whole[i].size()) << "sequence " << i;
+    for (size_t k = 0; k < whole[i].size(); ++k) {
+      const TokenInfo &a = top[i][k], &b = whole[i][k];
+      ASSERT_EQ(a.id, b.id) << "sequence " << i << " token " << k;
+      EXPECT_EQ(a.logprob, b.logprob) << "sequence " << i << " token " << k;
+      EXPECT_EQ(a.rank, b.rank) << "sequence " << i << " token " << k;
+      ASSERT_EQ(a.top.size(), b.top.size()) << "sequence " << i << " token " << k;
+      for (size_t j = 0; j < a.top.size(); ++j) EXPECT_EQ(a.top[j].id, b.top[j].id);
+    }
+  }
 }
 
 // The tokens and logprobs of sequences run to their golden lengths together: `firsts` are

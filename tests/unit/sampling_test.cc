@@ -221,4 +221,87 @@ TEST(Sampler, PenalizedGreedyOpsChooseWhatTheSamplerChooses) {
   }
 }
 
+// A row that chooses from TopLogits' output (the engine's path: penalty and EOS ban applied
+// where the logits are, then only the largest values read) makes Next's choice with Next's
+// details, draw after draw from the same generator; when the values given do not reach far
+// enough it says so, leaves the generator as it was, and Next on the penalized row (
+// penalty_applied) makes the choice. Peaked and flat rows, ties, a banned EOS, every warper
+// but typical_p, greedy with top-n; 16 and 1024 values given.
+TEST(Sampler, ChoosingFromTheTopValuesChoosesWhatTheWholeRowChooses) {
+  using tgis::kernels::Tensor;
+  std::mt19937 gen(17);
+  const int64_t v = 4000;
+  const std::vector<int32_t> eos = {7};
+  int from_top = 0, fell_back = 0;
+  for (float spread : {6.0f, 1.0f, 0.0f}) {  // peaked, flatter, flat
+    std::normal_distribution<float> normal(0.0f, spread > 0 ? spread : 1.0f);
+    std::vector<float> logits(v);
+    for (float& x : logits) x = spread > 0 ? normal(gen) : 0.5f;
+    for (int64_t i = 0; i + 5 < v; i += 89) logits[i + 5] = logits[i];  // ties
+    std::vector<int32_t> context = {3, 900, 901, 3};
+    for (int top_k : {0, 3, 50}) {
+      for (float top_p : {1.0f, 0.5f, 0.9f}) {
+        for (float temperature : {1.0f, 0.7f}) {
+          for (bool sample : {true, false}) {
+            for (int64_t count : {int64_t{16}, int64_t{1024}}) {
+              SamplingParams p;
+              p.do_sample = sample;
+              p.top_k = top_k;
+              p.top_p = top_p;
+              p.temperature = temperature;
+              p.repetition_penalty = 1.3f;
+              p.min_new_tokens = 2;  // EOS banned at generated 0 and 1
+              p.seed = 5 + count;
+              Sampler whole(p, eos), top(p, eos);
+              const uint32_t top_n = sample ? 0 : 3;
+              for (uint32_t generated = 0; generated < 6; ++generated) {
+                std::vector<float> row = logits;
+                const tgis::server::TokenChoice want = whole.Next(row, context, generated, top_n);
+                bool mask_eos = false;
+                float penalty = 1, temp = 1;
+                ASSERT_TRUE(top.TopChoosable(generated, &mask_eos, &penalty, &temp));
+                Tensor t = Tensor::FromVector(logits, {1, v});
+                tgis::kernels::RepetitionPenalty(
+                    &t, Tensor::FromVector(std::vector<int32_t>{3, 900, 901}, {1, 3}),
+                    Tensor::FromVector(std::vector<float>{penalty}, {1}));
+                if (mask_eos) t.data<float>()[eos[0]] = -std::numeric_limits<float>::infinity();
+                Tensor values, ids, stats;
+                tgis::kernels::TopLogits(t, Tensor::FromVector(std::vector<int32_t>{0}, {1}),
+                                         Tensor::FromVector(std::vector<float>{temp}, {1}), count,
+                                         &values, &ids, &stats);
+                std::optional<tgis::server::TokenChoice> got =
+                    top.NextFromTop(std::span<const float>(values.data<float>(), count),
+                                    std::span<const int32_t>(ids.data<int32_t>(), count),
+                                    stats.data<float>()[0], stats.data<float>()[1], v, top_n);
+                if (got.has_value()) {
+                  ++from_top;
+                } else {
+                  ++fell_back;
+                  got = top.Next(std::span<float>(t.data<float>(), v), context, generated, top_n,
+                                 std::nullopt, /*penalty_applied=*/true);
+                }
+                const std::string what =
+                    "spread " + std::to_string(spread) + " top_k " + std::to_string(top_k) +
+                    " top_p " + std::to_string(top_p) + " sample " + std::to_string(sample) +
+                    " count " + std::to_string(count) + " step " + std::to_string(generated);
+                ASSERT_EQ(got->id, want.id) << what;
+                EXPECT_EQ(got->logprob, want.logprob) << what;
+                EXPECT_EQ(got->rank, want.rank) << what;
+                ASSERT_EQ(got->top.size(), want.top.size()) << what;
+                for (size_t i = 0; i < want.top.size(); ++i) {
+                  EXPECT_EQ(got->top[i].id, want.top[i].id) << what;
+                  EXPECT_EQ(got->top[i].logprob, want.top[i].logprob) << what;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // Both paths were taken.
+  EXPECT_GT(from_top, 100);
+  EXPECT_GT(fell_back, 10);
+}
+
 }  // namespace
