@@ -32,7 +32,7 @@ bool AllFinite(const float* logits, int64_t n) {
 // for the warpers and the draw to finish within them almost always (a walk that would go
 // further reads the row).
 constexpr int64_t kTopValues = 1024;
-std::atomic<bool> g_top_values_on_cpu{false};
+std::atomic<TopValues> g_top_values{TopValues::kOnGpu};
 
 // The batch's shortest and longest query from its row offsets (CUDA attention launches only
 // the kernels some sequence needs).
@@ -68,7 +68,7 @@ bool PrefixCachingApplies(const Model& model) {
 }  // namespace
 
 void SetDetailChunkBytesForTesting(int64_t bytes) { g_detail_chunk_bytes.store(bytes); }
-void SetTopValuesOnCpuForTesting(bool on) { g_top_values_on_cpu.store(on); }
+void SetTopValuesForTesting(TopValues when) { g_top_values.store(when); }
 
 bool KeysIndependentOfLength(const Model& model) {
   return !model.spec().rope_by_length.has_value();
@@ -941,7 +941,9 @@ Engine::DevicePicks Engine::PickOnDevice(const std::vector<Sequence*>& seqs,
   std::vector<bool> greedy(seqs.size(), false);
   std::vector<int32_t> top_rows;
   std::vector<float> temperatures;
-  const bool tops = logits->device() != kernels::Device::kCpu || g_top_values_on_cpu.load();
+  const TopValues when = g_top_values.load();
+  const bool tops = when == TopValues::kAlways ||
+                    (when == TopValues::kOnGpu && logits->device() != kernels::Device::kCpu);
   bool any_greedy = false, any_banned = false;
   // Rows with a repetition penalty: their context's distinct tokens, penalized on the device.
   std::vector<float> penalties(rows, 1.0f);

@@ -56,9 +56,10 @@ struct StepOutput {
 // The most bytes of f32 logits a prompt's details take at once (64 MB; tests make it small).
 void SetDetailChunkBytesForTesting(int64_t bytes);
 // Sampled rows choose from their largest values (TopLogits) where the logits are on a GPU; on
-// the CPU, where the whole row is already on the host and that is no cheaper, only when a test
-// turns this on (to run that path against the whole-row one).
-void SetTopValuesOnCpuForTesting(bool on);
+// the CPU, where the whole row is already on the host and that is no cheaper, they read it
+// whole. Tests run either path anywhere, to check one against the other.
+enum class TopValues { kOnGpu, kAlways, kNever };
+void SetTopValuesForTesting(TopValues when);
 
 struct SequenceError {
   uint64_t id = 0;

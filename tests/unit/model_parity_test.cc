@@ -410,65 +410,83 @@ TEST_P(ParityTest, SeededSamplingIsTheSameOnEveryRankAsOnOneShard) {
   for (const auto& r : ranks) EXPECT_EQ(r, one);
 }
 
-// Rows that choose from their largest values (TopLogits, then Sampler::NextFromTop: the CUDA
-// path for rows that are not plain greedy, or whole rows when those are not enough) make the
-// choices, logprobs, ranks and top-n that whole rows make, step after step, seeded: sampling
-// with every warper but typical_p, a repetition penalty, EOS banned until min_new_tokens, and
-// greedy with top-n. (On the CPU the path is a test's choice.)
-TEST_P(ParityTest, SampledRowsChooseFromTheirLargestValuesAsFromWholeRows) {
-  auto run = [&](Engine& engine) {
-    std::vector<std::vector<TokenInfo>> got(goldens_.size());
-    std::vector<NewSequence> seqs;
-    for (size_t i = 0; i < goldens_.size(); ++i) {
-      NewSequence n = Seq(i, goldens_[i]);
-      n.params.do_sample = i % 4 != 3;
-      n.params.seed = 77 + i;
-      n.params.temperature = i % 2 == 0 ? 0.7f : 1.0f;
-      n.params.top_k = i % 3 == 1 ? 20 : 0;
-      n.params.top_p = i % 3 == 2 ? 0.8f : 1.0f;
-      n.params.repetition_penalty = 1.2f;
-      n.params.min_new_tokens = 3;
-      n.top_n = i % 4 == 3 ? 4 : 0;
-      seqs.push_back(std::move(n));
-    }
-    std::vector<StepOutput> out;
-    std::vector<SequenceError> errors;
-    engine.Prefill(std::move(seqs), &out, &errors);
-    std::vector<uint64_t> live;
-    for (size_t i = 0; i < goldens_.size(); ++i) live.push_back(i);
-    for (int step = 0; step < 10; ++step) {
-      for (const StepOutput& o : out) got[o.id].push_back(o.token);
-      out.clear();
-      engine.Decode(live, &out, &errors);
-      EXPECT_TRUE(errors.empty());
-    }
-    return got;
-  };
-  struct TopValuesOnCpu {
-    TopValuesOnCpu() { tgis::server::SetTopValuesOnCpuForTesting(true); }
-    ~TopValuesOnCpu() { tgis::server::SetTopValuesOnCpuForTesting(false); }
-  };
-  const int world = world_;
-  world_ = 1;
-  std::vector<std::vector<TokenInfo>> whole, top;
-  OnEveryRank([&](Engine& engine) { whole = run(engine); });
-  {
-    TopValuesOnCpu on;
-    OnEveryRank([&](Engine& engine) { top = run(engine); });
+// Sequences that sample with every warper but typical_p, a repetition penalty and EOS banned
+// until min_new_tokens, and greedy ones with top-n, seeded, for `steps` decode steps: every
+// token each gets, with its details.
+std::vector<std::vector<TokenInfo>> SampleWithDetails(Engine& engine,
+                                                      const std::vector<Golden>& goldens,
+                                                      int steps) {
+  std::vector<std::vector<TokenInfo>> got(goldens.size());
+  std::vector<NewSequence> seqs;
+  for (size_t i = 0; i < goldens.size(); ++i) {
+    NewSequence n;
+    n.id = i;
+    n.input_ids = goldens[i].input;
+    n.max_new_tokens = static_cast<uint32_t>(steps + 1);
+    n.params.do_sample = i % 4 != 3;
+    n.params.seed = 77 + i;
+    n.params.temperature = i % 2 == 0 ? 0.7f : 1.0f;
+    n.params.top_k = i % 3 == 1 ? 20 : 0;
+    n.params.top_p = i % 3 == 2 ? 0.8f : 1.0f;
+    n.params.repetition_penalty = 1.2f;
+    n.params.min_new_tokens = 3;
+    n.top_n = i % 4 == 3 ? 4 : 0;
+    seqs.push_back(std::move(n));
   }
-  world_ = world;
-  ASSERT_EQ(top.size(), whole.size());
-  for (size_t i = 0; i < whole.size(); ++i) {
-    ASSERT_EQ(top[i].size(), whole[i].size()) << "sequence " << i;
-    for (size_t k = 0; k < whole[i].size(); ++k) {
-      const TokenInfo &a = top[i][k], &b = whole[i][k];
+  std::vector<StepOutput> out;
+  std::vector<SequenceError> errors;
+  engine.Prefill(std::move(seqs), &out, &errors);
+  std::vector<uint64_t> live;
+  for (size_t i = 0; i < goldens.size(); ++i) live.push_back(i);
+  for (int step = 0; step < steps; ++step) {
+    for (const StepOutput& o : out) got[o.id].push_back(o.token);
+    out.clear();
+    engine.Decode(live, &out, &errors);
+    EXPECT_TRUE(errors.empty());
+  }
+  for (uint64_t id : live) engine.Release(id);
+  return got;
+}
+
+// The choices, logprobs (within `tol`), ranks and top-n ids of `got` are `want`'s.
+void ExpectSameChoices(const std::vector<std::vector<TokenInfo>>& got,
+                       const std::vector<std::vector<TokenInfo>>& want, double tol) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_EQ(got[i].size(), want[i].size()) << "sequence " << i;
+    for (size_t k = 0; k < want[i].size(); ++k) {
+      const TokenInfo &a = got[i][k], &b = want[i][k];
       ASSERT_EQ(a.id, b.id) << "sequence " << i << " token " << k;
-      EXPECT_EQ(a.logprob, b.logprob) << "sequence " << i << " token " << k;
+      EXPECT_NEAR(a.logprob, b.logprob, tol) << "sequence " << i << " token " << k;
       EXPECT_EQ(a.rank, b.rank) << "sequence " << i << " token " << k;
       ASSERT_EQ(a.top.size(), b.top.size()) << "sequence " << i << " token " << k;
       for (size_t j = 0; j < a.top.size(); ++j) EXPECT_EQ(a.top[j].id, b.top[j].id);
     }
   }
+}
+
+// Runs `fn` with sampled rows choosing from their largest values `when`, then as by default.
+template <typename Fn>
+void WithTopValues(tgis::server::TopValues when, Fn fn) {
+  tgis::server::SetTopValuesForTesting(when);
+  fn();
+  tgis::server::SetTopValuesForTesting(tgis::server::TopValues::kOnGpu);
+}
+
+// Rows that choose from their largest values (TopLogits, then Sampler::NextFromTop: the GPU's
+// path for rows that are not plain greedy, or whole rows when those are not enough) make the
+// choices, logprobs, ranks and top-n that whole rows make, step after step.
+TEST_P(ParityTest, SampledRowsChooseFromTheirLargestValuesAsFromWholeRows) {
+  using tgis::server::TopValues;
+  const int world = world_;
+  world_ = 1;
+  std::vector<std::vector<TokenInfo>> whole, top;
+  OnEveryRank([&](Engine& engine) { whole = SampleWithDetails(engine, goldens_, 10); });
+  WithTopValues(TopValues::kAlways, [&] {
+    OnEveryRank([&](Engine& engine) { top = SampleWithDetails(engine, goldens_, 10); });
+  });
+  world_ = world;
+  ExpectSameChoices(top, whole, 0.0);
 }
 
 // The tokens and logprobs of sequences run to their golden lengths together: `firsts` are
@@ -1127,11 +1145,25 @@ TEST_P(CudaParityTest, NonFiniteLogitsFailOnlyTheirSequence) {
   });
 }
 
+// On the GPU, where sampled rows choose from their largest values by default: the same
+// choices as from whole rows read back, logprobs within the log-sum-exp's last bits (the
+// device sums in another order).
+TEST_P(CudaParityTest, SampledRowsChooseFromTheirLargestValuesAsFromWholeRows) {
+  using tgis::server::TopValues;
+  std::vector<std::vector<TokenInfo>> whole, top;
+  WithTopValues(TopValues::kNever, [&] {
+    OnEveryRank([&](Engine& engine) { whole = SampleWithDetails(engine, goldens_, 10); });
+  });
+  OnEveryRank([&](Engine& engine) { top = SampleWithDetails(engine, goldens_, 10); });
+  ExpectSameChoices(top, whole, 1e-5);
+}
+
 // Decode steps replayed from CUDA graphs give the eager steps' tokens: every golden prompt
 // together (a batch padded to its bucket), greedy, eager first and then with graphs (captured
-// at the first step of each bucket). Attention's key partitions follow the bucket's longest
-// context instead of the step's, so sums may differ in their last bits: f32 must keep every
-// id; in bf16 a sequence is compared up to its first differing id (a near-tie inside bf16
+// at the first step of each bucket). The grouped attention kernel splits keys at fixed offsets,
+// but the per-row one (T5's relative bias, odd head sizes) sizes its partitions by the bucket's
+// longest context instead of the step's, so sums may differ in their last bits: f32 must keep
+// every id; in bf16 a sequence is compared up to its first differing id (a near-tie inside bf16
 // noise).
 TEST_P(CudaParityTest, DecodeGraphsGiveTheEagerSteps) {
   prefix_caching_ = false;  // both runs compute their prompts whole, alike
