@@ -124,14 +124,20 @@ __global__ void __launch_bounds__(kMmaThreads)
 
     float sc[kKeyTiles][4];  // sc[t][0..1]: row lo, keys 8t + 2 quad + {0, 1}; [2..3]: row hi
 #pragma unroll
-    for (int t = 0; t < kKeyTiles; ++t) {
-      sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
+    for (int t = 0; t < kKeyTiles; ++t) sc[t][0] = sc[t][1] = sc[t][2] = sc[t][3] = 0.0f;
+      // K as B operands, two key tiles a load: lanes 8m..8m+7 address the rows of matrix m, keys
+      // 16u + 8 (m / 2) + row at dimensions 16c + 8 (m % 2).
+#pragma unroll
+    for (int u = 0; u < kKeyTiles / 2; ++u) {
 #pragma unroll
       for (int c = 0; c < kDimChunks; ++c) {
         if (c < dim_chunks) {
-          const uint32_t b[2] = {LoadPair(&k_s[8 * t + grp][16 * c + 2 * quad]),
-                                 LoadPair(&k_s[8 * t + grp][16 * c + 8 + 2 * quad])};
-          Mma16816<T>(sc[t], qa[c], b);
+          uint32_t b[4];
+          LdMatrixX4(
+              b, &k_s[16 * u + ((lane >> 4) & 1) * 8 + (lane & 7)][16 * c + ((lane >> 3) & 1) * 8]);
+          const uint32_t lo[2] = {b[0], b[1]}, hi[2] = {b[2], b[3]};
+          Mma16816<T>(sc[2 * u], qa[c], lo);
+          Mma16816<T>(sc[2 * u + 1], qa[c], hi);
         }
       }
     }
@@ -189,16 +195,19 @@ __global__ void __launch_bounds__(kMmaThreads)
       o[i][2] *= fix_hi;
       o[i][3] *= fix_hi;
     }
+    // V as B operands, transposed on the way, two dimension tiles a load: matrix m holds keys
+    // 16k + 8 (m % 2) + row at dimensions 16i + 8 (m / 2).
 #pragma unroll
     for (int k = 0; k < kKeyTiles / 2; ++k) {
-      const int j = 16 * k + 2 * quad;
 #pragma unroll
-      for (int i = 0; i < kDimTiles; ++i) {
-        if (i < dim_tiles) {
-          const int x = 8 * i + grp;
-          const uint32_t b[2] = {JoinHalves(v_s[j][x], v_s[j + 1][x]),
-                                 JoinHalves(v_s[j + 8][x], v_s[j + 9][x])};
-          Mma16816<T>(o[i], pa[k], b);
+      for (int i = 0; i < kDimTiles / 2; ++i) {
+        if (2 * i < dim_tiles) {
+          uint32_t b[4];
+          LdMatrixX4Trans(
+              b, &v_s[16 * k + ((lane >> 3) & 1) * 8 + (lane & 7)][16 * i + ((lane >> 4) & 1) * 8]);
+          const uint32_t lo[2] = {b[0], b[1]}, hi[2] = {b[2], b[3]};
+          Mma16816<T>(o[2 * i], pa[k], lo);
+          Mma16816<T>(o[2 * i + 1], pa[k], hi);
         }
       }
     }

@@ -1,6 +1,6 @@
 // Internal: the warp-level pieces of the tensor-core kernels (mma.m16n8k16 with f32
-// accumulators, and the 32-bit register pairs its 16-bit operands travel in). The warp emulator
-// of tests/unit/warp_emulator.h gives the same functions on the CPU.
+// accumulators, ldmatrix, and the 32-bit register pairs its 16-bit operands travel in). The warp
+// emulator of tests/unit/warp_emulator.h gives the same functions on the CPU.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +35,24 @@ __device__ __forceinline__ void Copy16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void Zero16(void* dst) {
   *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory, one register of each per lane:
+// lanes 8m..8m+7 give the addresses of matrix m's rows (16 bytes each, 16-byte aligned), and
+// lane l gets row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of each matrix (ldmatrix), or, in
+// the Trans form, rows 2 (l % 4) and 2 (l % 4) + 1 of column l / 4: mma's B fragments of a
+// row-major [k][n] tile.
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* row) {
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(at));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* row) {
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(at));
 }
 
 // d += a . b for a 16x16 A (row major: four registers per lane) and a 16x8 B (column major:

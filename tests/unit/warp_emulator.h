@@ -131,6 +131,7 @@ class Barrier {
 struct Slot {
   double value;
   uint32_t a[4], b[2];
+  const void* row;
 };
 
 // Atomics on shared memory: one lock for all (the kernels' histograms are small).
@@ -211,6 +212,26 @@ void Mma16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
     d[i] = static_cast<float>(d[i] + sum);
   }
 }
+
+// ldmatrix.x4 (non-transposed and .trans): lanes 8m..8m+7 give matrix m's row addresses.
+inline void LdMatrix(uint32_t (&r)[4], const void* row, bool trans) {
+  emu::Slot mine{};
+  mine.row = row;
+  const emu::Slot* all = emu::Exchange(mine, "ldmatrix");
+  const int lane = emu::Lane();
+  const auto at = [&](int matrix, int i, int j) {  // element (i, j) of a matrix, as bits
+    uint16_t v;
+    std::memcpy(&v, static_cast<const uint16_t*>(all[8 * matrix + i].row) + j, sizeof v);
+    return static_cast<uint32_t>(v);
+  };
+  for (int m = 0; m < 4; ++m) {
+    const int g = lane / 4, q = lane % 4;
+    r[m] = trans ? at(m, 2 * q, g) | (at(m, 2 * q + 1, g) << 16)
+                 : at(m, g, 2 * q) | (at(m, g, 2 * q + 1) << 16);
+  }
+}
+inline void LdMatrixX4(uint32_t (&r)[4], const void* row) { LdMatrix(r, row, false); }
+inline void LdMatrixX4Trans(uint32_t (&r)[4], const void* row) { LdMatrix(r, row, true); }
 
 // Runs kernel(args...) on every block of `grid` with `threads` threads each.
 template <typename... Params, typename... Args>
