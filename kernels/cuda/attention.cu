@@ -91,12 +91,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int c0 = k_begin; c0 < k_end; c0 += kChunk) {
     const int n = min(kChunk, k_end - c0);
     __syncthreads();  // q_s is written; the previous chunk's readers are done with rows, scores
-    for (int j = tid; j < n; j += blockDim.x) {
-      const int pos = c0 + j;
-      const int block = p.tables[static_cast<int64_t>(s) * p.max_blocks + pos / p.block_size];
-      const int64_t slot = static_cast<int64_t>(block) * p.block_size + pos % p.block_size;
-      rows[j] = slot * p.hk + kvh;
-    }
+    for (int j = tid; j < n; j += blockDim.x) rows[j] = CacheRow(p, s, kvh, c0 + j);
     __syncthreads();
     for (int j = warp; j < n; j += warps) {
       const T* kr = kc + rows[j] * p.d;
@@ -224,11 +219,7 @@ __global__ void __launch_bounds__(kTileThreads)
   for (int c0 = k_first; c0 < k_last; c0 += kKeys) {
     const int n = min(kKeys, k_last - c0);
     __syncthreads();  // the previous chunk's readers are done
-    for (int j = tid; j < n; j += kTileThreads) {
-      const int pos = c0 + j;
-      const int block = p.tables[static_cast<int64_t>(s) * p.max_blocks + pos / p.block_size];
-      rows_s[j] = (static_cast<int64_t>(block) * p.block_size + pos % p.block_size) * p.hk + kvh;
-    }
+    for (int j = tid; j < n; j += kTileThreads) rows_s[j] = CacheRow(p, s, kvh, c0 + j);
     __syncthreads();
     for (int i = tid; i < n * p.d; i += kTileThreads) {
       const int j = i / p.d, x = i % p.d;

@@ -36,6 +36,13 @@ struct AttnParams {
   int tiled_min_rows;
 };
 
+// The cache row (slot * Hk + kv head) of sequence s's key at position pos, through its block
+// table.
+__device__ __forceinline__ int64_t CacheRow(const AttnParams& p, int s, int kvh, int pos) {
+  const int block = p.tables[static_cast<int64_t>(s) * p.max_blocks + pos / p.block_size];
+  return (static_cast<int64_t>(block) * p.block_size + pos % p.block_size) * p.hk + kvh;
+}
+
 // The sequence that owns query row t: query_start[s] <= t < query_start[s + 1].
 __device__ __forceinline__ int SequenceOfRow(const AttnParams& p, int t) {
   int lo = 0, hi = p.num_seqs - 1;

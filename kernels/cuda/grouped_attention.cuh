@@ -102,11 +102,7 @@ __global__ void __launch_bounds__(kGroupThreads)
   for (int c0 = k_begin; c0 < k_end; c0 += kGroupChunk) {
     const int n = min(kGroupChunk, k_end - c0);
     __syncthreads();  // q and the running max are written; the previous chunk's readers are done
-    for (int j = tid; j < n; j += kGroupThreads) {
-      const int pos = c0 + j;
-      const int block = p.tables[static_cast<int64_t>(s) * p.max_blocks + pos / p.block_size];
-      rows_s[j] = (static_cast<int64_t>(block) * p.block_size + pos % p.block_size) * p.hk + kvh;
-    }
+    for (int j = tid; j < n; j += kGroupThreads) rows_s[j] = CacheRow(p, s, kvh, c0 + j);
     __syncthreads();
     // Scores. The loop bound is the same for a whole warp: every lane reaches the shuffles.
     for (int base = warp * keys_per_warp; base < n; base += kGroupWarps * keys_per_warp) {

@@ -98,11 +98,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   for (int c0 = k_first; c0 < k_last; c0 += kMmaKeys) {
     const int n = min(kMmaKeys, k_last - c0);
     __syncthreads();  // the previous chunk's readers are done
-    for (int j = tid; j < n; j += kMmaThreads) {
-      const int pos = c0 + j;
-      const int block = p.tables[static_cast<int64_t>(s) * p.max_blocks + pos / p.block_size];
-      rows_s[j] = (static_cast<int64_t>(block) * p.block_size + pos % p.block_size) * p.hk + kvh;
-    }
+    for (int j = tid; j < n; j += kMmaThreads) rows_s[j] = CacheRow(p, s, kvh, c0 + j);
     __syncthreads();
     // Keys past n are zeros: their probabilities are 0, and 0 times a stale value that happens
     // to be inf or NaN would not be.

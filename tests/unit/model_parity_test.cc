@@ -366,31 +366,67 @@ TEST_P(ParityTest, IdsDoNotChangeWhenOthersJoinOrLeave) {
   });
 }
 
+// Every token each sequence gets (with its details) over `steps` decode steps, the sequences
+// being the goldens' prompts with the sampling settings `configure` gives them.
+std::vector<std::vector<TokenInfo>> RunSampled(
+    Engine& engine, const std::vector<Golden>& goldens, int steps,
+    const std::function<void(size_t, NewSequence*)>& configure) {
+  std::vector<std::vector<TokenInfo>> got(goldens.size());
+  std::vector<NewSequence> seqs;
+  for (size_t i = 0; i < goldens.size(); ++i) {
+    NewSequence n;
+    n.id = i;
+    n.input_ids = goldens[i].input;
+    n.max_new_tokens = static_cast<uint32_t>(goldens[i].generated.size());
+    configure(i, &n);
+    seqs.push_back(std::move(n));
+  }
+  std::vector<StepOutput> out;
+  std::vector<SequenceError> errors;
+  engine.Prefill(std::move(seqs), &out, &errors);
+  std::vector<uint64_t> live;
+  for (size_t i = 0; i < goldens.size(); ++i) live.push_back(i);
+  for (int step = 0; step < steps; ++step) {
+    for (const StepOutput& o : out) got[o.id].push_back(o.token);
+    out.clear();
+    engine.Decode(live, &out, &errors);
+    EXPECT_TRUE(errors.empty());
+  }
+  for (uint64_t id : live) engine.Release(id);
+  return got;
+}
+
+// Sampling with every warper but typical_p, a repetition penalty and EOS banned until
+// min_new_tokens, and greedy with top-n, seeded.
+std::vector<std::vector<TokenInfo>> SampleWithDetails(Engine& engine,
+                                                      const std::vector<Golden>& goldens) {
+  return RunSampled(engine, goldens, 10, [](size_t i, NewSequence* n) {
+    n->params.do_sample = i % 4 != 3;
+    n->params.seed = 77 + i;
+    n->params.temperature = i % 2 == 0 ? 0.7f : 1.0f;
+    n->params.top_k = i % 3 == 1 ? 20 : 0;
+    n->params.top_p = i % 3 == 2 ? 0.8f : 1.0f;
+    n->params.repetition_penalty = 1.2f;
+    n->params.min_new_tokens = 3;
+    n->top_n = i % 4 == 3 ? 4 : 0;
+  });
+}
+
 // Seeded sampling: every rank draws the same tokens (same logits after the all-gather, same
 // seeded RNG), and they are the ones a single shard draws.
 TEST_P(ParityTest, SeededSamplingIsTheSameOnEveryRankAsOnOneShard) {
   auto sample = [&](Engine& engine) {
-    std::vector<std::vector<int32_t>> ids(goldens_.size());
-    std::vector<NewSequence> seqs;
-    for (size_t i = 0; i < goldens_.size(); ++i) {
-      NewSequence n = Seq(i, goldens_[i]);
-      n.params.do_sample = true;
-      n.params.seed = 1234 + i;
-      n.params.temperature = 1.5f;
-      n.params.top_k = 50;
-      n.params.top_p = 0.95f;
-      seqs.push_back(std::move(n));
-    }
-    std::vector<StepOutput> out;
-    std::vector<SequenceError> errors;
-    engine.Prefill(std::move(seqs), &out, &errors);
-    std::vector<uint64_t> live;
-    for (size_t i = 0; i < goldens_.size(); ++i) live.push_back(i);
-    for (int step = 0; step < 12; ++step) {
-      for (const StepOutput& o : out) ids[o.id].push_back(o.token.id);
-      out.clear();
-      engine.Decode(live, &out, &errors);
-      EXPECT_TRUE(errors.empty());
+    const std::vector<std::vector<TokenInfo>> tokens =
+        RunSampled(engine, goldens_, 12, [](size_t i, NewSequence* n) {
+          n->params.do_sample = true;
+          n->params.seed = 1234 + i;
+          n->params.temperature = 1.5f;
+          n->params.top_k = 50;
+          n->params.top_p = 0.95f;
+        });
+    std::vector<std::vector<int32_t>> ids(tokens.size());
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      for (const TokenInfo& t : tokens[i]) ids[i].push_back(t.id);
     }
     return ids;
   };
@@ -408,44 +444,6 @@ TEST_P(ParityTest, SeededSamplingIsTheSameOnEveryRankAsOnOneShard) {
   });
   ASSERT_EQ(ranks.size(), static_cast<size_t>(world));
   for (const auto& r : ranks) EXPECT_EQ(r, one);
-}
-
-// Sequences that sample with every warper but typical_p, a repetition penalty and EOS banned
-// until min_new_tokens, and greedy ones with top-n, seeded, for `steps` decode steps: every
-// token each gets, with its details.
-std::vector<std::vector<TokenInfo>> SampleWithDetails(Engine& engine,
-                                                      const std::vector<Golden>& goldens,
-                                                      int steps) {
-  std::vector<std::vector<TokenInfo>> got(goldens.size());
-  std::vector<NewSequence> seqs;
-  for (size_t i = 0; i < goldens.size(); ++i) {
-    NewSequence n;
-    n.id = i;
-    n.input_ids = goldens[i].input;
-    n.max_new_tokens = static_cast<uint32_t>(steps + 1);
-    n.params.do_sample = i % 4 != 3;
-    n.params.seed = 77 + i;
-    n.params.temperature = i % 2 == 0 ? 0.7f : 1.0f;
-    n.params.top_k = i % 3 == 1 ? 20 : 0;
-    n.params.top_p = i % 3 == 2 ? 0.8f : 1.0f;
-    n.params.repetition_penalty = 1.2f;
-    n.params.min_new_tokens = 3;
-    n.top_n = i % 4 == 3 ? 4 : 0;
-    seqs.push_back(std::move(n));
-  }
-  std::vector<StepOutput> out;
-  std::vector<SequenceError> errors;
-  engine.Prefill(std::move(seqs), &out, &errors);
-  std::vector<uint64_t> live;
-  for (size_t i = 0; i < goldens.size(); ++i) live.push_back(i);
-  for (int step = 0; step < steps; ++step) {
-    for (const StepOutput& o : out) got[o.id].push_back(o.token);
-    out.clear();
-    engine.Decode(live, &out, &errors);
-    EXPECT_TRUE(errors.empty());
-  }
-  for (uint64_t id : live) engine.Release(id);
-  return got;
 }
 
 // The choices, logprobs (within `tol`), ranks and top-n ids of `got` are `want`'s.
@@ -481,9 +479,9 @@ TEST_P(ParityTest, SampledRowsChooseFromTheirLargestValuesAsFromWholeRows) {
   const int world = world_;
   world_ = 1;
   std::vector<std::vector<TokenInfo>> whole, top;
-  OnEveryRank([&](Engine& engine) { whole = SampleWithDetails(engine, goldens_, 10); });
+  OnEveryRank([&](Engine& engine) { whole = SampleWithDetails(engine, goldens_); });
   WithTopValues(TopValues::kAlways, [&] {
-    OnEveryRank([&](Engine& engine) { top = SampleWithDetails(engine, goldens_, 10); });
+    OnEveryRank([&](Engine& engine) { top = SampleWithDetails(engine, goldens_); });
   });
   world_ = world;
   ExpectSameChoices(top, whole, 0.0);
@@ -1152,9 +1150,9 @@ TEST_P(CudaParityTest, SampledRowsChooseFromTheirLargestValuesAsFromWholeRows) {
   using tgis::server::TopValues;
   std::vector<std::vector<TokenInfo>> whole, top;
   WithTopValues(TopValues::kNever, [&] {
-    OnEveryRank([&](Engine& engine) { whole = SampleWithDetails(engine, goldens_, 10); });
+    OnEveryRank([&](Engine& engine) { whole = SampleWithDetails(engine, goldens_); });
   });
-  OnEveryRank([&](Engine& engine) { top = SampleWithDetails(engine, goldens_, 10); });
+  OnEveryRank([&](Engine& engine) { top = SampleWithDetails(engine, goldens_); });
   ExpectSameChoices(top, whole, 1e-5);
 }
 
