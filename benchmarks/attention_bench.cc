@@ -1,0 +1,197 @@
+// Paged attention (the PagedAttention op) at serving shapes, on the CPU or a GPU: a prompt's
+// prefill (T tokens, causal, one sequence: the tiled kernels, on tensor cores for 16-bit
+// activations on CUDA) and decode steps of B sequences at context C (the grouped kernel on
+// CUDA). Prints milliseconds per call; for prefill the attention FLOP/s (two matmuls over the
+// causal half), for decode the GB/s of keys and values read and their fraction of the device's
+// copy bandwidth measured in the same run (read + write of 1 GiB).
+//   attention_bench [--device cpu|cuda] [--dtype bf16|f16|f32] [--heads 32] [--kv-heads 8]
+//                   [--head-dim 128] [--prefill 512,2048] [--batch 1,16] [--context 1024,4096]
+//                   [--reps 5]
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "kernels/tensor.h"
+#ifdef TGIS_WITH_CUDA
+#include "kernels/cuda_ops.h"
+#endif
+
+namespace {
+
+using tgis::kernels::AttentionBatch;
+using tgis::kernels::Device;
+using tgis::kernels::DType;
+using tgis::kernels::KvCacheLayer;
+using tgis::kernels::Tensor;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  Device device = Device::kCpu;
+  DType dtype = DType::kF32;
+  int64_t heads = 32, kv_heads = 8, head_dim = 128, reps = 5;
+  std::vector<int64_t> prefill = {512, 2048}, batch = {1, 16}, context = {1024, 4096};
+};
+
+std::vector<int64_t> List(const std::string& s) {
+  std::vector<int64_t> out;
+  for (size_t pos = 0; pos < s.size();) {
+    const size_t comma = std::min(s.find(',', pos), s.size());
+    out.push_back(std::atoll(s.substr(pos, comma - pos).c_str()));
+    pos = comma + 1;
+  }
+  return out;
+}
+
+Tensor Random(int64_t n, const tgis::kernels::Shape& shape, const Options& o, DType dtype,
+              uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  Tensor t = Tensor::FromVector(v, shape).To(dtype);
+  return o.device == Device::kCpu ? t : t.ToDevice(o.device);
+}
+
+Tensor Index(const std::vector<int32_t>& v, const Options& o) {
+  Tensor t = Tensor::FromVector(v, {static_cast<int64_t>(v.size())});
+  return o.device == Device::kCpu ? t : t.ToDevice(o.device);
+}
+
+// Waits for the device's queued work (a small copy back).
+void Finish(const Tensor& t) {
+  if (t.device() != Device::kCpu) (void)t.Rows(0, 1).ToDevice(Device::kCpu);
+}
+
+// Seconds per call of attention over `seqs` sequences of `q_len` query rows at context `ctx`.
+double TimeAttention(const Options& o, int64_t seqs, int64_t q_len, int64_t ctx) {
+  constexpr int kBlock = 16;
+  const int64_t blocks_per_seq = (ctx + kBlock - 1) / kBlock, d = o.head_dim;
+  const int64_t blocks = seqs * blocks_per_seq;
+  KvCacheLayer cache;
+  cache.k =
+      Random(blocks * kBlock * o.kv_heads * d, {blocks, kBlock, o.kv_heads, d}, o, o.dtype, 1);
+  cache.v =
+      Random(blocks * kBlock * o.kv_heads * d, {blocks, kBlock, o.kv_heads, d}, o, o.dtype, 2);
+  std::vector<int32_t> query_start = {0}, lens, tables;
+  for (int64_t s = 0; s < seqs; ++s) {
+    query_start.push_back(static_cast<int32_t>((s + 1) * q_len));
+    lens.push_back(static_cast<int32_t>(ctx));
+    for (int64_t b = 0; b < blocks_per_seq; ++b)
+      tables.push_back(static_cast<int32_t>(s * blocks_per_seq + b));
+  }
+  AttentionBatch batch;
+  batch.query_start = Index(query_start, o);
+  batch.context_lens = Index(lens, o);
+  batch.block_tables = Index(tables, o).Reshape({seqs, blocks_per_seq});
+  batch.block_size = kBlock;
+  batch.max_context_len = ctx;
+  batch.min_query_len = batch.max_query_len = q_len;
+  // Activations are f32 on the CPU (its cache may hold 16-bit values), the dtype on CUDA.
+  const DType act = o.device == Device::kCpu ? DType::kF32 : o.dtype;
+  const Tensor q = Random(seqs * q_len * o.heads * d, {seqs * q_len, o.heads, d}, o, act, 3);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  Tensor out;
+  tgis::kernels::PagedAttention(q, cache, batch, scale, 0, nullptr, &out);  // warm-up
+  Finish(out);
+  const auto t0 = Clock::now();
+  for (int64_t r = 0; r < o.reps; ++r) {
+    tgis::kernels::PagedAttention(q, cache, batch, scale, 0, nullptr, &out);
+  }
+  Finish(out);
+  return std::chrono::duration<double>(Clock::now() - t0).count() / static_cast<double>(o.reps);
+}
+
+// GB/s of a 1 GiB device-to-device (or memory-to-memory) copy, read plus write.
+double CopyBandwidth(const Options& o) {
+  const size_t bytes = size_t{1} << 30;
+  if (o.device == Device::kCpu) {
+    std::vector<char> a(bytes, 1), b(bytes, 0);
+    const auto t0 = Clock::now();
+    std::memcpy(b.data(), a.data(), bytes);
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    volatile char sink = b[bytes / 2];  // the copy is used
+    (void)sink;
+    return 2.0 * static_cast<double>(bytes) / s / 1e9;
+  }
+#ifdef TGIS_WITH_CUDA
+  const Tensor a = Tensor::Zeros({static_cast<int64_t>(bytes)}, DType::kU8).ToDevice(o.device);
+  Tensor b = Tensor::Zeros({static_cast<int64_t>(bytes)}, DType::kU8).ToDevice(o.device);
+  double best = 0;
+  for (int r = 0; r < 3; ++r) {
+    const auto t0 = Clock::now();
+    tgis::kernels::cuda::Copy(b.raw(), o.device, a.raw(), o.device, bytes);
+    Finish(b);
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    best = std::max(best, 2.0 * static_cast<double>(bytes) / s / 1e9);
+  }
+  return best;
+#else
+  return 0;
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--device") {
+      o.device = v == "cuda" ? Device::kCuda : Device::kCpu;
+    } else if (k == "--dtype") {
+      o.dtype = v == "bf16" ? DType::kBF16 : v == "f16" ? DType::kF16 : DType::kF32;
+    } else if (k == "--heads") {
+      o.heads = std::atoll(v.c_str());
+    } else if (k == "--kv-heads") {
+      o.kv_heads = std::atoll(v.c_str());
+    } else if (k == "--head-dim") {
+      o.head_dim = std::atoll(v.c_str());
+    } else if (k == "--prefill") {
+      o.prefill = List(v);
+    } else if (k == "--batch") {
+      o.batch = List(v);
+    } else if (k == "--context") {
+      o.context = List(v);
+    } else if (k == "--reps") {
+      o.reps = std::max<int64_t>(1, std::atoll(v.c_str()));
+    } else {
+      std::fprintf(stderr,
+                   "usage: attention_bench [--device cpu|cuda] [--dtype bf16|f16|f32] [--heads N]"
+                   " [--kv-heads N] [--head-dim N] [--prefill T,...] [--batch B,...]"
+                   " [--context C,...] [--reps N]\n");
+      return 2;
+    }
+  }
+  std::printf("attention_bench: %s %s, %lld heads, %lld KV heads, head_dim %lld\n",
+              o.device == Device::kCpu ? "cpu" : "cuda", tgis::kernels::DTypeName(o.dtype),
+              static_cast<long long>(o.heads), static_cast<long long>(o.kv_heads),
+              static_cast<long long>(o.head_dim));
+  for (int64_t t : o.prefill) {
+    const double s = TimeAttention(o, 1, t, t);
+    // Q.K^T and P.V over the causal half: 2 x 2 x (T (T + 1) / 2) x d per head.
+    const double flops = 4.0 * static_cast<double>(t) * static_cast<double>(t + 1) / 2.0 *
+                         static_cast<double>(o.head_dim) * static_cast<double>(o.heads);
+    std::printf("prefill %6lld tokens: %9.3f ms  %8.2f TFLOP/s\n", static_cast<long long>(t),
+                s * 1e3, flops / s / 1e12);
+  }
+  const double copy = CopyBandwidth(o);
+  std::printf("copy bandwidth (read + write): %.1f GB/s\n", copy);
+  const double elem = static_cast<double>(tgis::kernels::DTypeSize(o.dtype));
+  for (int64_t b : o.batch) {
+    for (int64_t c : o.context) {
+      const double s = TimeAttention(o, b, 1, c);
+      const double bytes = 2.0 * static_cast<double>(b * c * o.kv_heads * o.head_dim) * elem;
+      std::printf("decode batch %4lld context %6lld: %9.3f ms  %8.1f GB/s  %5.1f%% of copy\n",
+                  static_cast<long long>(b), static_cast<long long>(c), s * 1e3, bytes / s / 1e9,
+                  copy > 0 ? 100.0 * bytes / s / 1e9 / copy : 0.0);
+    }
+  }
+  return 0;
+}
