@@ -6,7 +6,7 @@
 #                          (CUDA runtime, cuBLAS, NCCL)
 #   .device/wheels/        grpcio, grpcio-tools and protobuf for Python 3.12, so the Python
 #                          client side matches the versions the stubs are generated with
-# GPU_BUNDLE=tests packs only the test binaries and engine_bench, and no wheels: the device
+# GPU_BUNDLE=tests packs only the test binaries, engine_bench and attention_bench, and no wheels: the device
 # tool's 64 MiB covers the tracked tree (~46 MiB, mostly model fixtures) and the bundle, and
 # the router's ICU data alone is ~7.5 MB compressed.
 # Then, with the device tool: run(carry=[".device"], command="bash scripts/gpu_checks.sh").
@@ -17,10 +17,12 @@ OUT=.device
 rm -rf "$OUT" && mkdir -p "$OUT/stage/lib" "$OUT/wheels"
 
 if [ "${GPU_BUNDLE:-all}" = tests ]; then
-  bins=(tests/kernels_test tests/model_parity_test benchmarks/engine_bench)
+  bins=(tests/kernels_test tests/model_parity_test benchmarks/engine_bench
+        benchmarks/attention_bench)
 else
   bins=(tests/kernels_test tests/model_parity_test server/text-generation-server
-        router/text-generation-router launcher/text-generation-launcher benchmarks/engine_bench)
+        router/text-generation-router launcher/text-generation-launcher benchmarks/engine_bench
+        benchmarks/attention_bench)
 fi
 for b in "${bins[@]}"; do
   test -x "$BUILD_DIR/$b" || { echo "missing $BUILD_DIR/$b: run make build first" >&2; exit 1; }

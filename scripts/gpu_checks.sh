@@ -4,7 +4,10 @@
 # benchmark. Logs and figures go to $OUT when the device tool sets it; $OUT/summary.txt says
 # in one page what passed, what failed and the benchmark's figures.
 #   GPU_CHECKS="ops parity bench"   which parts to run (default: all three; "engine" is batch-1
-#                                   decode through engine_bench, for a GPU_BUNDLE=tests bundle)
+#                                   decode through engine_bench, for a GPU_BUNDLE=tests bundle;
+#                                   "attention" the attention op alone, attention_bench at the
+#                                   8B shape in bf16)
+#   ATTENTION_ARGS="..."            extra arguments for attention_bench
 #   BENCH_ARGS="..."                extra arguments for benchmarks/gpu_bench.py
 #   ENGINE_ARGS="..."               extra arguments for the engine part (gpubench.engine_only)
 #   OPS_TIMEOUT, PARITY_TIMEOUT, BENCH_TIMEOUT  seconds per part (default 120, 180, 600), so
@@ -46,6 +49,12 @@ if [[ " $parts " == *" parity "* ]]; then
     grep -E "FAILED|PASSED|Failure|error" | tail -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
+if [[ " $parts " == *" attention "* ]]; then
+  timeout -k 5 120 "$B/build/benchmarks/attention_bench" --device cuda --dtype bf16 \
+    --prefill 512,2048,8192 --batch 1,64,256 --context 1024,4096 ${ATTENTION_ARGS:-} 2>&1 |
+    tee "$OUT/attention.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
 if [[ " $parts " == *" engine "* ]]; then
   (cd benchmarks && PYTHONUNBUFFERED=1 timeout -k 10 "${BENCH_TIMEOUT:-600}" \
     python3 -m gpubench.engine_only "$B/build" ${ENGINE_ARGS:-}) 2>&1 | tee "$OUT/engine.log"
@@ -65,7 +74,7 @@ fi
     echo "== $part"
     grep -E "^\[  (PASSED|FAILED|SKIPPED) +\]|^\[  FAILED  \] .*\(" "$OUT/$part.log" | head -80
   done
-  for part in engine bench; do
+  for part in attention engine bench; do
     [ -f "$OUT/$part.log" ] || continue
     echo "== $part"
     grep -v "^RESULTS " "$OUT/$part.log" | tail -40
