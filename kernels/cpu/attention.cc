@@ -45,6 +45,64 @@ void StoreAs(DType t, void* base, int64_t at, const float* src, int64_t n) {
   }
 }
 
+// One task's key and value rows (KvSource): its sequence's positions through the block table,
+// for its KV head, in the cache when it holds f32, else converted into per-thread buffers.
+class CacheRows final : public KvSource {
+ public:
+  CacheRows(const KvCacheLayer& cache, const AttentionBatch& batch, int64_t s, int64_t kvh,
+            int64_t max_blocks, int64_t context)
+      : cache_(cache),
+        batch_(batch),
+        s_(s),
+        kvh_(kvh),
+        max_blocks_(max_blocks),
+        context_(context) {}
+  const float* const* Keys(int64_t j0, int64_t j1) override {
+    thread_local std::vector<float> buffer;
+    thread_local std::vector<const float*> rows;
+    return Fetch(cache_.k, j0, j1, &buffer, &rows);
+  }
+  const float* const* Values(int64_t j0, int64_t j1) override {
+    thread_local std::vector<float> buffer;
+    thread_local std::vector<const float*> rows;
+    return Fetch(cache_.v, j0, j1, &buffer, &rows);
+  }
+
+ private:
+  const float* const* Fetch(const Tensor& t, int64_t j0, int64_t j1, std::vector<float>* buffer,
+                            std::vector<const float*>* rows) const {
+    const int64_t n = j1 - j0 + 1, bs = t.dim(1), hk = t.dim(2), d = t.dim(3);
+    const bool in_place = t.dtype() == DType::kF32;
+    rows->resize(n);
+    if (!in_place) buffer->resize(n * d);
+    // The next chunk's rows are on their way while this one is used: rows of one KV head sit
+    // Hk * D elements apart, a stride the hardware prefetchers do not follow far.
+    const int64_t ahead_end = std::min(j1 + n, context_ - 1);
+    const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(t.dtype());
+    for (int64_t j = j1 + 1; j <= ahead_end; ++j) {
+      const int64_t blk = IndexAt(batch_.block_tables, s_ * max_blocks_ + j / bs);
+      const char* row = static_cast<const char*>(t.raw()) +
+                        ((blk * bs + j % bs) * hk + kvh_) * d * DTypeSize(t.dtype());
+      for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+    }
+    for (int64_t j = j0; j <= j1; ++j) {
+      const int64_t blk = IndexAt(batch_.block_tables, s_ * max_blocks_ + j / bs);
+      const int64_t at = ((blk * bs + j % bs) * hk + kvh_) * d;
+      if (in_place) {
+        (*rows)[j - j0] = t.data<float>() + at;
+      } else {
+        LoadF32(t, at, d, buffer->data() + (j - j0) * d);
+        (*rows)[j - j0] = buffer->data() + (j - j0) * d;
+      }
+    }
+    return rows->data();
+  }
+
+  const KvCacheLayer& cache_;
+  const AttentionBatch& batch_;
+  const int64_t s_, kvh_, max_blocks_, context_;
+};
+
 // ---- the scalar path (no AVX2, or a head_dim that is not a multiple of 8) ------------------
 
 // One query row against keys [lo, hi]: a two-pass softmax, key rows by position - first.
@@ -227,7 +285,6 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   const int64_t group = hq / hk;
   const float* qp = q.data<float>();
   float* out_p = out->data<float>();
-  const bool in_place = cache.k.dtype() == DType::kF32;  // else rows are converted to f32
   const bool vector = UseAvx2Kernels() && d % 8 == 0;
   const LogitBias logit_bias{alibi_slopes, relative, bias};
 
@@ -269,41 +326,21 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
     }
     // Rows come in query order, so the first has the lowest lo and the last the highest hi.
     const int64_t first = rows.front().lo, last = rows.back().hi;
-    // This KV head's key and value rows [first, last] in f32: in the cache itself when it is
-    // f32, else converted into per-thread buffers.
-    const int64_t n = last - first + 1;
-    thread_local std::vector<float> keys, values, scores;  // scores: the scalar path
-    thread_local std::vector<const float*> key_rows, value_rows;
-    key_rows.resize(n);
-    value_rows.resize(n);
-    if (!in_place) {
-      keys.resize(n * d);
-      values.resize(n * d);
-    }
-    for (int64_t j = first; j <= last; ++j) {
-      const int64_t blk = IndexAt(batch.block_tables, t.s * max_blocks + j / bs);
-      const int64_t at = ((blk * bs + j % bs) * hk + t.kvh) * d;
-      if (in_place) {
-        key_rows[j - first] = cache.k.data<float>() + at;
-        value_rows[j - first] = cache.v.data<float>() + at;
-      } else {
-        LoadF32(cache.k, at, d, keys.data() + (j - first) * d);
-        LoadF32(cache.v, at, d, values.data() + (j - first) * d);
-        key_rows[j - first] = keys.data() + (j - first) * d;
-        value_rows[j - first] = values.data() + (j - first) * d;
-      }
-    }
+    CacheRows kv(cache, batch, t.s, t.kvh, max_blocks, ctx);
     if (!vector) {
-      scores.resize(n);
+      thread_local std::vector<float> scores;
+      scores.resize(last - first + 1);
+      const float* const* key_rows = kv.Keys(first, last);
+      const float* const* value_rows = kv.Values(first, last);
       for (const AttnRow& r : rows) {
         AttendRowScalar(
-            r.q, key_rows.data(), value_rows.data(), first, r.lo, r.hi, d,
+            r.q, key_rows, value_rows, first, r.lo, r.hi, d,
             [&](int64_t j, float dot) { return logit_bias.Add(r.h, r.qpos, j, dot * scale); },
             scores.data(), r.out);
       }
       return;
     }
-    AttendRowsAvx2(rows, key_rows.data(), value_rows.data(), first, last, d, scale, logit_bias);
+    AttendRowsAvx2(rows, &kv, first, last, d, scale, logit_bias);
   });
 }
 

@@ -3,7 +3,10 @@
 // A task is a run of query rows of one sequence that share a KV head (GQA: the group's heads
 // of each query position), so each key and value row is loaded once for all of them. Two
 // passes: every score of the task's key range (2 rows x 4 keys per step, lanes over d), then
-// per row its maximum, exp and sum, and the p * v sums (4 rows x 16 columns per step).
+// per row its maximum, exp and sum, and the p * v sums (4 rows x 16 columns per step). Both
+// passes walk the keys kChunk at a time: the p * v sums go over a chunk's value rows once per
+// 16 columns, and a chunk (16 KB at d = 128) stays in L1 for that, where the whole range
+// (megabytes at long contexts) came back from memory each time.
 //
 // What a row computes never depends on which rows share its task (so not on the batch, on
 // chunked prefill or on the number of threads): a score is its own lanes-over-d sum with one
@@ -92,14 +95,17 @@ TGIS_ATTN_AVX2 float ExpRow(float* s, int64_t base, int64_t hi_all, int64_t lo, 
   return _mm_cvtss_f32(h);
 }
 
-// out[r][c, c + 8 * kVecs) = sum over keys j in [j0, j1] of p[r][j] * v_j[c, ...), key after
+// Keys a pass takes at a time.
+constexpr int64_t kChunk = 32;
+
+// out[r][c, c + 8 * kVecs) += sum over keys j in [j0, j1] of p[r][j] * v_j[c, ...), key after
 // key; p[r] is indexed by j - base, v_j is vrows[j - vfirst].
 template <int kVecs>
 TGIS_ATTN_AVX2 void Pv4(const float* const* p, int64_t base, const float* const* vrows,
                         int64_t vfirst, int64_t j0, int64_t j1, int64_t c, float* const* out) {
   __m256 a[4][kVecs];
-  for (auto& row : a)
-    for (__m256& v : row) v = _mm256_setzero_ps();
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < kVecs; ++i) a[r][i] = _mm256_loadu_ps(out[r] + c + 8 * i);
   for (int64_t j = j0; j <= j1; ++j) {
     const float* vr = vrows[j - vfirst] + c;
     __m256 v[kVecs];
@@ -115,9 +121,8 @@ TGIS_ATTN_AVX2 void Pv4(const float* const* p, int64_t base, const float* const*
 
 }  // namespace
 
-void AttendRowsAvx2(const std::vector<AttnRow>& rows, const float* const* key_rows,
-                    const float* const* value_rows, int64_t first, int64_t last, int64_t d,
-                    float scale, const LogitBias& bias) {
+void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t first, int64_t last,
+                    int64_t d, float scale, const LogitBias& bias) {
   thread_local std::vector<float> scores;
   const int64_t count = static_cast<int64_t>(rows.size());
   const int64_t base = first / 8 * 8;
@@ -129,14 +134,18 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, const float* const* key_ro
   sink.resize(std::max<int64_t>(d, 4));
   sums.resize(count);
   // Pass 1: scaled scores of every row against every key of [first, last].
-  for (int64_t j = first; j <= last; j += 4) {
-    const float* k4[4];
-    for (int64_t i = 0; i < 4; ++i) k4[i] = j + i <= last ? key_rows[j + i - first] : zeros.data();
-    for (int64_t r = 0; r < count; r += 2) {
-      const bool pair = r + 1 < count;
-      Scores2x4(rows[r].q, pair ? rows[r + 1].q : zeros.data(), k4, d, scale,
-                scores.data() + r * stride + (j - base),
-                pair ? scores.data() + (r + 1) * stride + (j - base) : sink.data());
+  for (int64_t jc = first; jc <= last; jc += kChunk) {
+    const int64_t jc_end = std::min(last, jc + kChunk - 1);
+    const float* const* keys = kv->Keys(jc, jc_end);
+    for (int64_t j = jc; j <= jc_end; j += 4) {
+      const float* k4[4];
+      for (int64_t i = 0; i < 4; ++i) k4[i] = j + i <= jc_end ? keys[j + i - jc] : zeros.data();
+      for (int64_t r = 0; r < count; r += 2) {
+        const bool pair = r + 1 < count;
+        Scores2x4(rows[r].q, pair ? rows[r + 1].q : zeros.data(), k4, d, scale,
+                  scores.data() + r * stride + (j - base),
+                  pair ? scores.data() + (r + 1) * stride + (j - base) : sink.data());
+      }
     }
   }
   // Per row: the position bias, the maximum over its own keys, then p and its sum.
@@ -150,22 +159,31 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, const float* const* key_ro
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t j = row.lo; j <= row.hi; ++j) mx = std::max(mx, sr[j - base]);
     sums[r] = ExpRow(sr, base, last, row.lo, row.hi, mx);
+    std::fill(row.out, row.out + d, 0.f);
   }
-  // Pass 2: p * v, four rows at a time over the keys any of them sees.
-  for (int64_t r = 0; r < count; r += 4) {
-    const float* p[4];
-    float* o[4];
-    for (int64_t i = 0; i < 4; ++i) {
-      const bool real = r + i < count;
-      p[i] = real ? scores.data() + (r + i) * stride : zeros.data();
-      o[i] = real ? rows[r + i].out : sink.data();
-    }
-    const int64_t j0 = rows[r].lo, j1 = rows[std::min(count, r + 4) - 1].hi;
-    for (int64_t c = 0; c < d; c += 16) {
-      if (c + 16 <= d) {
-        Pv4<2>(p, base, value_rows, first, j0, j1, c, o);
-      } else {
-        Pv4<1>(p, base, value_rows, first, j0, j1, c, o);
+  // Pass 2: p * v, a chunk of value rows at a time, four query rows at a time over the keys of
+  // the chunk any of them sees (the sums still go key after key, in order).
+  for (int64_t jc = first; jc <= last; jc += kChunk) {
+    const int64_t jc_end = std::min(last, jc + kChunk - 1);
+    const float* const* values = nullptr;
+    for (int64_t r = 0; r < count; r += 4) {
+      const int64_t j0 = std::max(jc, rows[r].lo);
+      const int64_t j1 = std::min(jc_end, rows[std::min(count, r + 4) - 1].hi);
+      if (j0 > j1) continue;
+      if (values == nullptr) values = kv->Values(jc, jc_end);
+      const float* p[4];
+      float* o[4];
+      for (int64_t i = 0; i < 4; ++i) {
+        const bool real = r + i < count;
+        p[i] = real ? scores.data() + (r + i) * stride : zeros.data();
+        o[i] = real ? rows[r + i].out : sink.data();
+      }
+      for (int64_t c = 0; c < d; c += 16) {
+        if (c + 16 <= d) {
+          Pv4<2>(p, base, values, jc, j0, j1, c, o);
+        } else {
+          Pv4<1>(p, base, values, jc, j0, j1, c, o);
+        }
       }
     }
   }

@@ -35,11 +35,20 @@ struct LogitBias {
   }
 };
 
+// Where a task's key and value rows come from: f32 pointers to rows [j0, j1] of its KV head
+// (position j at [j - j0]), into the cache when it holds f32, else converted into a buffer that
+// the next call for the same kind reuses. Callers walk the keys a chunk at a time, so converted
+// rows and re-read value rows stay in the core's caches.
+class KvSource {
+ public:
+  virtual ~KvSource() = default;
+  virtual const float* const* Keys(int64_t j0, int64_t j1) = 0;
+  virtual const float* const* Values(int64_t j0, int64_t j1) = 0;
+};
+
 // The rows of one task (one sequence's rows for one KV head, in query order) against keys
-// [first, last], whose rows are key_rows / value_rows[position - first], f32; d a multiple of 8.
-// Needs AVX2/FMA.
-void AttendRowsAvx2(const std::vector<AttnRow>& rows, const float* const* key_rows,
-                    const float* const* value_rows, int64_t first, int64_t last, int64_t d,
-                    float scale, const LogitBias& bias);
+// [first, last]; d a multiple of 8. Needs AVX2/FMA.
+void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t first, int64_t last,
+                    int64_t d, float scale, const LogitBias& bias);
 
 }  // namespace tgis::kernels::cpu

@@ -1,11 +1,38 @@
 #include "kernels/cpu/common.h"
 
+#include <immintrin.h>
+
 #include <cstring>
 #include <string>
 
 namespace tgis::kernels::cpu {
 
 namespace {
+
+// 16-bit rows widened eight values at a time (both conversions are exact, so the scalar loop
+// gives the same floats): the attention's per-chunk key and value rows of 16-bit caches went
+// through a call per element.
+__attribute__((target("avx2"))) void Bf16ToF32Avx2(const uint16_t* s, int64_t n, float* d) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    _mm256_storeu_ps(d + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  for (; i < n; ++i) d[i] = Bf16ToF32(s[i]);
+}
+__attribute__((target("avx2,f16c"))) void F16ToF32Avx2(const uint16_t* s, int64_t n, float* d) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(d + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+  }
+  for (; i < n; ++i) d[i] = F16ToF32(s[i]);
+}
+bool HasAvx2F16c() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+
 std::string ShapeStr(const Shape& s) {
   std::string r = "[";
   for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
@@ -47,11 +74,13 @@ void LoadF32(const Tensor& t, int64_t at, int64_t n, float* dst) {
       return;
     case DType::kBF16: {
       const uint16_t* s = t.data<uint16_t>() + at;
+      if (HasAvx2F16c()) return Bf16ToF32Avx2(s, n, dst);
       for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(s[i]);
       return;
     }
     case DType::kF16: {
       const uint16_t* s = t.data<uint16_t>() + at;
+      if (HasAvx2F16c()) return F16ToF32Avx2(s, n, dst);
       for (int64_t i = 0; i < n; ++i) dst[i] = F16ToF32(s[i]);
       return;
     }
