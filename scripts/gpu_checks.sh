@@ -10,7 +10,8 @@
 #   ATTENTION_ARGS="..."            extra arguments for attention_bench
 #   BENCH_ARGS="..."                extra arguments for benchmarks/gpu_bench.py
 #   ENGINE_ARGS="..."               extra arguments for the engine part (gpubench.engine_only)
-#   OPS_TIMEOUT, PARITY_TIMEOUT, BENCH_TIMEOUT  seconds per part (default 120, 180, 600), so
+#   OPS_TIMEOUT, PARITY_TIMEOUT, ATTENTION_TIMEOUT, BENCH_TIMEOUT  seconds per part (default
+#                                   120, 180, 60, 600; bench also times the engine part), so
 #                                   that a hang in one part still leaves the others and the
 #                                   summary inside the device call's limit
 set -uo pipefail
@@ -50,7 +51,7 @@ if [[ " $parts " == *" parity "* ]]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 if [[ " $parts " == *" attention "* ]]; then
-  timeout -k 5 120 "$B/build/benchmarks/attention_bench" --device cuda --dtype bf16 \
+  timeout -k 5 "${ATTENTION_TIMEOUT:-60}" "$B/build/benchmarks/attention_bench" --device cuda --dtype bf16 \
     --prefill 512,2048,8192 --batch 1,64,256 --context 1024,4096 ${ATTENTION_ARGS:-} 2>&1 |
     tee "$OUT/attention.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
