@@ -17,12 +17,12 @@ OUT=.device
 rm -rf "$OUT" && mkdir -p "$OUT/stage/lib" "$OUT/wheels"
 
 if [ "${GPU_BUNDLE:-all}" = tests ]; then
-  bins=(tests/kernels_test tests/model_parity_test benchmarks/engine_bench
-        benchmarks/attention_bench)
+  bins=(tests/kernels_test tests/model_parity_test tests/tensor_parallel_test
+        benchmarks/engine_bench benchmarks/attention_bench)
 else
-  bins=(tests/kernels_test tests/model_parity_test server/text-generation-server
-        router/text-generation-router launcher/text-generation-launcher benchmarks/engine_bench
-        benchmarks/attention_bench)
+  bins=(tests/kernels_test tests/model_parity_test tests/tensor_parallel_test
+        server/text-generation-server router/text-generation-router
+        launcher/text-generation-launcher benchmarks/engine_bench benchmarks/attention_bench)
 fi
 for b in "${bins[@]}"; do
   test -x "$BUILD_DIR/$b" || { echo "missing $BUILD_DIR/$b: run make build first" >&2; exit 1; }

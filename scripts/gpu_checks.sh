@@ -44,6 +44,10 @@ if [[ " $parts " == *" ops "* ]]; then
   timeout -k 5 "${OPS_TIMEOUT:-120}" "$B/build/tests/kernels_test" --gtest_filter='*Cuda*' 2>&1 | tee "$OUT/ops.log" |
     grep -E "FAILED|PASSED|SKIPPED \]|error" | tail -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  # NCCL with one rank (tensor parallelism's collectives on the GPU).
+  timeout -k 5 60 "$B/build/tests/tensor_parallel_test" --gtest_filter='Nccl*' 2>&1 |
+    tee "$OUT/nccl.log" | grep -E "FAILED|PASSED|SKIPPED \]|error" | tail -10
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 if [[ " $parts " == *" parity "* ]]; then
   timeout -k 5 "${PARITY_TIMEOUT:-180}" "$B/build/tests/model_parity_test" --gtest_filter='*Cuda*' 2>&1 | tee "$OUT/parity.log" |
@@ -70,7 +74,7 @@ fi
 # benchmark's last lines.
 {
   cat "$OUT/gpu.txt"
-  for part in ops parity; do
+  for part in ops nccl parity; do
     [ -f "$OUT/$part.log" ] || continue
     echo "== $part"
     grep -E "^\[  (PASSED|FAILED|SKIPPED) +\]|^\[  FAILED  \] .*\(" "$OUT/$part.log" | head -80

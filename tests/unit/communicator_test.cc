@@ -12,6 +12,7 @@
 
 #include "server/decoder_model.h"
 #include "server/gloo_communicator.h"
+#include "server/nccl_communicator.h"
 
 namespace {
 
@@ -104,6 +105,37 @@ TEST(SingleProcessCommunicatorTest, CollectivesAreTheIdentity) {
   comm->AllGather(x, &all);
   EXPECT_EQ(all.shape(), (tgis::kernels::Shape{1, 3}));
   EXPECT_EQ(all.data<float>()[1], 2);
+}
+
+// NCCL with one rank on the GPU (one GPU is what the project is lent): the real NCCL calls on
+// the kernels' stream, whose collectives over one rank give back their input; CPU tensors go
+// to the host group. Several ranks over NCCL remain unproven here.
+TEST(NcclTest, OneRankCollectivesOnTheGpu) {
+  if (!tgis::server::NcclAvailable()) GTEST_SKIP() << "this build has no NCCL";
+  if (tgis::kernels::GpuCount() == 0) GTEST_SKIP() << "CUDA not built/available";
+  tgis::kernels::SelectGpu(0);
+  auto comm = tgis::server::ConnectNccl(tgis::server::MakeSingleProcessCommunicator());
+  ASSERT_TRUE(comm.ok()) << comm.status();
+  EXPECT_EQ((*comm)->world_size(), 1);
+  const std::vector<float> values = {1.0f, -2.5f, 3.0f, 4.5f};
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    Tensor x = Tensor::FromVector(values, {4}).To(dtype).ToDevice(tgis::kernels::Device::kCuda);
+    (*comm)->AllReduceSum(&x);
+    Tensor all;
+    (*comm)->AllGather(x, &all);
+    (*comm)->Broadcast(&x, 0);
+    const Tensor x_h = x.ToDevice(tgis::kernels::Device::kCpu).To(DType::kF32);
+    const Tensor all_h = all.ToDevice(tgis::kernels::Device::kCpu).To(DType::kF32);
+    EXPECT_EQ(all.shape(), (tgis::kernels::Shape{1, 4}));
+    for (size_t i = 0; i < values.size(); ++i) {
+      EXPECT_EQ(x_h.data<float>()[i], values[i]) << tgis::kernels::DTypeName(dtype);
+      EXPECT_EQ(all_h.data<float>()[i], values[i]) << tgis::kernels::DTypeName(dtype);
+    }
+  }
+  Tensor host = Tensor::FromVector(values, {4});
+  (*comm)->AllReduceSum(&host);
+  EXPECT_EQ(host.data<float>()[3], 4.5f);
+  (*comm)->Barrier();
 }
 
 class GlooTest : public ::testing::Test {
