@@ -2,7 +2,8 @@
 //
 // One block takes kMmaTileQ query rows of one sequence and one head; each of its four warps owns
 // 16 of those rows. The block stages 64 keys and values at a time in shared memory with 16-byte
-// loads; each warp computes its 16 x 64 scores with mma.m16n8k16 (f32 accumulators), keeps the
+// loads; each warp reads its K and V operands from there with ldmatrix (V transposed on the
+// way), computes its 16 x 64 scores with mma.m16n8k16 (f32 accumulators), keeps the
 // online softmax in registers (a row's values live in the four lanes of one lane group), rounds
 // the probabilities to the element type and multiplies them into the values with mma again: the
 // score fragments are laid out as the next product's A operand, so they never leave registers.
@@ -31,8 +32,8 @@ constexpr int kMmaThreads = 32 * kMmaWarps;
 constexpr int kMmaTileQ = 16 * kMmaWarps;  // query rows per block
 constexpr int kMmaKeys = 64;               // keys per staged chunk
 constexpr int kMmaMaxDim = 128;
-// Halves per staged row: 16-byte aligned rows whose 4-byte words start 4 banks apart, so the
-// eight lane groups reading eight keys at one dimension pair hit 32 different banks.
+// Halves per staged row: 16-byte aligned rows 68 words apart, so the eight 16-byte rows that
+// ldmatrix reads for one 8x8 matrix fall in 32 different banks.
 constexpr int kMmaStride = kMmaMaxDim + 8;
 
 template <typename T>
