@@ -5,6 +5,8 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/cpu/linear_stream.h"  // CpuHasAvx2: AVX2, FMA and F16C
+
 namespace tgis::kernels::cpu {
 
 namespace {
@@ -28,11 +30,6 @@ __attribute__((target("avx2,f16c"))) void F16ToF32Avx2(const uint16_t* s, int64_
   }
   for (; i < n; ++i) d[i] = F16ToF32(s[i]);
 }
-bool HasAvx2F16c() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return yes;
-}
-
 std::string ShapeStr(const Shape& s) {
   std::string r = "[";
   for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
@@ -74,13 +71,13 @@ void LoadF32(const Tensor& t, int64_t at, int64_t n, float* dst) {
       return;
     case DType::kBF16: {
       const uint16_t* s = t.data<uint16_t>() + at;
-      if (HasAvx2F16c()) return Bf16ToF32Avx2(s, n, dst);
+      if (CpuHasAvx2()) return Bf16ToF32Avx2(s, n, dst);
       for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(s[i]);
       return;
     }
     case DType::kF16: {
       const uint16_t* s = t.data<uint16_t>() + at;
-      if (HasAvx2F16c()) return F16ToF32Avx2(s, n, dst);
+      if (CpuHasAvx2()) return F16ToF32Avx2(s, n, dst);
       for (int64_t i = 0; i < n; ++i) dst[i] = F16ToF32(s[i]);
       return;
     }
