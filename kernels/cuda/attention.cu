@@ -191,13 +191,10 @@ __global__ void __launch_bounds__(kTileThreads)
   const int h = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  int tile = blockIdx.x;
-  const int s = FindTile(p, kTileQ, &tile);
-  if (s == p.num_seqs) return;
-  const int q0 = p.query_start[s], q_len = p.query_start[s + 1] - q0;
+  Tile tile;
+  if (!LocateTile(p, kTileQ, blockIdx.x, &tile)) return;
+  const int s = tile.s, q0 = tile.q0, row0 = tile.row0, rows = tile.rows, pos0 = tile.pos0;
   const int ctx = p.context_lens[s];
-  const int row0 = tile * kTileQ, rows = min(kTileQ, q_len - row0);
-  const int pos0 = ctx - q_len + row0;  // position of the tile's first row
   const int kvh = h / (p.hq / p.hk);
   for (int i = tid; i < kTileQ * p.d; i += kTileThreads) {
     const int r = i / p.d, x = i % p.d;

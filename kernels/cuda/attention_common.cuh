@@ -57,19 +57,34 @@ __device__ __forceinline__ int SequenceOfRow(const AttnParams& p, int t) {
   return lo;
 }
 
-// The tile `tile` of the sequences with at least p.tiled_min_rows query rows, cut into tiles of
-// `tile_rows` rows in order: its sequence (num_seqs when past the last tile; the grid is an
-// upper bound) and its index within that sequence.
-__device__ __forceinline__ int FindTile(const AttnParams& p, int tile_rows, int* tile) {
+// A tiled kernel's block: `tile_rows` query rows of one sequence (of those with at least
+// p.tiled_min_rows rows, cut into tiles in order). The grid is an upper bound: a block past the
+// last tile has none (LocateTile returns false).
+struct Tile {
+  int s;      // the sequence
+  int q0;     // the batch row of its first query
+  int q_len;  // its query rows
+  int row0;   // the tile's first row within them
+  int rows;   // the tile's rows (the last tile of a sequence may be partial)
+  int pos0;   // the position of the tile's first row
+};
+__device__ __forceinline__ bool LocateTile(const AttnParams& p, int tile_rows, int block, Tile* t) {
   int s = 0;
   for (; s < p.num_seqs; ++s) {
     const int len = p.query_start[s + 1] - p.query_start[s];
     if (len < p.tiled_min_rows) continue;
     const int tiles = (len + tile_rows - 1) / tile_rows;
-    if (*tile < tiles) break;
-    *tile -= tiles;
+    if (block < tiles) break;
+    block -= tiles;
   }
-  return s;
+  if (s == p.num_seqs) return false;
+  t->s = s;
+  t->q0 = p.query_start[s];
+  t->q_len = p.query_start[s + 1] - t->q0;
+  t->row0 = block * tile_rows;
+  t->rows = min(tile_rows, t->q_len - t->row0);
+  t->pos0 = p.context_lens[s] - t->q_len + t->row0;
+  return true;
 }
 
 // Combines the partitions of one (row, head): rescale each by exp(m_p - max) and normalize.

@@ -56,13 +56,10 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, quad = lane & 3;  // mma's groupID and threadID_in_group
 
-  int tile = blockIdx.x;
-  const int s = FindTile(p, kMmaTileQ, &tile);
-  if (s == p.num_seqs) return;
-  const int q0 = p.query_start[s], q_len = p.query_start[s + 1] - q0;
+  Tile tile;
+  if (!LocateTile(p, kMmaTileQ, blockIdx.x, &tile)) return;
+  const int s = tile.s, q0 = tile.q0, row0 = tile.row0, rows = tile.rows, pos0 = tile.pos0;
   const int ctx = p.context_lens[s];
-  const int row0 = tile * kMmaTileQ, rows = min(kMmaTileQ, q_len - row0);
-  const int pos0 = ctx - q_len + row0;  // position of the tile's first row
   const int kvh = h / (p.hq / p.hk);
   const int dim_chunks = p.d / 16, dim_tiles = p.d / 8;
 
