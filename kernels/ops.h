@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -138,6 +139,11 @@ void RepetitionPenalty(Tensor* logits, const Tensor& tokens, const Tensor& penal
 // undefined. On CUDA a sampled row then sends count values and ids to the host, not V logits.
 void TopLogits(const Tensor& logits, const Tensor& rows, const Tensor& temperatures, int64_t count,
                Tensor* values, Tensor* ids, Tensor* stats);
+
+// The log-sum-exp of a host row as every sampler here takes it (TopLogits' lse, the host's
+// log-softmax): the largest value plus the log of the double sum of exp(x - max), -inf entries
+// adding nothing. NaN when the row holds a NaN or +inf.
+float LogSumExp(std::span<const float> row);
 
 // The paged KV cache of one layer: [num_blocks, block_size, Hk, D] for keys and for values.
 struct KvCacheLayer {

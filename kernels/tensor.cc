@@ -212,8 +212,8 @@ bool IsFloatType(DType t) {
 }
 
 #if defined(__x86_64__)
-// F32ToBf16 and Bf16ToF32 over [begin, end), 16 and 8 lanes at a time: the same bits (NaNs
-// quieted, the rest rounded to nearest even), where the scalar loops were a seventh of a
+// F32ToBf16 over [begin, end), 16 lanes at a time (bf16 to f32: cpu::Bf16ToF32Row): the same
+// bits (NaNs quieted, the rest rounded to nearest even), where the scalar loops were a seventh of a
 // bitsandbytes start (f32 files served as bf16, the linears widened back to quantize).
 
 // Eight F32ToBf16 results as the low halves of int32 lanes.
@@ -238,16 +238,6 @@ __attribute__((target("avx2"))) void F32ToBf16Avx2(const float* src, uint16_t* d
   for (; i < end; ++i) dst[i] = F32ToBf16(src[i]);
 }
 
-__attribute__((target("avx2"))) void Bf16ToF32Avx2(const uint16_t* src, float* dst, int64_t begin,
-                                                   int64_t end) {
-  int64_t i = begin;
-  for (; i + 8 <= end; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                        _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  for (; i < end; ++i) dst[i] = Bf16ToF32(src[i]);
-}
 #endif
 
 // n elements of float type `from` into `to` (f32, bf16 or f16), in chunks over the CPU threads:
@@ -263,7 +253,8 @@ void ConvertFloats(const void* src, DType from, void* dst, DType to, int64_t n) 
       const int64_t begin = first * kChunk, end = std::min(n, last * kChunk);
       to_bf16
           ? F32ToBf16Avx2(static_cast<const float*>(src), static_cast<uint16_t*>(dst), begin, end)
-          : Bf16ToF32Avx2(static_cast<const uint16_t*>(src), static_cast<float*>(dst), begin, end);
+          : cpu::Bf16ToF32Row(static_cast<const uint16_t*>(src) + begin, end - begin,
+                              static_cast<float*>(dst) + begin);
     });
     return;
   }

@@ -950,22 +950,20 @@ Engine::DevicePicks Engine::PickOnDevice(const std::vector<Sequence*>& seqs,
   std::vector<std::vector<int32_t>> penalized(rows);
   size_t most_penalized = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
-    bool mask_eos = false;
-    float penalty = 1.0f, temperature = 1.0f;
     const Sequence* s = seqs[i];
     if (seq_rows[i].second == 0 || !s->draft.empty()) continue;
-    greedy[i] =
-        !details[i] && s->top_n == 0 && s->sampler->PlainGreedy(s->generated, &mask_eos, &penalty);
+    const Sampler::DeviceSteps d = s->sampler->ForDevice(s->generated);
+    greedy[i] = !details[i] && s->top_n == 0 && d.greedy;
     any_greedy = any_greedy || greedy[i];
     const int32_t row = seq_rows[i].first;
     if (!greedy[i]) {
-      if (!tops || !s->sampler->TopChoosable(s->generated, &mask_eos, &penalty, &temperature)) {
-        continue;
-      }
+      if (!tops || !d.from_top) continue;
       picks.top_row[i] = static_cast<int64_t>(top_rows.size());
       top_rows.push_back(row);
-      temperatures.push_back(temperature);
+      temperatures.push_back(d.temperature);
     }
+    const float penalty = d.repetition_penalty;
+    const bool mask_eos = d.mask_eos;
     if (penalty != 1.0f) {
       penalties[row] = penalty;
       // The sampler's context: the real tokens, without prompt-tuning placeholders.

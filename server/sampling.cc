@@ -7,6 +7,8 @@
 #include <limits>
 #include <numeric>
 
+#include "kernels/ops.h"
+
 namespace tgis::server {
 
 namespace {
@@ -15,11 +17,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 void LogSoftmaxInto(std::span<const float> logits, std::vector<float>* out) {
   out->resize(logits.size());
-  float mx = kNegInf;
-  for (float v : logits) mx = std::max(mx, v);
-  double sum = 0;
-  for (float v : logits) sum += v == kNegInf ? 0.0 : std::exp(static_cast<double>(v - mx));
-  const float lse = mx + static_cast<float>(std::log(sum));
+  const float lse = kernels::LogSumExp(logits);
   for (size_t i = 0; i < logits.size(); ++i) (*out)[i] = logits[i] - lse;
 }
 
@@ -209,12 +207,6 @@ bool Sampler::LengthPenalized(uint32_t generated) const {
   return p_.length_penalty_decay > 0 && generated > p_.length_penalty_start;
 }
 
-bool Sampler::PlainGreedy(uint32_t generated, bool* mask_eos, float* repetition_penalty) const {
-  *mask_eos = generated < p_.min_new_tokens;
-  *repetition_penalty = RepetitionPenalized() ? p_.repetition_penalty : 1.0f;
-  return !p_.do_sample && !LengthPenalized(generated);
-}
-
 TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> context,
                           uint32_t generated, uint32_t top_n, std::optional<int32_t> draft,
                           bool penalty_applied) {
@@ -260,14 +252,16 @@ TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> cont
   return choice;
 }
 
-bool Sampler::TopChoosable(uint32_t generated, bool* mask_eos, float* repetition_penalty,
-                           float* temperature) const {
-  *mask_eos = generated < p_.min_new_tokens;
-  *repetition_penalty = RepetitionPenalized() ? p_.repetition_penalty : 1.0f;
-  *temperature =
-      p_.do_sample && p_.temperature > 0 && p_.temperature != 1.0f ? p_.temperature : 1.0f;
+Sampler::DeviceSteps Sampler::ForDevice(uint32_t generated) const {
+  DeviceSteps d;
+  d.mask_eos = generated < p_.min_new_tokens;
+  if (RepetitionPenalized()) d.repetition_penalty = p_.repetition_penalty;
+  if (p_.do_sample && p_.temperature > 0 && p_.temperature != 1.0f) d.temperature = p_.temperature;
+  const bool length = LengthPenalized(generated);
   const bool typical = p_.do_sample && p_.typical_p > 0 && p_.typical_p < 1.0f;
-  return !LengthPenalized(generated) && !typical;
+  d.greedy = !p_.do_sample && !length;
+  d.from_top = !length && !typical;
+  return d;
 }
 
 std::optional<TokenChoice> Sampler::NextFromTop(std::span<const float> values,

@@ -51,12 +51,20 @@ class Sampler {
   TokenChoice Next(std::span<float> logits, std::span<const int32_t> context, uint32_t generated,
                    uint32_t top_n, std::optional<int32_t> draft = std::nullopt,
                    bool penalty_applied = false);
-  // True when the next choice can come from a row's largest values alone (NextFromTop): no
-  // length penalty and no typical_p (which read every token). The row must first get
-  // `*repetition_penalty` (1: none) and, if `*mask_eos`, its EOS ids banned, where it is; and
-  // TopLogits divides it by `*temperature` (1: none).
-  bool TopChoosable(uint32_t generated, bool* mask_eos, float* repetition_penalty,
-                    float* temperature) const;
+  // What the device does before the next choice (Engine::PickOnDevice): the row gets
+  // `repetition_penalty` (1: none) and, if `mask_eos`, its EOS ids banned, where it is. Then
+  // `greedy`: the choice is a plain argmax of that row (no length penalty, no sampling); or
+  // `from_top`: it can come from the row's largest values after TopLogits divides it by
+  // `temperature` (1: none), through NextFromTop (no length penalty, no typical_p, which read
+  // every token).
+  struct DeviceSteps {
+    bool mask_eos = false;
+    float repetition_penalty = 1.0f;
+    float temperature = 1.0f;
+    bool greedy = false;
+    bool from_top = false;
+  };
+  DeviceSteps ForDevice(uint32_t generated) const;
   // The choice Next would make (same warpers, same draw from the same generator, same details),
   // from TopLogits' output for the row: the `values` (tempered logits) and `ids` of its largest
   // entries, its log-sum-exp `lse` and probability `mass`, out of `vocab`. nullopt when those
@@ -67,11 +75,6 @@ class Sampler {
   std::optional<TokenChoice> NextFromTop(std::span<const float> values,
                                          std::span<const int32_t> ids, float lse, float mass,
                                          int64_t vocab, uint32_t top_n);
-  // True when the next choice is a plain argmax of the logits after at most a repetition
-  // penalty (`*repetition_penalty`, 1 for none) and the EOS ids masked (`*mask_eos`): no
-  // length penalty, no sampling. The engine then picks on the device (RepetitionPenalty,
-  // GreedyPick).
-  bool PlainGreedy(uint32_t generated, bool* mask_eos, float* repetition_penalty) const;
   const std::vector<int32_t>& eos_ids() const { return eos_; }
 
  private:

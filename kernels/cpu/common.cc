@@ -11,25 +11,6 @@ namespace tgis::kernels::cpu {
 
 namespace {
 
-// 16-bit rows widened eight values at a time (both conversions are exact, so the scalar loop
-// gives the same floats): the attention's per-chunk key and value rows of 16-bit caches went
-// through a call per element.
-__attribute__((target("avx2"))) void Bf16ToF32Avx2(const uint16_t* s, int64_t n, float* d) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-    _mm256_storeu_ps(d + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-  }
-  for (; i < n; ++i) d[i] = Bf16ToF32(s[i]);
-}
-__attribute__((target("avx2,f16c"))) void F16ToF32Avx2(const uint16_t* s, int64_t n, float* d) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(d + i,
-                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
-  }
-  for (; i < n; ++i) d[i] = F16ToF32(s[i]);
-}
 std::string ShapeStr(const Shape& s) {
   std::string r = "[";
   for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
@@ -62,6 +43,30 @@ void CheckIndexTensor(const Tensor& t, const char* op, const char* what) {
              "%s: %s must be i32 or i64, not %s", op, what, DTypeName(t.dtype()));
 }
 
+namespace {
+// The whole groups of eight, widened with AVX2; returns how many values that was.
+TGIS_AVX2 int64_t Bf16ToF32Avx2(const uint16_t* s, int64_t n, float* d) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, Widen8Bf16(s + i));
+  return i;
+}
+TGIS_AVX2 int64_t F16ToF32Avx2(const uint16_t* s, int64_t n, float* d) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, Widen8F16(s + i));
+  return i;
+}
+}  // namespace
+
+// Both conversions are exact, so the scalar loops give the same floats: the attention's
+// per-chunk key and value rows of 16-bit caches, and checkpoints converted at load, went
+// through a call per element.
+void Bf16ToF32Row(const uint16_t* s, int64_t n, float* d) {
+  for (int64_t i = CpuHasAvx2() ? Bf16ToF32Avx2(s, n, d) : 0; i < n; ++i) d[i] = Bf16ToF32(s[i]);
+}
+void F16ToF32Row(const uint16_t* s, int64_t n, float* d) {
+  for (int64_t i = CpuHasAvx2() ? F16ToF32Avx2(s, n, d) : 0; i < n; ++i) d[i] = F16ToF32(s[i]);
+}
+
 bool IsFloatDType(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
 
 void LoadF32(const Tensor& t, int64_t at, int64_t n, float* dst) {
@@ -70,16 +75,10 @@ void LoadF32(const Tensor& t, int64_t at, int64_t n, float* dst) {
       std::memcpy(dst, t.data<float>() + at, n * sizeof(float));
       return;
     case DType::kBF16: {
-      const uint16_t* s = t.data<uint16_t>() + at;
-      if (CpuHasAvx2()) return Bf16ToF32Avx2(s, n, dst);
-      for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(s[i]);
-      return;
+      return Bf16ToF32Row(t.data<uint16_t>() + at, n, dst);
     }
     case DType::kF16: {
-      const uint16_t* s = t.data<uint16_t>() + at;
-      if (CpuHasAvx2()) return F16ToF32Avx2(s, n, dst);
-      for (int64_t i = 0; i < n; ++i) dst[i] = F16ToF32(s[i]);
-      return;
+      return F16ToF32Row(t.data<uint16_t>() + at, n, dst);
     }
     default:
       TGIS_FATAL("expected an f32, bf16 or f16 tensor, got %s", DTypeName(t.dtype()));

@@ -23,6 +23,9 @@ void CheckIndexTensor(const Tensor& t, const char* op, const char* what);
 
 // Converts n values of a float tensor (f32, bf16 or f16) starting at element `at` to f32.
 void LoadF32(const Tensor& t, int64_t at, int64_t n, float* dst);
+// n bf16 or f16 values widened to f32 (exact), eight at a time where the CPU has AVX2.
+void Bf16ToF32Row(const uint16_t* src, int64_t n, float* dst);
+void F16ToF32Row(const uint16_t* src, int64_t n, float* dst);
 
 // Whether kernels may use AVX2/FMA now: the CPU has it and SetIsaForTesting allows it
 // (linear.cc owns the switch).

@@ -249,12 +249,9 @@ TGIS_AVX2 inline __m256 Load8(const WRow& row, int64_t i) {
   if constexpr (W == WFmt::kF32) {
     return _mm256_loadu_ps(static_cast<const float*>(row.p) + i);
   } else if constexpr (W == WFmt::kBF16) {
-    const __m128i h =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row.p) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return Widen8Bf16(static_cast<const uint16_t*>(row.p) + i);
   } else if constexpr (W == WFmt::kF16) {
-    return _mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row.p) + i)));
+    return Widen8F16(static_cast<const uint16_t*>(row.p) + i);
   } else if constexpr (W == WFmt::kF8) {
     // Magnitude bits to f32's exponent and mantissa top, the sign to its sign, times 2^120
     // (exact), times the row's scale: Fp8E4M3ToF32(code) * scale, rounded once as there.

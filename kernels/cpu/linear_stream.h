@@ -29,6 +29,15 @@ TGIS_AVX2 inline float HSum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Eight bf16 or f16 values widened to f32 (both exact).
+TGIS_AVX2 inline __m256 Widen8Bf16(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+TGIS_AVX2 inline __m256 Widen8F16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // How a weight row is stored: a float dtype, quantized codes of 8 or 4 bits, float8 e4m3
 // bytes, or 4-bit codes that index a table (QuantizedWeight::codebook).
 enum class WFmt { kF32, kBF16, kF16, kQ8, kQ4, kF8, kLut4 };

@@ -1,5 +1,5 @@
 // TopLogits (ops.h) on the CPU: a sampled row's log-sum-exp, probability mass and largest
-// values, computed as the host sampler computes them (server/sampling.cc's LogSoftmaxInto).
+// values, computed as the host sampler computes them (LogSumExp, which its log-softmax takes).
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -12,7 +12,19 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/thread_pool.h"
 
-namespace tgis::kernels::cpu {
+namespace tgis::kernels {
+
+float LogSumExp(std::span<const float> row) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (float f : row) mx = std::max(mx, f);
+  double sum = 0;
+  for (float f : row)
+    sum +=
+        f == -std::numeric_limits<float>::infinity() ? 0.0 : std::exp(static_cast<double>(f - mx));
+  return mx + static_cast<float>(std::log(sum));
+}
+
+namespace cpu {
 
 namespace {
 
@@ -25,14 +37,9 @@ uint32_t OrderedKey(float f) {
 
 void TopOfRow(const float* logits, int64_t v, float temperature, int64_t count, float* values,
               int32_t* ids, float* stats) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   std::vector<float> x(logits, logits + v);
   for (float& f : x) f /= temperature;
-  float mx = kNegInf;
-  for (float f : x) mx = std::max(mx, f);
-  double sum = 0;
-  for (float f : x) sum += f == kNegInf ? 0.0 : std::exp(static_cast<double>(f - mx));
-  const float lse = mx + static_cast<float>(std::log(sum));
+  const float lse = LogSumExp(x);
   if (std::isnan(lse)) {  // a NaN or +inf in the row
     std::fill(values, values + count, std::numeric_limits<float>::quiet_NaN());
     std::fill(ids, ids + count, -1);
@@ -93,4 +100,5 @@ void TopLogits(const Tensor& logits, const Tensor& rows, const Tensor& temperatu
   });
 }
 
-}  // namespace tgis::kernels::cpu
+}  // namespace cpu
+}  // namespace tgis::kernels

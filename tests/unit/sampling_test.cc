@@ -197,11 +197,10 @@ TEST(Sampler, PenalizedGreedyOpsChooseWhatTheSamplerChooses) {
       SamplingParams p;
       p.repetition_penalty = penalty;
       Sampler sampler(p, {});
-      bool mask_eos = true;
-      float device_penalty = 0;
-      ASSERT_TRUE(sampler.PlainGreedy(0, &mask_eos, &device_penalty));
-      EXPECT_FALSE(mask_eos);
-      ASSERT_EQ(device_penalty, penalty);
+      const Sampler::DeviceSteps d = sampler.ForDevice(0);
+      ASSERT_TRUE(d.greedy);
+      EXPECT_FALSE(d.mask_eos);
+      ASSERT_EQ(d.repetition_penalty, penalty);
       std::vector<float> host = logits;
       const tgis::server::TokenChoice want = sampler.Next(host, context, 0, 0);
 
@@ -257,9 +256,10 @@ TEST(Sampler, ChoosingFromTheTopValuesChoosesWhatTheWholeRowChooses) {
               for (uint32_t generated = 0; generated < 6; ++generated) {
                 std::vector<float> row = logits;
                 const tgis::server::TokenChoice want = whole.Next(row, context, generated, top_n);
-                bool mask_eos = false;
-                float penalty = 1, temp = 1;
-                ASSERT_TRUE(top.TopChoosable(generated, &mask_eos, &penalty, &temp));
+                const Sampler::DeviceSteps d = top.ForDevice(generated);
+                ASSERT_TRUE(d.from_top);
+                const float penalty = d.repetition_penalty, temp = d.temperature;
+                const bool mask_eos = d.mask_eos;
                 Tensor t = Tensor::FromVector(logits, {1, v});
                 tgis::kernels::RepetitionPenalty(
                     &t, Tensor::FromVector(std::vector<int32_t>{3, 900, 901}, {1, 3}),
