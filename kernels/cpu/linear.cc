@@ -126,7 +126,7 @@ bool PanelsInt8(const SmallArgs& a) {
   const CodePanels* panels = CodePanelsOf(*a.q);
   thread_local Int8Blocks x;
   if (panels == nullptr || !x.Prepare(a.x, a.t, a.k)) return false;
-  Int8PanelsLinear(a, x, *panels);
+  Int8PanelsLinear(a, x, *panels, UseVnni());
   return true;
 }
 
@@ -470,11 +470,17 @@ void SmallT(const SmallArgs& args) {
     });
     return;
   }
-  if (W == WFmt::kQ4 && avx512) {
-    thread_local std::vector<float> ordered;
-    ordered.resize(a.t * a.k);
-    Avx512Q4OrderX(a.x, a.t, a.k, ordered.data());
-    a.x = ordered.data();
+  if ((W == WFmt::kQ4 || W == WFmt::kBF16) && avx512) {
+    // On a cache line boundary, as the activations are: the kernels' 64-byte loads of x
+    // would otherwise each touch two lines.
+    thread_local std::vector<float> storage;
+    const int64_t width = W == WFmt::kQ4 ? a.k : Avx512Bf16Width(a.k);
+    storage.resize(a.t * width + 16);
+    float* ordered =
+        storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
+    W == WFmt::kQ4 ? Avx512Q4OrderX(a.x, a.t, a.k, ordered)
+                   : Avx512Bf16OrderX(a.x, a.t, a.k, ordered);
+    a.x = ordered;
   }
   thread_local FixedPointX fixed;
   // 8-bit codes only: 4-bit codes are faster through the AVX-512 kernel's permute table

@@ -130,6 +130,12 @@ bool WholeBlockRuns(const QuantizedWeight* q);
 // 4-bit codes are applied to x in the kernel's column order (each 32-column block's even
 // columns, then its odd ones): this reorders [t, k] rows of x into `out` accordingly.
 void Avx512Q4OrderX(const float* x, int64_t t, int64_t k, float* out);
+// bf16 rows are widened by interleaving each 16-bit value with a zero (unpack, within 128-bit
+// lanes), so a 32-column block comes out as columns 0-3 8-11 16-19 24-27 and then 4-7 12-15
+// 20-23 28-31: this reorders [t, k] rows of x into `out` ([t, Avx512Bf16Width(k)]) so, the last
+// block padded with zeros.
+int64_t Avx512Bf16Width(int64_t k);
+void Avx512Bf16OrderX(const float* x, int64_t t, int64_t k, float* out);
 template <WFmt W>
 void SmallAvx512(const SmallArgs& a, int64_t n0, int64_t n1);
 
@@ -228,8 +234,9 @@ const CodePanels* CodePanelsOf(const QuantizedWeight& q);
 // Bytes held by all weights' panels now.
 size_t PanelBytes();
 // out = x @ w^T (+ bias) for any T, x as Int8Blocks rounds it, on the thread pool, from 8- or
-// 4-bit panels (linear_int8_panels.cc).
-void Int8PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const CodePanels& p);
+// 4-bit panels (linear_int8_panels.cc); `vnni`: the CPU has AVX-512 VNNI and may use it (the
+// same result).
+void Int8PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const CodePanels& p, bool vnni);
 // out = x @ w^T (+ bias) for T <= kSmallT with x in f32: the exact decode of 8- and 4-bit codes
 // on AVX2, on the thread pool.
 void PanelsExactLinear(const SmallArgs& a, const CodePanels& p);
