@@ -76,8 +76,21 @@ bool UseAvx2() {
   return CpuHasAvx2();
 }
 
+// AMD Zen 4 (family 0x19 with AVX-512) runs 512-bit instructions as two 256-bit halves, and a
+// 512-bit permute at half that rate again.
+bool Avx512AtHalfWidth() {
+  static const bool zen4 = CpuHasAvx512() && __builtin_cpu_is("amd") && CpuFamily() == 0x19;
+  return zen4;
+}
+
 // The AVX-512 streaming kernel, for the weights it takes (others fall back to AVX2; codes
-// that index a table always do).
+// that index a table always do). On Zen 4, 4-bit codes take the AVX2 panels: the AVX-512
+// kernel's table lookup (a 512-bit permute per 16 weights) measured slower there than the
+// panels' mask, convert and FMA per 8 (EPYC Zen 4, kernels_bench --quick --t=1 gptq4g32 --isa=
+// avx2 against avx512: 17-21 against 10-14 GB/s; engine_bench TinyLlama GPTQ g32 decode 17.7-21.2
+// against 12.6-15.3 tok/s, prefill alike), and their rows can then go (every path reads the
+// panels); int8-activation prefill then runs on the panels too (135-161 against the VNNI GEMM's
+// 205-216 tok/s there), for the codes' memory once instead of twice.
 bool UseAvx512(const QuantizedWeight* q) {
   if (q != nullptr && !q->codebook.empty()) return false;
   switch (g_isa.load(std::memory_order_relaxed)) {
@@ -92,6 +105,7 @@ bool UseAvx512(const QuantizedWeight* q) {
       break;
     case Isa::kAuto:
       if (!CpuHasAvx512()) return false;
+      if (q != nullptr && q->bits == 4 && Avx512AtHalfWidth()) return false;
       break;
   }
   return WholeBlockRuns(q);
