@@ -444,10 +444,9 @@ void SmallT(const SmallArgs& args) {
       1, static_cast<int64_t>((64 << 10) / (kTileRows * args.k * BytesPerWeight<W>() + 1)));
   const Int8Path int8 = Int8PathFor(args.q);
   if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
-    // The panels: 4-bit codes on VNNI machines too. Not measured there yet: the VNNI
+    // The panels: 4-bit codes on VNNI machines too (summed with vpdpbusd there). The VNNI
     // row-at-a-time kernel they replaced measured 0.5-0.66x llama.cpp's repacked Q4_0 on Zen 4
-    // and Zen 5, and per weight took about as many vector instructions, twice as wide (Zen 4
-    // runs a zmm instruction as two), with the per-lane scaling the panels do without.
+    // and Zen 5; the panels 0.76-1.0x on Zen 4 (benchmarks/README.md, session 26).
     const bool panels = int8 == Int8Path::kAvx2 || (W == WFmt::kQ4 && int8 != Int8Path::kNone);
     if (panels && PanelsInt8(args)) return;
   }
