@@ -16,37 +16,31 @@ TGIS_PANELS_TARGET inline __attribute__((always_inline)) void BlockSums4(const u
                                                                          const int8_t* const* xb,
                                                                          __m256i* dot) {
   const __m256i low = _mm256_set1_epi8(0x0F);
+  // With VNNI, vpdpbusd adds each dword's four products into int32 directly: the same exact
+  // sums in one instruction per 32 products instead of vpmaddubsw and an int16 add.
+  __m256i sums[TT];  // VNNI: the int32 sums; else the int16 pair sums
+  for (int t = 0; t < TT; ++t) sums[t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+    const __m256i even = _mm256_and_si256(v, low);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) {
 #if TGIS_PANELS_VNNI
-  // vpdpbusd adds each dword's four products into int32 directly: the same exact sums in one
-  // instruction per 32 products instead of vpmaddubsw and an int16 add.
-  for (int t = 0; t < TT; ++t) dot[t] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
-    const __m256i even = _mm256_and_si256(v, low);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-#pragma GCC unroll 4
-    for (int t = 0; t < TT; ++t) {
-      dot[t] = _mm256_dpbusd_epi32(dot[t], even, Broadcast4(xb[t] + 4 * j));
-      dot[t] = _mm256_dpbusd_epi32(dot[t], odd, Broadcast4(xb[t] + 16 + 4 * j));
-    }
-  }
+      sums[t] = _mm256_dpbusd_epi32(sums[t], even, Broadcast4(xb[t] + 4 * j));
+      sums[t] = _mm256_dpbusd_epi32(sums[t], odd, Broadcast4(xb[t] + 16 + 4 * j));
 #else
-  __m256i pairs[TT];
-  for (int t = 0; t < TT; ++t) pairs[t] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
-    const __m256i even = _mm256_and_si256(v, low);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-#pragma GCC unroll 4
-    for (int t = 0; t < TT; ++t) {
-      pairs[t] = AddI16(pairs[t], _mm256_maddubs_epi16(even, Broadcast4(xb[t] + 4 * j)));
-      pairs[t] = AddI16(pairs[t], _mm256_maddubs_epi16(odd, Broadcast4(xb[t] + 16 + 4 * j)));
+      sums[t] = AddI16(sums[t], _mm256_maddubs_epi16(even, Broadcast4(xb[t] + 4 * j)));
+      sums[t] = AddI16(sums[t], _mm256_maddubs_epi16(odd, Broadcast4(xb[t] + 16 + 4 * j)));
+#endif
     }
   }
+#if TGIS_PANELS_VNNI
+  for (int t = 0; t < TT; ++t) dot[t] = sums[t];
+#else
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int t = 0; t < TT; ++t) dot[t] = _mm256_madd_epi16(pairs[t], ones);
+  for (int t = 0; t < TT; ++t) dot[t] = _mm256_madd_epi16(sums[t], ones);
 #endif
 }
 
