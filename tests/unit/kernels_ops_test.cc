@@ -385,7 +385,7 @@ TEST_P(OpsTest, QuantizedLinearEqualsLinearOnTheDequantizedWeight) {
         ASSERT_NO_FATAL_FAILURE(QuantizedWeightOnDevice(q, &ws, &w));
         std::vector<float> bs;
         const Tensor b = Weight(Random(c.out, ++seed), {c.out}, &bs);
-        for (int64_t t : {1, 3, 17, 64}) {
+        for (int64_t t : {1, 3, 12, 17, 64}) {
           const Tensor x = Act(Random(t * c.in, ++seed), {t, c.in});
           const std::string what =
               isa_name + " bits=" + std::to_string(c.bits) + " T=" + std::to_string(t) +
@@ -452,7 +452,7 @@ TEST_P(OpsTest, Fp8LinearEqualsLinearOnTheDequantizedWeight) {
             group == in ? BuildFp8Rows(out, in, codes, scales)
                         : BuildFp8(out, in, codes, group_of, groups, scales),
             &ws, &w));
-        for (int64_t t : {1, 3, 17, 64}) {
+        for (int64_t t : {1, 3, 12, 17, 64}) {
           const Tensor x = Act(Random(t * in, ++seed), {t, in});
           const std::string what = isa_name + " fp8 T=" + std::to_string(t) +
                                    " in=" + std::to_string(in) + " group=" + std::to_string(group);
@@ -503,7 +503,7 @@ TEST_P(OpsTest, CodebookLinearEqualsLinearOnTheDequantizedWeight) {
             << "Dequantize " << out << "x" << in << " group " << group;
         Tensor w;
         ASSERT_NO_FATAL_FAILURE(QuantizedWeightOnDevice(c.q, &c.dense, &w));
-        for (int64_t t : {1, 3, 17, 64}) {
+        for (int64_t t : {1, 3, 12, 17, 64}) {
           const Tensor x = Act(Random(t * in, ++seed), {t, in});
           const std::string what = isa_name + " codebook T=" + std::to_string(t) +
                                    " in=" + std::to_string(in) + " group=" + std::to_string(group);
