@@ -6,7 +6,8 @@
 // copy bandwidth measured in the same run (read + write of 1 GiB).
 //   attention_bench [--device cpu|cuda] [--dtype bf16|f16|f32] [--heads 32] [--kv-heads 8]
 //                   [--head-dim 128] [--prefill 512,2048] [--batch 1,16] [--context 1024,4096]
-//                   [--reps 5]
+//                   [--reps 5] [--partition-keys N]  (CUDA: the grouped decode kernel's keys
+//                                                     per partition, default its own)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -160,13 +161,20 @@ int main(int argc, char** argv) {
       o.batch = List(v);
     } else if (k == "--context") {
       o.context = List(v);
+    } else if (k == "--partition-keys") {
+#ifdef TGIS_WITH_CUDA
+      tgis::kernels::cuda::SetGroupedPartitionKeysForTesting(std::atoi(v.c_str()));
+#else
+      std::fprintf(stderr, "--partition-keys: this build has no CUDA\n");
+      return 2;
+#endif
     } else if (k == "--reps") {
       o.reps = std::max<int64_t>(1, std::atoll(v.c_str()));
     } else {
       std::fprintf(stderr,
                    "usage: attention_bench [--device cpu|cuda] [--dtype bf16|f16|f32] [--heads N]"
                    " [--kv-heads N] [--head-dim N] [--prefill T,...] [--batch B,...]"
-                   " [--context C,...] [--reps N]\n");
+                   " [--context C,...] [--reps N] [--partition-keys N]\n");
       return 2;
     }
   }

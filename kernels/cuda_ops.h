@@ -27,6 +27,9 @@ int CurrentDevice();
 // While on, Linear runs the fallback GEMM, which otherwise runs only for the shapes and
 // alignments cuBLASLt has no algorithm for (tests).
 void ForceGemmFallbackForTesting(bool on);
+// Keys per partition of the grouped decode attention kernel (0: its default), for
+// attention_bench to compare sizes in one run.
+void SetGroupedPartitionKeysForTesting(int keys);
 // The process's stream (a cudaStream_t), for libraries that queue work on it (NCCL).
 void* NativeStream();
 // Waits for everything queued on the process's stream.

@@ -12,6 +12,7 @@
 // combines them (flash-decoding), so a single long sequence still fills the GPU. Scores and
 // softmax are f32.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -36,6 +37,22 @@ constexpr int kMaxHeadDim = 256;
 // Partitions split a long context over blocks; their f32 partial outputs live in a workspace
 // of at most this many bytes (a large prefill gets fewer, longer partitions).
 constexpr int64_t kWorkspaceBytes = 256ll << 20;
+
+// The grouped kernel's keys per partition: kKeysPerPart, or a benchmark's choice
+// (SetGroupedPartitionKeysForTesting).
+std::atomic<int> g_grouped_part_keys{kKeysPerPart};
+
+// The GPU's multiprocessors (one GPU a process).
+int SmCount() {
+  static const int count = [] {
+    BindThread();
+    int device = 0, n = 0;
+    TGIS_CUDA_CHECK(cudaGetDevice(&device));
+    TGIS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return n;
+  }();
+  return count;
+}
 
 template <typename T>
 __global__ void ReshapeAndCacheKernel(const T* k, const T* v, const void* slots, bool wide,
@@ -329,6 +346,10 @@ void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mappin
   TGIS_CUDA_LAUNCHED();
 }
 
+void SetGroupedPartitionKeysForTesting(int keys) {
+  g_grouped_part_keys.store(keys > 0 ? keys : kKeysPerPart, std::memory_order_relaxed);
+}
+
 void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
                     float scale, int sliding_window, const AttentionBias* bias, Tensor* out) {
   const char* op = "PagedAttention";
@@ -442,7 +463,8 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   // whose 16-bit or f32 head rows are whole 16-byte pieces, in partitions of a fixed size; the
   // per-row kernel the rest (T5's relative bias, odd head sizes, partition counts past the
   // workspace), in partitions sized by the longest context.
-  const int64_t grouped_partitions = (keys + kKeysPerPart - 1) / kKeysPerPart;
+  const int part_keys = g_grouped_part_keys.load(std::memory_order_relaxed);
+  const int64_t grouped_partitions = (keys + part_keys - 1) / part_keys;
   const bool grouped = !relative && d * static_cast<int64_t>(DTypeSize(q.dtype())) % 16 == 0 &&
                        d <= kGroupMaxDim && Aligned(cache.k.raw(), 16) &&
                        Aligned(cache.v.raw(), 16) && grouped_partitions <= cap;
@@ -451,7 +473,7 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
               : static_cast<int>(std::clamp<int64_t>((keys + kChunk - 1) / kChunk, 1, cap));
   p.partitions = partitions;
   p.keys_per_part =
-      grouped ? kKeysPerPart : std::max(1, static_cast<int>((keys + partitions - 1) / partitions));
+      grouped ? part_keys : std::max(1, static_cast<int>((keys + partitions - 1) / partitions));
   Tensor m, l, acc;
   if (partitions > 1) {
     m = Tensor::Empty({t, hq, partitions}, DType::kF32, Device::kCuda);
@@ -462,10 +484,16 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
     const int64_t splits = (hq / hk + kGroupMax - 1) / kGroupMax;
     const dim3 grid(static_cast<unsigned>(t), static_cast<unsigned>(hk * splits),
                     static_cast<unsigned>(partitions));
-    TGIS_DISPATCH_FLOAT(q.dtype(), op,
-                        GroupedAttentionKernel<T><<<grid, kGroupThreads, 0, Stream()>>>(
-                            p, slopes, q.data<T>(), cache.k.data<T>(), cache.v.data<T>(),
-                            out->data<T>(), m.data<float>(), l.data<float>(), acc.data<float>()));
+    // Four loads in flight a thread where the grid fits in about one wave (two blocks an SM at
+    // its registers), one where blocks queue (kGroupUnroll): the same bits either way.
+    const bool one_wave = static_cast<int64_t>(grid.x) * grid.y * grid.z <= 2 * SmCount();
+    TGIS_DISPATCH_FLOAT(q.dtype(), op, {
+      auto kernel =
+          one_wave ? GroupedAttentionKernel<T, kGroupUnroll> : GroupedAttentionKernel<T, 1>;
+      kernel<<<grid, kGroupThreads, 0, Stream()>>>(
+          p, slopes, q.data<T>(), cache.k.data<T>(), cache.v.data<T>(), out->data<T>(),
+          m.data<float>(), l.data<float>(), acc.data<float>());
+    });
   } else {
     const dim3 grid(static_cast<unsigned>(t), static_cast<unsigned>(hq),
                     static_cast<unsigned>(partitions));

@@ -4,9 +4,10 @@
 // with 16-byte loads.
 //
 // One block takes one query row, one KV head (up to kGroupMax of its query heads) and one key
-// partition of kKeysPerPart keys; longer contexts are split over blocks and CombinePartitions
-// joins them (flash-decoding). Partitions start at fixed offsets from the row's first visible
-// key, so a row's arithmetic depends on its own context only, not on its batch.
+// partition of p.keys_per_part keys (kKeysPerPart but in benchmarks); longer contexts are split
+// over blocks and CombinePartitions joins them (flash-decoding). Partitions start at fixed offsets
+// from the row's first visible key, so a row's arithmetic depends on its own context only, not on
+// its batch.
 //
 // Per chunk of keys: lane groups score one key each (a group's lanes hold 16-byte pieces of the
 // key, and add their partial dot products for every query head by shuffles); a warp per query
@@ -26,9 +27,18 @@ namespace {
 
 constexpr int kGroupThreads = 128;
 constexpr int kGroupWarps = kGroupThreads / 32;
-constexpr int kGroupMax = 8;       // query heads per block
-constexpr int kGroupChunk = 256;   // keys scored at a time
-constexpr int kKeysPerPart = 512;  // keys of one partition
+constexpr int kGroupMax = 8;      // query heads per block
+constexpr int kGroupChunk = 256;  // keys scored at a time
+// Keys of one partition: one chunk, so that a batch-1 decode of a few hundred keys still runs
+// on a few blocks a KV head (512 had it on one).
+constexpr int kKeysPerPart = 256;
+// Keys (values) whose loads a thread has in flight when the grid is small enough for one wave
+// (GroupedAttentionKernel's kUnroll; PagedAttention chooses). On the H100, batch 1 at 1024 keys:
+// 0.104 ms with one load in flight, 0.048 with four and 256-key partitions; but four cost
+// registers (204 a thread), and where blocks queue in waves (batch 64 at 4096 keys, 512-key
+// partitions) one load ran in 1.145 ms and four in 1.378. The unroll changes no sum's order,
+// so both give the same bits and the choice cannot make a row depend on its batch.
+constexpr int kGroupUnroll = 4;
 constexpr int kGroupMaxDim = 256;
 
 // Lanes that share one key or value row: a power of two covering its 16-byte pieces.
@@ -38,7 +48,7 @@ __device__ __forceinline__ int LanesForPieces(int pieces, int most) {
   return lanes;
 }
 
-template <typename T>
+template <typename T, int kUnroll>
 __global__ void __launch_bounds__(kGroupThreads)
     GroupedAttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc,
                            const T* vc, T* out, float* part_m, float* part_l, float* part_acc) {
@@ -66,8 +76,8 @@ __global__ void __launch_bounds__(kGroupThreads)
   if (q_len >= p.tiled_min_rows) return;  // a tiled kernel takes this sequence
   const int qpos = p.context_lens[s] - q_len + (t - p.query_start[s]);
   const int first = p.window > 0 ? max(0, qpos - p.window + 1) : 0;
-  const int k_begin = first + part * kKeysPerPart;
-  const int k_end = min(p.causal ? qpos + 1 : p.context_lens[s], k_begin + kKeysPerPart);
+  const int k_begin = first + part * p.keys_per_part;
+  const int k_end = min(p.causal ? qpos + 1 : p.context_lens[s], k_begin + p.keys_per_part);
   const int64_t part_base = (static_cast<int64_t>(t) * p.hq + h0) * p.partitions + part;
   if (k_begin >= k_end) {  // this row needs fewer partitions than the longest one
     if (p.partitions > 1 && tid < heads) {
@@ -104,36 +114,55 @@ __global__ void __launch_bounds__(kGroupThreads)
     __syncthreads();  // q and the running max are written; the previous chunk's readers are done
     for (int j = tid; j < n; j += kGroupThreads) rows_s[j] = CacheRow(p, s, kvh, c0 + j);
     __syncthreads();
-    // Scores. The loop bound is the same for a whole warp: every lane reaches the shuffles.
-    for (int base = warp * keys_per_warp; base < n; base += kGroupWarps * keys_per_warp) {
-      const int j = base + lane / score_lanes, sub = lane % score_lanes;
-      float dot[kGroupMax];
+    // Scores, kUnroll keys a lane group at a time: their loads are issued before any is used
+    // (see kGroupUnroll). The loop bound is the same for a whole warp: every lane reaches the
+    // shuffles.
+    const int key_stride = kGroupWarps * keys_per_warp;  // keys between a group's keys
+    for (int base = warp * keys_per_warp; base < n; base += kUnroll * key_stride) {
+      const int sub = lane % score_lanes;
+      int j[kUnroll];
+      float dot[kUnroll][kGroupMax];
 #pragma unroll
-      for (int g = 0; g < kGroupMax; ++g) dot[g] = 0.0f;
+      for (int u = 0; u < kUnroll; ++u) {
+        j[u] = base + u * key_stride + lane / score_lanes;
+#pragma unroll
+        for (int g = 0; g < kGroupMax; ++g) dot[u][g] = 0.0f;
+      }
       for (int step = 0; step < piece_steps; ++step) {
         const int piece = sub + step * score_lanes;
-        if (j >= n || piece >= pieces) continue;
-        alignas(16) T kv[kPiece];
-        Copy16(kv, kc + rows_s[j] * p.d + piece * kPiece);
+        if (piece >= pieces) continue;
+        alignas(16) T kv[kUnroll][kPiece];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (j[u] < n) Copy16(kv[u], kc + rows_s[j[u]] * p.d + piece * kPiece);
+        }
 #pragma unroll
         for (int g = 0; g < kGroupMax; ++g) {
           if (g >= heads) break;
 #pragma unroll
-          for (int e = 0; e < kPiece; ++e)
-            dot[g] += sm.loop.q[g][piece * kPiece + e] * ToF32(kv[e]);
+          for (int e = 0; e < kPiece; ++e) {
+            const float qv = sm.loop.q[g][piece * kPiece + e];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+              if (j[u] < n) dot[u][g] += qv * ToF32(kv[u][e]);
+            }
+          }
         }
       }
 #pragma unroll
-      for (int g = 0; g < kGroupMax; ++g) {
-        if (g >= heads) break;  // the same for every lane
-        for (int o = score_lanes / 2; o > 0; o >>= 1)
-          dot[g] += __shfl_xor_sync(0xffffffffu, dot[g], o);
-      }
-      if (sub == 0 && j < n) {
-        for (int g = 0; g < heads; ++g) {
-          sm.loop.scores[g][j] =
-              dot[g] * p.scale +
-              (p.alibi ? slopes.v[h0 + g] * static_cast<float>(c0 + j - qpos) : 0.0f);
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int g = 0; g < kGroupMax; ++g) {
+          if (g >= heads) break;  // the same for every lane
+          for (int o = score_lanes / 2; o > 0; o >>= 1)
+            dot[u][g] += __shfl_xor_sync(0xffffffffu, dot[u][g], o);
+        }
+        if (sub == 0 && j[u] < n) {
+          for (int g = 0; g < heads; ++g) {
+            sm.loop.scores[g][j[u]] =
+                dot[u][g] * p.scale +
+                (p.alibi ? slopes.v[h0 + g] * static_cast<float>(c0 + j[u] - qpos) : 0.0f);
+          }
         }
       }
     }
@@ -167,16 +196,25 @@ __global__ void __launch_bounds__(kGroupThreads)
 #pragma unroll
       for (int e = 0; e < kPiece; ++e) acc[g][e] *= fix;
     }
-    if (vpiece < pieces) {
-      for (int j = kgroup; j < n; j += key_groups) {
-        alignas(16) T vv[kPiece];
-        Copy16(vv, vc + rows_s[j] * p.d + vpiece * kPiece);
+    if (vpiece < pieces) {  // kUnroll values in flight, as the keys above
+      for (int j0 = kgroup; j0 < n; j0 += kUnroll * key_groups) {
+        alignas(16) T vv[kUnroll][kPiece];
 #pragma unroll
-        for (int g = 0; g < kGroupMax; ++g) {
-          if (g >= heads) break;
-          const float pj = sm.loop.scores[g][j];
+        for (int u = 0; u < kUnroll; ++u) {
+          const int j = j0 + u * key_groups;
+          if (j < n) Copy16(vv[u], vc + rows_s[j] * p.d + vpiece * kPiece);
+        }
 #pragma unroll
-          for (int e = 0; e < kPiece; ++e) acc[g][e] += pj * ToF32(vv[e]);
+        for (int u = 0; u < kUnroll; ++u) {
+          const int j = j0 + u * key_groups;
+          if (j >= n) break;
+#pragma unroll
+          for (int g = 0; g < kGroupMax; ++g) {
+            if (g >= heads) break;
+            const float pj = sm.loop.scores[g][j];
+#pragma unroll
+            for (int e = 0; e < kPiece; ++e) acc[g][e] += pj * ToF32(vv[u][e]);
+          }
         }
       }
     }

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -128,17 +129,27 @@ void RunCase(Kernel kernel, const Case& c, const std::vector<Seq>& seqs, double 
     p.partitions = (keys + kKeysPerPart - 1) / kKeysPerPart;
     p.keys_per_part = kKeysPerPart;
     const size_t parts = static_cast<size_t>(rows) * c.hq * p.partitions;
-    std::vector<float> part_m(parts), part_l(parts), part_acc(parts * d);
     const int splits = (c.hq / c.hk + kGroupMax - 1) / kGroupMax;
     const EmuDim3 grid{static_cast<unsigned>(rows), static_cast<unsigned>(c.hk * splits),
                        static_cast<unsigned>(p.partitions)};
-    EmulateLaunch(grid, kGroupThreads, &GroupedAttentionKernel<T>, p, slopes, q.data(), kc.data(),
-                  vc.data(), out.data(), part_m.data(), part_l.data(), part_acc.data());
-    if (p.partitions > 1) {
-      EmulateLaunch({static_cast<unsigned>(rows), static_cast<unsigned>(c.hq), 1}, 32,
-                    &CombinePartitionsKernel<T>, p, part_m.data(), part_l.data(), part_acc.data(),
-                    out.data());
+    // Both unrolls (PagedAttention picks one by the grid's size): the same bits.
+    std::vector<T> out_one = out;
+    for (const bool unrolled : {true, false}) {
+      std::vector<float> part_m(parts), part_l(parts), part_acc(parts * d);
+      std::vector<T>& o = unrolled ? out : out_one;
+      EmulateLaunch(
+          grid, kGroupThreads,
+          unrolled ? &GroupedAttentionKernel<T, kGroupUnroll> : &GroupedAttentionKernel<T, 1>, p,
+          slopes, q.data(), kc.data(), vc.data(), o.data(), part_m.data(), part_l.data(),
+          part_acc.data());
+      if (p.partitions > 1) {
+        EmulateLaunch({static_cast<unsigned>(rows), static_cast<unsigned>(c.hq), 1}, 32,
+                      &CombinePartitionsKernel<T>, p, part_m.data(), part_l.data(), part_acc.data(),
+                      o.data());
+      }
     }
+    ASSERT_EQ(0, std::memcmp(out.data(), out_one.data(), out.size() * sizeof(T)))
+        << "one key in flight and kGroupUnroll give other bits";
   }
 
   const auto cached = [&](const std::vector<T>& cache, int s, int pos, int kvh, int x) {
