@@ -405,35 +405,57 @@ bool WholeBlockRuns(const QuantizedWeight* q) {
   return true;
 }
 
-void Avx512Q4OrderX(const float* x, int64_t t, int64_t k, float* out) {
+namespace {
+
+// Column j of a reordered block holds column map[j] of the block in x.
+using BlockOrder = std::array<int, kBlock>;
+
+// 4-bit codes: a block's even columns, then its odd ones.
+constexpr BlockOrder kQ4Order = [] {
+  BlockOrder m{};
+  for (int j = 0; j < kBlock / 2; ++j) m[j] = 2 * j, m[kBlock / 2 + j] = 2 * j + 1;
+  return m;
+}();
+
+// bf16 widened by unpacklo/hi_epi16 within 128-bit lanes: lane j of the first vector holds
+// column 8 (j / 4) + j % 4, of the second that plus 4.
+constexpr BlockOrder kBf16Order = [] {
+  BlockOrder m{};
+  for (int j = 0; j < kBlock / 2; ++j) {
+    m[j] = 8 * (j / 4) + j % 4;
+    m[kBlock / 2 + j] = m[j] + 4;
+  }
+  return m;
+}();
+
+// Reorders [t, k] rows of x into [t, width] rows (width: k rounded up to whole blocks) by
+// `order`, columns past k zero. Whole blocks skip the bounds test.
+void OrderBlocks(const float* x, int64_t t, int64_t k, int64_t width, const BlockOrder& order,
+                 float* out) {
   for (int64_t i = 0; i < t; ++i) {
-    for (int64_t b = 0; b < k; b += kBlock) {
-      const float* src = x + i * k + b;
-      float* dst = out + i * k + b;
-      for (int64_t j = 0; j < kBlock / 2; ++j) {
-        dst[j] = src[2 * j];
-        dst[kBlock / 2 + j] = src[2 * j + 1];
+    const float* row = x + i * k;
+    for (int64_t b = 0; b < width; b += kBlock) {
+      float* dst = out + i * width + b;
+      if (b + kBlock <= k) {
+        for (int64_t j = 0; j < kBlock; ++j) dst[j] = row[b + order[j]];
+      } else {  // the last block, padded (4-bit rows are whole blocks: width == k)
+        for (int64_t j = 0; j < std::min(kBlock, width - b); ++j)
+          dst[j] = b + order[j] < k ? row[b + order[j]] : 0.0f;
       }
     }
   }
 }
 
+}  // namespace
+
+void Avx512Q4OrderX(const float* x, int64_t t, int64_t k, float* out) {
+  OrderBlocks(x, t, k, k, kQ4Order, out);
+}
+
 int64_t Avx512Bf16Width(int64_t k) { return (k + kBlock - 1) / kBlock * kBlock; }
 
 void Avx512Bf16OrderX(const float* x, int64_t t, int64_t k, float* out) {
-  const int64_t width = Avx512Bf16Width(k);
-  for (int64_t i = 0; i < t; ++i) {
-    for (int64_t b = 0; b < width; b += kBlock) {
-      float* dst = out + i * width + b;
-      // Lane j of the block's first vector holds column 8 (j / 4) + j % 4, of its second
-      // that plus 4 (_mm512_unpacklo/hi_epi16 within each 128-bit lane).
-      for (int64_t j = 0; j < kBlock / 2; ++j) {
-        const int64_t c = b + 8 * (j / 4) + j % 4;
-        dst[j] = c < k ? x[i * k + c] : 0.0f;
-        dst[kBlock / 2 + j] = c + 4 < k ? x[i * k + c + 4] : 0.0f;
-      }
-    }
-  }
+  OrderBlocks(x, t, k, Avx512Bf16Width(k), kBf16Order, out);
 }
 
 template <WFmt W>
