@@ -20,7 +20,8 @@ at load (bitsandbytes: int8 rows; bitsandbytes-nf4: 4-bit codes), against bf16's
 
 --ncu also runs a short engine_bench (16-token prompt, 3 decode steps) under Nsight Compute
 with one metric, the GPU time of every kernel, into $OUT/ncu.csv (or /tmp): the sum over a
-decode step's kernels against the step's wall time separates kernel time from host overhead.
+decode step's kernels against the step's wall time separates kernel time from host overhead;
+the last decode step's kernels, grouped and heaviest first, are printed (gpubench.ncu_summary).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .bandwidth import measure_bandwidth
 from .checkpoint import LLAMA3_8B, TINY, make_checkpoint
 from .common import log
 from .hf_reference import run_hf
+from .ncu_summary import summarize
 
 
 def main(argv: list[str]) -> int:
@@ -119,6 +121,8 @@ def main(argv: list[str]) -> int:
             log(" ".join(prof))
             q = subprocess.run(prof, capture_output=True, text=True, timeout=300)
             print(q.stdout[-3000:] + q.stderr[-2000:], flush=True)
+            if csv.exists():
+                print(summarize(csv), flush=True)
     if "--no-hf" not in argv:
         args = SimpleNamespace(ttft_lengths=[128, 2048], ttft_runs=3, decode_prompt=128,
                                decode_tokens=256, hf_batch=16, level_prompt=1000,
