@@ -483,18 +483,7 @@ void SmallT(const SmallArgs& args) {
     });
     return;
   }
-  if ((W == WFmt::kQ4 || W == WFmt::kBF16) && avx512) {
-    // On a cache line boundary, as the activations are: the kernels' 64-byte loads of x
-    // would otherwise each touch two lines.
-    thread_local std::vector<float> storage;
-    const int64_t width = W == WFmt::kQ4 ? a.k : Avx512Bf16Width(a.k);
-    storage.resize(a.t * width + 16);
-    float* ordered =
-        storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
-    W == WFmt::kQ4 ? Avx512Q4OrderX(a.x, a.t, a.k, ordered)
-                   : Avx512Bf16OrderX(a.x, a.t, a.k, ordered);
-    a.x = ordered;
-  }
+  if (Avx512OrdersX(W) && avx512) a.x = Avx512OrderX(W, a.x, a.t, a.k);
   thread_local FixedPointX fixed;
   // 8-bit codes only: 4-bit codes are faster through the AVX-512 kernel's permute table
   // (measured: kernels_bench --hot, 1 thread, 1024x2048 GPTQ g128: 24.8 against 19 G weights/s).

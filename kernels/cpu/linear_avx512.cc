@@ -7,10 +7,10 @@
 //  - 4-bit codes index a 16-entry table of the run's dequantized values, (i - zero) * scale,
 //    with one permute per 16 weights. The codes of a 32-column block come out as its even
 //    columns and then its odd ones, so x is reordered to match once per call
-//    (Avx512Q4OrderX);
+//    (Avx512OrderX);
 //  - bf16 rows are widened by interleaving a 64-byte load with zeros within 128-bit lanes,
 //    which puts columns 0-3 8-11 16-19 24-27 of a block in the first vector and the rest in
-//    the second; x is reordered to match and padded to whole blocks (Avx512Bf16OrderX);
+//    the second; x is reordered to match and padded to whole blocks (Avx512OrderX);
 //  - 8-bit codes, fp8 and f16 are widened and converted as in the AVX2 kernel, 16 at a time.
 // Every weight is the f32 value Dequantize gives (exactly), so the kernel equals a dense f32
 // Linear on the dequantized weight up to summation order, as the AVX2 one does.
@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <vector>
 
 #include "kernels/cpu/linear_stream.h"
 
@@ -110,7 +111,7 @@ struct RowDecoder {
       *hi = kTail ? _mm512_maskz_loadu_ps(m.hi, p + 16) : _mm512_loadu_ps(p + 16);
     } else if constexpr (W == WFmt::kBF16) {
       // One load and two in-lane interleaves with zero: each value lands in the top half of
-      // a 32-bit lane, which is its f32 (columns in Avx512Bf16OrderX's order). Two
+      // a 32-bit lane, which is its f32 (columns in Avx512OrderX's order). Two
       // half-block loads widened across lanes measured slower from memory: a third more
       // instructions per byte left one core short of the DRAM stream (EPYC Zen 4).
       const uint16_t* p = static_cast<const uint16_t*>(row.p) + k;
@@ -310,7 +311,7 @@ TGIS_AVX512 void Tile(const SmallArgs& a, int64_t n) {
   const int64_t full = a.k / kBlock * kBlock;  // quantized weights have no partial block
   const Mask tail = TailMask(a.k - full);
   // x in bf16's column order: rows padded to whole blocks with zeros, read unmasked.
-  const int64_t ldx = W == WFmt::kBF16 ? Avx512Bf16Width(a.k) : a.k;
+  const int64_t ldx = Avx512OrdersX(W) ? Avx512OrderedWidth(a.k) : a.k;
   const Mask x_tail = W == WFmt::kBF16 ? Mask{} : tail;
   RowDecoder<W> dec[R];
   for (int r = 0; r < R; ++r) {
@@ -438,9 +439,8 @@ void OrderBlocks(const float* x, int64_t t, int64_t k, int64_t width, const Bloc
       float* dst = out + i * width + b;
       if (b + kBlock <= k) {
         for (int64_t j = 0; j < kBlock; ++j) dst[j] = row[b + order[j]];
-      } else {  // the last block, padded (4-bit rows are whole blocks: width == k)
-        for (int64_t j = 0; j < std::min(kBlock, width - b); ++j)
-          dst[j] = b + order[j] < k ? row[b + order[j]] : 0.0f;
+      } else {  // the last block, padded
+        for (int64_t j = 0; j < kBlock; ++j) dst[j] = b + order[j] < k ? row[b + order[j]] : 0.0f;
       }
     }
   }
@@ -448,14 +448,17 @@ void OrderBlocks(const float* x, int64_t t, int64_t k, int64_t width, const Bloc
 
 }  // namespace
 
-void Avx512Q4OrderX(const float* x, int64_t t, int64_t k, float* out) {
-  OrderBlocks(x, t, k, k, kQ4Order, out);
-}
+int64_t Avx512OrderedWidth(int64_t k) { return (k + kBlock - 1) / kBlock * kBlock; }
 
-int64_t Avx512Bf16Width(int64_t k) { return (k + kBlock - 1) / kBlock * kBlock; }
-
-void Avx512Bf16OrderX(const float* x, int64_t t, int64_t k, float* out) {
-  OrderBlocks(x, t, k, Avx512Bf16Width(k), kBf16Order, out);
+const float* Avx512OrderX(WFmt w, const float* x, int64_t t, int64_t k) {
+  // On a cache line boundary, as the activations are: the kernels' 64-byte loads of x would
+  // otherwise each touch two lines.
+  thread_local std::vector<float> storage;
+  const int64_t width = Avx512OrderedWidth(k);
+  storage.resize(t * width + 16);
+  float* out = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
+  OrderBlocks(x, t, k, width, w == WFmt::kQ4 ? kQ4Order : kBf16Order, out);
+  return out;
 }
 
 template <WFmt W>
