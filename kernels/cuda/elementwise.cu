@@ -42,6 +42,17 @@ __global__ void RmsNormKernel(T* x, const T* y, const T* w, float eps, int64_t h
   T* xr = x + blockIdx.x * h;
   T* orow = out + blockIdx.x * h;
   const T* yr = y != nullptr ? y + blockIdx.x * h : nullptr;
+  // Element i of x after the residual add (written back, in x's dtype), and of the output.
+  auto added = [&](int64_t i, float v, float yv) {
+    if (yr == nullptr) return v;
+    const T sum = FromF32<T>(v + yv);
+    xr[i] = sum;
+    return ToF32(sum);
+  };
+  // HF: weight * (x * rsqrt(...)).to(dtype): the normalized value is rounded first.
+  auto normed = [](float v, float wv, float inv) {
+    return FromF32<T>(wv * ToF32(FromF32<T>(v * inv)));
+  };
   float ss = 0;
   if (h <= static_cast<int64_t>(blockDim.x) * kNormPerThread) {
     float v[kNormPerThread], wv[kNormPerThread], yv[kNormPerThread];
@@ -58,11 +69,7 @@ __global__ void RmsNormKernel(T* x, const T* y, const T* w, float eps, int64_t h
     for (int k = 0; k < kNormPerThread; ++k) {
       const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
       if (i < h) {
-        if (yr != nullptr) {
-          const T sum = FromF32<T>(v[k] + yv[k]);
-          xr[i] = sum;
-          v[k] = ToF32(sum);
-        }
+        v[k] = added(i, v[k], yv[k]);
         ss += v[k] * v[k];
       }
     }
@@ -70,24 +77,17 @@ __global__ void RmsNormKernel(T* x, const T* y, const T* w, float eps, int64_t h
 #pragma unroll
     for (int k = 0; k < kNormPerThread; ++k) {
       const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      // HF: weight * (x * rsqrt(...)).to(dtype): the normalized value is rounded first.
-      if (i < h) orow[i] = FromF32<T>(wv[k] * ToF32(FromF32<T>(v[k] * inv)));
+      if (i < h) orow[i] = normed(v[k], wv[k], inv);
     }
     return;
   }
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
-    float v = ToF32(xr[i]);
-    if (yr != nullptr) {
-      const T sum = FromF32<T>(v + ToF32(yr[i]));
-      xr[i] = sum;
-      v = ToF32(sum);
-    }
+    const float v = added(i, ToF32(xr[i]), yr != nullptr ? ToF32(yr[i]) : 0.0f);
     ss += v * v;
   }
   const float inv = rsqrtf(BlockSum(ss, scratch) / static_cast<float>(h) + eps);
   for (int64_t i = threadIdx.x; i < h; i += blockDim.x) {
-    const float normed = ToF32(FromF32<T>(ToF32(xr[i]) * inv));
-    orow[i] = FromF32<T>(ToF32(w[i]) * normed);
+    orow[i] = normed(ToF32(xr[i]), ToF32(w[i]), inv);
   }
 }
 
