@@ -2,7 +2,7 @@
 // Llama-shaped checkpoint with random weights and compares with HF transformers):
 //   engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] [--quantize METHOD]
 //                [--prompt 128] [--steps 32] [--batches 1,16] [--int8-activations true]
-//                [--device cpu|cuda] [--cuda-graphs true]
+//                [--device cpu|cuda] [--cuda-graphs true] [--cuda-pdl false]
 // Prints prefill and decode tokens/s per batch size, the memory bandwidth measured in the
 // same run, and the fraction of it that batch-1 decode achieves (weights streamed per token),
 // after one untimed warm-up prompt.
@@ -94,13 +94,14 @@ int main(int argc, char** argv) {
   if (argc < 2 || argc % 2 != 0) {
     std::cerr << "usage: engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] "
                  "[--quantize METHOD] [--prompt N] [--steps N] [--batches 1,16] "
-                 "[--int8-activations true] [--device cpu|cuda] [--cuda-graphs true]\n";
+                 "[--int8-activations true] [--device cpu|cuda] [--cuda-graphs true] "
+                 "[--cuda-pdl false]\n";
     return 2;
   }
   const std::string dir = argv[1];
   std::string dtype_name = "float32", quantize, batches_arg = "1,16";
   int prompt = 128, steps = 32;
-  bool cuda = false, graphs = false;
+  bool cuda = false, graphs = false, pdl = true;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--dtype") {
@@ -119,6 +120,8 @@ int main(int argc, char** argv) {
       cuda = v == "cuda";
     } else if (k == "--cuda-graphs") {  // the shard's --cuda-graphs
       graphs = v == "true";
+    } else if (k == "--cuda-pdl") {  // false: kernels start in plain stream order
+      pdl = v != "false";
     } else if (k == "--batches") {
       batches_arg = v;
     } else if (k == "--int8-activations") {  // the shard's --cpu-int8-activations
@@ -148,6 +151,8 @@ int main(int argc, char** argv) {
       return 1;
     }
     tgis::kernels::SelectGpu(0);
+    std::cout << "programmatic dependent launch: "
+              << (tgis::kernels::SetGpuProgrammaticLaunch(pdl) ? "on" : "off") << "\n";
   }
   const auto load_start = std::chrono::steady_clock::now();
   auto config = tgis::server::ModelConfig::Load(dir);

@@ -30,6 +30,10 @@ void ForceGemmFallbackForTesting(bool on);
 // Keys per partition of the grouped decode attention kernel (0: its default), for
 // attention_bench to compare sizes in one run.
 void SetGroupedPartitionKeysForTesting(int keys);
+// Programmatic dependent launch of the kernels (kernels/cuda/common.cuh's Launch), on by
+// default where the GPU has it: off, kernels start in plain stream order (benchmarks compare
+// the two in one run). Returns whether it is now in effect.
+bool SetProgrammaticLaunch(bool on);
 // The process's stream (a cudaStream_t), for libraries that queue work on it (NCCL).
 void* NativeStream();
 // Waits for everything queued on the process's stream.

@@ -484,4 +484,13 @@ void SelectGpu(int index) {
 #endif
 }
 
+bool SetGpuProgrammaticLaunch(bool on) {
+#ifdef TGIS_WITH_CUDA
+  return GpuCount() > 0 && cuda::SetProgrammaticLaunch(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 }  // namespace tgis::kernels

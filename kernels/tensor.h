@@ -84,6 +84,10 @@ class Tensor {
 int GpuCount();
 // Makes GPU `index` this process's device (call before any CUDA tensor exists).
 void SelectGpu(int index);
+// Whether CUDA kernels may start while the kernel before them finishes (programmatic dependent
+// launch; on by default on GPUs of compute capability 9 and later). Benchmarks turn it off to
+// measure what it gives. Returns whether it is now in effect: false without such a GPU.
+bool SetGpuProgrammaticLaunch(bool on);
 
 // bf16 / f16 <-> f32 conversions on the host.
 // (The bf16 ones are inline: checkpoints convert through them at load.)

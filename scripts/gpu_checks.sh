@@ -82,7 +82,7 @@ fi
   for part in attention engine bench; do
     [ -f "$OUT/$part.log" ] || continue
     echo "== $part"
-    grep -v "^RESULTS " "$OUT/$part.log" | tail -40
+    grep -v "^RESULTS " "$OUT/$part.log" | tail -60
   done
   echo "== exit $rc"
 } > "$OUT/summary.txt" 2>&1

@@ -4,7 +4,7 @@ in one run. For a GPU call whose bundle has no router (see scripts/gpu_bundle.sh
 GPU_BUNDLE=tests): it needs only the test binaries' libraries.
 
     python3 -m gpubench.engine_only BUILD_DIR [MODEL_DIR] [--no-hf] [--ncu] [--overhead]
-                                    [--prefill N] [--graphs] [--quantize M1,M2]
+                                    [--prefill N] [--graphs] [--quantize M1,M2] [--pdl-off]
 
 --overhead also times decode of a model with the 8B shape's 32 layers (so as many kernels per
 step) but tiny matrices (hidden 256, vocabulary 32000): its ms/step is the per-step cost that
@@ -14,6 +14,10 @@ is not the weights' bytes (launches, host work, synchronization), the floor CUDA
 
 --graphs also times batch-1 decode (and, with --overhead, the tiny-layer floor) with the
 shard's --cuda-graphs: decode steps replayed from captured CUDA graphs.
+
+--pdl-off also times batch-1 decode (eager, and with --graphs in graphs) with programmatic
+dependent launch off (engine_bench --cuda-pdl false): kernels in plain stream order, the way
+they ran before it, for the ratio in the same run.
 
 --quantize M1,M2 also times batch-1 decode with each of the shard's --quantize methods applied
 at load (bitsandbytes: int8 rows; bitsandbytes-nf4: 4-bit codes), against bf16's ms/token.
@@ -81,6 +85,21 @@ def main(argv: list[str]) -> int:
             results["decode_ms_per_token_graphs"] = ms
             if streamed and bw:
                 results["roofline_fraction_graphs"] = float(streamed.group(1)) * 1e6 / (ms / 1e3) / bw
+    if "--pdl-off" in argv:
+        ms = decode_ms(["--cuda-pdl", "false"], what="programmatic launch off")
+        if ms is not None:
+            results["decode_ms_per_token_pdl_off"] = ms
+            if results.get("decode_ms_per_token"):
+                log(f"programmatic launch: {ms:.2f} -> {results['decode_ms_per_token']:.2f} ms/token "
+                    "eager")
+        if "--graphs" in argv:
+            ms = decode_ms(["--cuda-pdl", "false", "--cuda-graphs", "true"],
+                           what="programmatic launch off, cuda graphs")
+            if ms is not None:
+                results["decode_ms_per_token_graphs_pdl_off"] = ms
+                if results.get("decode_ms_per_token_graphs"):
+                    log(f"programmatic launch: {ms:.2f} -> "
+                        f"{results['decode_ms_per_token_graphs']:.2f} ms/token with graphs")
     if "--quantize" in argv:
         for method in argv[argv.index("--quantize") + 1].split(","):
             ms = decode_ms(["--quantize", method], what=f"--quantize {method}")

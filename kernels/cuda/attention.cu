@@ -57,6 +57,7 @@ int SmCount() {
 template <typename T>
 __global__ void ReshapeAndCacheKernel(const T* k, const T* v, const void* slots, bool wide,
                                       int64_t width, T* kc, T* vc) {
+  PriorGridsDone();
   const int64_t t = blockIdx.x;
   const int64_t slot = LoadIndex(slots, wide, t);
   if (slot < 0) return;  // a padding row
@@ -72,6 +73,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     AttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc, const T* vc,
                     T* out, float* part_m, float* part_l, float* part_acc) {
+  PriorGridsDone();
   __shared__ float q_s[kMaxHeadDim];
   __shared__ float scores[kChunk];
   __shared__ int64_t rows[kChunk];  // cache row (slot * Hk + kv head) of each key of the chunk
@@ -198,6 +200,7 @@ template <typename T>
 __global__ void __launch_bounds__(kTileThreads)
     TiledAttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc,
                          const T* vc, T* out) {
+  PriorGridsDone();
   constexpr int kKeys = TileShape<T>::kKeys, kStride = TileShape<T>::kStride;
   constexpr int kKeysPerLane = kKeys / 32;
   __shared__ float q_s[kTileQ][kTileMaxDim];
@@ -340,9 +343,9 @@ void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mappin
   if (t == 0) return;
   TGIS_DISPATCH_FLOAT(
       k.dtype(), op,
-      ReshapeAndCacheKernel<T><<<static_cast<unsigned>(t), RowThreads(width), 0, Stream()>>>(
-          k.data<T>(), v.data<T>(), slot_mapping.raw(), slot_mapping.dtype() == DType::kI64, width,
-          cache->k.data<T>(), cache->v.data<T>()));
+      Launch(ReshapeAndCacheKernel<T>, static_cast<unsigned>(t), RowThreads(width), k.data<T>(),
+             v.data<T>(), slot_mapping.raw(), slot_mapping.dtype() == DType::kI64, width,
+             cache->k.data<T>(), cache->v.data<T>()));
   TGIS_CUDA_LAUNCHED();
 }
 
@@ -429,18 +432,17 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
                     static_cast<unsigned>(hq));
     if (mma) {
       if (q.dtype() == DType::kBF16) {
-        MmaAttentionKernel<bf16>
-            <<<grid, kMmaThreads, 0, Stream()>>>(p, slopes, q.data<bf16>(), cache.k.data<bf16>(),
-                                                 cache.v.data<bf16>(), out->data<bf16>());
+        Launch(MmaAttentionKernel<bf16>, grid, kMmaThreads, p, slopes, q.data<bf16>(),
+               cache.k.data<bf16>(), cache.v.data<bf16>(), out->data<bf16>());
       } else {
-        MmaAttentionKernel<f16><<<grid, kMmaThreads, 0, Stream()>>>(
-            p, slopes, q.data<f16>(), cache.k.data<f16>(), cache.v.data<f16>(), out->data<f16>());
+        Launch(MmaAttentionKernel<f16>, grid, kMmaThreads, p, slopes, q.data<f16>(),
+               cache.k.data<f16>(), cache.v.data<f16>(), out->data<f16>());
       }
     } else {
       TGIS_DISPATCH_FLOAT(
           q.dtype(), op,
-          TiledAttentionKernel<T><<<grid, kTileThreads, 0, Stream()>>>(
-              p, slopes, q.data<T>(), cache.k.data<T>(), cache.v.data<T>(), out->data<T>()));
+          Launch(TiledAttentionKernel<T>, grid, kTileThreads, p, slopes, q.data<T>(),
+                 cache.k.data<T>(), cache.v.data<T>(), out->data<T>()));
     }
     TGIS_CUDA_LAUNCHED();
     if (shortest >= kTiledMinRows) return;
@@ -490,25 +492,24 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
     TGIS_DISPATCH_FLOAT(q.dtype(), op, {
       auto kernel =
           one_wave ? GroupedAttentionKernel<T, kGroupUnroll> : GroupedAttentionKernel<T, 1>;
-      kernel<<<grid, kGroupThreads, 0, Stream()>>>(
-          p, slopes, q.data<T>(), cache.k.data<T>(), cache.v.data<T>(), out->data<T>(),
-          m.data<float>(), l.data<float>(), acc.data<float>());
+      Launch(kernel, grid, kGroupThreads, p, slopes, q.data<T>(), cache.k.data<T>(),
+             cache.v.data<T>(), out->data<T>(), m.data<float>(), l.data<float>(),
+             acc.data<float>());
     });
   } else {
     const dim3 grid(static_cast<unsigned>(t), static_cast<unsigned>(hq),
                     static_cast<unsigned>(partitions));
     TGIS_DISPATCH_FLOAT(q.dtype(), op,
-                        AttentionKernel<T><<<grid, kThreads, 0, Stream()>>>(
-                            p, slopes, q.data<T>(), cache.k.data<T>(), cache.v.data<T>(),
-                            out->data<T>(), m.data<float>(), l.data<float>(), acc.data<float>()));
+                        Launch(AttentionKernel<T>, grid, kThreads, p, slopes, q.data<T>(),
+                               cache.k.data<T>(), cache.v.data<T>(), out->data<T>(),
+                               m.data<float>(), l.data<float>(), acc.data<float>()));
   }
   TGIS_CUDA_LAUNCHED();
   if (partitions > 1) {
     const dim3 cgrid(static_cast<unsigned>(t), static_cast<unsigned>(hq));
     TGIS_DISPATCH_FLOAT(q.dtype(), op,
-                        CombinePartitionsKernel<T>
-                        <<<cgrid, RowThreads(d), 0, Stream()>>>(p, m.data<float>(), l.data<float>(),
-                                                                acc.data<float>(), out->data<T>()));
+                        Launch(CombinePartitionsKernel<T>, cgrid, RowThreads(d), p, m.data<float>(),
+                               l.data<float>(), acc.data<float>(), out->data<T>()));
     TGIS_CUDA_LAUNCHED();
   }
 }

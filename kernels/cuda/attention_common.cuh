@@ -92,6 +92,7 @@ __device__ __forceinline__ bool LocateTile(const AttnParams& p, int tile_rows, i
 template <typename T>
 __global__ void CombinePartitionsKernel(const AttnParams p, const float* part_m,
                                         const float* part_l, const float* part_acc, T* out) {
+  PriorGridsDone();
   const int row = blockIdx.x, hq = p.hq, d = p.d, partitions = p.partitions;
   const int s = SequenceOfRow(p, row);
   if (p.query_start[s + 1] - p.query_start[s] >= p.tiled_min_rows) return;

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "kernels/check.h"
 #include "kernels/ops.h"
@@ -39,6 +40,48 @@ cudaStream_t Stream();
 // it, so every launch and copy is covered; code that touches CUDA before asking for the
 // stream (handle creation, memory queries) calls it first.
 void BindThread();
+
+// Programmatic dependent launch (Hopper and later): Launch lets a kernel's blocks start while
+// the kernel before it on the stream is still running, and the kernel calls PriorGridsDone
+// before it touches anything an earlier kernel writes or reads. That call waits for the
+// earlier kernels to complete (their memory visible) and lets the next kernel launch. A decode
+// step is ~300 kernels, many of them a few microseconds: the launch gap and each GEMV's ramp
+// up to the HBM's rate came between every two. Before the call a kernel may only read what no
+// kernel writes during a step (weights): the GEMVs issue their first weight loads there, so
+// those are in flight while the norm or attention before them finishes.
+//
+// Every kernel calls PriorGridsDone on every path, early returns included: a kernel that ended
+// without waiting would let the kernel after it overtake the one before. On older GPUs (and
+// when SetGpuProgrammaticLaunch turned it off) kernels launch in plain stream order and the
+// call does nothing.
+__device__ __forceinline__ void PriorGridsDone() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether Launch asks for programmatic dependent launch: the GPU has it (compute capability 9
+// or more) and SetGpuProgrammaticLaunch has not turned it off.
+bool ProgrammaticLaunch();
+
+// kernel<<<grid, block, 0, Stream()>>>(args...), with programmatic dependent launch where
+// ProgrammaticLaunch() says so. Launch errors are fatal (configuration errors: a bug).
+template <typename... Params, typename... Args>
+void Launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.stream = Stream();
+  cudaLaunchAttribute overlap{};
+  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap.val.programmaticStreamSerializationAllowed = 1;
+  if (ProgrammaticLaunch()) {
+    config.attrs = &overlap;
+    config.numAttrs = 1;
+  }
+  TGIS_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
 
 template <typename T>
 __device__ __forceinline__ float ToF32(T v);

@@ -16,6 +16,7 @@ int64_t Rows(const Tensor& t) { return t.numel() / std::max<int64_t>(1, t.dim(-1
 template <typename T>
 __global__ void EmbeddingKernel(const void* ids, bool wide, const T* weight, int64_t first,
                                 int64_t vocab, int64_t h, T* out) {
+  PriorGridsDone();
   const int64_t t = blockIdx.x;
   const int64_t id = LoadIndex(ids, wide, t) - first;
   T* o = out + t * h;
@@ -38,6 +39,7 @@ constexpr int kNormPerThread = 8;
 
 template <typename T>
 __global__ void RmsNormKernel(T* x, const T* y, const T* w, float eps, int64_t h, T* out) {
+  PriorGridsDone();
   __shared__ float scratch[32];
   T* xr = x + blockIdx.x * h;
   T* orow = out + blockIdx.x * h;
@@ -93,6 +95,7 @@ __global__ void RmsNormKernel(T* x, const T* y, const T* w, float eps, int64_t h
 
 template <typename T>
 __global__ void LayerNormKernel(const T* x, const T* w, const T* b, float eps, int64_t h, T* out) {
+  PriorGridsDone();
   __shared__ float scratch[32];
   const T* xr = x + blockIdx.x * h;
   T* orow = out + blockIdx.x * h;
@@ -113,6 +116,7 @@ __global__ void LayerNormKernel(const T* x, const T* w, const T* b, float eps, i
 
 template <typename T>
 __global__ void AddKernel(T* x, const T* y, int64_t n) {
+  PriorGridsDone();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     x[i] = FromF32<T>(ToF32(x[i]) + ToF32(y[i]));
@@ -136,6 +140,7 @@ __device__ float ActivateOne(Activation kind, float v) {
 template <typename T>
 __global__ void GatedActivationKernel(Activation kind, const T* gate_up, int64_t inter,
                                       int64_t rows, T* out) {
+  PriorGridsDone();
   const int64_t n = rows * inter;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -149,6 +154,7 @@ __global__ void GatedActivationKernel(Activation kind, const T* gate_up, int64_t
 
 template <typename T>
 __global__ void ActivateKernel(Activation kind, T* x, int64_t n) {
+  PriorGridsDone();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     x[i] = FromF32<T>(ActivateOne(kind, ToF32(x[i])));
@@ -157,6 +163,7 @@ __global__ void ActivateKernel(Activation kind, T* x, int64_t n) {
 
 template <typename T>
 __global__ void ClampKernel(float lo, float hi, T* x, int64_t n) {
+  PriorGridsDone();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     // NaN stays NaN, as torch.clamp has it (fminf/fmaxf alone would turn it into a bound and
@@ -168,6 +175,7 @@ __global__ void ClampKernel(float lo, float hi, T* x, int64_t n) {
 
 template <typename T>
 __global__ void SoftmaxKernel(T* x, int64_t n, bool log) {
+  PriorGridsDone();
   __shared__ float scratch[32];
   T* row = x + blockIdx.x * n;
   float mx = -INFINITY;
@@ -202,9 +210,9 @@ void EmbeddingRows(const Tensor& ids, const Tensor& weight, int64_t first_id, Te
   PrepareOut(out, {t, h}, weight.dtype(), op);
   if (t == 0) return;
   TGIS_DISPATCH_FLOAT(weight.dtype(), op,
-                      EmbeddingKernel<T><<<static_cast<unsigned>(t), RowThreads(h), 0, Stream()>>>(
-                          ids.raw(), ids.dtype() == DType::kI64, weight.data<T>(), first_id,
-                          weight.dim(0), h, out->data<T>()));
+                      Launch(EmbeddingKernel<T>, static_cast<unsigned>(t), RowThreads(h), ids.raw(),
+                             ids.dtype() == DType::kI64, weight.data<T>(), first_id, weight.dim(0),
+                             h, out->data<T>()));
   TGIS_CUDA_LAUNCHED();
 }
 
@@ -239,8 +247,8 @@ void LaunchRmsNorm(const Tensor& x, const Tensor* y, const Tensor& w, float eps,
   if (rows == 0) return;
   TGIS_DISPATCH_FLOAT(
       x.dtype(), op,
-      RmsNormKernel<T><<<static_cast<unsigned>(rows), RowThreads(h), 0, Stream()>>>(
-          x.data<T>(), y != nullptr ? y->data<T>() : nullptr, w.data<T>(), eps, h, out->data<T>()));
+      Launch(RmsNormKernel<T>, static_cast<unsigned>(rows), RowThreads(h), x.data<T>(),
+             y != nullptr ? y->data<T>() : nullptr, w.data<T>(), eps, h, out->data<T>()));
   TGIS_CUDA_LAUNCHED();
 }
 }  // namespace
@@ -266,8 +274,8 @@ void LayerNorm(const Tensor& x, const Tensor& w, const Tensor* bias, float eps, 
   if (rows == 0) return;
   TGIS_DISPATCH_FLOAT(
       x.dtype(), op,
-      LayerNormKernel<T><<<static_cast<unsigned>(rows), RowThreads(h), 0, Stream()>>>(
-          x.data<T>(), w.data<T>(), has_bias ? bias->data<T>() : nullptr, eps, h, out->data<T>()));
+      Launch(LayerNormKernel<T>, static_cast<unsigned>(rows), RowThreads(h), x.data<T>(),
+             w.data<T>(), has_bias ? bias->data<T>() : nullptr, eps, h, out->data<T>()));
   TGIS_CUDA_LAUNCHED();
 }
 
@@ -279,8 +287,7 @@ void AddInPlace(Tensor* x, const Tensor& y) {
   const int64_t n = x->numel();
   if (n == 0) return;
   TGIS_DISPATCH_FLOAT(x->dtype(), op,
-                      AddKernel<T>
-                      <<<StrideBlocks(n), 256, 0, Stream()>>>(x->data<T>(), y.data<T>(), n));
+                      Launch(AddKernel<T>, StrideBlocks(n), 256, x->data<T>(), y.data<T>(), n));
   TGIS_CUDA_LAUNCHED();
 }
 
@@ -292,8 +299,8 @@ void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
   PrepareOut(out, {rows, inter}, gate_up.dtype(), op);
   if (rows * inter == 0) return;
   TGIS_DISPATCH_FLOAT(gate_up.dtype(), op,
-                      GatedActivationKernel<T><<<StrideBlocks(rows * inter), 256, 0, Stream()>>>(
-                          kind, gate_up.data<T>(), inter, rows, out->data<T>()));
+                      Launch(GatedActivationKernel<T>, StrideBlocks(rows * inter), 256, kind,
+                             gate_up.data<T>(), inter, rows, out->data<T>()));
   TGIS_CUDA_LAUNCHED();
 }
 
@@ -303,8 +310,7 @@ void Activate(Activation kind, Tensor* x) {
   const int64_t n = x->numel();
   if (n == 0) return;
   TGIS_DISPATCH_FLOAT(x->dtype(), op,
-                      ActivateKernel<T>
-                      <<<StrideBlocks(n), 256, 0, Stream()>>>(kind, x->data<T>(), n));
+                      Launch(ActivateKernel<T>, StrideBlocks(n), 256, kind, x->data<T>(), n));
   TGIS_CUDA_LAUNCHED();
 }
 
@@ -314,8 +320,7 @@ void Clamp(float lo, float hi, Tensor* x) {
   const int64_t n = x->numel();
   if (n == 0) return;
   TGIS_DISPATCH_FLOAT(x->dtype(), op,
-                      ClampKernel<T>
-                      <<<StrideBlocks(n), 256, 0, Stream()>>>(lo, hi, x->data<T>(), n));
+                      Launch(ClampKernel<T>, StrideBlocks(n), 256, lo, hi, x->data<T>(), n));
   TGIS_CUDA_LAUNCHED();
 }
 
@@ -324,9 +329,9 @@ void SoftmaxRows(Tensor* x, bool log, const char* op) {
   CheckCudaFloat(*x, op, "x");
   const int64_t n = x->dim(-1), rows = Rows(*x);
   if (rows == 0 || n == 0) return;
-  TGIS_DISPATCH_FLOAT(x->dtype(), op,
-                      SoftmaxKernel<T><<<static_cast<unsigned>(rows), RowThreads(n), 0, Stream()>>>(
-                          x->data<T>(), n, log));
+  TGIS_DISPATCH_FLOAT(
+      x->dtype(), op,
+      Launch(SoftmaxKernel<T>, static_cast<unsigned>(rows), RowThreads(n), x->data<T>(), n, log));
   TGIS_CUDA_LAUNCHED();
 }
 }  // namespace

@@ -52,6 +52,7 @@ template <typename T, int kUnroll>
 __global__ void __launch_bounds__(kGroupThreads)
     GroupedAttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc,
                            const T* vc, T* out, float* part_m, float* part_l, float* part_acc) {
+  PriorGridsDone();
   constexpr int kPiece = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
   // The loop's buffers, then (after it) the key groups' partial outputs.
   union Shared {

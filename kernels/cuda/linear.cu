@@ -70,6 +70,7 @@ constexpr int kFallbackTile = 16;
 template <typename T, typename TOut>
 __global__ void FallbackGemmKernel(const T* w, const T* x, const T* bias, TOut* out, int64_t m,
                                    int64_t n, int64_t k) {
+  PriorGridsDone();
   __shared__ float xs[kFallbackTile][kFallbackTile + 1], ws[kFallbackTile][kFallbackTile + 1];
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t row = static_cast<int64_t>(blockIdx.y) * kFallbackTile + ty;  // of x and out
@@ -197,13 +198,11 @@ class Gemms {
     TGIS_DISPATCH_FLOAT(key.in, "Linear", {
       const T* bt = key.bias ? static_cast<const T*>(bias) : nullptr;
       if (key.out == DType::kF32) {
-        FallbackGemmKernel<T, float>
-            <<<grid, block, 0, Stream()>>>(static_cast<const T*>(w), static_cast<const T*>(x), bt,
-                                           static_cast<float*>(out), key.m, key.n, key.k);
+        Launch(FallbackGemmKernel<T, float>, grid, block, static_cast<const T*>(w),
+               static_cast<const T*>(x), bt, static_cast<float*>(out), key.m, key.n, key.k);
       } else {
-        FallbackGemmKernel<T, T>
-            <<<grid, block, 0, Stream()>>>(static_cast<const T*>(w), static_cast<const T*>(x), bt,
-                                           static_cast<T*>(out), key.m, key.n, key.k);
+        Launch(FallbackGemmKernel<T, T>, grid, block, static_cast<const T*>(w),
+               static_cast<const T*>(x), bt, static_cast<T*>(out), key.m, key.n, key.k);
       }
     });
     TGIS_CUDA_LAUNCHED();
@@ -327,6 +326,7 @@ __global__ void DequantizeKernel(const uint8_t* codes, int64_t code_row, int bit
                                  CodeValues values, const float* scales, const float* zeros,
                                  int64_t runs, const int32_t* block_run, const int32_t* gather,
                                  int64_t out, int64_t in, int64_t stored_in, T* dense) {
+  PriorGridsDone();
   __shared__ float table[16];
   const CodeTable v = LoadCodeTable(values, table);
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -361,6 +361,7 @@ __global__ void QuantizedGemvKernel(const uint8_t* codes, int64_t code_row, int 
                                     int64_t runs, const int32_t* block_run, const int32_t* gather,
                                     int64_t out, int64_t in, const T* x, int tokens, const T* bias,
                                     TOut* y) {
+  PriorGridsDone();
   __shared__ float table[16];
   const CodeTable v = LoadCodeTable(values, table);
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
@@ -402,6 +403,9 @@ __global__ void QuantizedGemvKernel(const uint8_t* codes, int64_t code_row, int 
 // once). Without that, ptxas sank each load next to its use to save registers (2 of 4 in
 // flight, SASS showed), and batch-1 decode of the 8B shape ran at 13.5 ms/token against
 // cuBLASLt's 9.0 on the H100.
+// PriorGridsDone comes after the first kUnroll loads (a weight is no kernel's output): with
+// programmatic dependent launch they are in flight while the kernel before (a norm, attention,
+// the gated activation) finishes, and accumulate, which reads x, runs after it.
 template <int kUnroll, typename Accumulate>
 __device__ __forceinline__ void StreamRow(const uint4* row, int64_t vecs, int lane,
                                           Accumulate&& accumulate) {
@@ -412,6 +416,7 @@ __device__ __forceinline__ void StreamRow(const uint4* row, int64_t vecs, int la
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) cur[u] = __ldcs(row + lane + 32 * u);
   }
+  PriorGridsDone();
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t v = c * kChunk + lane;
     uint4 next[kUnroll];
@@ -497,7 +502,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   const CodeTable v = LoadCodeTable(values, table);
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (n >= out) return;  // the whole warp
+  if (n >= out) {  // the whole warp
+    PriorGridsDone();
+    return;
+  }
   const float* row_scale = scales + n * runs;
   const float* row_zero = zeros + n * runs;
   float acc[kTokens] = {};
@@ -520,6 +528,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 template <typename T>
 __global__ void GatherColumnsKernel(const T* x, int64_t in, const int32_t* gather,
                                     int64_t stored_in, T* xs) {
+  PriorGridsDone();
   const int64_t t = blockIdx.y;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < stored_in;
        j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -554,9 +563,8 @@ void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, co
     Tensor gathered;
     if (wide && q.gather.defined()) {
       gathered = Tensor::Empty({tokens, q.stored_in}, x.dtype(), Device::kCuda);
-      GatherColumnsKernel<T>
-          <<<dim3(Blocks(q.stored_in, 256), static_cast<unsigned>(tokens)), 256, 0, Stream()>>>(
-              x.data<T>(), q.in, q.gather.data<int32_t>(), q.stored_in, gathered.data<T>());
+      Launch(GatherColumnsKernel<T>, dim3(Blocks(q.stored_in, 256), static_cast<unsigned>(tokens)),
+             256, x.data<T>(), q.in, q.gather.data<int32_t>(), q.stored_in, gathered.data<T>());
       xs = gathered.data<T>();
       xs_in = q.stored_in;
     }
@@ -564,18 +572,17 @@ void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, co
       using TOut = std::remove_pointer_t<decltype(y)>;
       const int k = static_cast<int>(tokens);
       if (!wide) {
-        QuantizedGemvKernel<T, TOut><<<blocks, kGemvWarps * 32, 0, Stream()>>>(
-            q.codes.data<uint8_t>(), q.codes.dim(1), q.bits, CodeValuesOf(q),
-            q.scales.data<float>(), q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(),
-            q.gather.defined() ? q.gather.data<int32_t>() : nullptr, q.out, q.in, x.data<T>(), k, b,
-            y);
+        Launch(QuantizedGemvKernel<T, TOut>, blocks, kGemvWarps * 32, q.codes.data<uint8_t>(),
+               q.codes.dim(1), q.bits, CodeValuesOf(q), q.scales.data<float>(),
+               q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(),
+               q.gather.defined() ? q.gather.data<int32_t>() : nullptr, q.out, q.in, x.data<T>(), k,
+               b, y);
         return;
       }
       auto go = [&](auto kernel) {
-        kernel<<<blocks, kGemvWarps * 32, 0, Stream()>>>(
-            q.codes.data<uint8_t>(), q.codes.dim(1), CodeValuesOf(q), q.scales.data<float>(),
-            q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(), q.out, xs_in, xs, k, b,
-            y);
+        Launch(kernel, blocks, kGemvWarps * 32, q.codes.data<uint8_t>(), q.codes.dim(1),
+               CodeValuesOf(q), q.scales.data<float>(), q.zeros.data<float>(), q.runs(),
+               q.block_run.data<int32_t>(), q.out, xs_in, xs, k, b, y);
       };
       // One accumulator for batch-1 decode; eight or sixteen for the rest.
       if (q.bits == 4 && k == 1) {
@@ -636,7 +643,10 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   constexpr int kVec = 16 / sizeof(T);
   const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (n >= out) return;  // the whole warp: n is the same for its lanes
+  if (n >= out) {  // the whole warp: n is the same for its lanes
+    PriorGridsDone();
+    return;
+  }
   float acc[kTokens] = {};
   StreamRow<4>(reinterpret_cast<const uint4*>(w + n * in), in / kVec, lane,
                [&](const uint4& wv, int64_t v) {
@@ -668,8 +678,7 @@ void DenseGemv(const Tensor& w, const Tensor& x, int64_t tokens, const Tensor* b
       using TOut = std::remove_pointer_t<decltype(y)>;
       const int k = static_cast<int>(tokens);
       auto go = [&](auto kernel) {
-        kernel<<<blocks, kGemvWarps * 32, 0, Stream()>>>(w.data<T>(), out_f, in, x.data<T>(), k, b,
-                                                         y);
+        Launch(kernel, blocks, kGemvWarps * 32, w.data<T>(), out_f, in, x.data<T>(), k, b, y);
       };
       if (k == 1) {
         go(DenseGemvKernel<T, TOut, 1>);
@@ -704,11 +713,10 @@ Tensor DequantizeOnDevice(const QuantizedWeight& q, DType dtype) {
                   static_cast<unsigned>(std::min<int64_t>(q.out, 65535)));
   TGIS_DISPATCH_FLOAT(
       dtype, "Linear",
-      DequantizeKernel<T><<<grid, threads, 0, Stream()>>>(
-          q.codes.data<uint8_t>(), q.codes.dim(1), q.bits, CodeValuesOf(q), q.scales.data<float>(),
-          q.zeros.data<float>(), q.runs(), q.block_run.data<int32_t>(),
-          q.gather.defined() ? q.gather.data<int32_t>() : nullptr, q.out, q.in, q.stored_in,
-          dense.data<T>()));
+      Launch(DequantizeKernel<T>, grid, threads, q.codes.data<uint8_t>(), q.codes.dim(1), q.bits,
+             CodeValuesOf(q), q.scales.data<float>(), q.zeros.data<float>(), q.runs(),
+             q.block_run.data<int32_t>(), q.gather.defined() ? q.gather.data<int32_t>() : nullptr,
+             q.out, q.in, q.stored_in, dense.data<T>()));
   TGIS_CUDA_LAUNCHED();
   return dense;
 }

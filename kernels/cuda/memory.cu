@@ -14,6 +14,7 @@ namespace {
 
 std::atomic<int> g_device{-1};   // the GPU SetDevice chose; -1: none chosen (the runtime's 0)
 thread_local int t_device = -1;  // the GPU this thread is bound to
+std::atomic<bool> g_programmatic_off{false};  // SetProgrammaticLaunch(false)
 
 }  // namespace
 
@@ -40,6 +41,22 @@ cudaStream_t Stream() {
     return s;
   }();
   return stream;
+}
+
+bool ProgrammaticLaunch() {
+  static const bool capable = [] {  // one GPU a process
+    BindThread();
+    int device = 0, major = 0;
+    TGIS_CUDA_CHECK(cudaGetDevice(&device));
+    TGIS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    return major >= 9;
+  }();
+  return capable && !g_programmatic_off.load(std::memory_order_relaxed);
+}
+
+bool SetProgrammaticLaunch(bool on) {
+  g_programmatic_off.store(!on, std::memory_order_relaxed);
+  return ProgrammaticLaunch();
 }
 
 int DeviceCount() {

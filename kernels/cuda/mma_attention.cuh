@@ -40,6 +40,7 @@ template <typename T>
 __global__ void __launch_bounds__(kMmaThreads)
     MmaAttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc,
                        const T* vc, T* out) {
+  PriorGridsDone();
   struct alignas(16) Staged {
     T k[kMmaKeys][kMmaStride];
     T v[kMmaKeys][kMmaStride];

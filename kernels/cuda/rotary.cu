@@ -43,6 +43,7 @@ __device__ __forceinline__ void RotatePair(T* x, int i1, int i2, float c, float 
 template <typename T>
 __global__ void RotaryKernel(const InvFreq inv, int half, bool neox, const void* positions,
                              bool wide, T* q, int hq, T* k, int hk, int d) {
+  PriorGridsDone();
   const int64_t t = blockIdx.x;
   const float pos = static_cast<float>(LoadIndex(positions, wide, t));
   const int pairs = (hq + hk) * half;
@@ -66,6 +67,7 @@ template <typename T>
 __global__ void QkvToCacheKernel(const InvFreq inv, int rot, bool neox, const void* positions,
                                  bool pos_wide, const void* slots, bool slot_wide, const T* qkv,
                                  T* q, T* kc, T* vc, int hq, int hk, int d) {
+  PriorGridsDone();
   const int64_t t = blockIdx.x;
   const int q_width = hq * d, kv_width = hk * d, width = q_width + 2 * kv_width;
   const int64_t slot = LoadIndex(slots, slot_wide, t);
@@ -132,10 +134,11 @@ void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor*
   // single SM (8 us of latency on the H100 for 2560 pairs).
   constexpr int kThreads = 256;
   const dim3 grid(static_cast<unsigned>(t), Blocks((hq + hk) * half, kThreads));
-  TGIS_DISPATCH_FLOAT(q->dtype(), op,
-                      RotaryKernel<T><<<grid, kThreads, 0, Stream()>>>(
-                          inv, half, cfg.style == RotaryStyle::kNeox, positions.raw(),
-                          positions.dtype() == DType::kI64, q->data<T>(), hq, k->data<T>(), hk, d));
+  TGIS_DISPATCH_FLOAT(
+      q->dtype(), op,
+      Launch(RotaryKernel<T>, grid, kThreads, inv, half, cfg.style == RotaryStyle::kNeox,
+             positions.raw(), positions.dtype() == DType::kI64, q->data<T>(), hq, k->data<T>(), hk,
+             d));
   TGIS_CUDA_LAUNCHED();
 }
 
@@ -167,12 +170,12 @@ void QkvToCache(const Tensor& qkv, const RotaryConfig* rotary, const Tensor& pos
   constexpr int kThreads = 256;
   const dim3 grid(static_cast<unsigned>(t), Blocks((hq + 2 * hk) * d, kThreads));
   TGIS_DISPATCH_FLOAT(qkv.dtype(), op,
-                      QkvToCacheKernel<T><<<grid, kThreads, 0, Stream()>>>(
-                          inv, rot, rotary == nullptr || rotary->style == RotaryStyle::kNeox,
-                          rotary != nullptr ? positions.raw() : nullptr,
-                          rotary != nullptr && positions.dtype() == DType::kI64, slot_mapping.raw(),
-                          slot_mapping.dtype() == DType::kI64, qkv.data<T>(), q->data<T>(),
-                          cache->k.data<T>(), cache->v.data<T>(), hq, hk, d));
+                      Launch(QkvToCacheKernel<T>, grid, kThreads, inv, rot,
+                             rotary == nullptr || rotary->style == RotaryStyle::kNeox,
+                             rotary != nullptr ? positions.raw() : nullptr,
+                             rotary != nullptr && positions.dtype() == DType::kI64,
+                             slot_mapping.raw(), slot_mapping.dtype() == DType::kI64, qkv.data<T>(),
+                             q->data<T>(), cache->k.data<T>(), cache->v.data<T>(), hq, hk, d));
   TGIS_CUDA_LAUNCHED();
 }
 

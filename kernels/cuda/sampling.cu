@@ -12,6 +12,7 @@ namespace tgis::kernels::cuda {
 namespace {
 
 __global__ void BanKernel(float* logits, int64_t v, const void* banned, bool wide, int m) {
+  PriorGridsDone();
   const int64_t r = blockIdx.x;
   for (int j = threadIdx.x; j < m; j += blockDim.x) {
     const int64_t t = LoadIndex(banned, wide, r * m + j);
@@ -21,6 +22,7 @@ __global__ void BanKernel(float* logits, int64_t v, const void* banned, bool wid
 
 __global__ void RepetitionPenaltyKernel(float* logits, int64_t v, const void* tokens, bool wide,
                                         int m, const float* penalties) {
+  PriorGridsDone();
   const int64_t r = blockIdx.x;
   const float p = penalties[r];
   if (p == 1.0f) return;
@@ -56,6 +58,7 @@ struct GreedyPart {
 };
 
 __global__ void GreedyPartKernel(const float* logits, int64_t v, int64_t span, GreedyPart* parts) {
+  PriorGridsDone();
   __shared__ float best_v[32];
   __shared__ int best_i[32];
   __shared__ float scratch[32];
@@ -92,6 +95,7 @@ __global__ void GreedyPartKernel(const float* logits, int64_t v, int64_t span, G
 }
 
 __global__ void GreedyCombineKernel(const GreedyPart* parts, int count, int* ids, float* logprobs) {
+  PriorGridsDone();
   const GreedyPart* row = parts + blockIdx.x * count;
   float bv = -INFINITY;
   int bi = 0x7fffffff, bad = 0;
@@ -130,9 +134,9 @@ void RepetitionPenalty(Tensor* logits, const Tensor& tokens, const Tensor& penal
              "%s: tokens [R, M] and CUDA f32 penalties [R]", op);
   const int64_t rows = logits->dim(0);
   if (rows == 0 || tokens.dim(1) == 0) return;
-  RepetitionPenaltyKernel<<<static_cast<unsigned>(rows), 256, 0, Stream()>>>(
-      logits->data<float>(), logits->dim(1), tokens.raw(), tokens.dtype() == DType::kI64,
-      static_cast<int>(tokens.dim(1)), penalties.data<float>());
+  Launch(RepetitionPenaltyKernel, static_cast<unsigned>(rows), 256, logits->data<float>(),
+         logits->dim(1), tokens.raw(), tokens.dtype() == DType::kI64,
+         static_cast<int>(tokens.dim(1)), penalties.data<float>());
   TGIS_CUDA_LAUNCHED();
 }
 
@@ -148,9 +152,8 @@ void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logpr
   if (banned.defined() && banned.numel() > 0) {
     CheckCudaIndex(banned, op, "banned");
     TGIS_CHECK(banned.rank() == 2 && banned.dim(0) == rows, "%s: banned must be [R, M]", op);
-    BanKernel<<<static_cast<unsigned>(rows), 32, 0, Stream()>>>(
-        logits->data<float>(), v, banned.raw(), banned.dtype() == DType::kI64,
-        static_cast<int>(banned.dim(1)));
+    Launch(BanKernel, static_cast<unsigned>(rows), 32, logits->data<float>(), v, banned.raw(),
+           banned.dtype() == DType::kI64, static_cast<int>(banned.dim(1)));
     TGIS_CUDA_LAUNCHED();
   }
   const int64_t count =
@@ -159,11 +162,11 @@ void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logpr
   Tensor parts = Tensor::Empty({rows, count, static_cast<int64_t>(sizeof(GreedyPart))}, DType::kU8,
                                Device::kCuda);
   auto* part = reinterpret_cast<GreedyPart*>(parts.raw());
-  GreedyPartKernel<<<dim3(static_cast<unsigned>(count), static_cast<unsigned>(rows)), 256, 0,
-                     Stream()>>>(logits->data<float>(), v, span, part);
+  Launch(GreedyPartKernel, dim3(static_cast<unsigned>(count), static_cast<unsigned>(rows)), 256,
+         logits->data<float>(), v, span, part);
   TGIS_CUDA_LAUNCHED();
-  GreedyCombineKernel<<<static_cast<unsigned>(rows), 32, 0, Stream()>>>(
-      part, static_cast<int>(count), ids->data<int>(), logprobs->data<float>());
+  Launch(GreedyCombineKernel, static_cast<unsigned>(rows), 32, part, static_cast<int>(count),
+         ids->data<int>(), logprobs->data<float>());
   TGIS_CUDA_LAUNCHED();
 }
 
@@ -184,9 +187,9 @@ void TopLogits(const Tensor& logits, const Tensor& rows, const Tensor& temperatu
   PrepareOut(ids, {s, count}, DType::kI32, op);
   PrepareOut(stats, {s, 2}, DType::kF32, op);
   if (s == 0) return;
-  TopLogitsKernel<<<static_cast<unsigned>(s), kTopThreads, 0, Stream()>>>(
-      logits.data<float>(), v, rows.data<int>(), temperatures.data<float>(),
-      static_cast<int>(count), values->data<float>(), ids->data<int>(), stats->data<float>());
+  Launch(TopLogitsKernel, static_cast<unsigned>(s), kTopThreads, logits.data<float>(), v,
+         rows.data<int>(), temperatures.data<float>(), static_cast<int>(count),
+         values->data<float>(), ids->data<int>(), stats->data<float>());
   TGIS_CUDA_LAUNCHED();
 }
 

@@ -59,6 +59,7 @@ __device__ __forceinline__ int TopBlockScan(int v, int* scan) {
 __global__ void __launch_bounds__(kTopThreads)
     TopLogitsKernel(const float* logits, int64_t v, const int* rows, const float* temperatures,
                     int count, float* values, int* ids, float* stats) {
+  PriorGridsDone();
   constexpr int kBins = 2048;
   __shared__ int hist[kBins];
   __shared__ int scan[kTopThreads];

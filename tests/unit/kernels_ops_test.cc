@@ -2269,6 +2269,49 @@ TEST(CudaDevice, EveryThreadWorksOnTheSelectedGpu) {
 #endif
 }
 
+// Programmatic dependent launch lets a kernel start while the one before it runs; each kernel
+// waits (PriorGridsDone) before it touches what an earlier one wrote, and the decode GEMVs load
+// their first weights before that wait. A kernel that read too early would race: a chain of
+// decode-shaped layers (residual add and norm, a GEMV, the gated activation, a GEMV, each op
+// reading the one before) gives the same bits with it on as off.
+TEST(CudaDevice, ProgrammaticLaunchChangesNoResult) {
+#ifdef TGIS_WITH_CUDA
+  if (cuda::DeviceCount() == 0) GTEST_SKIP() << "CUDA not built/available";
+  if (!cuda::SetProgrammaticLaunch(true)) {
+    GTEST_SKIP() << "this GPU has no programmatic dependent launch (compute capability < 9)";
+  }
+  const int64_t h = 1024, inter = 2816;
+  auto on_gpu = [](const std::vector<float>& v, const Shape& shape) {
+    return Tensor::FromVector(v, shape).To(DType::kBF16).ToDevice(Device::kCuda);
+  };
+  const Tensor norm = on_gpu(Random(h, 301, 0.5f, 1.5f), {h});
+  const Tensor gate_up = on_gpu(Random(2 * inter * h, 302, -0.05f, 0.05f), {2 * inter, h});
+  const Tensor down = on_gpu(Random(h * inter, 303, -0.05f, 0.05f), {h, inter});
+  auto run = [&](bool pdl) {
+    cuda::SetProgrammaticLaunch(pdl);
+    Tensor residual = on_gpu(Random(h, 304), {1, h});
+    Tensor x = on_gpu(Random(h, 305), {1, h});
+    for (int layer = 0; layer < 32; ++layer) {
+      Tensor normed, gu, act, next;
+      AddRmsNorm(&residual, x, norm, 1e-5f, &normed);
+      Linear(normed, gate_up, nullptr, &gu);
+      GatedActivation(Activation::kSilu, gu, &act);
+      Linear(act, down, nullptr, &next);
+      x = next;
+    }
+    std::vector<float> out = OpsTest::Host(x), res = OpsTest::Host(residual);
+    out.insert(out.end(), res.begin(), res.end());
+    return out;
+  };
+  const std::vector<float> off = run(false), on = run(true);
+  cuda::SetProgrammaticLaunch(true);
+  ASSERT_EQ(on.size(), off.size());
+  for (size_t i = 0; i < on.size(); ++i) ASSERT_EQ(on[i], off[i]) << "element " << i;
+#else
+  GTEST_SKIP() << "CUDA not built/available";
+#endif
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Kernels, OpsTest,
     ::testing::Values(OpsParam{Device::kCpu, DType::kF32}, OpsParam{Device::kCpu, DType::kBF16},

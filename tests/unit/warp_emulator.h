@@ -170,6 +170,8 @@ inline Slot* Exchange(const Slot& mine, const char* what) {
 
 inline void __syncthreads() { emu::g_block->block.Wait("__syncthreads"); }
 inline void __syncwarp() { emu::g_block->warps[emu::Warp()]->Wait("__syncwarp"); }
+// Grids run one after another here: nothing to wait for (common.cuh's programmatic launch).
+inline void PriorGridsDone() {}
 
 template <typename T>
 T __shfl_xor_sync(unsigned /*mask: the kernels use full warps*/, T v, int m) {
