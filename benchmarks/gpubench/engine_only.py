@@ -20,7 +20,8 @@ dependent launch off (engine_bench --cuda-pdl false): kernels in plain stream or
 they ran before it, for the ratio in the same run.
 
 --quantize M1,M2 also times batch-1 decode with each of the shard's --quantize methods applied
-at load (bitsandbytes: int8 rows; bitsandbytes-nf4: 4-bit codes), against bf16's ms/token.
+at load (bitsandbytes: int8 rows; bitsandbytes-nf4: 4-bit codes), against bf16's ms/token
+(with --graphs, eager and in graphs; with --ncu, the first method is profiled too).
 
 --ncu also runs a short engine_bench (16-token prompt, 3 decode steps) under Nsight Compute
 with one metric, the GPU time of every kernel, into $OUT/ncu.csv (or /tmp): the sum over a
@@ -101,12 +102,21 @@ def main(argv: list[str]) -> int:
                     log(f"programmatic launch: {ms:.2f} -> "
                         f"{results['decode_ms_per_token_graphs']:.2f} ms/token with graphs")
     if "--quantize" in argv:
+        # With --graphs, in graphs too: the ratio to bf16 is then free of launch overhead.
+        graphs = ["--cuda-graphs", "true"] if "--graphs" in argv else []
         for method in argv[argv.index("--quantize") + 1].split(","):
             ms = decode_ms(["--quantize", method], what=f"--quantize {method}")
             if ms is not None:
                 results[f"decode_ms_per_token_{method}"] = ms
                 if results.get("decode_ms_per_token"):
                     log(f"--quantize {method}: {results['decode_ms_per_token'] / ms:.2f}x bf16")
+            if graphs:
+                ms = decode_ms(["--quantize", method] + graphs, what=f"--quantize {method}, graphs")
+                if ms is not None:
+                    results[f"decode_ms_per_token_{method}_graphs"] = ms
+                    if results.get("decode_ms_per_token_graphs"):
+                        log(f"--quantize {method} with graphs: "
+                            f"{results['decode_ms_per_token_graphs'] / ms:.2f}x bf16")
     if "--prefill" in argv:  # --prefill N: time to first token of an N-token prompt, alone
         n = argv[argv.index("--prefill") + 1]
         q = subprocess.run([cmd[0], str(model_dir), "--device", "cuda", "--dtype", "bfloat16",
@@ -134,14 +144,21 @@ def main(argv: list[str]) -> int:
         if ncu is None:
             log("--ncu: no ncu found")
         else:
-            prof = [ncu, "--metrics", "gpu__time_duration.sum", "--csv", "--log-file", str(csv),
-                    cmd[0], str(model_dir), "--device", "cuda", "--dtype", "bfloat16",
-                    "--prompt", "16", "--steps", "3", "--batches", "1"]
-            log(" ".join(prof))
-            q = subprocess.run(prof, capture_output=True, text=True, timeout=300)
-            print(q.stdout[-3000:] + q.stderr[-2000:], flush=True)
-            if csv.exists():
-                print(summarize(csv), flush=True)
+            # bf16, and with --quantize the first method too (where its GEMVs' time goes).
+            runs = [("", [])]
+            if "--quantize" in argv:
+                first = argv[argv.index("--quantize") + 1].split(",")[0]
+                runs.append((f"-{first}", ["--quantize", first]))
+            for suffix, extra in runs:
+                out = csv.with_name(f"ncu{suffix}.csv")
+                prof = [ncu, "--metrics", "gpu__time_duration.sum", "--csv", "--log-file",
+                        str(out), cmd[0], str(model_dir), "--device", "cuda", "--dtype",
+                        "bfloat16", "--prompt", "16", "--steps", "3", "--batches", "1"] + extra
+                log(" ".join(prof))
+                q = subprocess.run(prof, capture_output=True, text=True, timeout=300)
+                print(q.stdout[-3000:] + q.stderr[-2000:], flush=True)
+                if out.exists():
+                    print(summarize(out), flush=True)
     if "--no-hf" not in argv:
         args = SimpleNamespace(ttft_lengths=[128, 2048], ttft_runs=3, decode_prompt=128,
                                decode_tokens=256, hf_batch=16, level_prompt=1000,
