@@ -403,9 +403,10 @@ __global__ void QuantizedGemvKernel(const uint8_t* codes, int64_t code_row, int 
 // once). Without that, ptxas sank each load next to its use to save registers (2 of 4 in
 // flight, SASS showed), and batch-1 decode of the 8B shape ran at 13.5 ms/token against
 // cuBLASLt's 9.0 on the H100.
-// PriorGridsDone comes after the first kUnroll loads (a weight is no kernel's output): with
-// programmatic dependent launch they are in flight while the kernel before (a norm, attention,
-// the gated activation) finishes, and accumulate, which reads x, runs after it.
+// PriorGridsDone comes after the first kUnroll loads and a prefetch of the chunk after them into
+// L2 (a weight is no kernel's output): with programmatic dependent launch two chunks a warp
+// (4 KB of a bf16 row) stream from the HBM while the kernel before (a norm, attention, the
+// gated activation) finishes, and accumulate, which reads x, runs after it.
 template <int kUnroll, typename Accumulate>
 __device__ __forceinline__ void StreamRow(const uint4* row, int64_t vecs, int lane,
                                           Accumulate&& accumulate) {
@@ -415,6 +416,10 @@ __device__ __forceinline__ void StreamRow(const uint4* row, int64_t vecs, int la
   if (chunks > 0) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) cur[u] = __ldcs(row + lane + 32 * u);
+  }
+  constexpr int kLines = kChunk * 16 / 128;  // 128-byte lines a chunk: one a lane
+  if (chunks > 1 && lane < kLines) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + kChunk + lane * 8));
   }
   PriorGridsDone();
   for (int64_t c = 0; c < chunks; ++c) {
