@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "kernels/check.h"
+#include "kernels/cuda/warp_reduce.cuh"
 #include "kernels/ops.h"
 #include "kernels/tensor.h"
 
@@ -59,6 +60,11 @@ __device__ __forceinline__ void PriorGridsDone() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// Asks the L2 to fetch the 128-byte line at p (global memory) ahead of its loads.
+__device__ __forceinline__ void PrefetchL2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // Whether Launch asks for programmatic dependent launch: the GPU has it (compute capability 9
@@ -120,14 +126,6 @@ __device__ __forceinline__ int64_t LoadIndex(const void* p, bool wide, int64_t i
 
 // Sum and max over a block (blockDim.x a multiple of 32, at most 1024). Every thread gets the
 // result. `scratch` is 32 floats of shared memory, reusable after the call returns.
-__device__ __forceinline__ float WarpSum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float WarpMax(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
 template <bool kMax>
 __device__ __forceinline__ float BlockReduce(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -1,7 +1,9 @@
 // Linear on CUDA through cuBLASLt: out = x @ w^T (+ bias in the GEMM's epilogue, as PyTorch's
 // addmm does), f32 accumulation. Inputs share one dtype; the output is that dtype or f32 (the
 // logits, which sampling wants unrounded). Plans (layouts and the heuristic's algorithm) are
-// cached per shape, so a step's GEMMs cost no planning after the first time.
+// cached per shape, so a step's GEMMs cost no planning after the first time. Calls of a few rows
+// (decode) take the GEMVs of gemv.cuh instead, dense or quantized; more rows on a quantized
+// weight dequantize it for the GEMM.
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -14,6 +16,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gemv.cuh"
 #include "kernels/cuda_ops.h"
 #include "kernels/quantized.h"
 
@@ -223,20 +226,6 @@ uint32_t Alignment(std::initializer_list<const void*> ptrs) {
   return static_cast<uint32_t>(bits & (~bits + 1));
 }
 
-// float8 e4m3fn to f32 as kernels::Fp8E4M3ToF32 (the loader rejects NaN codes).
-__device__ inline float Fp8E4M3ToF32Device(uint32_t v) {
-  const uint32_t bits = ((v & 0x7F) << 20) | ((v & 0x80) << 24);
-  return __uint_as_float(bits) * 0x1p120f;
-}
-
-// What a code stands for before its zero and scale: the integer itself, a float8 e4m3 value,
-// or an entry of a 16-value table (QuantizedWeight::codebook); passed to kernels by value and
-// read by them through CodeTable.
-struct CodeValues {
-  enum Kind { kInteger, kFp8, kTable } kind = kInteger;
-  float table[16] = {};
-};
-
 CodeValues CodeValuesOf(const QuantizedWeight& q) {
   CodeValues v;
   if (!q.codebook.empty()) {
@@ -246,77 +235,6 @@ CodeValues CodeValuesOf(const QuantizedWeight& q) {
     v.kind = CodeValues::kFp8;
   }
   return v;
-}
-
-// A kernel's view of CodeValues, its table in shared memory: a by-value parameter indexed by
-// a run-time code is copied to local memory by every thread, and on the H100 that made nf4
-// decode four times slower than int8. Call from every thread of the block, before any returns.
-struct CodeTable {
-  CodeValues::Kind kind;
-  const float* table;
-};
-
-__device__ __forceinline__ CodeTable LoadCodeTable(const CodeValues& values, float* shared) {
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) shared[i] = values.table[i];
-  }
-  __syncthreads();
-  return {values.kind, shared};
-}
-
-// 2^23 + c for a small integer c as float bits: the integer's value as (bits - 2^23) with
-// integer operations and one exact subtraction, where I2F would take the conversion unit (an
-// eighth of the FMA rate on the H100, and what bounded int8 decode there).
-constexpr uint32_t kMagicBits = 0x4B000000u;
-constexpr float kMagic = 8388608.0f;
-
-__device__ __forceinline__ float CodeValue(const CodeTable& v, uint32_t code) {
-  return v.kind == CodeValues::kTable ? v.table[code & 15]
-         : v.kind == CodeValues::kFp8 ? Fp8E4M3ToF32Device(code)
-                                      : __uint_as_float(kMagicBits | code) - kMagic;
-}
-
-// The values of the eight codes of one 8-column block: `lo` holds them (4-bit) or the first
-// four (8-bit, `hi` the other four). The kind is tested once per block, not per code; a table
-// comes with 4-bit codes only and float8 with 8-bit ones (QuantizedGemv checks).
-template <int kBits>
-__device__ __forceinline__ void BlockCodeValues(const CodeTable& v, uint32_t lo, uint32_t hi,
-                                                float* out) {
-  if (v.kind == CodeValues::kInteger) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t bits = kBits == 8 ? __byte_perm(i < 4 ? lo : hi, 0x4B00u, 0x5440u + i % 4)
-                                       : kMagicBits | ((lo >> (4 * i)) & 0xF);
-      out[i] = __uint_as_float(bits) - kMagic;
-    }
-  } else if constexpr (kBits == 4) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = v.table[(lo >> (4 * i)) & 0xF];
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      out[i] = Fp8E4M3ToF32Device(((i < 4 ? lo : hi) >> (8 * (i % 4))) & 0xFF);
-  }
-}
-
-// Rounds eight f32 values to T and back, two to a conversion (cvt.rn.bf16x2.f32 / f16x2): the
-// weight x's dtype stands for, as the dequantize-then-GEMM path writes it.
-template <typename T>
-__device__ __forceinline__ void RoundThrough(float* w) {
-  if constexpr (std::is_same_v<T, bf16>) {
-#pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-      const __nv_bfloat162 r = __floats2bfloat162_rn(w[i], w[i + 1]);
-      w[i] = __low2float(r), w[i + 1] = __high2float(r);
-    }
-  } else if constexpr (std::is_same_v<T, f16>) {
-#pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-      const float2 r = __half22float2(__floats2half2_rn(w[i], w[i + 1]));
-      w[i] = r.x, w[i + 1] = r.y;
-    }
-  }
 }
 
 // dense[n, gather(j)] = (code[n, j] - zero[n, run(j)]) * scale[n, run(j)] (kernels/quantized.h's
@@ -339,191 +257,6 @@ __global__ void DequantizeKernel(const uint8_t* codes, int64_t code_row, int bit
     const uint32_t code = bits == 8 ? row[j] : (row[j / 2] >> (4 * (j % 2))) & 0xF;
     const int64_t r = n * runs + run;
     dense[n * in + col] = FromF32<T>((CodeValue(v, code) - zeros[r]) * scales[r]);
-  }
-}
-
-// Decode-sized calls (at most kQuantizedGemvTokens rows of x) on a quantized weight: out[t, n] =
-// sum over stored columns j of x[t, gather(j)] * w(n, j) (+ bias[n]), where w(n, j) is the
-// value DequantizeKernel would write (dequantized in f32, rounded to x's dtype), multiplied and
-// summed in f32: what the dequantize-then-GEMM path computes, up to the order of the sum, while
-// reading each code once (4-bit: a quarter of the bytes of a bf16 weight) and allocating
-// nothing. One warp per output row; lane l reads 4 code bytes at a time, so each warp load is
-// 128 contiguous bytes of the row, and every 4 bytes lie in one 8-column block (one run).
-// 16 tokens: batch-16 decode dequantized every weight per step before (141 ms a step for the
-// 8B shape on the H100, against 8.7 in bf16).
-constexpr int kGemvTokens = 8;
-constexpr int kQuantizedGemvTokens = 16;
-constexpr int kGemvWarps = 8;  // output rows per thread block
-
-template <typename T, typename TOut>
-__global__ void QuantizedGemvKernel(const uint8_t* codes, int64_t code_row, int bits,
-                                    CodeValues values, const float* scales, const float* zeros,
-                                    int64_t runs, const int32_t* block_run, const int32_t* gather,
-                                    int64_t out, int64_t in, const T* x, int tokens, const T* bias,
-                                    TOut* y) {
-  PriorGridsDone();
-  __shared__ float table[16];
-  const CodeTable v = LoadCodeTable(values, table);
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (n >= out) return;  // the whole warp: n is the same for its lanes
-  const uint32_t* row = reinterpret_cast<const uint32_t*>(codes + n * code_row);
-  const float* row_scale = scales + n * runs;
-  const float* row_zero = zeros + n * runs;
-  const int per_word = bits == 8 ? 4 : 8;
-  const int64_t words = code_row / 4;
-  float acc[kQuantizedGemvTokens] = {};
-  for (int64_t wi = lane; wi < words; wi += 32) {
-    const uint32_t word = row[wi];
-    const int64_t j0 = wi * per_word;
-    const int64_t run = block_run[j0 / 8];
-    const float scale = row_scale[run], zero = row_zero[run];
-    for (int i = 0; i < per_word; ++i) {
-      const int64_t col = gather != nullptr ? gather[j0 + i] : j0 + i;
-      if (col < 0) continue;  // padding
-      const uint32_t code = bits == 8 ? (word >> (8 * i)) & 0xFF : (word >> (4 * i)) & 0xF;
-      const float w = ToF32(FromF32<T>((CodeValue(v, code) - zero) * scale));
-#pragma unroll
-      for (int t = 0; t < kQuantizedGemvTokens; ++t) {
-        if (t < tokens) acc[t] += w * ToF32(x[t * in + col]);
-      }
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < kQuantizedGemvTokens; ++t) {
-    if (t >= tokens) break;
-    const float sum = WarpSum(acc[t]);
-    if (lane == 0) y[t * out + n] = FromF32<TOut>(bias != nullptr ? sum + ToF32(bias[n]) : sum);
-  }
-}
-
-// Streams a row of `vecs` 16-byte vectors through accumulate(vector, index): lane l takes
-// vectors l, l + 32, ..., kUnroll at a time, and the next kUnroll loads are issued before this
-// chunk's arithmetic, so they are in flight while it runs (loads bypass L1: each byte is read
-// once). Without that, ptxas sank each load next to its use to save registers (2 of 4 in
-// flight, SASS showed), and batch-1 decode of the 8B shape ran at 13.5 ms/token against
-// cuBLASLt's 9.0 on the H100.
-// PriorGridsDone comes after the first kUnroll loads and a prefetch of the chunk after them into
-// L2 (a weight is no kernel's output): with programmatic dependent launch two chunks a warp
-// (4 KB of a bf16 row) stream from the HBM while the kernel before (a norm, attention, the
-// gated activation) finishes, and accumulate, which reads x, runs after it.
-template <int kUnroll, typename Accumulate>
-__device__ __forceinline__ void StreamRow(const uint4* row, int64_t vecs, int lane,
-                                          Accumulate&& accumulate) {
-  constexpr int64_t kChunk = 32 * kUnroll;  // vectors per warp and chunk
-  const int64_t chunks = vecs / kChunk;
-  uint4 cur[kUnroll];
-  if (chunks > 0) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) cur[u] = __ldcs(row + lane + 32 * u);
-  }
-  constexpr int kLines = kChunk * 16 / 128;  // 128-byte lines a chunk: one a lane
-  if (chunks > 1 && lane < kLines) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + kChunk + lane * 8));
-  }
-  PriorGridsDone();
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t v = c * kChunk + lane;
-    uint4 next[kUnroll];
-    const bool more = c + 1 < chunks;
-    if (more) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) next[u] = __ldcs(row + v + kChunk + 32 * u);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) accumulate(cur[u], v + 32 * u);
-    if (more) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) cur[u] = next[u];
-    }
-  }
-  for (int64_t v = chunks * kChunk + lane; v < vecs; v += 32) accumulate(__ldcs(row + v), v);
-}
-
-// Eight consecutive values of x as f32 (16- or 32-byte aligned loads).
-template <typename T>
-__device__ __forceinline__ void LoadX8(const T* p, float* v) {
-  if constexpr (sizeof(T) == 4) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    const float4 b = *reinterpret_cast<const float4*>(p + 4);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-  } else {
-    const uint4 a = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&a);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = ToF32(e[i]);
-  }
-}
-
-// One 16-byte vector of codes (whole 8-column blocks starting at column col0) into the
-// accumulators: each weight dequantized as QuantizedGemvKernel does it.
-template <typename T, int kTokens, int kBits>
-__device__ __forceinline__ void AccumulateCodes(const uint4& vec, int64_t col0, const CodeTable& v,
-                                                const float* row_scale, const float* row_zero,
-                                                const int32_t* block_run, const T* x, int64_t in,
-                                                int tokens, float* acc) {
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(&vec);
-  constexpr int kBlocks = 16 / kBits;  // 8-column blocks per vector: 4 (4-bit) or 2 (8-bit)
-#pragma unroll
-  for (int b = 0; b < kBlocks; ++b) {
-    const int64_t col = col0 + 8 * b;
-    const int32_t run = block_run[col / 8];
-    const float scale = row_scale[run], zero = row_zero[run];
-    float w[8];
-    if constexpr (kBits == 8) {
-      BlockCodeValues<8>(v, words[2 * b], words[2 * b + 1], w);
-    } else {
-      BlockCodeValues<4>(v, words[b], 0, w);
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) w[i] = (w[i] - zero) * scale;
-    RoundThrough<T>(w);
-#pragma unroll
-    for (int t = 0; t < kTokens; ++t) {
-      if (t < tokens) {
-        float xv[8];
-        LoadX8(x + t * in + col, xv);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[t] += w[i] * xv[i];
-      }
-    }
-  }
-}
-
-// The wide path of the quantized GEMV, for rows of whole 16-byte vectors of codes, x in the
-// stored column order (gathered first for act-order weights): each lane reads 16 bytes of codes at
-// a time (32 4-bit or 16 8-bit codes), two more in flight while these are dequantized (StreamRow),
-// and x eight values at a time. The scalar kernel above read 4 bytes and one x value at a time,
-// with a gather lookup per column.
-template <typename T, typename TOut, int kTokens, int kBits>
-__global__ void __launch_bounds__(kGemvWarps * 32)
-    QuantizedGemvWideKernel(const uint8_t* codes, int64_t code_row, CodeValues values,
-                            const float* scales, const float* zeros, int64_t runs,
-                            const int32_t* block_run, int64_t out, int64_t in, const T* x,
-                            int tokens, const T* bias, TOut* y) {
-  constexpr int64_t kCols = 128 / kBits;  // columns per vector
-  __shared__ float table[16];
-  const CodeTable v = LoadCodeTable(values, table);
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (n >= out) {  // the whole warp
-    PriorGridsDone();
-    return;
-  }
-  const float* row_scale = scales + n * runs;
-  const float* row_zero = zeros + n * runs;
-  float acc[kTokens] = {};
-  StreamRow<2>(reinterpret_cast<const uint4*>(codes + n * code_row), code_row / 16, lane,
-               [&](const uint4& vec, int64_t vi) {
-                 AccumulateCodes<T, kTokens, kBits>(vec, vi * kCols, v, row_scale, row_zero,
-                                                    block_run, x, in, tokens, acc);
-               });
-#pragma unroll
-  for (int t = 0; t < kTokens; ++t) {
-    if (t >= tokens) break;
-    const float sum = WarpSum(acc[t]);
-    if (lane == 0) y[t * out + n] = FromF32<TOut>(bias != nullptr ? sum + ToF32(bias[n]) : sum);
   }
 }
 
@@ -611,58 +344,6 @@ void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, co
     }
   });
   TGIS_CUDA_LAUNCHED();
-}
-
-// Decode-sized calls (at most kGemvTokens rows of x) on a dense weight: out[t, n] = x[t] . w[n]
-// (+ bias[n]), f32 products and sums. Decode streams every weight once per step, so this is a
-// copy at the HBM's speed or nothing: one warp per output row reads the row in 16-byte loads,
-// four in flight per lane, bypassing L1 (each weight byte is read once; x, re-read by every
-// warp, stays cached). On the H100 cuBLASLt's split-K choices for one row of x ran the 8B
-// shape's o_proj at half the copy bandwidth and added a reduction kernel per GEMM. A token's
-// sum does not depend on how many rows come with it, so decode is batch invariant up to 8.
-template <typename T, int kTokens>
-__device__ __forceinline__ void AccumulateVec(const uint4& wv, const T* x, int64_t in, int64_t col,
-                                              int tokens, float* acc) {
-  constexpr int kVec = 16 / sizeof(T);
-  const T* wp = reinterpret_cast<const T*>(&wv);
-  float wf[kVec];
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) wf[i] = ToF32(wp[i]);
-#pragma unroll
-  for (int t = 0; t < kTokens; ++t) {
-    if (t < tokens) {
-      const uint4 xv = *reinterpret_cast<const uint4*>(x + t * in + col);
-      const T* xp = reinterpret_cast<const T*>(&xv);
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[t] += wf[i] * ToF32(xp[i]);
-    }
-  }
-}
-
-// kTokens (1, 2, 4 or 8) bounds the rows of x (fewer accumulators, fewer registers); four
-// 16-byte weight loads in flight per lane (StreamRow).
-template <typename T, typename TOut, int kTokens>
-__global__ void __launch_bounds__(kGemvWarps * 32)
-    DenseGemvKernel(const T* w, int64_t out, int64_t in, const T* x, int tokens, const T* bias,
-                    TOut* y) {
-  constexpr int kVec = 16 / sizeof(T);
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (n >= out) {  // the whole warp: n is the same for its lanes
-    PriorGridsDone();
-    return;
-  }
-  float acc[kTokens] = {};
-  StreamRow<4>(reinterpret_cast<const uint4*>(w + n * in), in / kVec, lane,
-               [&](const uint4& wv, int64_t v) {
-                 AccumulateVec<T, kTokens>(wv, x, in, v * kVec, tokens, acc);
-               });
-#pragma unroll
-  for (int t = 0; t < kTokens; ++t) {
-    if (t >= tokens) break;
-    const float sum = WarpSum(acc[t]);
-    if (lane == 0) y[t * out + n] = FromF32<TOut>(bias != nullptr ? sum + ToF32(bias[n]) : sum);
-  }
 }
 
 // Whether DenseGemv takes the call: few rows, whole 16-byte vectors, aligned operands.

@@ -4,9 +4,11 @@
 // grouped decode kernel (grouped_attention.cuh: lane groups, query-head groups, partitions and
 // their combination) are checked on every machine, GPU or not. TopLogits (top_logits.cuh: block
 // reductions, radix select, ties), against the CPU op. (On a GPU, OpsTest runs the real
-// kernels.)
+// kernels.) The decode GEMVs (gemv.cuh: streaming, code extraction, runs and their constants,
+// tokens, the warp sums), against the sums in double.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -17,6 +19,9 @@
 #include "warp_emulator.h"
 // After the emulator, which provides the primitives the kernel uses.
 #include "kernels/cuda/attention_common.cuh"
+#include "kernels/cuda/warp_reduce.cuh"
+// After warp_reduce.cuh.
+#include "kernels/cuda/gemv.cuh"
 #include "kernels/cuda/grouped_attention.cuh"
 #include "kernels/cuda/mma_attention.cuh"
 #include "kernels/cuda/top_logits.cuh"
@@ -281,6 +286,213 @@ TEST(TopLogitsEmulated, MatchesTheCpuOp) {
       EXPECT_EQ(got, want) << "row " << i;
     }
   }
+}
+
+// ---- decode GEMVs --------------------------------------------------------------------------
+
+// A quantized weight in kernels/quantized.h's layout, with the values its codes stand for.
+struct GemvWeight {
+  int bits;
+  int64_t out, in, runs;
+  CodeValues values;
+  std::vector<uint8_t> codes;        // [out, in * bits / 8]
+  std::vector<float> scales, zeros;  // [out, runs]
+  std::vector<int32_t> block_run;    // [in / 8]
+  std::vector<int32_t> gather;       // [in] stored column -> x column (-1: padding); empty: none
+
+  int64_t code_row() const { return in * bits / 8; }
+  uint32_t Code(int64_t n, int64_t j) const {
+    const uint8_t byte = codes[n * code_row() + j * bits / 8];
+    return bits == 8 ? byte : (byte >> (4 * (j % 2))) & 0xF;
+  }
+  double Value(uint32_t code) const {
+    switch (values.kind) {
+      case CodeValues::kTable:
+        return values.table[code];
+      case CodeValues::kFp8:
+        return Fp8E4M3ToF32(static_cast<uint8_t>(code));
+      default:
+        return code;
+    }
+  }
+};
+
+GemvWeight RandomGemvWeight(int bits, CodeValues::Kind kind, int64_t out, int64_t in, int group,
+                            bool fractional_zeros, uint32_t seed) {
+  std::mt19937 rng(seed);
+  GemvWeight w{bits, out, in, (in + group - 1) / group, {}, {}, {}, {}, {}, {}};
+  w.values.kind = kind;
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f), scale(0.01f, 0.05f);
+  for (float& t : w.values.table) t = unit(rng);
+  std::uniform_int_distribution<int> byte(0, 255);
+  w.codes.resize(out * w.code_row());
+  for (uint8_t& c : w.codes) {
+    c = static_cast<uint8_t>(byte(rng));
+    if (kind == CodeValues::kFp8 && (c & 0x7F) == 0x7F) c ^= 1;  // no NaN codes
+  }
+  for (int64_t i = 0; i < out * w.runs; ++i) {
+    w.scales.push_back(scale(rng));
+    const float z = kind == CodeValues::kInteger ? static_cast<float>(byte(rng) >> (8 - bits)) : 0;
+    w.zeros.push_back(fractional_zeros && i % 3 == 0 ? z + 0.375f : z);
+  }
+  for (int64_t b = 0; b < in / 8; ++b) w.block_run.push_back(static_cast<int32_t>(b * 8 / group));
+  return w;
+}
+
+// y[t, n] in double, from x as the kernel reads it ([tokens, ld], columns through the gather).
+std::vector<double> GemvReference(const GemvWeight& w, const std::vector<float>& x, int64_t ld,
+                                  int tokens, const std::vector<float>& bias,
+                                  std::vector<double>* magnitude) {
+  std::vector<double> y(tokens * w.out, 0.0);
+  magnitude->assign(y.size(), 0.0);
+  for (int t = 0; t < tokens; ++t) {
+    for (int64_t n = 0; n < w.out; ++n) {
+      double sum = bias[n], mag = std::fabs(sum);
+      for (int64_t j = 0; j < w.in; ++j) {
+        const int64_t col = w.gather.empty() ? j : w.gather[j];
+        if (col < 0) continue;
+        const int32_t run = w.block_run[j / 8];
+        const double term = (w.Value(w.Code(n, j)) - w.zeros[n * w.runs + run]) *
+                            w.scales[n * w.runs + run] * x[t * ld + col];
+        sum += term;
+        mag += std::fabs(term);
+      }
+      y[t * w.out + n] = sum;
+      (*magnitude)[t * w.out + n] = mag;
+    }
+  }
+  return y;
+}
+
+// Runs one quantized GEMV on `tokens` rows of x and checks it: the wide kernel (x in the
+// stored column order), or with `scalar` the one that reads x through the gather. T: x's and
+// the output's element type; kTokens: the wide kernel's accumulators.
+template <typename T, int kTokens>
+void RunQuantizedGemv(const GemvWeight& w, int tokens, bool scalar, double tol,
+                      const std::string& what) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  int64_t ld = w.in;
+  for (int32_t c : w.gather) ld = std::max<int64_t>(ld, c + 1);
+  std::vector<T> x(tokens * ld), bias(w.out);
+  std::vector<float> xf(x.size()), bias_f(w.out);
+  for (size_t i = 0; i < x.size(); ++i) xf[i] = ToF32(x[i] = FromF32<T>(unit(rng)));
+  for (int64_t n = 0; n < w.out; ++n) bias_f[n] = ToF32(bias[n] = FromF32<T>(unit(rng)));
+  std::vector<double> magnitude;
+  const std::vector<double> want = GemvReference(w, xf, ld, tokens, bias_f, &magnitude);
+  std::vector<T> y(tokens * w.out);
+  const EmuDim3 grid{static_cast<unsigned>((w.out + kGemvWarps - 1) / kGemvWarps), 1, 1};
+  const T* xp = x.data();
+  const T* bp = bias.data();
+  if (scalar) {
+    EmulateLaunch(grid, kGemvWarps * 32, &QuantizedGemvKernel<T, T>, w.codes.data(), w.code_row(),
+                  w.bits, w.values, w.scales.data(), w.zeros.data(), w.runs, w.block_run.data(),
+                  w.gather.empty() ? nullptr : w.gather.data(), w.out, ld, xp, tokens, bp,
+                  y.data());
+  } else if (w.bits == 4) {
+    EmulateLaunch(grid, kGemvWarps * 32, &QuantizedGemvWideKernel<T, T, kTokens, 4>, w.codes.data(),
+                  w.code_row(), w.values, w.scales.data(), w.zeros.data(), w.runs,
+                  w.block_run.data(), w.out, w.in, xp, tokens, bp, y.data());
+  } else {
+    EmulateLaunch(grid, kGemvWarps * 32, &QuantizedGemvWideKernel<T, T, kTokens, 8>, w.codes.data(),
+                  w.code_row(), w.values, w.scales.data(), w.zeros.data(), w.runs,
+                  w.block_run.data(), w.out, w.in, xp, tokens, bp, y.data());
+  }
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double got = ToF32(y[i]);
+    if (std::fabs(got - want[i]) > tol * (magnitude[i] + std::fabs(want[i])) && ++bad <= 5) {
+      ADD_FAILURE() << what << ": element " << i << " got " << got << " want " << want[i];
+    }
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+// Integer codes with integer zeros (the exact subtraction) and with fractional ones, in groups
+// of 32 and per row; 11 rows (a partial block of warps); rows of 144 16-byte vectors of 4-bit
+// codes (two chunks of StreamRow<2> and a tail); f32 and bf16 x.
+TEST(GemvEmulated, QuantizedIntegerCodes) {
+  for (bool fractional : {false, true}) {
+    const GemvWeight w4 =
+        RandomGemvWeight(4, CodeValues::kInteger, 11, 4608, 32, fractional, 11 + fractional);
+    const std::string z = fractional ? " fractional zeros" : "";
+    RunQuantizedGemv<float, 1>(w4, 1, false, 1e-5, "4-bit f32 T=1" + z);
+    RunQuantizedGemv<EmuBf16, kQuantizedGemvTokens>(w4, 12, false, 1e-2, "4-bit bf16 T=12" + z);
+    const GemvWeight w8 =
+        RandomGemvWeight(8, CodeValues::kInteger, 11, 1040, 1040, fractional, 21 + fractional);
+    RunQuantizedGemv<float, kGemvTokens>(w8, 3, false, 1e-5, "8-bit f32 T=3" + z);
+    RunQuantizedGemv<EmuBf16, 1>(w8, 1, false, 1e-2, "8-bit bf16 T=1" + z);
+  }
+}
+
+// A 16-value table (bitsandbytes nf4) with 4-bit codes, float8 e4m3 with 8-bit ones.
+TEST(GemvEmulated, QuantizedTableAndFp8Codes) {
+  const GemvWeight nf4 = RandomGemvWeight(4, CodeValues::kTable, 9, 1024, 64, false, 31);
+  RunQuantizedGemv<EmuF16, 1>(nf4, 1, false, 2e-3, "nf4 f16 T=1");
+  RunQuantizedGemv<float, kQuantizedGemvTokens>(nf4, 16, false, 1e-5, "nf4 f32 T=16");
+  const GemvWeight fp8 = RandomGemvWeight(8, CodeValues::kFp8, 9, 512, 512, false, 32);
+  RunQuantizedGemv<float, kGemvTokens>(fp8, 5, false, 1e-5, "fp8 f32 T=5");
+}
+
+// The scalar kernel: an act-order gather (a permutation with padding) over rows whose bytes are
+// not whole 16-byte vectors, at every token count it takes.
+TEST(GemvEmulated, QuantizedScalarKernelWithGather) {
+  GemvWeight w = RandomGemvWeight(4, CodeValues::kInteger, 10, 200, 40, true, 41);
+  std::vector<int32_t> cols(196);
+  std::iota(cols.begin(), cols.end(), 0);
+  std::shuffle(cols.begin(), cols.end(), std::mt19937(42));
+  cols.insert(cols.end(), 4, -1);  // the stored row pads 196 columns to 200
+  w.gather = cols;
+  for (int tokens : {1, 7, 16}) {
+    RunQuantizedGemv<float, 1>(w, tokens, true, 1e-5, "scalar T=" + std::to_string(tokens));
+  }
+  const GemvWeight w8 = RandomGemvWeight(8, CodeValues::kInteger, 5, 72, 8, false, 43);
+  RunQuantizedGemv<EmuBf16, 1>(w8, 2, true, 1e-2, "scalar 8-bit bf16");
+}
+
+// The dense GEMV against the sums in double: bf16 rows of 4 chunks of StreamRow<4> and a tail,
+// f32 rows of fewer vectors than a chunk; 1 and 5 tokens.
+TEST(GemvEmulated, DenseRows) {
+  auto run = [](auto zero, int64_t out, int64_t in, int tokens, double tol) {
+    using T = decltype(zero);
+    std::mt19937 rng(51);
+    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+    std::vector<T> w(out * in), x(tokens * in), bias(out);
+    for (T& v : w) v = FromF32<T>(unit(rng));
+    for (T& v : x) v = FromF32<T>(unit(rng));
+    for (T& v : bias) v = FromF32<T>(unit(rng));
+    std::vector<float> y(tokens * out);
+    const EmuDim3 grid{static_cast<unsigned>((out + kGemvWarps - 1) / kGemvWarps), 1, 1};
+    const T* wp = w.data();
+    const T* xp = x.data();
+    const T* bp = bias.data();
+    if (tokens == 1) {
+      EmulateLaunch(grid, kGemvWarps * 32, &DenseGemvKernel<T, float, 1>, wp, out, in, xp, tokens,
+                    bp, y.data());
+    } else {
+      EmulateLaunch(grid, kGemvWarps * 32, &DenseGemvKernel<T, float, kGemvTokens>, wp, out, in, xp,
+                    tokens, bp, y.data());
+    }
+    int bad = 0;
+    for (int t = 0; t < tokens; ++t) {
+      for (int64_t n = 0; n < out; ++n) {
+        double want = ToF32(bias[n]), mag = std::fabs(want);
+        for (int64_t j = 0; j < in; ++j) {
+          const double term = static_cast<double>(ToF32(w[n * in + j])) * ToF32(x[t * in + j]);
+          want += term;
+          mag += std::fabs(term);
+        }
+        if (std::fabs(y[t * out + n] - want) > tol * mag && ++bad <= 5) {
+          ADD_FAILURE() << "T=" << t << " row " << n << " got " << y[t * out + n] << " want "
+                        << want;
+        }
+      }
+    }
+    EXPECT_EQ(bad, 0);
+  };
+  run(EmuBf16{}, 10, 8 * (4 * 128 + 40), 1, 1e-5);
+  run(EmuBf16{}, 9, 8 * 100, 5, 1e-5);
+  run(0.0f, 3, 4 * 24, 5, 1e-5);
 }
 
 }  // namespace

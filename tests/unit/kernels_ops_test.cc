@@ -159,8 +159,10 @@ class OpsTest : public ::testing::TestWithParam<OpsParam> {
     return device() == Device::kCpu ? t : t.ToDevice(device());
   }
   // A quantized weight on the device, after checking that its stored layout dequantizes to
-  // `ws` bit for bit; `ws` then becomes what the device multiplies by (CUDA rounds it to x's
-  // dtype).
+  // `ws` bit for bit; `ws` then becomes what the device multiplies by: on CUDA rounded to x's
+  // dtype, as the dequantize-then-GEMM path of more than kQuantizedGemvTokens rows rounds it (the
+  // decode GEMV multiplies the unrounded code - zero and scales each block's sum, within the
+  // tolerance of that rounding).
   void QuantizedWeightOnDevice(const QuantizedWeight& q, std::vector<float>* ws, Tensor* w) const {
     const Tensor back = Dequantize(q);
     ASSERT_EQ(0, std::memcmp(back.raw(), ws->data(), ws->size() * sizeof(float)));

@@ -98,6 +98,29 @@ uint32_t LoadPair(const T* p) {
 inline void Copy16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
 inline void Zero16(void* dst) { std::memset(dst, 0, 16); }
 
+// The vector types and bit operations of the decode GEMVs (kernels/cuda/gemv.cuh).
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline uint4 __ldcs(const uint4* p) { return *p; }
+inline float __uint_as_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+// Byte i of the result: byte (s >> 4i) & 7 of y:x (x the low four), as PTX prmt's default mode.
+inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t both = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i)
+    r |= static_cast<uint32_t>((both >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+  return r;
+}
+inline void PrefetchL2(const void*) {}
+
 namespace emu {
 
 // A reusable barrier for n threads that aborts when they do not all arrive (divergence).
