@@ -8,6 +8,9 @@
 //                   [--head-dim 128] [--prefill 512,2048] [--batch 1,16] [--context 1024,4096]
 //                   [--reps 5] [--partition-keys N]  (CUDA: the grouped decode kernel's keys
 //                                                     per partition, default its own)
+//                   [--compare-staging 1]  (CUDA: each decode shape also with the grouped
+//                                           kernel's rows loaded directly where it would stage
+//                                           them in shared memory: the same bits, other speed)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -143,6 +146,7 @@ double CopyBandwidth(const Options& o) {
 
 int main(int argc, char** argv) {
   Options o;
+  bool compare_staging = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--device") {
@@ -168,13 +172,20 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "--partition-keys: this build has no CUDA\n");
       return 2;
 #endif
+    } else if (k == "--compare-staging") {
+#ifdef TGIS_WITH_CUDA
+      compare_staging = v == "1";
+#else
+      std::fprintf(stderr, "--compare-staging: this build has no CUDA\n");
+      return 2;
+#endif
     } else if (k == "--reps") {
       o.reps = std::max<int64_t>(1, std::atoll(v.c_str()));
     } else {
       std::fprintf(stderr,
                    "usage: attention_bench [--device cpu|cuda] [--dtype bf16|f16|f32] [--heads N]"
                    " [--kv-heads N] [--head-dim N] [--prefill T,...] [--batch B,...]"
-                   " [--context C,...] [--reps N] [--partition-keys N]\n");
+                   " [--context C,...] [--reps N] [--partition-keys N] [--compare-staging 1]\n");
       return 2;
     }
   }
@@ -200,6 +211,15 @@ int main(int argc, char** argv) {
       std::printf("decode batch %4lld context %6lld: %9.3f ms  %8.1f GB/s  %5.1f%% of copy\n",
                   static_cast<long long>(b), static_cast<long long>(c), s * 1e3, bytes / s / 1e9,
                   copy > 0 ? 100.0 * bytes / s / 1e9 / copy : 0.0);
+#ifdef TGIS_WITH_CUDA
+      if (compare_staging) {
+        tgis::kernels::cuda::SetGroupedStagingForTesting(false);
+        const double direct = TimeAttention(o, b, 1, c);
+        tgis::kernels::cuda::SetGroupedStagingForTesting(true);
+        std::printf("    direct loads where it stages: %9.3f ms  %5.1f%% of copy\n", direct * 1e3,
+                    copy > 0 ? 100.0 * bytes / direct / 1e9 / copy : 0.0);
+      }
+#endif
     }
   }
   return 0;

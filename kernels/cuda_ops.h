@@ -30,6 +30,9 @@ void ForceGemmFallbackForTesting(bool on);
 // Keys per partition of the grouped decode attention kernel (0: its default), for
 // attention_bench to compare sizes in one run.
 void SetGroupedPartitionKeysForTesting(int keys);
+// Off: where blocks queue, the grouped decode attention kernel loads its rows directly rather
+// than staging them in shared memory (the same bits), for attention_bench to compare in one run.
+void SetGroupedStagingForTesting(bool on);
 // Programmatic dependent launch of the kernels (kernels/cuda/common.cuh's Launch), on by
 // default where the GPU has it: off, kernels start in plain stream order (benchmarks compare
 // the two in one run). Returns whether it is now in effect.

@@ -41,6 +41,8 @@ constexpr int64_t kWorkspaceBytes = 256ll << 20;
 // The grouped kernel's keys per partition: kKeysPerPart, or a benchmark's choice
 // (SetGroupedPartitionKeysForTesting).
 std::atomic<int> g_grouped_part_keys{kKeysPerPart};
+// Whether the grouped kernel stages rows where blocks queue (SetGroupedStagingForTesting).
+std::atomic<bool> g_grouped_staging{true};
 
 // The GPU's multiprocessors (one GPU a process).
 int SmCount() {
@@ -349,6 +351,10 @@ void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mappin
   TGIS_CUDA_LAUNCHED();
 }
 
+void SetGroupedStagingForTesting(bool on) {
+  g_grouped_staging.store(on, std::memory_order_relaxed);
+}
+
 void SetGroupedPartitionKeysForTesting(int keys) {
   g_grouped_part_keys.store(keys > 0 ? keys : kKeysPerPart, std::memory_order_relaxed);
 }
@@ -486,12 +492,15 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
     const int64_t splits = (hq / hk + kGroupMax - 1) / kGroupMax;
     const dim3 grid(static_cast<unsigned>(t), static_cast<unsigned>(hk * splits),
                     static_cast<unsigned>(partitions));
-    // Four loads in flight a thread where the grid fits in about one wave (two blocks an SM at
-    // its registers), one where blocks queue (kGroupUnroll): the same bits either way.
+    // Four direct loads in flight a thread where the grid fits in about one wave (two blocks an
+    // SM at its registers, kGroupUnroll); staged rows where blocks queue (or, for benchmarks,
+    // one direct load): the same bits every way.
     const bool one_wave = static_cast<int64_t>(grid.x) * grid.y * grid.z <= 2 * SmCount();
+    const bool staged = g_grouped_staging.load(std::memory_order_relaxed);
     TGIS_DISPATCH_FLOAT(q.dtype(), op, {
-      auto kernel =
-          one_wave ? GroupedAttentionKernel<T, kGroupUnroll> : GroupedAttentionKernel<T, 1>;
+      auto kernel = one_wave ? GroupedAttentionKernel<T, kGroupUnroll, false>
+                    : staged ? GroupedAttentionKernel<T, 1, true>
+                             : GroupedAttentionKernel<T, 1, false>;
       Launch(kernel, grid, kGroupThreads, p, slopes, q.data<T>(), cache.k.data<T>(),
              cache.v.data<T>(), out->data<T>(), m.data<float>(), l.data<float>(),
              acc.data<float>());

@@ -14,6 +14,16 @@
 // head runs the online softmax over the chunk; then threads split into key groups times 16-byte
 // pieces of the head dimension multiply the probabilities into the values. At the end the key
 // groups' sums meet in shared memory. f32 arithmetic throughout.
+//
+// Keys and values reach the threads one of two ways. Direct: each thread loads its 16-byte
+// pieces from global memory, kUnroll at a time. Staged: the block copies them into shared memory
+// a stage of kGroupStageBytes at a time (cp.async, the next stage in flight while this one is
+// used) and the threads read them from there. Where blocks queue on every SM (decode of large
+// batches), direct loads left each thread one 16-byte load in flight (its registers allow no
+// more), about 1 MB for the whole H100, which held the kernel at 25-32% of the HBM's bandwidth;
+// a stage puts 8 KB a block in flight without registers. Each key's and value's arithmetic is
+// the same either way and in the same order, so every variant gives the same bits and
+// PagedAttention's choice (by the grid's size) cannot make a row depend on its batch.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +50,10 @@ constexpr int kKeysPerPart = 256;
 // so both give the same bits and the choice cannot make a row depend on its batch.
 constexpr int kGroupUnroll = 4;
 constexpr int kGroupMaxDim = 256;
+// Bytes of one stage of key or value rows: 32 bf16 rows of 128, 8 f32 rows of 256. Two stages
+// sit beside q and the scores within the footprint of the key groups' partial sums (16-bit
+// elements; f32's partial sums are half that).
+constexpr int kGroupStageBytes = 8192;
 
 // Lanes that share one key or value row: a power of two covering its 16-byte pieces.
 __device__ __forceinline__ int LanesForPieces(int pieces, int most) {
@@ -48,17 +62,20 @@ __device__ __forceinline__ int LanesForPieces(int pieces, int most) {
   return lanes;
 }
 
-template <typename T, int kUnroll>
+template <typename T, int kUnroll, bool kStaged>
 __global__ void __launch_bounds__(kGroupThreads)
     GroupedAttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc,
                            const T* vc, T* out, float* part_m, float* part_l, float* part_acc) {
+  static_assert(!kStaged || kUnroll == 1, "a staged row is read from shared memory, one a time");
   PriorGridsDone();
   constexpr int kPiece = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
+  constexpr int kStageElems = kGroupStageBytes / static_cast<int>(sizeof(T));
   // The loop's buffers, then (after it) the key groups' partial outputs.
   union Shared {
     struct {
       float q[kGroupMax][kGroupMaxDim];
       float scores[kGroupMax][kGroupChunk];
+      alignas(16) T stage[2][kStageElems];  // staged rows, [key][dim]
     } loop;
     float partial[kGroupThreads * kPiece * kGroupMax];  // [key group][head][dim]
   };
@@ -103,6 +120,7 @@ __global__ void __launch_bounds__(kGroupThreads)
   const int value_lanes = LanesForPieces(pieces, kGroupThreads);
   const int key_groups = kGroupThreads / value_lanes;
   const int vpiece = tid % value_lanes, kgroup = tid / value_lanes;
+  const int stage_keys = kStageElems / p.d;  // rows a stage holds
   float acc[kGroupMax][kPiece];
 #pragma unroll
   for (int g = 0; g < kGroupMax; ++g) {
@@ -110,16 +128,14 @@ __global__ void __launch_bounds__(kGroupThreads)
     for (int e = 0; e < kPiece; ++e) acc[g][e] = 0.0f;
   }
 
-  for (int c0 = k_begin; c0 < k_end; c0 += kGroupChunk) {
-    const int n = min(kGroupChunk, k_end - c0);
-    __syncthreads();  // q and the running max are written; the previous chunk's readers are done
-    for (int j = tid; j < n; j += kGroupThreads) rows_s[j] = CacheRow(p, s, kvh, c0 + j);
-    __syncthreads();
-    // Scores, kUnroll keys a lane group at a time: their loads are issued before any is used
-    // (see kGroupUnroll). The loop bound is the same for a whole warp: every lane reaches the
-    // shuffles.
+  // Keys [lo, hi) of the chunk scored into sm.loop.scores; row(j) is key j's row (global or
+  // staged). Each key's sum is its lane group's, in the same order whichever warp takes it.
+  auto score = [&](int c0, int lo, int hi, auto row) {
     const int key_stride = kGroupWarps * keys_per_warp;  // keys between a group's keys
-    for (int base = warp * keys_per_warp; base < n; base += kUnroll * key_stride) {
+    // kUnroll keys a lane group at a time: their loads are issued before any is used (see
+    // kGroupUnroll). The loop bound is the same for a whole warp: every lane reaches the
+    // shuffles.
+    for (int base = lo + warp * keys_per_warp; base < hi; base += kUnroll * key_stride) {
       const int sub = lane % score_lanes;
       int j[kUnroll];
       float dot[kUnroll][kGroupMax];
@@ -135,7 +151,7 @@ __global__ void __launch_bounds__(kGroupThreads)
         alignas(16) T kv[kUnroll][kPiece];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          if (j[u] < n) Copy16(kv[u], kc + rows_s[j[u]] * p.d + piece * kPiece);
+          if (j[u] < hi) Copy16(kv[u], row(j[u]) + piece * kPiece);
         }
 #pragma unroll
         for (int g = 0; g < kGroupMax; ++g) {
@@ -145,7 +161,7 @@ __global__ void __launch_bounds__(kGroupThreads)
             const float qv = sm.loop.q[g][piece * kPiece + e];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
-              if (j[u] < n) dot[u][g] += qv * ToF32(kv[u][e]);
+              if (j[u] < hi) dot[u][g] += qv * ToF32(kv[u][e]);
             }
           }
         }
@@ -158,7 +174,7 @@ __global__ void __launch_bounds__(kGroupThreads)
           for (int o = score_lanes / 2; o > 0; o >>= 1)
             dot[u][g] += __shfl_xor_sync(0xffffffffu, dot[u][g], o);
         }
-        if (sub == 0 && j[u] < n) {
+        if (sub == 0 && j[u] < hi) {
           for (int g = 0; g < heads; ++g) {
             sm.loop.scores[g][j[u]] =
                 dot[u][g] * p.scale +
@@ -166,6 +182,72 @@ __global__ void __launch_bounds__(kGroupThreads)
           }
         }
       }
+    }
+  };
+  // Values of keys [lo, hi) into acc: a thread takes the keys of its key group, in ascending
+  // order whatever the ranges, kUnroll loads in flight (see score).
+  auto add_values = [&](int lo, int hi, auto row) {
+    if (vpiece >= pieces) return;
+    for (int j0 = lo + (kgroup - lo % key_groups + key_groups) % key_groups; j0 < hi;
+         j0 += kUnroll * key_groups) {
+      alignas(16) T vv[kUnroll][kPiece];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + u * key_groups;
+        if (j < hi) Copy16(vv[u], row(j) + vpiece * kPiece);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + u * key_groups;
+        if (j >= hi) break;
+#pragma unroll
+        for (int g = 0; g < kGroupMax; ++g) {
+          if (g >= heads) break;
+          const float pj = sm.loop.scores[g][j];
+#pragma unroll
+          for (int e = 0; e < kPiece; ++e) acc[g][e] += pj * ToF32(vv[u][e]);
+        }
+      }
+    }
+  };
+  // Copies rows [lo, hi) of the chunk from `cache` into stage `buf` (cp.async, one group).
+  auto stage = [&](const T* cache, int lo, int hi, int buf) {
+    for (int i = tid; i < (hi - lo) * pieces; i += kGroupThreads) {
+      const int key = i / pieces, piece = i % pieces;
+      CpAsync16(&sm.loop.stage[buf][key * p.d + piece * kPiece],
+                cache + rows_s[lo + key] * p.d + piece * kPiece);
+    }
+    CpAsyncCommit();
+  };
+  // use(lo, hi, row) over the chunk's n keys a stage at a time, the next stage's copies in
+  // flight meanwhile; the first stage was issued by the caller.
+  auto staged = [&](const T* cache, int n, auto use) {
+    for (int lo = 0, buf = 0; lo < n; lo += stage_keys, buf ^= 1) {
+      const int hi = min(n, lo + stage_keys);
+      if (hi < n) {
+        stage(cache, hi, min(n, hi + stage_keys), buf ^ 1);
+        CpAsyncWait<1>();
+      } else {
+        CpAsyncWait<0>();
+      }
+      __syncthreads();  // every thread's copies of this stage have landed
+      const T* base = sm.loop.stage[buf];
+      use(lo, hi, [&](int j) { return base + (j - lo) * p.d; });
+      __syncthreads();  // this stage is read before it is refilled
+    }
+  };
+
+  for (int c0 = k_begin; c0 < k_end; c0 += kGroupChunk) {
+    const int n = min(kGroupChunk, k_end - c0);
+    __syncthreads();  // q and the running max are written; the previous chunk's readers are done
+    for (int j = tid; j < n; j += kGroupThreads) rows_s[j] = CacheRow(p, s, kvh, c0 + j);
+    __syncthreads();
+    if constexpr (kStaged) {
+      stage(kc, 0, min(n, stage_keys), 0);
+      staged(kc, n, [&](int lo, int hi, auto row) { score(c0, lo, hi, row); });
+      stage(vc, 0, min(n, stage_keys), 0);  // in flight during the softmax
+    } else {
+      score(c0, 0, n, [&](int j) { return kc + rows_s[j] * p.d; });
     }
     __syncthreads();
     // Online softmax, a warp per query head.
@@ -197,27 +279,10 @@ __global__ void __launch_bounds__(kGroupThreads)
 #pragma unroll
       for (int e = 0; e < kPiece; ++e) acc[g][e] *= fix;
     }
-    if (vpiece < pieces) {  // kUnroll values in flight, as the keys above
-      for (int j0 = kgroup; j0 < n; j0 += kUnroll * key_groups) {
-        alignas(16) T vv[kUnroll][kPiece];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int j = j0 + u * key_groups;
-          if (j < n) Copy16(vv[u], vc + rows_s[j] * p.d + vpiece * kPiece);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int j = j0 + u * key_groups;
-          if (j >= n) break;
-#pragma unroll
-          for (int g = 0; g < kGroupMax; ++g) {
-            if (g >= heads) break;
-            const float pj = sm.loop.scores[g][j];
-#pragma unroll
-            for (int e = 0; e < kPiece; ++e) acc[g][e] += pj * ToF32(vv[u][e]);
-          }
-        }
-      }
+    if constexpr (kStaged) {
+      staged(vc, n, add_values);
+    } else {
+      add_values(0, n, [&](int j) { return vc + rows_s[j] * p.d; });
     }
   }
 

@@ -37,6 +37,20 @@ __device__ __forceinline__ void Zero16(void* dst) {
   *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
 }
 
+// 16 bytes from global to shared memory without passing through registers (cp.async, sm_80):
+// the copies of a thread since its last CpAsyncCommit form a group, and CpAsyncWait<N> returns
+// once at most N of its groups are still in flight. Other threads' copies are visible after a
+// __syncthreads that follows their wait.
+__device__ __forceinline__ void CpAsync16(void* shared, const void* global) {
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(global));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 // Four 8x8 matrices of 16-bit elements from shared memory, one register of each per lane:
 // lanes 8m..8m+7 give the addresses of matrix m's rows (16 bytes each, 16-byte aligned), and
 // lane l gets row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of each matrix (ldmatrix), or, in

@@ -120,6 +120,11 @@ inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
   return r;
 }
 inline void PrefetchL2(const void*) {}
+// cp.async: the copy lands at once here; the kernels' barriers order it as on the device.
+inline void CpAsync16(void* shared, const void* global) { std::memcpy(shared, global, 16); }
+inline void CpAsyncCommit() {}
+template <int N>
+void CpAsyncWait() {}
 
 namespace emu {
 
