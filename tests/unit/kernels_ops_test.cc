@@ -1837,6 +1837,47 @@ TEST_P(OpsTest, PagedAttentionPromptIsBatchInvariant) {
 }
 
 // Encoders and cross-attention: every query sees the whole context.
+// A decode row's attention has the same bits alone as in a batch: on CUDA a batch this large
+// queues blocks on every SM and takes the grouped kernel's staged rows (shared memory filled by
+// cp.async), a row alone its four direct loads in flight; contexts of one to three partitions,
+// the longest setting the batch's partition count.
+TEST_P(OpsTest, PagedAttentionDecodeIsBatchInvariant) {
+  if (device() == Device::kCpu && dtype() != DType::kF32) GTEST_SKIP() << "same as Cpu_F32";
+  const int64_t hq = 8, hk = 4, d = 64, bs = 16, rows = 72, longest = 600;
+  const int64_t blocks = (longest + bs - 1) / bs;
+  KvCacheLayer cache;
+  cache.k = Weight(Random(blocks * bs * hk * d, 61), {blocks, bs, hk, d});
+  cache.v = Weight(Random(blocks * bs * hk * d, 62), {blocks, bs, hk, d});
+  std::vector<int32_t> table(blocks);
+  std::iota(table.begin(), table.end(), 0);
+  const std::vector<float> q = Random(rows * hq * d, 63);
+  const auto attend = [&](int64_t r0, int64_t n, const std::vector<int32_t>& contexts) {
+    std::vector<int32_t> query_start, tables;
+    for (int64_t i = 0; i <= n; ++i) query_start.push_back(static_cast<int32_t>(i));
+    for (int64_t i = 0; i < n; ++i) tables.insert(tables.end(), table.begin(), table.end());
+    AttentionBatch batch;
+    batch.query_start = Index(query_start);
+    batch.context_lens = Index(contexts);
+    batch.block_tables = Index(tables).Reshape({n, blocks});
+    batch.block_size = static_cast<int>(bs);
+    const std::vector<float> qs(q.begin() + r0 * hq * d, q.begin() + (r0 + n) * hq * d);
+    Tensor out;
+    PagedAttention(Act(qs, {n, hq, d}), cache, batch, 0.125f, 0, nullptr, &out);
+    return Host(out);
+  };
+  std::vector<int32_t> contexts;
+  for (int64_t r = 0; r < rows; ++r)
+    contexts.push_back(r == 5 ? longest : static_cast<int32_t>(1 + (r * 97) % longest));
+  const std::vector<float> all = attend(0, rows, contexts);
+  for (int64_t r = 0; r < rows; ++r) {
+    const std::vector<float> alone = attend(r, 1, {contexts[r]});
+    for (int64_t i = 0; i < hq * d; ++i) {
+      ASSERT_EQ(alone[i], all[r * hq * d + i])
+          << "row " << r << " (context " << contexts[r] << ") element " << i;
+    }
+  }
+}
+
 TEST_P(OpsTest, PagedAttentionNotCausal) {
   RunAttention(this, {8, 2, 0, false, false, /*causal=*/false}, dtype(), device(), tol());
 }
