@@ -215,10 +215,11 @@ void RunCase(Kernel kernel, const Case& c, const std::vector<Seq>& seqs, double 
 }
 
 // Sequences as (query rows, context). For the tiled kernel: a prompt over two tiles (the second
-// partial), a chunk late in a context (many key chunks), one at the threshold, and two below it
-// that are not its own. For the grouped one: a decode over three partitions, a short chunk, a
-// prompt that is not its own, a first token, and two rows over two partitions.
-const std::vector<Seq> kPrefills = {{100, 100}, {70, 300}, {8, 8}, {1, 50}, {7, 20}};
+// partial), a chunk late in a context (many key chunks), a chunk whose first key chunk ends
+// inside a warp's rows (masked there, whole for the warps after), one at the threshold, and two
+// below it that are not its own. For the grouped one: a decode over three partitions, a short
+// chunk, a prompt that is not its own, a first token, and two rows over two partitions.
+const std::vector<Seq> kPrefills = {{100, 100}, {70, 300}, {40, 100}, {8, 8}, {1, 50}, {7, 20}};
 const std::vector<Seq> kDecodes = {{1, 1030}, {3, 20}, {9, 30}, {1, 1}, {2, 520}};
 
 // Tolerances as OpsTest's for the element type (kernels_ops_test.cc's RelTol); the tensor-core
@@ -231,6 +232,11 @@ TEST(AttentionEmulated, MmaCausalHeadDimsBf16) {
 }
 TEST(AttentionEmulated, MmaWindowAlibiMqaF16) {
   RunCase<EmuF16>(Kernel::kMma, {4, 1, 64, /*window=*/40, /*alibi=*/true}, kPrefills, 2e-3);
+}
+// A window longer than a chunk: whole chunks before the diagonal that the window cuts for a
+// warp's later rows.
+TEST(AttentionEmulated, MmaLongWindowBf16) {
+  RunCase<EmuBf16>(Kernel::kMma, {2, 1, 64, /*window=*/90}, kPrefills, 1e-2);
 }
 TEST(AttentionEmulated, MmaNotCausalF16) {
   RunCase<EmuF16>(Kernel::kMma, {2, 2, 96, 0, false, /*causal=*/false}, kPrefills, 2e-3);
