@@ -21,7 +21,7 @@ they ran before it, for the ratio in the same run.
 
 --quantize M1,M2 also times batch-1 decode with each of the shard's --quantize methods applied
 at load (bitsandbytes: int8 rows; bitsandbytes-nf4: 4-bit codes), against bf16's ms/token
-(with --graphs, eager and in graphs; with --ncu, the first method is profiled too).
+(with --graphs, in graphs against bf16 in graphs; with --ncu, the first method is profiled too).
 
 --ncu also runs a short engine_bench (16-token prompt, 3 decode steps) under Nsight Compute
 with one metric, the GPU time of every kernel, into $OUT/ncu.csv (or /tmp): the sum over a
@@ -102,21 +102,18 @@ def main(argv: list[str]) -> int:
                     log(f"programmatic launch: {ms:.2f} -> "
                         f"{results['decode_ms_per_token_graphs']:.2f} ms/token with graphs")
     if "--quantize" in argv:
-        # With --graphs, in graphs too: the ratio to bf16 is then free of launch overhead.
-        graphs = ["--cuda-graphs", "true"] if "--graphs" in argv else []
+        # With --graphs, in graphs only: the ratio to bf16 free of launch overhead, and each
+        # quantized load (20-40 s of the device's time) once.
+        graphs = "--graphs" in argv
+        base = results.get("decode_ms_per_token_graphs" if graphs else "decode_ms_per_token")
         for method in argv[argv.index("--quantize") + 1].split(","):
-            ms = decode_ms(["--quantize", method], what=f"--quantize {method}")
+            extra = ["--quantize", method] + (["--cuda-graphs", "true"] if graphs else [])
+            what = f"--quantize {method}" + (", graphs" if graphs else "")
+            ms = decode_ms(extra, what=what)
             if ms is not None:
-                results[f"decode_ms_per_token_{method}"] = ms
-                if results.get("decode_ms_per_token"):
-                    log(f"--quantize {method}: {results['decode_ms_per_token'] / ms:.2f}x bf16")
-            if graphs:
-                ms = decode_ms(["--quantize", method] + graphs, what=f"--quantize {method}, graphs")
-                if ms is not None:
-                    results[f"decode_ms_per_token_{method}_graphs"] = ms
-                    if results.get("decode_ms_per_token_graphs"):
-                        log(f"--quantize {method} with graphs: "
-                            f"{results['decode_ms_per_token_graphs'] / ms:.2f}x bf16")
+                results[f"decode_ms_per_token_{method}" + ("_graphs" if graphs else "")] = ms
+                if base:
+                    log(f"{what}: {base / ms:.2f}x bf16")
     if "--prefill" in argv:  # --prefill N: time to first token of an N-token prompt, alone
         n = argv[argv.index("--prefill") + 1]
         q = subprocess.run([cmd[0], str(model_dir), "--device", "cuda", "--dtype", "bfloat16",
