@@ -6,8 +6,9 @@
 // copy bandwidth measured in the same run (read + write of 1 GiB).
 //   attention_bench [--device cpu|cuda] [--dtype bf16|f16|f32] [--heads 32] [--kv-heads 8]
 //                   [--head-dim 128] [--prefill 512,2048] [--batch 1,16] [--context 1024,4096]
-//                   [--reps 5] [--partition-keys N]  (CUDA: the grouped decode kernel's keys
-//                                                     per partition, default its own)
+//                   [--reps 5] [--partition-keys N,...]  (CUDA: the grouped decode kernel's
+//                                                     keys per partition, each decode shape at
+//                                                     each; default its own)
 //                   [--compare-staging 1]  (CUDA: each decode shape also with the grouped
 //                                           kernel's rows loaded directly where it would stage
 //                                           them in shared memory: the same bits, other speed)
@@ -146,7 +147,8 @@ double CopyBandwidth(const Options& o) {
 
 int main(int argc, char** argv) {
   Options o;
-  bool compare_staging = false;
+  [[maybe_unused]] bool compare_staging = false;         // CUDA builds
+  [[maybe_unused]] std::vector<int64_t> partition_keys;  // CUDA: empty, the kernel's own
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--device") {
@@ -167,7 +169,7 @@ int main(int argc, char** argv) {
       o.context = List(v);
     } else if (k == "--partition-keys") {
 #ifdef TGIS_WITH_CUDA
-      tgis::kernels::cuda::SetGroupedPartitionKeysForTesting(std::atoi(v.c_str()));
+      partition_keys = List(v);
 #else
       std::fprintf(stderr, "--partition-keys: this build has no CUDA\n");
       return 2;
@@ -182,10 +184,11 @@ int main(int argc, char** argv) {
     } else if (k == "--reps") {
       o.reps = std::max<int64_t>(1, std::atoll(v.c_str()));
     } else {
-      std::fprintf(stderr,
-                   "usage: attention_bench [--device cpu|cuda] [--dtype bf16|f16|f32] [--heads N]"
-                   " [--kv-heads N] [--head-dim N] [--prefill T,...] [--batch B,...]"
-                   " [--context C,...] [--reps N] [--partition-keys N] [--compare-staging 1]\n");
+      std::fprintf(
+          stderr,
+          "usage: attention_bench [--device cpu|cuda] [--dtype bf16|f16|f32] [--heads N]"
+          " [--kv-heads N] [--head-dim N] [--prefill T,...] [--batch B,...]"
+          " [--context C,...] [--reps N] [--partition-keys N,...] [--compare-staging 1]\n");
       return 2;
     }
   }
@@ -206,20 +209,30 @@ int main(int argc, char** argv) {
   const double elem = static_cast<double>(tgis::kernels::DTypeSize(o.dtype));
   for (int64_t b : o.batch) {
     for (int64_t c : o.context) {
-      const double s = TimeAttention(o, b, 1, c);
       const double bytes = 2.0 * static_cast<double>(b * c * o.kv_heads * o.head_dim) * elem;
-      std::printf("decode batch %4lld context %6lld: %9.3f ms  %8.1f GB/s  %5.1f%% of copy\n",
-                  static_cast<long long>(b), static_cast<long long>(c), s * 1e3, bytes / s / 1e9,
-                  copy > 0 ? 100.0 * bytes / s / 1e9 / copy : 0.0);
+      const std::vector<int64_t> parts =
+          partition_keys.empty() ? std::vector<int64_t>{0} : partition_keys;
+      for (int64_t keys : parts) {
 #ifdef TGIS_WITH_CUDA
-      if (compare_staging) {
-        tgis::kernels::cuda::SetGroupedStagingForTesting(false);
-        const double direct = TimeAttention(o, b, 1, c);
-        tgis::kernels::cuda::SetGroupedStagingForTesting(true);
-        std::printf("    direct loads where it stages: %9.3f ms  %5.1f%% of copy\n", direct * 1e3,
-                    copy > 0 ? 100.0 * bytes / direct / 1e9 / copy : 0.0);
-      }
+        if (keys > 0)
+          tgis::kernels::cuda::SetGroupedPartitionKeysForTesting(static_cast<int>(keys));
 #endif
+        const double s = TimeAttention(o, b, 1, c);
+        std::printf("decode batch %4lld context %6lld: %9.3f ms  %8.1f GB/s  %5.1f%% of copy",
+                    static_cast<long long>(b), static_cast<long long>(c), s * 1e3, bytes / s / 1e9,
+                    copy > 0 ? 100.0 * bytes / s / 1e9 / copy : 0.0);
+        if (keys > 0) std::printf("  (%lld keys a partition)", static_cast<long long>(keys));
+        std::printf("\n");
+#ifdef TGIS_WITH_CUDA
+        if (compare_staging) {
+          tgis::kernels::cuda::SetGroupedStagingForTesting(false);
+          const double direct = TimeAttention(o, b, 1, c);
+          tgis::kernels::cuda::SetGroupedStagingForTesting(true);
+          std::printf("    direct loads where it stages: %9.3f ms  %5.1f%% of copy\n", direct * 1e3,
+                      copy > 0 ? 100.0 * bytes / direct / 1e9 / copy : 0.0);
+        }
+#endif
+      }
     }
   }
   return 0;

@@ -47,8 +47,9 @@ void BindThread();
 // before it touches anything an earlier kernel writes or reads. That call waits for the
 // earlier kernels to complete (their memory visible) and lets the next kernel launch. A decode
 // step is ~300 kernels, many of them a few microseconds: the launch gap and each GEMV's ramp
-// up to the HBM's rate came between every two. Before the call a kernel may only read what no
-// kernel writes during a step (weights): the GEMVs issue their first weight loads there, so
+// up to the HBM's rate came between every two. Before the call a kernel may only read what the
+// kernel before it does not write (every earlier one has finished by then: that kernel passed
+// its own call before this one could start): the GEMVs issue their first weight loads there, so
 // those are in flight while the norm or attention before them finishes.
 //
 // Every kernel calls PriorGridsDone on every path, early returns included: a kernel that ended
