@@ -348,7 +348,6 @@ void ReshapeAndCache(const Tensor& k, const Tensor& v, const Tensor& slot_mappin
       Launch(ReshapeAndCacheKernel<T>, static_cast<unsigned>(t), RowThreads(width), k.data<T>(),
              v.data<T>(), slot_mapping.raw(), slot_mapping.dtype() == DType::kI64, width,
              cache->k.data<T>(), cache->v.data<T>()));
-  TGIS_CUDA_LAUNCHED();
 }
 
 void SetGroupedStagingForTesting(bool on) {
@@ -450,7 +449,6 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
           Launch(TiledAttentionKernel<T>, grid, kTileThreads, p, slopes, q.data<T>(),
                  cache.k.data<T>(), cache.v.data<T>(), out->data<T>()));
     }
-    TGIS_CUDA_LAUNCHED();
     if (shortest >= kTiledMinRows) return;
   }
 
@@ -513,13 +511,11 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
                                cache.k.data<T>(), cache.v.data<T>(), out->data<T>(),
                                m.data<float>(), l.data<float>(), acc.data<float>()));
   }
-  TGIS_CUDA_LAUNCHED();
   if (partitions > 1) {
     const dim3 cgrid(static_cast<unsigned>(t), static_cast<unsigned>(hq));
     TGIS_DISPATCH_FLOAT(q.dtype(), op,
                         Launch(CombinePartitionsKernel<T>, cgrid, RowThreads(d), p, m.data<float>(),
                                l.data<float>(), acc.data<float>(), out->data<T>()));
-    TGIS_CUDA_LAUNCHED();
   }
 }
 

@@ -23,9 +23,6 @@
     TGIS_CHECK(tgis_err_ == cudaSuccess, "%s: %s", #expr, cudaGetErrorString(tgis_err_)); \
   } while (0)
 
-// After a launch: configuration errors show up at once, faults at the next synchronization.
-#define TGIS_CUDA_LAUNCHED() TGIS_CUDA_CHECK(cudaGetLastError())
-
 namespace tgis::kernels::cuda {
 
 using bf16 = __nv_bfloat16;
@@ -73,7 +70,8 @@ __device__ __forceinline__ void PrefetchL2(const void* p) {
 bool ProgrammaticLaunch();
 
 // kernel<<<grid, block, 0, Stream()>>>(args...), with programmatic dependent launch where
-// ProgrammaticLaunch() says so. Launch errors are fatal (configuration errors: a bug).
+// ProgrammaticLaunch() says so. Launch errors are fatal (configuration errors: a bug); faults
+// show up at the next synchronization.
 template <typename... Params, typename... Args>
 void Launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args&&... args) {
   cudaLaunchConfig_t config{};

@@ -213,7 +213,6 @@ void EmbeddingRows(const Tensor& ids, const Tensor& weight, int64_t first_id, Te
                       Launch(EmbeddingKernel<T>, static_cast<unsigned>(t), RowThreads(h), ids.raw(),
                              ids.dtype() == DType::kI64, weight.data<T>(), first_id, weight.dim(0),
                              h, out->data<T>()));
-  TGIS_CUDA_LAUNCHED();
 }
 
 }  // namespace
@@ -249,7 +248,6 @@ void LaunchRmsNorm(const Tensor& x, const Tensor* y, const Tensor& w, float eps,
       x.dtype(), op,
       Launch(RmsNormKernel<T>, static_cast<unsigned>(rows), RowThreads(h), x.data<T>(),
              y != nullptr ? y->data<T>() : nullptr, w.data<T>(), eps, h, out->data<T>()));
-  TGIS_CUDA_LAUNCHED();
 }
 }  // namespace
 
@@ -276,7 +274,6 @@ void LayerNorm(const Tensor& x, const Tensor& w, const Tensor* bias, float eps, 
       x.dtype(), op,
       Launch(LayerNormKernel<T>, static_cast<unsigned>(rows), RowThreads(h), x.data<T>(),
              w.data<T>(), has_bias ? bias->data<T>() : nullptr, eps, h, out->data<T>()));
-  TGIS_CUDA_LAUNCHED();
 }
 
 void AddInPlace(Tensor* x, const Tensor& y) {
@@ -288,7 +285,6 @@ void AddInPlace(Tensor* x, const Tensor& y) {
   if (n == 0) return;
   TGIS_DISPATCH_FLOAT(x->dtype(), op,
                       Launch(AddKernel<T>, StrideBlocks(n), 256, x->data<T>(), y.data<T>(), n));
-  TGIS_CUDA_LAUNCHED();
 }
 
 void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
@@ -301,7 +297,6 @@ void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
   TGIS_DISPATCH_FLOAT(gate_up.dtype(), op,
                       Launch(GatedActivationKernel<T>, StrideBlocks(rows * inter), 256, kind,
                              gate_up.data<T>(), inter, rows, out->data<T>()));
-  TGIS_CUDA_LAUNCHED();
 }
 
 void Activate(Activation kind, Tensor* x) {
@@ -311,7 +306,6 @@ void Activate(Activation kind, Tensor* x) {
   if (n == 0) return;
   TGIS_DISPATCH_FLOAT(x->dtype(), op,
                       Launch(ActivateKernel<T>, StrideBlocks(n), 256, kind, x->data<T>(), n));
-  TGIS_CUDA_LAUNCHED();
 }
 
 void Clamp(float lo, float hi, Tensor* x) {
@@ -321,7 +315,6 @@ void Clamp(float lo, float hi, Tensor* x) {
   if (n == 0) return;
   TGIS_DISPATCH_FLOAT(x->dtype(), op,
                       Launch(ClampKernel<T>, StrideBlocks(n), 256, lo, hi, x->data<T>(), n));
-  TGIS_CUDA_LAUNCHED();
 }
 
 namespace {
@@ -332,7 +325,6 @@ void SoftmaxRows(Tensor* x, bool log, const char* op) {
   TGIS_DISPATCH_FLOAT(
       x->dtype(), op,
       Launch(SoftmaxKernel<T>, static_cast<unsigned>(rows), RowThreads(n), x->data<T>(), n, log));
-  TGIS_CUDA_LAUNCHED();
 }
 }  // namespace
 

@@ -208,7 +208,6 @@ class Gemms {
                static_cast<const T*>(x), bt, static_cast<T*>(out), key.m, key.n, key.k);
       }
     });
-    TGIS_CUDA_LAUNCHED();
   }
 
   std::mutex mu_;
@@ -343,7 +342,6 @@ void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, co
       launch(out->data<T>());
     }
   });
-  TGIS_CUDA_LAUNCHED();
 }
 
 // Whether DenseGemv takes the call: few rows, whole 16-byte vectors, aligned operands.
@@ -382,7 +380,6 @@ void DenseGemv(const Tensor& w, const Tensor& x, int64_t tokens, const Tensor* b
       launch(out->data<T>());
     }
   });
-  TGIS_CUDA_LAUNCHED();
 }
 
 // The dense weight of x's dtype that a quantized one stands for, for calls of more tokens than
@@ -403,7 +400,6 @@ Tensor DequantizeOnDevice(const QuantizedWeight& q, DType dtype) {
              CodeValuesOf(q), q.scales.data<float>(), q.zeros.data<float>(), q.runs(),
              q.block_run.data<int32_t>(), q.gather.defined() ? q.gather.data<int32_t>() : nullptr,
              q.out, q.in, q.stored_in, dense.data<T>()));
-  TGIS_CUDA_LAUNCHED();
   return dense;
 }
 

@@ -139,7 +139,6 @@ void Rotary(const RotaryConfig& cfg, const Tensor& positions, Tensor* q, Tensor*
       Launch(RotaryKernel<T>, grid, kThreads, inv, half, cfg.style == RotaryStyle::kNeox,
              positions.raw(), positions.dtype() == DType::kI64, q->data<T>(), hq, k->data<T>(), hk,
              d));
-  TGIS_CUDA_LAUNCHED();
 }
 
 void QkvToCache(const Tensor& qkv, const RotaryConfig* rotary, const Tensor& positions,
@@ -176,7 +175,6 @@ void QkvToCache(const Tensor& qkv, const RotaryConfig* rotary, const Tensor& pos
                              rotary != nullptr && positions.dtype() == DType::kI64,
                              slot_mapping.raw(), slot_mapping.dtype() == DType::kI64, qkv.data<T>(),
                              q->data<T>(), cache->k.data<T>(), cache->v.data<T>(), hq, hk, d));
-  TGIS_CUDA_LAUNCHED();
 }
 
 }  // namespace tgis::kernels::cuda

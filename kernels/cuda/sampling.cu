@@ -137,7 +137,6 @@ void RepetitionPenalty(Tensor* logits, const Tensor& tokens, const Tensor& penal
   Launch(RepetitionPenaltyKernel, static_cast<unsigned>(rows), 256, logits->data<float>(),
          logits->dim(1), tokens.raw(), tokens.dtype() == DType::kI64,
          static_cast<int>(tokens.dim(1)), penalties.data<float>());
-  TGIS_CUDA_LAUNCHED();
 }
 
 void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logprobs) {
@@ -154,7 +153,6 @@ void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logpr
     TGIS_CHECK(banned.rank() == 2 && banned.dim(0) == rows, "%s: banned must be [R, M]", op);
     Launch(BanKernel, static_cast<unsigned>(rows), 32, logits->data<float>(), v, banned.raw(),
            banned.dtype() == DType::kI64, static_cast<int>(banned.dim(1)));
-    TGIS_CUDA_LAUNCHED();
   }
   const int64_t count =
       std::clamp<int64_t>((v + kGreedyMinSpan - 1) / kGreedyMinSpan, 1, kGreedyParts);
@@ -164,10 +162,8 @@ void GreedyPick(Tensor* logits, const Tensor& banned, Tensor* ids, Tensor* logpr
   auto* part = reinterpret_cast<GreedyPart*>(parts.raw());
   Launch(GreedyPartKernel, dim3(static_cast<unsigned>(count), static_cast<unsigned>(rows)), 256,
          logits->data<float>(), v, span, part);
-  TGIS_CUDA_LAUNCHED();
   Launch(GreedyCombineKernel, static_cast<unsigned>(rows), 32, part, static_cast<int>(count),
          ids->data<int>(), logprobs->data<float>());
-  TGIS_CUDA_LAUNCHED();
 }
 
 void TopLogits(const Tensor& logits, const Tensor& rows, const Tensor& temperatures, int64_t count,
@@ -190,7 +186,6 @@ void TopLogits(const Tensor& logits, const Tensor& rows, const Tensor& temperatu
   Launch(TopLogitsKernel, static_cast<unsigned>(s), kTopThreads, logits.data<float>(), v,
          rows.data<int>(), temperatures.data<float>(), static_cast<int>(count),
          values->data<float>(), ids->data<int>(), stats->data<float>());
-  TGIS_CUDA_LAUNCHED();
 }
 
 }  // namespace tgis::kernels::cuda
