@@ -2,13 +2,15 @@
 // path) as GB/s of weights streamed (quantized: codes, scales and zeros) and as a fraction of
 // that bandwidth.
 //
-//   kernels_bench [--quick] [--hot] [--t=N] [--int8-activations]
+//   kernels_bench [--quick] [--hot] [--t=N] [--shape=OUTxIN] [--int8-activations]
 //                 [--isa=scalar|avx2|avx512|vnni] [format ...]
 // formats: bf16 f16 f32 int8 gptq8 gptq4 (g128) gptq4g32 fp8 gptq4g32-f32 (f32 run constants)
 // nf4 (bitsandbytes' table codes, blocks of 64)
 //
 // --hot adds a 1024x2048 weight read from cache (one copy, called repeatedly): the kernels'
-// compute ceiling, without DRAM in the way.
+// compute ceiling, without DRAM in the way. --shape times that weight shape only: with --hot and
+// TGIS_CPU_THREADS=1, a weight that fits one core's L2 (256x2048 of 8-bit codes) gives the
+// kernel's own instruction ceiling, where 1024x2048 streams from L3.
 //
 // Weights are cycled over enough copies (>= 1 GiB in all) that no call finds them in cache.
 // T = 1 and 16 (the default Ts) take the streaming kernel, T = 64 the OpenBLAS path (or, for
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -182,8 +185,9 @@ LinearResult TimeLinear(int64_t out_f, int64_t in, const Format& f, int64_t t_co
 
 int main(int argc, char** argv) {
   bool quick = false, hot = false;
-  int64_t only_t = 0;               // --t=N: only that many x rows
-  std::vector<std::string> wanted;  // formats named on the command line, else all of them
+  int64_t only_t = 0;                   // --t=N: only that many x rows
+  int64_t shape_out = 0, shape_in = 0;  // --shape=OUTxIN: only that weight shape
+  std::vector<std::string> wanted;      // formats named on the command line, else all of them
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
@@ -192,6 +196,12 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--int8-activations") == 0) {
       if (!tgis::kernels::SetCpuInt8Activations(true)) {
         std::fprintf(stderr, "--int8-activations: this CPU has no AVX2\n");
+        return 2;
+      }
+    } else if (std::strncmp(argv[i], "--shape=", 8) == 0) {
+      if (std::sscanf(argv[i] + 8, "%" SCNd64 "x%" SCNd64, &shape_out, &shape_in) != 2 ||
+          shape_out <= 0 || shape_in <= 0 || shape_in % 128 != 0) {
+        std::fprintf(stderr, "--shape: want OUTxIN, IN a multiple of 128, not %s\n", argv[i] + 8);
         return 2;
       }
     } else if (std::strncmp(argv[i], "--t=", 4) == 0) {
@@ -245,6 +255,7 @@ int main(int argc, char** argv) {
     std::vector<Shape> shapes = {Shape{4096, 4096}, Shape{11008, 4096}, Shape{11264, 2048},
                                  Shape{2048, 5632}};
     if (hot) shapes = {Shape{1024, 2048}};
+    if (shape_out > 0) shapes = {Shape{shape_out, shape_in}};
     for (Shape s : shapes) {
       const std::vector<int64_t> ts =
           only_t > 0 ? std::vector<int64_t>{only_t} : std::vector<int64_t>{1, 16, 64};
