@@ -17,9 +17,12 @@ TGIS_PANELS_TARGET inline __attribute__((always_inline)) void BlockSums4(const u
                                                                          __m256i* dot) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   // With VNNI, vpdpbusd adds each dword's four products into int32 directly: the same exact
-  // sums in one instruction per 32 products instead of vpmaddubsw and an int16 add.
-  __m256i sums[TT];  // VNNI: the int32 sums; else the int16 pair sums
-  for (int t = 0; t < TT; ++t) sums[t] = _mm256_setzero_si256();
+  // sums in one instruction per 32 products instead of vpmaddubsw and an int16 add. Its even
+  // and odd columns go into two chains (integers: the same sums in any order), so that a
+  // token's 8 accumulations are two chains of 4 latencies rather than one of 8.
+  __m256i sums[TT];  // VNNI: the even columns' int32 sums; else the int16 pair sums
+  [[maybe_unused]] __m256i odd_sums[TT];  // VNNI: the odd columns'
+  for (int t = 0; t < TT; ++t) sums[t] = odd_sums[t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
@@ -29,7 +32,7 @@ TGIS_PANELS_TARGET inline __attribute__((always_inline)) void BlockSums4(const u
     for (int t = 0; t < TT; ++t) {
 #if TGIS_PANELS_VNNI
       sums[t] = _mm256_dpbusd_epi32(sums[t], even, Broadcast4(xb[t] + 4 * j));
-      sums[t] = _mm256_dpbusd_epi32(sums[t], odd, Broadcast4(xb[t] + 16 + 4 * j));
+      odd_sums[t] = _mm256_dpbusd_epi32(odd_sums[t], odd, Broadcast4(xb[t] + 16 + 4 * j));
 #else
       sums[t] = AddI16(sums[t], _mm256_maddubs_epi16(even, Broadcast4(xb[t] + 4 * j)));
       sums[t] = AddI16(sums[t], _mm256_maddubs_epi16(odd, Broadcast4(xb[t] + 16 + 4 * j)));
@@ -37,7 +40,7 @@ TGIS_PANELS_TARGET inline __attribute__((always_inline)) void BlockSums4(const u
     }
   }
 #if TGIS_PANELS_VNNI
-  for (int t = 0; t < TT; ++t) dot[t] = sums[t];
+  for (int t = 0; t < TT; ++t) dot[t] = AddI32(sums[t], odd_sums[t]);
 #else
   const __m256i ones = _mm256_set1_epi16(1);
   for (int t = 0; t < TT; ++t) dot[t] = _mm256_madd_epi16(sums[t], ones);
