@@ -18,7 +18,7 @@ the checkpoint four ways); never part of `make test`. Everything it makes lives 
    built with cmake, native ISA): convert_hf_to_gguf.py writes f32, bf16, f16 and Q8_0 GGUFs;
    llama-quantize --pure writes Q4_0 (every tensor Q4_0, the output tensor too, as our
    4-bit copy's head);
-   llama-bench measures pp (prefill) and tg (decode) at --threads.
+   llama-bench measures pp (prefill) and tg (decode, after the prompt's depth: -d) at --threads.
 3. CTranslate2 from its PyPI wheel: ct2-transformers-converter (float32 and int8; the CPU
    has no bf16/f16 GEMM in CTranslate2, so those are reported as such) and
    Generator.generate_batch timed: prefill = one token after the prompt, decode = the rest.
@@ -34,7 +34,9 @@ Each engine's decode fraction of the bandwidth = its tok/s x the bytes of its ow
 format streamed per token (every linear layer and the lm_head; not the embedding) / the
 measured bandwidth. With --rounds N every engine is measured N times, the engines in
 alternation, and each keeps its best decode and prefill (and the bandwidth its best probe):
-on a VM whose bandwidth drifts, one pass can move a ratio by 10-20%. Python packages go to
+on a VM whose bandwidth drifts, one pass can move a ratio by 10-20%. The ratios are printed
+both ways: best against best, and the median (and range) of each round's own ratio, whose two
+figures were measured minutes apart. Python packages go to
 --work/pylib (pip --target); the interpreter with torch and transformers (/usr/bin/python3
 here, Debian's python3-torch) converts.
 """
@@ -46,6 +48,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -342,13 +345,17 @@ def llama_cpp(work: Path, src: Path, pylib: Path, dense: Path, precision: str, p
                      threads], timeout=1800, stdout=out, stderr=subprocess.STDOUT)
         else:
             convert_to_gguf(py, src, pylib, dense, kind, gguf)
-    p = run([work / "llama-build" / "bin" / "llama-bench", "-m", gguf, "-t", threads, "-p", prompt,
-             "-n", steps, "-r", 3, "-o", "json"], timeout=1800, capture_output=True)
-    rows = json.loads(p.stdout)
+    # Two runs: the prompt from an empty cache, and the decode steps after a prompt's worth of
+    # context (-d: llama-bench fills the cache first and times only the steps), as ours and
+    # CTranslate2 decode after their prompts. A plain `-p P -n N` times its decode from an
+    # empty cache: at P = 512 that ran Q4_0 decode 1.2x faster than at depth 512 (47.7 against
+    # 39.2 tok/s, 2 threads, EPYC Zen 4), the attention over the prompt left out.
     got = {"format": kind.upper(), "streamed_bytes": params * GGUF_BYTES[kind]}
-    for r in rows:
-        key = "prefill" if r["n_prompt"] > 0 else "decode"
-        got[key] = float(r["avg_ts"])
+    for key, shape in (("prefill", ["-p", prompt, "-n", 0]),
+                       ("decode", ["-p", 0, "-n", steps, "-d", prompt])):
+        p = run([work / "llama-build" / "bin" / "llama-bench", "-m", gguf, "-t", threads, *shape,
+                 "-r", 3, "-o", "json"], timeout=1800, capture_output=True)
+        got[key] = float(json.loads(p.stdout)[0]["avg_ts"])
     log(f"llama.cpp {kind}: prefill {got.get('prefill', 0):.1f} tok/s, decode "
         f"{got.get('decode', 0):.2f} tok/s")
     return got
@@ -524,6 +531,20 @@ def report(results: dict) -> None:
                           for p in PRECISIONS if p in per and p in ours]
                 if ratios:
                     log(f"{mine} / {engine} {phase}: " + ", ".join(ratios))
+                paired = [f"{p} {paired_ratio(ours[p], per[p], phase)}"
+                          for p in PRECISIONS if p in per and p in ours
+                          and len(ours[p]["rounds"]) > 1]
+                if paired:
+                    log("  paired by round (median, range): " + ", ".join(paired))
+
+
+def paired_ratio(ours: dict, theirs: dict, phase: str) -> str:
+    """The median and range of ours / theirs round by round: each round measured the two
+    within minutes of each other, so a drift of the VM's bandwidth between rounds (2x within the
+    hour here) moves both, where the best of each may come from different rounds."""
+    ratios = sorted(a[phase] / b[phase] for a, b in zip(ours["rounds"], theirs["rounds"]))
+    return (f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}, "
+            f"{len(ratios)} rounds)")
 
 
 if __name__ == "__main__":
