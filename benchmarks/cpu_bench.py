@@ -482,7 +482,8 @@ def main() -> int:
                 got["seconds"] = round(time.time() - t0, 1)
                 per = results["engines"].setdefault(engine, {})
                 best = per.setdefault(precision, dict(got, rounds=[]))
-                best["rounds"].append({k: got[k] for k in ("decode", "prefill")})
+                best["rounds"].append({"round": round_index,
+                                       **{k: got[k] for k in ("decode", "prefill")}})
                 best["decode"] = max(best["decode"], got["decode"])
                 best["prefill"] = max(best["prefill"], got["prefill"])
     if bandwidth is None:
@@ -542,7 +543,11 @@ def paired_ratio(ours: dict, theirs: dict, phase: str) -> str:
     """The median and range of ours / theirs round by round: each round measured the two
     within minutes of each other, so a drift of the VM's bandwidth between rounds (2x within the
     hour here) moves both, where the best of each may come from different rounds."""
-    ratios = sorted(a[phase] / b[phase] for a, b in zip(ours["rounds"], theirs["rounds"]))
+    theirs_by_round = {r["round"]: r for r in theirs["rounds"]}
+    ratios = sorted(a[phase] / theirs_by_round[a["round"]][phase] for a in ours["rounds"]
+                    if a["round"] in theirs_by_round)
+    if not ratios:
+        return "no round with both"
     return (f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}, "
             f"{len(ratios)} rounds)")
 
