@@ -12,6 +12,9 @@
 //                   [--compare-staging 1]  (CUDA: each decode shape also with the grouped
 //                                           kernel's rows loaded directly where it would stage
 //                                           them in shared memory: the same bits, other speed)
+//                   [--cold 1]  (CPU: before each timed call, 128 MiB are read so that the
+//                                keys and values come from memory, as in a decode step where
+//                                the weights stream between layers; only the call is timed)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -40,6 +43,7 @@ struct Options {
   Device device = Device::kCpu;
   DType dtype = DType::kF32;
   int64_t heads = 32, kv_heads = 8, head_dim = 128, reps = 5;
+  bool cold = false;  // CPU: evict the caches before each timed call
   std::vector<int64_t> prefill = {512, 2048}, batch = {1, 16}, context = {1024, 4096};
 };
 
@@ -75,6 +79,14 @@ void Finish(const Tensor& t) {
   if (t.device() != Device::kCpu) (void)t.Rows(0, 1).ToDevice(Device::kCpu);
 }
 
+// Adds two 64 MiB tensors (4x a large L3) with the op's own threads, so that no core's cache
+// holds the attention's rows and the workers are awake, as between a decode step's layers.
+void EvictCaches() {
+  static Tensor a = Tensor::Zeros({int64_t{16} << 20}, DType::kF32);
+  static const Tensor b = Tensor::Zeros({int64_t{16} << 20}, DType::kF32);
+  tgis::kernels::AddInPlace(&a, b);
+}
+
 // Seconds per call of attention over `seqs` sequences of `q_len` query rows at context `ctx`.
 double TimeAttention(const Options& o, int64_t seqs, int64_t q_len, int64_t ctx) {
   constexpr int kBlock = 16;
@@ -106,6 +118,16 @@ double TimeAttention(const Options& o, int64_t seqs, int64_t q_len, int64_t ctx)
   Tensor out;
   tgis::kernels::PagedAttention(q, cache, batch, scale, 0, nullptr, &out);  // warm-up
   Finish(out);
+  if (o.cold && o.device == Device::kCpu) {
+    double seconds = 0;
+    for (int64_t r = 0; r < o.reps; ++r) {
+      EvictCaches();
+      const auto t0 = Clock::now();
+      tgis::kernels::PagedAttention(q, cache, batch, scale, 0, nullptr, &out);
+      seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+    return seconds / static_cast<double>(o.reps);
+  }
   const auto t0 = Clock::now();
   for (int64_t r = 0; r < o.reps; ++r) {
     tgis::kernels::PagedAttention(q, cache, batch, scale, 0, nullptr, &out);
@@ -181,14 +203,16 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "--compare-staging: this build has no CUDA\n");
       return 2;
 #endif
+    } else if (k == "--cold") {
+      o.cold = v == "1";
     } else if (k == "--reps") {
       o.reps = std::max<int64_t>(1, std::atoll(v.c_str()));
     } else {
-      std::fprintf(
-          stderr,
-          "usage: attention_bench [--device cpu|cuda] [--dtype bf16|f16|f32] [--heads N]"
-          " [--kv-heads N] [--head-dim N] [--prefill T,...] [--batch B,...]"
-          " [--context C,...] [--reps N] [--partition-keys N,...] [--compare-staging 1]\n");
+      std::fprintf(stderr,
+                   "usage: attention_bench [--device cpu|cuda] [--dtype bf16|f16|f32] [--heads N]"
+                   " [--kv-heads N] [--head-dim N] [--prefill T,...] [--batch B,...]"
+                   " [--context C,...] [--reps N] [--partition-keys N,...] [--compare-staging 1]"
+                   " [--cold 1]\n");
       return 2;
     }
   }
