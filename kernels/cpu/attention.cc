@@ -103,6 +103,66 @@ class CacheRows final : public KvSource {
   const int64_t s_, kvh_, max_blocks_, context_;
 };
 
+// The decode path's keys and values (PositionSource): whole positions, every KV head's row.
+class PositionRows final : public PositionSource {
+ public:
+  PositionRows(const KvCacheLayer& cache, const AttentionBatch& batch, int64_t max_blocks)
+      : cache_(cache), batch_(batch), max_blocks_(max_blocks) {}
+  const float* const* Keys(int64_t s, int64_t j0, int64_t j1) override {
+    thread_local std::vector<float> buffer;
+    thread_local std::vector<const float*> rows;
+    return Fetch(cache_.k, s, j0, j1, &buffer, &rows);
+  }
+  const float* const* Values(int64_t s, int64_t j0, int64_t j1) override {
+    thread_local std::vector<float> buffer;
+    thread_local std::vector<const float*> rows;
+    return Fetch(cache_.v, s, j0, j1, &buffer, &rows);
+  }
+
+ private:
+  const float* const* Fetch(const Tensor& t, int64_t s, int64_t j0, int64_t j1,
+                            std::vector<float>* buffer, std::vector<const float*>* rows) const {
+    const int64_t n = j1 - j0 + 1, bs = t.dim(1), width = t.dim(2) * t.dim(3);
+    const bool in_place = t.dtype() == DType::kF32;
+    rows->resize(n);
+    if (!in_place) buffer->resize(n * width);
+    // The next chunk's positions are on their way while this one is used.
+    const int64_t ahead_end = std::min(j1 + n, IndexAt(batch_.context_lens, s) - 1);
+    const int64_t elem = DTypeSize(t.dtype());
+    for (int64_t j = j1 + 1; j <= ahead_end;) {
+      const int64_t run_end = std::min(ahead_end, j / bs * bs + bs - 1);
+      const int64_t blk = IndexAt(batch_.block_tables, s * max_blocks_ + j / bs);
+      const char* p = static_cast<const char*>(t.raw()) + (blk * bs + j % bs) * width * elem;
+      for (int64_t b = 0; b < (run_end - j + 1) * width * elem; b += 64) __builtin_prefetch(p + b);
+      j = run_end + 1;
+    }
+    // A block's positions are contiguous: one lookup and one conversion a block.
+    for (int64_t j = j0; j <= j1;) {
+      const int64_t run_end = std::min(j1, j / bs * bs + bs - 1);
+      const int64_t blk = IndexAt(batch_.block_tables, s * max_blocks_ + j / bs);
+      const int64_t at = (blk * bs + j % bs) * width;
+      if (in_place) {
+        for (int64_t i = j; i <= run_end; ++i)
+          (*rows)[i - j0] = t.data<float>() + at + (i - j) * width;
+      } else {
+        float* dst = buffer->data() + (j - j0) * width;
+        LoadF32(t, at, (run_end - j + 1) * width, dst);
+        for (int64_t i = j; i <= run_end; ++i) (*rows)[i - j0] = dst + (i - j) * width;
+      }
+      j = run_end + 1;
+    }
+    return rows->data();
+  }
+
+  const KvCacheLayer& cache_;
+  const AttentionBatch& batch_;
+  const int64_t max_blocks_;
+};
+
+// The decode path's buffers at most (scores and partition sums, f32): 64 MB, about 256
+// sequences at 2048 keys and 32 heads. Past it the per-task path runs, with the same bits.
+constexpr int64_t kDecodeMaxFloats = int64_t{16} << 20;
+
 // ---- the scalar path (no AVX2, or a head_dim that is not a multiple of 8) ------------------
 
 // One query row against keys [lo, hi]: a two-pass softmax, key rows by position - first.
@@ -287,6 +347,26 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   float* out_p = out->data<float>();
   const bool vector = UseAvx2Kernels() && d % 8 == 0;
   const LogitBias logit_bias{alibi_slopes, relative, bias};
+
+  // Decode steps (one query position a sequence) read whole positions instead.
+  bool decode = vector;
+  for (int64_t s = 0; s < num_seqs && decode; ++s)
+    decode = IndexAt(batch.query_start, s + 1) - IndexAt(batch.query_start, s) <= 1;
+  if (decode) {
+    std::vector<DecodeSeq> seqs;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const int64_t q0 = IndexAt(batch.query_start, s);
+      if (IndexAt(batch.query_start, s + 1) == q0) continue;
+      const int64_t qpos = IndexAt(batch.context_lens, s) - 1;
+      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, qpos - sliding_window + 1) : 0;
+      seqs.push_back({qp + q0 * hq * d, out_p + q0 * hq * d, qpos, lo, qpos});
+    }
+    PositionRows src(cache, batch, max_blocks);
+    if (seqs.empty() ||
+        AttendDecodeAvx2(seqs, &src, hq, hk, d, scale, logit_bias, kDecodeMaxFloats)) {
+      return;
+    }
+  }
 
   // Tasks: rows [f0, f1) of sequence s's q_len x group rows for KV head kvh (row f: query
   // f / group, head kvh * group + f % group); at most kTaskRows rows, and at least two tasks

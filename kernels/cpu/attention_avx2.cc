@@ -8,17 +8,27 @@
 // 16 columns, and a chunk (16 KB at d = 128) stays in L1 for that, where the whole range
 // (megabytes at long contexts) came back from memory each time.
 //
-// What a row computes never depends on which rows share its task (so not on the batch, on
-// chunked prefill or on the number of threads): a score is its own lanes-over-d sum with one
-// fixed reduction tree; a row's exp and sum run over 8-lane tiles at absolute key positions,
-// positions outside its own range holding exact zeros; its p * v sum adds key after key in
-// order, and the zeros of other rows' positions leave it unchanged.
+// Decode steps (AttendDecodeAvx2) take the same steps split the other way: a work item is a
+// sequence's 128-key partition with every KV head, so a thread reads whole positions (all KV
+// heads' rows, contiguous in the cache) where a one-head task reads every Hk-th row, and a
+// sequence at batch 1 still spreads over the threads. Measured on Zen 4, 2 threads
+// (attention_bench --heads 32 --kv-heads 4 --head-dim 64 --cold 1, and engine_bench on the
+// TinyLlama shape at a 1024-token prompt): see benchmarks/README.md, session 30.
+//
+// What a row computes never depends on which rows share its task or item (so not on the batch,
+// on chunked prefill, on decode or prompt, or on the number of threads): a score is its own
+// lanes-over-d sum with one fixed reduction tree; a row's exp and sum run over 8-lane tiles at
+// absolute key positions, positions outside its own range holding exact zeros; its p * v sum
+// goes partition by partition (kPartKeys), key after key within one, and the zeros of other
+// rows' positions leave it unchanged.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "kernels/cpu/attention_rows.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace tgis::kernels::cpu {
 
@@ -95,28 +105,71 @@ TGIS_ATTN_AVX2 float ExpRow(float* s, int64_t base, int64_t hi_all, int64_t lo, 
   return _mm_cvtss_f32(h);
 }
 
-// Keys a pass takes at a time.
+// Keys a pass takes at a time: chunks at absolute positions [32 i, 32 i + 31].
 constexpr int64_t kChunk = 32;
+inline int64_t ChunkEnd(int64_t j) { return j / kChunk * kChunk + kChunk - 1; }
+
+// The p * v sum of a row goes partition by partition, positions [128 i, 128 i + 127]: each
+// partition's products key after key from zero, each partition's sum then added to the output
+// in position order. Fixed by position, so the decode path can sum one sequence's partitions
+// on several threads and give every row the bits of the per-task path.
+constexpr int64_t kPartKeys = 128;
+static_assert(kPartKeys % kChunk == 0, "chunks never straddle a partition");
 
 // out[r][c, c + 8 * kVecs) += sum over keys j in [j0, j1] of p[r][j] * v_j[c, ...), key after
 // key; p[r] is indexed by j - base, v_j is vrows[j - vfirst].
 template <int kVecs>
 TGIS_ATTN_AVX2 void Pv4(const float* const* p, int64_t base, const float* const* vrows,
                         int64_t vfirst, int64_t j0, int64_t j1, int64_t c, float* const* out) {
+  // Unrolled so that the accumulators stay in registers (GCC kept them on the stack,
+  // a store and a reload in every FMA chain: Pv4 was twice Scores2x4 for the same FMAs).
   __m256 a[4][kVecs];
+#pragma GCC unroll 4
   for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 2
     for (int i = 0; i < kVecs; ++i) a[r][i] = _mm256_loadu_ps(out[r] + c + 8 * i);
+  const float* pr[4];
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) pr[r] = p[r] - base;
   for (int64_t j = j0; j <= j1; ++j) {
     const float* vr = vrows[j - vfirst] + c;
     __m256 v[kVecs];
+#pragma GCC unroll 2
     for (int i = 0; i < kVecs; ++i) v[i] = _mm256_loadu_ps(vr + 8 * i);
+#pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
-      const __m256 pr = _mm256_broadcast_ss(p[r] + (j - base));
-      for (int i = 0; i < kVecs; ++i) a[r][i] = _mm256_fmadd_ps(pr, v[i], a[r][i]);
+      const __m256 pj = _mm256_broadcast_ss(pr[r] + j);
+#pragma GCC unroll 2
+      for (int i = 0; i < kVecs; ++i) a[r][i] = _mm256_fmadd_ps(pj, v[i], a[r][i]);
     }
   }
+#pragma GCC unroll 4
   for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 2
     for (int i = 0; i < kVecs; ++i) _mm256_storeu_ps(out[r] + c + 8 * i, a[r][i]);
+}
+
+// Pv4 over every 16 columns (the last 8 if d is not a multiple of 16).
+TGIS_ATTN_AVX2 void PvSlabs(const float* const* p, int64_t base, const float* const* vrows,
+                            int64_t vfirst, int64_t j0, int64_t j1, int64_t d, float* const* out) {
+  for (int64_t c = 0; c < d; c += 16) {
+    if (c + 16 <= d) {
+      Pv4<2>(p, base, vrows, vfirst, j0, j1, c, out);
+    } else {
+      Pv4<1>(p, base, vrows, vfirst, j0, j1, c, out);
+    }
+  }
+}
+
+// out += part, then part = 0.
+void AddPart(float* part, int64_t d, float* out) {
+  for (int64_t c = 0; c < d; ++c) out[c] += part[c];
+  std::fill(part, part + d, 0.f);
+}
+
+void Normalize(float sum, int64_t d, float* out) {
+  const float inv = 1.f / sum;
+  for (int64_t c = 0; c < d; ++c) out[c] *= inv;
 }
 
 }  // namespace
@@ -134,8 +187,8 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t firs
   sink.resize(std::max<int64_t>(d, 4));
   sums.resize(count);
   // Pass 1: scaled scores of every row against every key of [first, last].
-  for (int64_t jc = first; jc <= last; jc += kChunk) {
-    const int64_t jc_end = std::min(last, jc + kChunk - 1);
+  for (int64_t jc = first; jc <= last;) {
+    const int64_t jc_end = std::min(last, ChunkEnd(jc));
     const float* const* keys = kv->Keys(jc, jc_end);
     for (int64_t j = jc; j <= jc_end; j += 4) {
       const float* k4[4];
@@ -147,6 +200,7 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t firs
                   pair ? scores.data() + (r + 1) * stride + (j - base) : sink.data());
       }
     }
+    jc = jc_end + 1;
   }
   // Per row: the position bias, the maximum over its own keys, then p and its sum.
   for (int64_t r = 0; r < count; ++r) {
@@ -162,9 +216,12 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t firs
     std::fill(row.out, row.out + d, 0.f);
   }
   // Pass 2: p * v, a chunk of value rows at a time, four query rows at a time over the keys of
-  // the chunk any of them sees (the sums still go key after key, in order).
-  for (int64_t jc = first; jc <= last; jc += kChunk) {
-    const int64_t jc_end = std::min(last, jc + kChunk - 1);
+  // the chunk any of them sees: into each row's partition sum, added to its output at the
+  // partition's end (see kPartKeys).
+  thread_local std::vector<float> part;
+  part.assign(count * d, 0.f);
+  for (int64_t jc = first; jc <= last;) {
+    const int64_t jc_end = std::min(last, ChunkEnd(jc));
     const float* const* values = nullptr;
     for (int64_t r = 0; r < count; r += 4) {
       const int64_t j0 = std::max(jc, rows[r].lo);
@@ -176,21 +233,134 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t firs
       for (int64_t i = 0; i < 4; ++i) {
         const bool real = r + i < count;
         p[i] = real ? scores.data() + (r + i) * stride : zeros.data();
-        o[i] = real ? rows[r + i].out : sink.data();
+        o[i] = real ? part.data() + (r + i) * d : sink.data();
       }
-      for (int64_t c = 0; c < d; c += 16) {
-        if (c + 16 <= d) {
-          Pv4<2>(p, base, values, jc, j0, j1, c, o);
-        } else {
-          Pv4<1>(p, base, values, jc, j0, j1, c, o);
+      PvSlabs(p, base, values, jc, j0, j1, d, o);
+    }
+    if (jc_end == last || (jc_end + 1) % kPartKeys == 0) {
+      for (int64_t r = 0; r < count; ++r) AddPart(part.data() + r * d, d, rows[r].out);
+    }
+    jc = jc_end + 1;
+  }
+  for (int64_t r = 0; r < count; ++r) Normalize(sums[r], d, rows[r].out);
+}
+
+bool AttendDecodeAvx2(const std::vector<DecodeSeq>& seqs, PositionSource* src, int64_t hq,
+                      int64_t hk, int64_t d, float scale, const LogitBias& bias,
+                      int64_t max_floats) {
+  const int64_t n = static_cast<int64_t>(seqs.size()), group = hq / hk;
+  // Per sequence: scores [Hq][stride] at absolute positions (a 4-key step may pass hi), and the
+  // sums of its partitions from lo's to hi's, [partition][Hq][D].
+  std::vector<int64_t> stride(n), score_at(n + 1, 0), part_at(n + 1, 0);
+  std::vector<std::pair<int64_t, int64_t>> items;  // (sequence, partition)
+  for (int64_t s = 0; s < n; ++s) {
+    const DecodeSeq& q = seqs[s];
+    stride[s] = (q.hi + 1 + 4 + 7) / 8 * 8;
+    score_at[s + 1] = score_at[s] + hq * stride[s];
+    const int64_t m0 = q.lo / kPartKeys, m1 = q.hi / kPartKeys;
+    part_at[s + 1] = part_at[s] + (m1 - m0 + 1) * hq * d;
+    for (int64_t m = m0; m <= m1; ++m) items.emplace_back(s, m);
+  }
+  if (score_at[n] + part_at[n] > max_floats) return false;
+  // The calling thread's buffers, shared with the pool's threads by pointer (a thread_local
+  // named inside a task would be the worker's own).
+  thread_local std::vector<float> score_buffer, part_buffer, sum_buffer;
+  score_buffer.resize(score_at[n]);
+  part_buffer.resize(part_at[n]);
+  sum_buffer.resize(n * hq);
+  float* const scores = score_buffer.data();
+  float* const parts = part_buffer.data();
+  float* const sums = sum_buffer.data();
+  const int64_t zeros_len = std::max<int64_t>(d, 4);
+  // An item's keys: its partition's positions that its rows see, the scores from a multiple of
+  // 4 below lo so that no 4-key step writes into another item's positions.
+  const auto span = [&](int64_t item, bool scores_pass) {
+    const auto [s, m] = items[item];
+    const int64_t lo = scores_pass ? seqs[s].lo / 4 * 4 : seqs[s].lo;
+    return std::pair<int64_t, int64_t>{std::max(lo, m * kPartKeys),
+                                       std::min(seqs[s].hi, m * kPartKeys + kPartKeys - 1)};
+  };
+  ThreadPool& pool = ThreadPool::Global();
+  // Pass 1: the scores of every head's row against the item's keys, 2 rows x 4 keys a step.
+  pool.Run(static_cast<int64_t>(items.size()), [&](int64_t item) {
+    const int64_t s = items[item].first;
+    const auto [first, last] = span(item, true);
+    thread_local std::vector<float> zeros;
+    zeros.assign(zeros_len, 0.f);
+    float sink[4];
+    for (int64_t jc = first; jc <= last;) {
+      const int64_t jc_end = std::min(last, ChunkEnd(jc));
+      const float* const* keys = src->Keys(s, jc, jc_end);
+      for (int64_t j = jc; j <= jc_end; j += 4) {
+        for (int64_t kvh = 0; kvh < hk; ++kvh) {
+          const float* k4[4];
+          for (int64_t i = 0; i < 4; ++i)
+            k4[i] = j + i <= jc_end ? keys[j + i - jc] + kvh * d : zeros.data();
+          for (int64_t g = 0; g < group; g += 2) {
+            const int64_t h = kvh * group + g;
+            const bool pair = g + 1 < group;
+            float* row = scores + score_at[s] + h * stride[s] + j;
+            Scores2x4(seqs[s].q + h * d, pair ? seqs[s].q + (h + 1) * d : zeros.data(), k4, d,
+                      scale, row, pair ? row + stride[s] : sink);
+          }
         }
       }
+      jc = jc_end + 1;
     }
-  }
-  for (int64_t r = 0; r < count; ++r) {
-    const float inv = 1.f / sums[r];
-    for (int64_t c = 0; c < d; ++c) rows[r].out[c] *= inv;
-  }
+  });
+  // Per row: the position bias, its maximum, then p and its sum.
+  pool.Run(n * hq, [&](int64_t row) {
+    const int64_t s = row / hq, h = row % hq;
+    const DecodeSeq& q = seqs[s];
+    float* sr = scores + score_at[s] + h * stride[s];  // position j at sr[j]
+    if (bias.any()) {
+      for (int64_t j = q.lo; j <= q.hi; ++j) sr[j] = bias.Add(h, q.qpos, j, sr[j]);
+    }
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = q.lo; j <= q.hi; ++j) mx = std::max(mx, sr[j]);
+    const int64_t base = q.lo / 8 * 8;
+    sums[row] = ExpRow(sr + base, base, q.hi, q.lo, q.hi, mx);
+  });
+  // Pass 2: each partition's p * v sums, four rows of a KV head at a time.
+  pool.Run(static_cast<int64_t>(items.size()), [&](int64_t item) {
+    const auto [s, m] = items[item];
+    const auto [first, last] = span(item, false);
+    float* part = parts + part_at[s] + (m - seqs[s].lo / kPartKeys) * hq * d;
+    std::fill(part, part + hq * d, 0.f);
+    thread_local std::vector<float> sink;
+    sink.resize(d);
+    thread_local std::vector<const float*> vrows;
+    for (int64_t jc = first; jc <= last;) {
+      const int64_t jc_end = std::min(last, ChunkEnd(jc));
+      const float* const* values = src->Values(s, jc, jc_end);
+      vrows.resize(jc_end - jc + 1);
+      for (int64_t kvh = 0; kvh < hk; ++kvh) {
+        for (int64_t j = jc; j <= jc_end; ++j) vrows[j - jc] = values[j - jc] + kvh * d;
+        for (int64_t g = 0; g < group; g += 4) {
+          const float* p[4];
+          float* o[4];
+          for (int64_t i = 0; i < 4; ++i) {  // a missing row reads the first's p
+            const int64_t h = kvh * group + g + (g + i < group ? i : 0);
+            p[i] = scores + score_at[s] + h * stride[s];
+            o[i] = g + i < group ? part + h * d : sink.data();
+          }
+          PvSlabs(p, 0, vrows.data(), jc, jc, jc_end, d, o);
+        }
+      }
+      jc = jc_end + 1;
+    }
+  });
+  // Per row: its partitions' sums in order, then 1 / sum.
+  pool.Run(n * hq, [&](int64_t row) {
+    const int64_t s = row / hq, h = row % hq;
+    const DecodeSeq& q = seqs[s];
+    float* out = q.out + h * d;
+    std::fill(out, out + d, 0.f);
+    for (int64_t m = q.lo / kPartKeys; m <= q.hi / kPartKeys; ++m)
+      AddPart(parts + part_at[s] + ((m - q.lo / kPartKeys) * hq + h) * d, d, out);
+    Normalize(sums[row], d, out);
+  });
+  return true;
 }
 
 }  // namespace tgis::kernels::cpu

@@ -51,4 +51,31 @@ class KvSource {
 void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t first, int64_t last,
                     int64_t d, float scale, const LogitBias& bias);
 
+// Where the decode path's keys and values come from: for positions [j0, j1] of sequence s, a
+// pointer per position (position j at [j - j0]) to its Hk * D values, every KV head's row, in
+// the cache when it holds f32, else converted into a buffer that the thread's next call for the
+// same kind reuses. A position's rows are contiguous in the cache, so this reads it in order.
+class PositionSource {
+ public:
+  virtual ~PositionSource() = default;
+  virtual const float* const* Keys(int64_t s, int64_t j0, int64_t j1) = 0;
+  virtual const float* const* Values(int64_t s, int64_t j0, int64_t j1) = 0;
+};
+
+// A decode sequence: one query position (qpos), every head's q row ([Hq, D] at q) and output,
+// and the keys its rows see, [lo, hi].
+struct DecodeSeq {
+  const float* q;
+  float* out;
+  int64_t qpos, lo, hi;
+};
+
+// Decode steps (one query row per head and sequence) with the bits of AttendRowsAvx2, the work
+// split over positions instead of KV heads: each thread reads whole positions, every KV head's
+// rows at once, in order, where a task of one KV head reads every Hk-th row. False (nothing
+// done) when its buffers would pass `max_floats`; then the per-task path runs.
+bool AttendDecodeAvx2(const std::vector<DecodeSeq>& seqs, PositionSource* src, int64_t hq,
+                      int64_t hk, int64_t d, float scale, const LogitBias& bias,
+                      int64_t max_floats);
+
 }  // namespace tgis::kernels::cpu

@@ -1918,14 +1918,18 @@ TEST(RelativePositionBucket, MatchesTransformers) {
 // ---- The CPU thread pool ------------------------------------------------------------------
 
 // A query row's attention output is bitwise the same whether its sequence runs alone, beside
-// another sequence, or as two chunks of its prompt (chunked prefill, prefix caching), on every
-// CPU path: rows that share a task never change each other's sums.
-TEST(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
-  const int64_t hq = 8, hk = 2, d = 64, bs = 16, len = 100, other = 50;
+// another sequence, as two chunks of its prompt (chunked prefill, prefix caching) or as a
+// decode step (the decode path, which splits the work by positions where prompts split it by
+// KV heads), on every CPU path and cache dtype: rows that share a task never change each
+// other's sums. The prompt is 300 tokens, so the p * v sums span three 128-key partitions.
+class CpuAttention : public ::testing::TestWithParam<DType> {};
+
+TEST_P(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
+  const int64_t hq = 8, hk = 2, d = 64, bs = 16, len = 300, other = 50;
   const int64_t num_blocks = (len + bs - 1) / bs + (other + bs - 1) / bs;
-  KvCacheLayer cache{Tensor::Zeros({num_blocks, bs, hk, d}, DType::kF32, Device::kCpu),
-                     Tensor::Zeros({num_blocks, bs, hk, d}, DType::kF32, Device::kCpu)};
-  // Sequence A owns blocks 0..6 (reversed), B the rest.
+  KvCacheLayer cache{Tensor::Zeros({num_blocks, bs, hk, d}, GetParam(), Device::kCpu),
+                     Tensor::Zeros({num_blocks, bs, hk, d}, GetParam(), Device::kCpu)};
+  // Sequence A owns the first blocks (reversed), B the rest.
   const int64_t a_blocks = (len + bs - 1) / bs, b_blocks = num_blocks - a_blocks;
   std::vector<int32_t> a_table, b_table;
   for (int64_t b = 0; b < a_blocks; ++b) a_table.push_back(static_cast<int32_t>(a_blocks - 1 - b));
@@ -1984,14 +1988,14 @@ TEST(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
   for (const cpu::Isa isa : {cpu::Isa::kScalar, cpu::Isa::kAvx2}) {
     if (!cpu::IsaAvailable(isa)) continue;
     cpu::SetIsaForTesting(isa);
-    for (int window : {0, 24}) {
+    for (int window : {0, 24, 150}) {
       SCOPED_TRACE("isa " + std::to_string(static_cast<int>(isa)) + " window " +
                    std::to_string(window));
       const std::vector<float> alone = run({{qa.data(), len, len, &a_table}}, window);
       std::vector<float> batched =
           run({{qb.data(), 1, other, &b_table}, {qa.data(), len, len, &a_table}}, window);
       batched.erase(batched.begin(), batched.begin() + hq * d);  // B's row
-      const int64_t cut = 37;
+      const int64_t cut = 137;
       std::vector<float> chunked = run({{qa.data(), cut, cut, &a_table}}, window);
       const std::vector<float> rest =
           run({{qa.data() + cut * hq * d, len - cut, len, &a_table}}, window);
@@ -2001,10 +2005,35 @@ TEST(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
         ASSERT_EQ(Bits(alone[i]), Bits(batched[i])) << "batched, element " << i;
         ASSERT_EQ(Bits(alone[i]), Bits(chunked[i])) << "chunked, element " << i;
       }
+      // Positions as decode steps, alone and as a batch with B's row (every position a
+      // decode path item could start or end at: partition and chunk edges, a window's start).
+      const std::vector<int64_t> positions = {0, 3, 31, 127, 128, 200, 255, 256, 299};
+      std::vector<Seq> steps = {{qb.data(), 1, other, &b_table}};
+      for (int64_t p : positions) {
+        const std::vector<float> step = run({{qa.data() + p * hq * d, 1, p + 1, &a_table}}, window);
+        for (int64_t i = 0; i < hq * d; ++i) {
+          ASSERT_EQ(Bits(alone[p * hq * d + i]), Bits(step[i]))
+              << "decode at " << p << ", element " << i;
+        }
+        steps.push_back({qa.data() + p * hq * d, 1, p + 1, &a_table});
+      }
+      const std::vector<float> stepped = run(steps, window);
+      for (size_t k = 0; k < positions.size(); ++k) {
+        for (int64_t i = 0; i < hq * d; ++i) {
+          ASSERT_EQ(Bits(alone[positions[k] * hq * d + i]), Bits(stepped[(k + 1) * hq * d + i]))
+              << "batched decode at " << positions[k] << ", element " << i;
+        }
+      }
     }
   }
   cpu::SetIsaForTesting(cpu::Isa::kAuto);
 }
+
+INSTANTIATE_TEST_SUITE_P(CacheDTypes, CpuAttention,
+                         ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return std::string(tgis::kernels::DTypeName(info.param));
+                         });
 
 // The opt-in int8-activation kernels compute exactly what their definition says: x rounded
 // per 32 stored columns to nearbyint(x * 127 / absmax), times absmax / 127, against the
