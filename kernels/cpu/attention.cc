@@ -103,51 +103,42 @@ class CacheRows final : public KvSource {
   const int64_t s_, kvh_, max_blocks_, context_;
 };
 
-// The decode path's keys and values (PositionSource): whole positions, every KV head's row.
+// The decode path's keys and values (PositionSource): whole positions, every KV head's row,
+// read in place whatever the cache's dtype.
 class PositionRows final : public PositionSource {
  public:
   PositionRows(const KvCacheLayer& cache, const AttentionBatch& batch, int64_t max_blocks)
       : cache_(cache), batch_(batch), max_blocks_(max_blocks) {}
-  const float* const* Keys(int64_t s, int64_t j0, int64_t j1) override {
-    thread_local std::vector<float> buffer;
-    thread_local std::vector<const float*> rows;
-    return Fetch(cache_.k, s, j0, j1, &buffer, &rows);
+  DType dtype() const override { return cache_.k.dtype(); }
+  const void* const* Keys(int64_t s, int64_t j0, int64_t j1) override {
+    thread_local std::vector<const void*> rows;
+    return Fetch(cache_.k, s, j0, j1, &rows);
   }
-  const float* const* Values(int64_t s, int64_t j0, int64_t j1) override {
-    thread_local std::vector<float> buffer;
-    thread_local std::vector<const float*> rows;
-    return Fetch(cache_.v, s, j0, j1, &buffer, &rows);
+  const void* const* Values(int64_t s, int64_t j0, int64_t j1) override {
+    thread_local std::vector<const void*> rows;
+    return Fetch(cache_.v, s, j0, j1, &rows);
   }
 
  private:
-  const float* const* Fetch(const Tensor& t, int64_t s, int64_t j0, int64_t j1,
-                            std::vector<float>* buffer, std::vector<const float*>* rows) const {
-    const int64_t n = j1 - j0 + 1, bs = t.dim(1), width = t.dim(2) * t.dim(3);
-    const bool in_place = t.dtype() == DType::kF32;
+  const void* const* Fetch(const Tensor& t, int64_t s, int64_t j0, int64_t j1,
+                           std::vector<const void*>* rows) const {
+    const int64_t n = j1 - j0 + 1, bs = t.dim(1);
+    const int64_t bytes = t.dim(2) * t.dim(3) * DTypeSize(t.dtype());  // a position's
+    const char* base = static_cast<const char*>(t.raw());
     rows->resize(n);
-    if (!in_place) buffer->resize(n * width);
-    // The next chunk's positions are on their way while this one is used.
+    // A block's positions are contiguous: one table lookup a block. The next chunk's
+    // positions are on their way while this one is used.
     const int64_t ahead_end = std::min(j1 + n, IndexAt(batch_.context_lens, s) - 1);
-    const int64_t elem = DTypeSize(t.dtype());
-    for (int64_t j = j1 + 1; j <= ahead_end;) {
+    for (int64_t j = j0; j <= ahead_end;) {
       const int64_t run_end = std::min(ahead_end, j / bs * bs + bs - 1);
-      const int64_t blk = IndexAt(batch_.block_tables, s * max_blocks_ + j / bs);
-      const char* p = static_cast<const char*>(t.raw()) + (blk * bs + j % bs) * width * elem;
-      for (int64_t b = 0; b < (run_end - j + 1) * width * elem; b += 64) __builtin_prefetch(p + b);
-      j = run_end + 1;
-    }
-    // A block's positions are contiguous: one lookup and one conversion a block.
-    for (int64_t j = j0; j <= j1;) {
-      const int64_t run_end = std::min(j1, j / bs * bs + bs - 1);
-      const int64_t blk = IndexAt(batch_.block_tables, s * max_blocks_ + j / bs);
-      const int64_t at = (blk * bs + j % bs) * width;
-      if (in_place) {
-        for (int64_t i = j; i <= run_end; ++i)
-          (*rows)[i - j0] = t.data<float>() + at + (i - j) * width;
-      } else {
-        float* dst = buffer->data() + (j - j0) * width;
-        LoadF32(t, at, (run_end - j + 1) * width, dst);
-        for (int64_t i = j; i <= run_end; ++i) (*rows)[i - j0] = dst + (i - j) * width;
+      const char* p =
+          base + (IndexAt(batch_.block_tables, s * max_blocks_ + j / bs) * bs + j % bs) * bytes;
+      for (int64_t i = j; i <= run_end; ++i) {
+        if (i <= j1) {
+          (*rows)[i - j0] = p + (i - j) * bytes;
+        } else {
+          for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + (i - j) * bytes + b);
+        }
       }
       j = run_end + 1;
     }

@@ -24,7 +24,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <limits>
+#include <memory>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/cpu/attention_rows.h"
@@ -34,7 +37,32 @@ namespace tgis::kernels::cpu {
 
 namespace {
 
-#define TGIS_ATTN_AVX2 __attribute__((target("avx2,fma")))
+#define TGIS_ATTN_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// Element types of key and value rows: f32, or bf16 and f16 widened exactly in registers.
+struct F32 {
+  using Elem = float;
+};
+struct Bf16 {
+  using Elem = uint16_t;
+};
+struct F16 {
+  using Elem = uint16_t;
+};
+
+template <typename T>
+TGIS_ATTN_AVX2 inline __m256 Load8(const typename T::Elem* p) {
+  if constexpr (std::is_same_v<T, F32>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<T, Bf16>) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm256_cvtph_ps(h);
+    }
+  }
+}
 
 // e^x to about 1 ulp (Cephes' expf polynomial): lanes below -87.3 give 0 (their value is
 // under FLT_MIN, beside a row maximum of 1); NaN stays NaN.
@@ -58,14 +86,15 @@ TGIS_ATTN_AVX2 inline __m256 Exp8(__m256 x) {
 }
 
 // Scaled scores of query rows q0, q1 against key rows k[0..3] into s0[0..3], s1[0..3].
-TGIS_ATTN_AVX2 void Scores2x4(const float* q0, const float* q1, const float* const* k, int64_t d,
-                              float scale, float* s0, float* s1) {
+template <typename T>
+TGIS_ATTN_AVX2 void Scores2x4(const float* q0, const float* q1, const typename T::Elem* const* k,
+                              int64_t d, float scale, float* s0, float* s1) {
   __m256 a[8];
   for (__m256& v : a) v = _mm256_setzero_ps();
   for (int64_t c = 0; c < d; c += 8) {
     const __m256 x0 = _mm256_loadu_ps(q0 + c), x1 = _mm256_loadu_ps(q1 + c);
     for (int i = 0; i < 4; ++i) {
-      const __m256 kv = _mm256_loadu_ps(k[i] + c);
+      const __m256 kv = Load8<T>(k[i] + c);
       a[i] = _mm256_fmadd_ps(x0, kv, a[i]);
       a[4 + i] = _mm256_fmadd_ps(x1, kv, a[4 + i]);
     }
@@ -118,8 +147,8 @@ static_assert(kPartKeys % kChunk == 0, "chunks never straddle a partition");
 
 // out[r][c, c + 8 * kVecs) += sum over keys j in [j0, j1] of p[r][j] * v_j[c, ...), key after
 // key; p[r] is indexed by j - base, v_j is vrows[j - vfirst].
-template <int kVecs>
-TGIS_ATTN_AVX2 void Pv4(const float* const* p, int64_t base, const float* const* vrows,
+template <int kVecs, typename T>
+TGIS_ATTN_AVX2 void Pv4(const float* const* p, int64_t base, const typename T::Elem* const* vrows,
                         int64_t vfirst, int64_t j0, int64_t j1, int64_t c, float* const* out) {
   // Unrolled so that the accumulators stay in registers (GCC kept them on the stack,
   // a store and a reload in every FMA chain: Pv4 was twice Scores2x4 for the same FMAs).
@@ -132,10 +161,10 @@ TGIS_ATTN_AVX2 void Pv4(const float* const* p, int64_t base, const float* const*
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) pr[r] = p[r] - base;
   for (int64_t j = j0; j <= j1; ++j) {
-    const float* vr = vrows[j - vfirst] + c;
+    const typename T::Elem* vr = vrows[j - vfirst] + c;
     __m256 v[kVecs];
 #pragma GCC unroll 2
-    for (int i = 0; i < kVecs; ++i) v[i] = _mm256_loadu_ps(vr + 8 * i);
+    for (int i = 0; i < kVecs; ++i) v[i] = Load8<T>(vr + 8 * i);
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       const __m256 pj = _mm256_broadcast_ss(pr[r] + j);
@@ -150,13 +179,15 @@ TGIS_ATTN_AVX2 void Pv4(const float* const* p, int64_t base, const float* const*
 }
 
 // Pv4 over every 16 columns (the last 8 if d is not a multiple of 16).
-TGIS_ATTN_AVX2 void PvSlabs(const float* const* p, int64_t base, const float* const* vrows,
-                            int64_t vfirst, int64_t j0, int64_t j1, int64_t d, float* const* out) {
+template <typename T>
+TGIS_ATTN_AVX2 void PvSlabs(const float* const* p, int64_t base,
+                            const typename T::Elem* const* vrows, int64_t vfirst, int64_t j0,
+                            int64_t j1, int64_t d, float* const* out) {
   for (int64_t c = 0; c < d; c += 16) {
     if (c + 16 <= d) {
-      Pv4<2>(p, base, vrows, vfirst, j0, j1, c, out);
+      Pv4<2, T>(p, base, vrows, vfirst, j0, j1, c, out);
     } else {
-      Pv4<1>(p, base, vrows, vfirst, j0, j1, c, out);
+      Pv4<1, T>(p, base, vrows, vfirst, j0, j1, c, out);
     }
   }
 }
@@ -195,9 +226,9 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t firs
       for (int64_t i = 0; i < 4; ++i) k4[i] = j + i <= jc_end ? keys[j + i - jc] : zeros.data();
       for (int64_t r = 0; r < count; r += 2) {
         const bool pair = r + 1 < count;
-        Scores2x4(rows[r].q, pair ? rows[r + 1].q : zeros.data(), k4, d, scale,
-                  scores.data() + r * stride + (j - base),
-                  pair ? scores.data() + (r + 1) * stride + (j - base) : sink.data());
+        Scores2x4<F32>(rows[r].q, pair ? rows[r + 1].q : zeros.data(), k4, d, scale,
+                       scores.data() + r * stride + (j - base),
+                       pair ? scores.data() + (r + 1) * stride + (j - base) : sink.data());
       }
     }
     jc = jc_end + 1;
@@ -235,7 +266,7 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t firs
         p[i] = real ? scores.data() + (r + i) * stride : zeros.data();
         o[i] = real ? part.data() + (r + i) * d : sink.data();
       }
-      PvSlabs(p, base, values, jc, j0, j1, d, o);
+      PvSlabs<F32>(p, base, values, jc, j0, j1, d, o);
     }
     if (jc_end == last || (jc_end + 1) % kPartKeys == 0) {
       for (int64_t r = 0; r < count; ++r) AddPart(part.data() + r * d, d, rows[r].out);
@@ -245,9 +276,12 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t firs
   for (int64_t r = 0; r < count; ++r) Normalize(sums[r], d, rows[r].out);
 }
 
-bool AttendDecodeAvx2(const std::vector<DecodeSeq>& seqs, PositionSource* src, int64_t hq,
-                      int64_t hk, int64_t d, float scale, const LogitBias& bias,
-                      int64_t max_floats) {
+namespace {
+
+template <typename T>
+bool AttendDecode(const std::vector<DecodeSeq>& seqs, PositionSource* src, int64_t hq, int64_t hk,
+                  int64_t d, float scale, const LogitBias& bias, int64_t max_floats) {
+  using Elem = typename T::Elem;
   const int64_t n = static_cast<int64_t>(seqs.size()), group = hq / hk;
   // Per sequence: scores [Hq][stride] at absolute positions (a 4-key step may pass hi), and the
   // sums of its partitions from lo's to hi's, [partition][Hq][D].
@@ -285,23 +319,27 @@ bool AttendDecodeAvx2(const std::vector<DecodeSeq>& seqs, PositionSource* src, i
   pool.Run(static_cast<int64_t>(items.size()), [&](int64_t item) {
     const int64_t s = items[item].first;
     const auto [first, last] = span(item, true);
-    thread_local std::vector<float> zeros;
-    zeros.assign(zeros_len, 0.f);
+    thread_local std::vector<float> zero_q;
+    thread_local std::vector<Elem> zero_k;
+    zero_q.assign(zeros_len, 0.f);
+    zero_k.assign(zeros_len, Elem{0});
     float sink[4];
     for (int64_t jc = first; jc <= last;) {
       const int64_t jc_end = std::min(last, ChunkEnd(jc));
-      const float* const* keys = src->Keys(s, jc, jc_end);
+      const void* const* keys = src->Keys(s, jc, jc_end);
       for (int64_t j = jc; j <= jc_end; j += 4) {
         for (int64_t kvh = 0; kvh < hk; ++kvh) {
-          const float* k4[4];
-          for (int64_t i = 0; i < 4; ++i)
-            k4[i] = j + i <= jc_end ? keys[j + i - jc] + kvh * d : zeros.data();
+          const Elem* k4[4];
+          for (int64_t i = 0; i < 4; ++i) {
+            k4[i] = j + i <= jc_end ? static_cast<const Elem*>(keys[j + i - jc]) + kvh * d
+                                    : zero_k.data();
+          }
           for (int64_t g = 0; g < group; g += 2) {
             const int64_t h = kvh * group + g;
             const bool pair = g + 1 < group;
             float* row = scores + score_at[s] + h * stride[s] + j;
-            Scores2x4(seqs[s].q + h * d, pair ? seqs[s].q + (h + 1) * d : zeros.data(), k4, d,
-                      scale, row, pair ? row + stride[s] : sink);
+            Scores2x4<T>(seqs[s].q + h * d, pair ? seqs[s].q + (h + 1) * d : zero_q.data(), k4, d,
+                         scale, row, pair ? row + stride[s] : sink);
           }
         }
       }
@@ -321,21 +359,27 @@ bool AttendDecodeAvx2(const std::vector<DecodeSeq>& seqs, PositionSource* src, i
     const int64_t base = q.lo / 8 * 8;
     sums[row] = ExpRow(sr + base, base, q.hi, q.lo, q.hi, mx);
   });
-  // Pass 2: each partition's p * v sums, four rows of a KV head at a time.
+  // Pass 2: each partition's p * v sums, four rows of a KV head at a time; the item that
+  // finishes a sequence's last partition adds its rows' partitions in order (a barrier fewer).
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[n]);
+  for (int64_t s = 0; s < n; ++s)
+    left[s].store(seqs[s].hi / kPartKeys - seqs[s].lo / kPartKeys + 1, std::memory_order_relaxed);
   pool.Run(static_cast<int64_t>(items.size()), [&](int64_t item) {
     const auto [s, m] = items[item];
     const auto [first, last] = span(item, false);
-    float* part = parts + part_at[s] + (m - seqs[s].lo / kPartKeys) * hq * d;
+    const int64_t m0 = seqs[s].lo / kPartKeys;
+    float* part = parts + part_at[s] + (m - m0) * hq * d;
     std::fill(part, part + hq * d, 0.f);
     thread_local std::vector<float> sink;
     sink.resize(d);
-    thread_local std::vector<const float*> vrows;
+    thread_local std::vector<const Elem*> vrows;
     for (int64_t jc = first; jc <= last;) {
       const int64_t jc_end = std::min(last, ChunkEnd(jc));
-      const float* const* values = src->Values(s, jc, jc_end);
+      const void* const* values = src->Values(s, jc, jc_end);
       vrows.resize(jc_end - jc + 1);
       for (int64_t kvh = 0; kvh < hk; ++kvh) {
-        for (int64_t j = jc; j <= jc_end; ++j) vrows[j - jc] = values[j - jc] + kvh * d;
+        for (int64_t j = jc; j <= jc_end; ++j)
+          vrows[j - jc] = static_cast<const Elem*>(values[j - jc]) + kvh * d;
         for (int64_t g = 0; g < group; g += 4) {
           const float* p[4];
           float* o[4];
@@ -344,23 +388,39 @@ bool AttendDecodeAvx2(const std::vector<DecodeSeq>& seqs, PositionSource* src, i
             p[i] = scores + score_at[s] + h * stride[s];
             o[i] = g + i < group ? part + h * d : sink.data();
           }
-          PvSlabs(p, 0, vrows.data(), jc, jc, jc_end, d, o);
+          PvSlabs<T>(p, 0, vrows.data(), jc, jc, jc_end, d, o);
         }
       }
       jc = jc_end + 1;
     }
-  });
-  // Per row: its partitions' sums in order, then 1 / sum.
-  pool.Run(n * hq, [&](int64_t row) {
-    const int64_t s = row / hq, h = row % hq;
-    const DecodeSeq& q = seqs[s];
-    float* out = q.out + h * d;
-    std::fill(out, out + d, 0.f);
-    for (int64_t m = q.lo / kPartKeys; m <= q.hi / kPartKeys; ++m)
-      AddPart(parts + part_at[s] + ((m - q.lo / kPartKeys) * hq + h) * d, d, out);
-    Normalize(sums[row], d, out);
+    // acq_rel: the last item sees every other item's partition sums.
+    if (left[s].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    for (int64_t h = 0; h < hq; ++h) {
+      float* out = seqs[s].out + h * d;
+      std::fill(out, out + d, 0.f);
+      for (int64_t i = 0; i <= seqs[s].hi / kPartKeys - m0; ++i)
+        AddPart(parts + part_at[s] + (i * hq + h) * d, d, out);
+      Normalize(sums[s * hq + h], d, out);
+    }
   });
   return true;
+}
+
+}  // namespace
+
+bool AttendDecodeAvx2(const std::vector<DecodeSeq>& seqs, PositionSource* src, int64_t hq,
+                      int64_t hk, int64_t d, float scale, const LogitBias& bias,
+                      int64_t max_floats) {
+  switch (src->dtype()) {
+    case DType::kF32:
+      return AttendDecode<F32>(seqs, src, hq, hk, d, scale, bias, max_floats);
+    case DType::kBF16:
+      return AttendDecode<Bf16>(seqs, src, hq, hk, d, scale, bias, max_floats);
+    case DType::kF16:
+      return AttendDecode<F16>(seqs, src, hq, hk, d, scale, bias, max_floats);
+    default:
+      return false;
+  }
 }
 
 }  // namespace tgis::kernels::cpu

@@ -52,14 +52,16 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t firs
                     int64_t d, float scale, const LogitBias& bias);
 
 // Where the decode path's keys and values come from: for positions [j0, j1] of sequence s, a
-// pointer per position (position j at [j - j0]) to its Hk * D values, every KV head's row, in
-// the cache when it holds f32, else converted into a buffer that the thread's next call for the
-// same kind reuses. A position's rows are contiguous in the cache, so this reads it in order.
+// pointer per position (position j at [j - j0]) to its Hk * D values in the cache, every KV
+// head's row, of dtype() (f32, bf16 or f16: the kernels widen 16-bit values in registers,
+// exactly, as a converted copy would hold them). A position's rows are contiguous in the
+// cache, so the decode path reads it in order.
 class PositionSource {
  public:
   virtual ~PositionSource() = default;
-  virtual const float* const* Keys(int64_t s, int64_t j0, int64_t j1) = 0;
-  virtual const float* const* Values(int64_t s, int64_t j0, int64_t j1) = 0;
+  virtual DType dtype() const = 0;
+  virtual const void* const* Keys(int64_t s, int64_t j0, int64_t j1) = 0;
+  virtual const void* const* Values(int64_t s, int64_t j0, int64_t j1) = 0;
 };
 
 // A decode sequence: one query position (qpos), every head's q row ([Hq, D] at q) and output,
