@@ -85,28 +85,38 @@ TGIS_ATTN_AVX2 inline __m256 Exp8(__m256 x) {
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2)));
 }
 
-// Scaled scores of query rows q0, q1 against key rows k[0..3] into s0[0..3], s1[0..3].
-template <typename T>
-TGIS_ATTN_AVX2 void Scores2x4(const float* q0, const float* q1, const typename T::Elem* const* k,
-                              int64_t d, float scale, float* s0, float* s1) {
+// Scaled scores of R query rows q[r] against K = 8 / R key rows k[i] into s[r][i]: eight
+// lanes-over-d sums at once, whatever R (many rows share a key where a GQA group allows, so a
+// 16-bit key row is widened once for all of them).
+template <int R, typename T>
+TGIS_ATTN_AVX2 void Scores(const float* const* q, const typename T::Elem* const* k, int64_t d,
+                           float scale, float* const* s) {
+  constexpr int K = 8 / R;
+  static_assert(R * K == 8, "eight sums a call");
   __m256 a[8];
   for (__m256& v : a) v = _mm256_setzero_ps();
   for (int64_t c = 0; c < d; c += 8) {
-    const __m256 x0 = _mm256_loadu_ps(q0 + c), x1 = _mm256_loadu_ps(q1 + c);
-    for (int i = 0; i < 4; ++i) {
-      const __m256 kv = Load8<T>(k[i] + c);
-      a[i] = _mm256_fmadd_ps(x0, kv, a[i]);
-      a[4 + i] = _mm256_fmadd_ps(x1, kv, a[4 + i]);
+    __m256 kv[K];
+#pragma GCC unroll 8
+    for (int i = 0; i < K; ++i) kv[i] = Load8<T>(k[i] + c);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_loadu_ps(q[r] + c);
+#pragma GCC unroll 8
+      for (int i = 0; i < K; ++i) a[r * K + i] = _mm256_fmadd_ps(x, kv[i], a[r * K + i]);
     }
   }
-  // Each sum: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+  // Each sum: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)); lane m holds sum m.
   const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   const __m256 sum =
       _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
-  const __m256 scaled = _mm256_mul_ps(sum, _mm256_set1_ps(scale));
-  _mm_storeu_ps(s0, _mm256_castps256_ps128(scaled));
-  _mm_storeu_ps(s1, _mm256_extractf128_ps(scaled, 1));
+  alignas(32) float out[8];
+  _mm256_store_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int i = 0; i < K; ++i) s[r][i] = out[r * K + i];
 }
 
 // Row by row over 8-lane tiles at absolute positions from `base` (a multiple of 8) to hi_all:
@@ -226,9 +236,10 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t firs
       for (int64_t i = 0; i < 4; ++i) k4[i] = j + i <= jc_end ? keys[j + i - jc] : zeros.data();
       for (int64_t r = 0; r < count; r += 2) {
         const bool pair = r + 1 < count;
-        Scores2x4<F32>(rows[r].q, pair ? rows[r + 1].q : zeros.data(), k4, d, scale,
-                       scores.data() + r * stride + (j - base),
-                       pair ? scores.data() + (r + 1) * stride + (j - base) : sink.data());
+        const float* q2[2] = {rows[r].q, pair ? rows[r + 1].q : zeros.data()};
+        float* s2[2] = {scores.data() + r * stride + (j - base),
+                        pair ? scores.data() + (r + 1) * stride + (j - base) : sink.data()};
+        Scores<2, F32>(q2, k4, d, scale, s2);
       }
     }
     jc = jc_end + 1;
@@ -278,18 +289,54 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t firs
 
 namespace {
 
+// The decode path's pass 1 for one item: the scores of every head's row of sequence s against
+// keys [first, last] (first a multiple of 8), R rows of a KV head's group (R divides it) and
+// 8 / R keys a step; row h's score of key j at scores[h * stride + j].
+template <int R, typename T>
+void ScoreKeys(const DecodeSeq& q, PositionSource* src, int64_t s, int64_t first, int64_t last,
+               int64_t hk, int64_t group, int64_t d, float scale, float* scores, int64_t stride) {
+  constexpr int K = 8 / R;
+  using Elem = typename T::Elem;
+  thread_local std::vector<Elem> zero_k;
+  zero_k.assign(d, Elem{0});
+  for (int64_t jc = first; jc <= last;) {
+    const int64_t jc_end = std::min(last, ChunkEnd(jc));
+    const void* const* keys = src->Keys(s, jc, jc_end);
+    for (int64_t j = jc; j <= jc_end; j += K) {
+      for (int64_t kvh = 0; kvh < hk; ++kvh) {
+        const Elem* k[K];
+        for (int i = 0; i < K; ++i) {
+          k[i] = j + i <= jc_end ? static_cast<const Elem*>(keys[j + i - jc]) + kvh * d
+                                 : zero_k.data();
+        }
+        for (int64_t g = 0; g < group; g += R) {
+          const float* qs[R];
+          float* out[R];
+          for (int r = 0; r < R; ++r) {
+            const int64_t h = kvh * group + g + r;
+            qs[r] = q.q + h * d;
+            out[r] = scores + h * stride + j;
+          }
+          Scores<R, T>(qs, k, d, scale, out);
+        }
+      }
+    }
+    jc = jc_end + 1;
+  }
+}
+
 template <typename T>
 bool AttendDecode(const std::vector<DecodeSeq>& seqs, PositionSource* src, int64_t hq, int64_t hk,
                   int64_t d, float scale, const LogitBias& bias, int64_t max_floats) {
   using Elem = typename T::Elem;
   const int64_t n = static_cast<int64_t>(seqs.size()), group = hq / hk;
-  // Per sequence: scores [Hq][stride] at absolute positions (a 4-key step may pass hi), and the
+  // Per sequence: scores [Hq][stride] at absolute positions (a step of keys may pass hi), and the
   // sums of its partitions from lo's to hi's, [partition][Hq][D].
   std::vector<int64_t> stride(n), score_at(n + 1, 0), part_at(n + 1, 0);
   std::vector<std::pair<int64_t, int64_t>> items;  // (sequence, partition)
   for (int64_t s = 0; s < n; ++s) {
     const DecodeSeq& q = seqs[s];
-    stride[s] = (q.hi + 1 + 4 + 7) / 8 * 8;
+    stride[s] = (q.hi + 1 + 8 + 7) / 8 * 8;
     score_at[s + 1] = score_at[s] + hq * stride[s];
     const int64_t m0 = q.lo / kPartKeys, m1 = q.hi / kPartKeys;
     part_at[s + 1] = part_at[s] + (m1 - m0 + 1) * hq * d;
@@ -305,45 +352,29 @@ bool AttendDecode(const std::vector<DecodeSeq>& seqs, PositionSource* src, int64
   float* const scores = score_buffer.data();
   float* const parts = part_buffer.data();
   float* const sums = sum_buffer.data();
-  const int64_t zeros_len = std::max<int64_t>(d, 4);
   // An item's keys: its partition's positions that its rows see, the scores from a multiple of
-  // 4 below lo so that no 4-key step writes into another item's positions.
+  // 8 below lo so that no step of keys writes into another item's positions.
   const auto span = [&](int64_t item, bool scores_pass) {
     const auto [s, m] = items[item];
-    const int64_t lo = scores_pass ? seqs[s].lo / 4 * 4 : seqs[s].lo;
+    const int64_t lo = scores_pass ? seqs[s].lo / 8 * 8 : seqs[s].lo;
     return std::pair<int64_t, int64_t>{std::max(lo, m * kPartKeys),
                                        std::min(seqs[s].hi, m * kPartKeys + kPartKeys - 1)};
   };
   ThreadPool& pool = ThreadPool::Global();
-  // Pass 1: the scores of every head's row against the item's keys, 2 rows x 4 keys a step.
+  // Pass 1: the scores of every head's row against the item's keys.
+  // Rows a step: 8 measured no faster than 4 for groups of 8 (attention_bench, bf16, Zen 4).
+  const int rows_a_step = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
   pool.Run(static_cast<int64_t>(items.size()), [&](int64_t item) {
     const int64_t s = items[item].first;
     const auto [first, last] = span(item, true);
-    thread_local std::vector<float> zero_q;
-    thread_local std::vector<Elem> zero_k;
-    zero_q.assign(zeros_len, 0.f);
-    zero_k.assign(zeros_len, Elem{0});
-    float sink[4];
-    for (int64_t jc = first; jc <= last;) {
-      const int64_t jc_end = std::min(last, ChunkEnd(jc));
-      const void* const* keys = src->Keys(s, jc, jc_end);
-      for (int64_t j = jc; j <= jc_end; j += 4) {
-        for (int64_t kvh = 0; kvh < hk; ++kvh) {
-          const Elem* k4[4];
-          for (int64_t i = 0; i < 4; ++i) {
-            k4[i] = j + i <= jc_end ? static_cast<const Elem*>(keys[j + i - jc]) + kvh * d
-                                    : zero_k.data();
-          }
-          for (int64_t g = 0; g < group; g += 2) {
-            const int64_t h = kvh * group + g;
-            const bool pair = g + 1 < group;
-            float* row = scores + score_at[s] + h * stride[s] + j;
-            Scores2x4<T>(seqs[s].q + h * d, pair ? seqs[s].q + (h + 1) * d : zero_q.data(), k4, d,
-                         scale, row, pair ? row + stride[s] : sink);
-          }
-        }
-      }
-      jc = jc_end + 1;
+    float* row0 = scores + score_at[s];
+    switch (rows_a_step) {
+      case 4:
+        return ScoreKeys<4, T>(seqs[s], src, s, first, last, hk, group, d, scale, row0, stride[s]);
+      case 2:
+        return ScoreKeys<2, T>(seqs[s], src, s, first, last, hk, group, d, scale, row0, stride[s]);
+      default:
+        return ScoreKeys<1, T>(seqs[s], src, s, first, last, hk, group, d, scale, row0, stride[s]);
     }
   });
   // Per row: the position bias, its maximum, then p and its sum.

@@ -1922,13 +1922,18 @@ TEST(RelativePositionBucket, MatchesTransformers) {
 // decode step (the decode path, which splits the work by positions where prompts split it by
 // KV heads), on every CPU path and cache dtype: rows that share a task never change each
 // other's sums. The prompt is 300 tokens, so the p * v sums span three 128-key partitions.
-class CpuAttention : public ::testing::TestWithParam<DType> {};
+// Parameters: the cache's dtype and (query heads, KV heads): GQA groups of 4, 8, 2, 3 and 1 (the
+// decode path takes 4, 4, 2, 1 and 1 rows of a group at a time).
+class CpuAttention
+    : public ::testing::TestWithParam<std::tuple<DType, std::pair<int64_t, int64_t>>> {};
 
 TEST_P(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
-  const int64_t hq = 8, hk = 2, d = 64, bs = 16, len = 300, other = 50;
+  const DType dtype = std::get<0>(GetParam());
+  const auto [hq, hk] = std::get<1>(GetParam());
+  const int64_t d = 64, bs = 16, len = 300, other = 50;
   const int64_t num_blocks = (len + bs - 1) / bs + (other + bs - 1) / bs;
-  KvCacheLayer cache{Tensor::Zeros({num_blocks, bs, hk, d}, GetParam(), Device::kCpu),
-                     Tensor::Zeros({num_blocks, bs, hk, d}, GetParam(), Device::kCpu)};
+  KvCacheLayer cache{Tensor::Zeros({num_blocks, bs, hk, d}, dtype, Device::kCpu),
+                     Tensor::Zeros({num_blocks, bs, hk, d}, dtype, Device::kCpu)};
   // Sequence A owns the first blocks (reversed), B the rest.
   const int64_t a_blocks = (len + bs - 1) / bs, b_blocks = num_blocks - a_blocks;
   std::vector<int32_t> a_table, b_table;
@@ -2029,11 +2034,20 @@ TEST_P(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
   cpu::SetIsaForTesting(cpu::Isa::kAuto);
 }
 
-INSTANTIATE_TEST_SUITE_P(CacheDTypes, CpuAttention,
-                         ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
-                         [](const ::testing::TestParamInfo<DType>& info) {
-                           return std::string(tgis::kernels::DTypeName(info.param));
-                         });
+using HeadCounts = std::pair<int64_t, int64_t>;
+
+std::string CpuAttentionName(const ::testing::TestParamInfo<std::tuple<DType, HeadCounts>>& info) {
+  const HeadCounts heads = std::get<1>(info.param);
+  return std::string(tgis::kernels::DTypeName(std::get<0>(info.param))) + "_hq" +
+         std::to_string(heads.first) + "_hk" + std::to_string(heads.second);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    CacheDTypesAndGroups, CpuAttention,
+    ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
+                       ::testing::Values(HeadCounts{8, 2}, HeadCounts{16, 2}, HeadCounts{8, 4},
+                                         HeadCounts{6, 2}, HeadCounts{4, 4})),
+    CpuAttentionName);
 
 // The opt-in int8-activation kernels compute exactly what their definition says: x rounded
 // per 32 stored columns to nearbyint(x * 127 / absmax), times absmax / 127, against the
