@@ -150,8 +150,9 @@ class PositionRows final : public PositionSource {
   const int64_t max_blocks_;
 };
 
-// The decode path's buffers at most (scores and partition sums, f32): 64 MB, about 256
-// sequences at 2048 keys and 32 heads. Past it the per-task path runs, with the same bits.
+// The decode path's buffers at most (scores and partition sums, f32, kept by the calling
+// thread): 64 MB, 128 sequences at 2048 keys with 32 heads of 128. Past it the per-task path
+// runs, with the same bits.
 constexpr int64_t kDecodeMaxFloats = int64_t{16} << 20;
 
 // ---- the scalar path (no AVX2, or a head_dim that is not a multiple of 8) ------------------

@@ -1999,7 +1999,11 @@ TEST_P(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
       const std::vector<float> alone = run({{qa.data(), len, len, &a_table}}, window);
       std::vector<float> batched =
           run({{qb.data(), 1, other, &b_table}, {qa.data(), len, len, &a_table}}, window);
-      batched.erase(batched.begin(), batched.begin() + hq * d);  // B's row
+      // B's decode row beside A's prompt (the per-task path) and alone (the decode path).
+      const std::vector<float> b_alone = run({{qb.data(), 1, other, &b_table}}, window);
+      for (int64_t i = 0; i < hq * d; ++i)
+        ASSERT_EQ(Bits(b_alone[i]), Bits(batched[i])) << "B's decode row, element " << i;
+      batched.erase(batched.begin(), batched.begin() + hq * d);
       const int64_t cut = 137;
       std::vector<float> chunked = run({{qa.data(), cut, cut, &a_table}}, window);
       const std::vector<float> rest =
