@@ -1,7 +1,9 @@
 // The paged KV cache on the CPU: writing new keys/values into it and attending over it.
 // f32 accumulation, a two-pass softmax per query row, rows sharing a KV head computed together
-// (AVX2 where Linear uses it, same switch; a scalar path otherwise); f32 caches are read in
-// place.
+// (AVX2 where Linear uses it, same switch; a scalar path otherwise). Prompts go in tasks of one
+// sequence's rows for one KV head (f32 caches read in place, 16-bit ones converted a chunk at
+// a time); decode steps in items of one sequence's positions for every KV head, read in place
+// whatever the dtype, with the same bits (attention_avx2.cc).
 #include <algorithm>
 #include <cmath>
 #include <limits>
