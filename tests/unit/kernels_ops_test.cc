@@ -1929,7 +1929,8 @@ class CpuAttention
 
 TEST_P(CpuAttention, RowsDoNotDependOnTheirBatchOrChunks) {
   const DType dtype = std::get<0>(GetParam());
-  const auto [hq, hk] = std::get<1>(GetParam());
+  // Plain variables, not a structured binding: clang's C++20 lambdas cannot capture those.
+  const int64_t hq = std::get<1>(GetParam()).first, hk = std::get<1>(GetParam()).second;
   const int64_t d = 64, bs = 16, len = 300, other = 50;
   const int64_t num_blocks = (len + bs - 1) / bs + (other + bs - 1) / bs;
   KvCacheLayer cache{Tensor::Zeros({num_blocks, bs, hk, d}, dtype, Device::kCpu),
