@@ -342,6 +342,11 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   const bool vector = UseAvx2Kernels() && d % 8 == 0;
   const LogitBias logit_bias{alibi_slopes, relative, bias};
 
+  // The first key a query at qpos sees (its sliding window's start), on both paths.
+  const auto first_key = [sliding_window](int64_t qpos) {
+    return sliding_window > 0 ? std::max<int64_t>(0, qpos - sliding_window + 1) : int64_t{0};
+  };
+
   // Decode steps (one query position a sequence) read whole positions instead.
   bool decode = vector;
   for (int64_t s = 0; s < num_seqs && decode; ++s)
@@ -352,8 +357,7 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
       const int64_t q0 = IndexAt(batch.query_start, s);
       if (IndexAt(batch.query_start, s + 1) == q0) continue;
       const int64_t qpos = IndexAt(batch.context_lens, s) - 1;
-      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, qpos - sliding_window + 1) : 0;
-      seqs.push_back({qp + q0 * hq * d, out_p + q0 * hq * d, qpos, lo, qpos});
+      seqs.push_back({qp + q0 * hq * d, out_p + q0 * hq * d, qpos, first_key(qpos)});
     }
     PositionRows src(cache, batch, max_blocks);
     if (seqs.empty() ||
@@ -393,7 +397,7 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
     for (int64_t f = t.f0; f < t.f1; ++f) {
       const int64_t i = f / group, h = t.kvh * group + f % group;
       const int64_t qpos = ctx - q_len + i;
-      const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, qpos - sliding_window + 1) : 0;
+      const int64_t lo = first_key(qpos);
       const int64_t hi = batch.causal ? qpos : ctx - 1;
       rows.push_back(
           {qp + ((q0 + i) * hq + h) * d, out_p + ((q0 + i) * hq + h) * d, h, qpos, lo, hi});

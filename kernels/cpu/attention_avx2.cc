@@ -144,6 +144,19 @@ TGIS_ATTN_AVX2 float ExpRow(float* s, int64_t base, int64_t hi_all, int64_t lo, 
   return _mm_cvtss_f32(h);
 }
 
+// One row's scores s (position j at s[j - base], base a multiple of 8) of its keys [lo, hi]
+// into p = exp(score + bias - max), tiles to hi_all as ExpRow; returns the sum of p. Both
+// paths call it, so a row's p and sum cannot differ between them.
+float RowSoftmax(float* s, int64_t base, int64_t hi_all, int64_t lo, int64_t hi, int64_t h,
+                 int64_t qpos, const LogitBias& bias) {
+  if (bias.any()) {
+    for (int64_t j = lo; j <= hi; ++j) s[j - base] = bias.Add(h, qpos, j, s[j - base]);
+  }
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = lo; j <= hi; ++j) mx = std::max(mx, s[j - base]);
+  return ExpRow(s, base, hi_all, lo, hi, mx);
+}
+
 // Keys a pass takes at a time: chunks at absolute positions [32 i, 32 i + 31].
 constexpr int64_t kChunk = 32;
 inline int64_t ChunkEnd(int64_t j) { return j / kChunk * kChunk + kChunk - 1; }
@@ -247,14 +260,8 @@ void AttendRowsAvx2(const std::vector<AttnRow>& rows, KvSource* kv, int64_t firs
   // Per row: the position bias, the maximum over its own keys, then p and its sum.
   for (int64_t r = 0; r < count; ++r) {
     const AttnRow& row = rows[r];
-    float* sr = scores.data() + r * stride;  // position j at sr[j - base]
-    if (bias.any()) {
-      for (int64_t j = row.lo; j <= row.hi; ++j)
-        sr[j - base] = bias.Add(row.h, row.qpos, j, sr[j - base]);
-    }
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = row.lo; j <= row.hi; ++j) mx = std::max(mx, sr[j - base]);
-    sums[r] = ExpRow(sr, base, last, row.lo, row.hi, mx);
+    sums[r] =
+        RowSoftmax(scores.data() + r * stride, base, last, row.lo, row.hi, row.h, row.qpos, bias);
     std::fill(row.out, row.out + d, 0.f);
   }
   // Pass 2: p * v, a chunk of value rows at a time, four query rows at a time over the keys of
@@ -336,9 +343,9 @@ bool AttendDecode(const std::vector<DecodeSeq>& seqs, PositionSource* src, int64
   std::vector<std::pair<int64_t, int64_t>> items;  // (sequence, partition)
   for (int64_t s = 0; s < n; ++s) {
     const DecodeSeq& q = seqs[s];
-    stride[s] = (q.hi + 1 + 8 + 7) / 8 * 8;
+    stride[s] = (q.qpos + 1 + 8 + 7) / 8 * 8;
     score_at[s + 1] = score_at[s] + hq * stride[s];
-    const int64_t m0 = q.lo / kPartKeys, m1 = q.hi / kPartKeys;
+    const int64_t m0 = q.lo / kPartKeys, m1 = q.qpos / kPartKeys;
     part_at[s + 1] = part_at[s] + (m1 - m0 + 1) * hq * d;
     for (int64_t m = m0; m <= m1; ++m) items.emplace_back(s, m);
   }
@@ -358,7 +365,7 @@ bool AttendDecode(const std::vector<DecodeSeq>& seqs, PositionSource* src, int64
     const auto [s, m] = items[item];
     const int64_t lo = scores_pass ? seqs[s].lo / 8 * 8 : seqs[s].lo;
     return std::pair<int64_t, int64_t>{std::max(lo, m * kPartKeys),
-                                       std::min(seqs[s].hi, m * kPartKeys + kPartKeys - 1)};
+                                       std::min(seqs[s].qpos, m * kPartKeys + kPartKeys - 1)};
   };
   ThreadPool& pool = ThreadPool::Global();
   // Pass 1: the scores of every head's row against the item's keys.
@@ -381,20 +388,15 @@ bool AttendDecode(const std::vector<DecodeSeq>& seqs, PositionSource* src, int64
   pool.Run(n * hq, [&](int64_t row) {
     const int64_t s = row / hq, h = row % hq;
     const DecodeSeq& q = seqs[s];
-    float* sr = scores + score_at[s] + h * stride[s];  // position j at sr[j]
-    if (bias.any()) {
-      for (int64_t j = q.lo; j <= q.hi; ++j) sr[j] = bias.Add(h, q.qpos, j, sr[j]);
-    }
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = q.lo; j <= q.hi; ++j) mx = std::max(mx, sr[j]);
     const int64_t base = q.lo / 8 * 8;
-    sums[row] = ExpRow(sr + base, base, q.hi, q.lo, q.hi, mx);
+    sums[row] = RowSoftmax(scores + score_at[s] + h * stride[s] + base, base, q.qpos, q.lo, q.qpos,
+                           h, q.qpos, bias);
   });
   // Pass 2: each partition's p * v sums, four rows of a KV head at a time; the item that
   // finishes a sequence's last partition adds its rows' partitions in order (a barrier fewer).
   std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[n]);
   for (int64_t s = 0; s < n; ++s)
-    left[s].store(seqs[s].hi / kPartKeys - seqs[s].lo / kPartKeys + 1, std::memory_order_relaxed);
+    left[s].store(seqs[s].qpos / kPartKeys - seqs[s].lo / kPartKeys + 1, std::memory_order_relaxed);
   pool.Run(static_cast<int64_t>(items.size()), [&](int64_t item) {
     const auto [s, m] = items[item];
     const auto [first, last] = span(item, false);
@@ -429,7 +431,7 @@ bool AttendDecode(const std::vector<DecodeSeq>& seqs, PositionSource* src, int64
     for (int64_t h = 0; h < hq; ++h) {
       float* out = seqs[s].out + h * d;
       std::fill(out, out + d, 0.f);
-      for (int64_t i = 0; i <= seqs[s].hi / kPartKeys - m0; ++i)
+      for (int64_t i = 0; i <= seqs[s].qpos / kPartKeys - m0; ++i)
         AddPart(parts + part_at[s] + (i * hq + h) * d, d, out);
       Normalize(sums[s * hq + h], d, out);
     }

@@ -65,11 +65,11 @@ class PositionSource {
 };
 
 // A decode sequence: one query position (qpos), every head's q row ([Hq, D] at q) and output,
-// and the keys its rows see, [lo, hi].
+// and the keys its rows see, [lo, qpos].
 struct DecodeSeq {
   const float* q;
   float* out;
-  int64_t qpos, lo, hi;
+  int64_t qpos, lo;
 };
 
 // Decode steps (one query row per head and sequence) with the bits of AttendRowsAvx2, the work
