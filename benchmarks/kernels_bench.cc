@@ -3,7 +3,7 @@
 // that bandwidth.
 //
 //   kernels_bench [--quick] [--hot] [--t=N] [--shape=OUTxIN] [--int8-activations]
-//                 [--isa=scalar|avx2|avx512|vnni] [format ...]
+//                 [--isa=scalar|avx2|avx512|vnni|bf16] [format ...]
 // formats: bf16 f16 f32 int8 gptq8 gptq4 (g128) gptq4g32 fp8 gptq4g32-f32 (f32 run constants)
 // nf4 (bitsandbytes' table codes, blocks of 64)
 //
@@ -213,9 +213,10 @@ int main(int argc, char** argv) {
                            : name == "avx2"   ? cpu::Isa::kAvx2
                            : name == "avx512" ? cpu::Isa::kAvx512
                            : name == "vnni"   ? cpu::Isa::kAvx512Vnni
+                           : name == "bf16"   ? cpu::Isa::kAvx512Bf16
                                               : cpu::Isa::kAuto;
       if (isa == cpu::Isa::kAuto || !cpu::IsaAvailable(isa)) {
-        std::fprintf(stderr, "--isa: %s is not one of scalar avx2 avx512 vnni this CPU has\n",
+        std::fprintf(stderr, "--isa: %s is not one of scalar avx2 avx512 vnni bf16 this CPU has\n",
                      name.c_str());
         return 2;
       }

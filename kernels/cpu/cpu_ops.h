@@ -13,13 +13,16 @@ namespace tgis::kernels::cpu {
 #include "kernels/op_signatures.inc"
 
 // Which Linear code path runs: kAuto picks the best the CPU has: AVX-512 with VNNI (integer
-// dot products for 8-bit codes), AVX-512, AVX2/FMA, scalar; each AVX-512 path only for
-// the weights it takes, AVX2 for the others. Tests force each path in turn; not thread-safe
-// against concurrent Linear calls.
-enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Vnni };
+// dot products for 8-bit codes) and AVX512_BF16 (bf16 weights' prefill against x rounded to
+// bf16), AVX-512, AVX2/FMA, scalar; each AVX-512 path only for the weights it takes, AVX2 for
+// the others. Tests force each path in turn; not thread-safe against concurrent Linear calls.
+enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Vnni, kAvx512Bf16 };
 void SetIsaForTesting(Isa isa);
 // Whether this CPU can run `isa`'s path (kAuto and kScalar always can).
 bool IsaAvailable(Isa isa);
+// Whether Linear, as set now, multiplies x rounded to bf16 (to nearest even) for a call with
+// weights of dtype `w`, t tokens and k columns: bf16 weights' prefill with AVX512_BF16.
+bool Bf16DotTakes(DType w, int64_t t, int64_t k);
 // Opt-in, process-wide: 8- and 4-bit codes are multiplied by x rounded to int8 per 32 columns
 // (llama.cpp's way), where the weight's runs allow it: with AVX2 code on the 8-row panels at
 // every T (linear_int8_panels.cc; 4-bit decode on every CPU), with AVX-512 VNNI on the rows
@@ -34,7 +37,8 @@ bool PrepareQuantized(const QuantizedWeight& q);
 // Bytes of memory those derived layouts hold now (ops.h's CpuDerivedLayoutBytes).
 size_t DerivedLayoutBytes();
 
-// The path kAuto resolves to on this machine ("avx512+vnni", "avx512", "avx2+fma", "scalar").
+// The path kAuto resolves to on this machine ("avx512+vnni+bf16", "avx512+vnni", "avx512",
+// "avx2+fma", "scalar").
 const char* ActiveIsaName();
 
 // What runs prefill's matrix products (T above the streaming kernels'): "avx512" (ours), or

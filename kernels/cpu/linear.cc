@@ -10,7 +10,9 @@
 //    then the k % 8 tail), so a row's result does not depend on T, on the other rows in the
 //    batch, or on the number of threads.
 //  - Large T (prefill): with AVX-512, our GEMM (linear_gemm_avx512.cc: weight panels of 32
-//    rows converted to f32 once, each output one FMA chain in column order); otherwise
+//    rows converted to f32 once, each output one FMA chain in column order); bf16 weights on
+//    CPUs with AVX512_BF16 their own (linear_gemm_bf16.cc: x rounded to bf16, as a bf16
+//    model's matmul takes it in transformers, pairs of columns per vdpbf16ps); otherwise
 //    OpenBLAS sgemm (blas.h: loaded at run time, with the kernels this CPU runs), one
 //    single-threaded call per block of output rows on our pool (bf16/f16 weight blocks are
 //    converted to f32 into a per-thread scratch first).
@@ -70,6 +72,7 @@ bool UseAvx2() {
       return true;
     case Isa::kAvx512:
     case Isa::kAvx512Vnni:
+    case Isa::kAvx512Bf16:
     case Isa::kAuto:
       break;
   }
@@ -103,6 +106,10 @@ bool UseAvx512(const QuantizedWeight* q) {
     case Isa::kAvx512Vnni:
       TGIS_CHECK(CpuHasAvx512Vnni(), "SetIsaForTesting(kAvx512Vnni) on a CPU without VNNI");
       break;
+    case Isa::kAvx512Bf16:
+      TGIS_CHECK(CpuHasAvx512Vnni() && CpuHasAvx512Bf16(),
+                 "SetIsaForTesting(kAvx512Bf16) on a CPU without VNNI and AVX512_BF16");
+      break;
     case Isa::kAuto:
       if (!CpuHasAvx512()) return false;
       if (q != nullptr && q->bits == 4 && Avx512AtHalfWidth()) return false;
@@ -114,7 +121,15 @@ bool UseAvx512(const QuantizedWeight* q) {
 // Integer dot products for 8- and 4-bit codes (among the weights UseAvx512 takes).
 bool UseVnni() {
   const Isa isa = g_isa.load(std::memory_order_relaxed);
-  return isa == Isa::kAvx512Vnni || (isa == Isa::kAuto && CpuHasAvx512Vnni());
+  return isa == Isa::kAvx512Vnni || isa == Isa::kAvx512Bf16 ||
+         (isa == Isa::kAuto && CpuHasAvx512Vnni());
+}
+
+// Whether bf16 weights' prefill multiplies x rounded to bf16 (linear_gemm_bf16.cc).
+bool UseBf16Dot() {
+  const Isa isa = g_isa.load(std::memory_order_relaxed);
+  return UseAvx512(nullptr) &&
+         (isa == Isa::kAvx512Bf16 || (isa == Isa::kAuto && CpuHasAvx512Bf16()));
 }
 
 // Which kernels multiply 8- and 4-bit codes by int8-rounded x (SetInt8Activations), if any:
@@ -544,7 +559,9 @@ void LargeT(const SmallArgs& a) {
   [[maybe_unused]] const bool avx2 = UseAvx2();
   CheckCodesReadable(a.q, !UseAvx512(a.q) && avx2);
   const int64_t threads = ThreadPool::Global().size();
-  if (UseAvx512(nullptr)) {
+  if (W == WFmt::kBF16 && Bf16DotTakes(DType::kBF16, a.t, a.k)) {
+    LargeBf16DotGemm(a);
+  } else if (UseAvx512(nullptr)) {
     LargeAvx512Gemm(a, [&](int64_t n0, int rows, float* scratch) -> const float* {
       if constexpr (W == WFmt::kF32) {
         return static_cast<const float*>(a.w) + n0 * a.k;
@@ -600,6 +617,10 @@ void SetIsaForTesting(Isa isa) { g_isa.store(isa); }
 
 bool Int8ActivationsAvailable() { return CpuHasAvx2(); }
 
+bool Bf16DotTakes(DType w, int64_t t, int64_t k) {
+  return w == DType::kBF16 && t > kSmallT && k % 2 == 0 && UseBf16Dot();
+}
+
 void SetInt8Activations(bool on) { g_int8_activations.store(on); }
 
 size_t DerivedLayoutBytes() { return PanelBytes(); }
@@ -621,6 +642,8 @@ bool IsaAvailable(Isa isa) {
   switch (isa) {
     case Isa::kAvx512Vnni:
       return CpuHasAvx512Vnni();
+    case Isa::kAvx512Bf16:
+      return CpuHasAvx512Vnni() && CpuHasAvx512Bf16();
     case Isa::kAvx2:
       return CpuHasAvx2();
     case Isa::kAvx512:
@@ -633,11 +656,15 @@ bool IsaAvailable(Isa isa) {
 }
 
 const char* ActiveIsaName() {
-  if (UseAvx512(nullptr)) return UseVnni() ? "avx512+vnni" : "avx512";
+  if (UseAvx512(nullptr)) {
+    if (UseBf16Dot()) return "avx512+vnni+bf16";
+    return UseVnni() ? "avx512+vnni" : "avx512";
+  }
   return UseAvx2() ? "avx2+fma" : "scalar";
 }
 
 std::string PrefillGemmName() {
+  if (UseBf16Dot()) return "avx512 (bf16 weights: avx512_bf16, x rounded to bf16)";
   return UseAvx512(nullptr) ? "avx512" : "OpenBLAS " + BlasCoreName();
 }
 

@@ -133,6 +133,8 @@ class OpsTest : public ::testing::TestWithParam<OpsParam> {
     if (cpu::IsaAvailable(cpu::Isa::kAvx512)) isas.emplace_back(cpu::Isa::kAvx512, "avx512");
     if (cpu::IsaAvailable(cpu::Isa::kAvx512Vnni))
       isas.emplace_back(cpu::Isa::kAvx512Vnni, "avx512+vnni");
+    if (cpu::IsaAvailable(cpu::Isa::kAvx512Bf16))
+      isas.emplace_back(cpu::Isa::kAvx512Bf16, "avx512+vnni+bf16");
     return isas;
   }
 
@@ -240,13 +242,19 @@ void LinearCase(const Tensor& x, const std::vector<float>& xs, const Tensor& w,
   Tensor out;
   Linear(x, w, bias, &out);
   ASSERT_EQ(out.shape(), (Shape{t_count, out_f})) << what;
+  // bf16 weights' prefill with AVX512_BF16 multiplies x rounded to bf16: so does the reference
+  // then (and only then, so that the exact paths are held to x as it is).
+  std::vector<float> xr = xs;
+  if (w.device() == Device::kCpu && cpu::Bf16DotTakes(w.dtype(), t_count, in)) {
+    for (float& v : xr) v = Bf16ToF32(F32ToBf16(v));
+  }
   std::vector<double> ref(t_count * out_f), scale(t_count * out_f);
   for (int64_t t = 0; t < t_count; ++t) {
     for (int64_t n = 0; n < out_f; ++n) {
       double s = 0, a = 0;
       for (int64_t k = 0; k < in; ++k) {
-        s += static_cast<double>(xs[t * in + k]) * ws[n * in + k];
-        a += std::fabs(static_cast<double>(xs[t * in + k]) * ws[n * in + k]);
+        s += static_cast<double>(xr[t * in + k]) * ws[n * in + k];
+        a += std::fabs(static_cast<double>(xr[t * in + k]) * ws[n * in + k]);
       }
       if (bias) {
         s += bs[n];
@@ -529,7 +537,8 @@ TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {
     for (int bits : {8, 4, 5}) {  // 5: 4-bit codes with compact run constants
       const bool compact = bits == 5;
       if (compact) bits = 4;
-      if (isa == cpu::Isa::kAvx512Vnni || (bits == 4 && isa == cpu::Isa::kAvx512)) continue;
+      const bool vnni = isa == cpu::Isa::kAvx512Vnni || isa == cpu::Isa::kAvx512Bf16;
+      if (vnni || (bits == 4 && isa == cpu::Isa::kAvx512)) continue;
       const int64_t group = isa == cpu::Isa::kAvx2 ? 16 : 128;
       const DenseQuant dq = RandomQuant(bits, 37, 1024, group, false, 7, compact);
       const Tensor w = Tensor::Quantized(std::make_shared<const QuantizedWeight>(dq.Build()));
@@ -646,28 +655,34 @@ TEST_P(OpsTest, LinearSmallBatchIsBatchInvariant) {
   }
 }
 
-// The AVX-512 prefill GEMM (T > 16) sums each output in one order whatever the batch: a
-// prompt's rows come out the same alone or beside others, at any offset in the register tiles.
+// The AVX-512 prefill GEMMs (T > 16; f32, and bf16 weights' own with AVX512_BF16) sum each
+// output in one order whatever the batch: a prompt's rows come out the same alone or beside
+// others, at any offset in the register tiles.
 TEST_P(OpsTest, LinearPrefillOnAvx512IsBatchInvariant) {
   if (device() != Device::kCpu || dtype() == DType::kF16) GTEST_SKIP() << "CPU property";
   if (!cpu::IsaAvailable(cpu::Isa::kAvx512)) GTEST_SKIP() << "no AVX-512 on this CPU";
-  cpu::SetIsaForTesting(cpu::Isa::kAvx512);
+  std::vector<cpu::Isa> isas = {cpu::Isa::kAvx512};
+  if (cpu::IsaAvailable(cpu::Isa::kAvx512Bf16)) isas.push_back(cpu::Isa::kAvx512Bf16);
   const int64_t out_f = 45, t_count = 64;
-  for (int64_t in : {1030, 512}) {  // a partial last column block, and none
-    const Tensor x = Act(Random(t_count * in, 8), {t_count, in});
-    const QuantizedWeight q = RandomQuant(4, out_f, in, 128, false, 9, true).Build();
-    const std::pair<Tensor, std::string> weights[] = {
-        {Weight(Random(out_f * in, 5), {out_f, in}), "dense"},
-        {Tensor::Quantized(std::make_shared<const QuantizedWeight>(q)), "4-bit"}};
-    for (const auto& [w, name] : weights) {
-      Tensor all;
-      Linear(x, w, nullptr, &all);
-      for (const auto& [t0, rows] : {std::pair<int64_t, int64_t>{0, 17}, {7, 29}, {30, 34}}) {
-        Tensor some;
-        Linear(x.Rows(t0, t0 + rows), w, nullptr, &some);
-        for (int64_t i = 0; i < rows * out_f; ++i)
-          ASSERT_EQ(some.data<float>()[i], all.data<float>()[t0 * out_f + i])
-              << name << " in=" << in << " rows " << t0 << "+" << rows << " at " << i;
+  for (const cpu::Isa isa : isas) {
+    cpu::SetIsaForTesting(isa);
+    for (int64_t in : {1030, 512}) {  // a partial last column block, and none
+      const Tensor x = Act(Random(t_count * in, 8), {t_count, in});
+      const QuantizedWeight q = RandomQuant(4, out_f, in, 128, false, 9, true).Build();
+      const std::pair<Tensor, std::string> weights[] = {
+          {Weight(Random(out_f * in, 5), {out_f, in}), "dense"},
+          {Tensor::Quantized(std::make_shared<const QuantizedWeight>(q)), "4-bit"}};
+      for (const auto& [w, name] : weights) {
+        Tensor all;
+        Linear(x, w, nullptr, &all);
+        for (const auto& [t0, rows] : {std::pair<int64_t, int64_t>{0, 17}, {7, 29}, {30, 34}}) {
+          Tensor some;
+          Linear(x.Rows(t0, t0 + rows), w, nullptr, &some);
+          for (int64_t i = 0; i < rows * out_f; ++i)
+            ASSERT_EQ(some.data<float>()[i], all.data<float>()[t0 * out_f + i])
+                << name << " isa=" << static_cast<int>(isa) << " in=" << in << " rows " << t0 << "+"
+                << rows << " at " << i;
+        }
       }
     }
   }
