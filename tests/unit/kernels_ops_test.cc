@@ -296,6 +296,31 @@ TEST_P(OpsTest, Linear) {
   }
 }
 
+// A NaN in one token's activations comes out as NaN in that token's outputs only, on every
+// code path and at decode and prefill sizes (the engine fails such a request by its NaN
+// logits; bf16 weights' prefill rounds x to bf16, which must keep it a NaN).
+TEST_P(OpsTest, LinearKeepsANaNInItsOwnRow) {
+  if (device() != Device::kCpu) GTEST_SKIP() << "the CPU paths";
+  const int64_t in = 96, out_f = 40;
+  const Tensor w = Weight(Random(out_f * in, 21), {out_f, in});
+  for (const auto& [isa, isa_name] : Isas()) {
+    cpu::SetIsaForTesting(isa);
+    for (int64_t t : {3, 40}) {
+      std::vector<float> xs = Random(t * in, 22);
+      xs[1 * in + 17] = std::numeric_limits<float>::quiet_NaN();
+      Tensor out;
+      Linear(Act(xs, {t, in}), w, nullptr, &out);
+      const std::vector<float> got = Host(out);
+      for (int64_t r = 0; r < t; ++r) {
+        for (int64_t n = 0; n < out_f; ++n) {
+          EXPECT_EQ(std::isnan(got[r * out_f + n]), r == 1)
+              << isa_name << " T=" << t << " row " << r << " output " << n;
+        }
+      }
+    }
+  }
+}
+
 TEST_P(OpsTest, LinearThreeDimInputAndPreallocatedOut) {
   std::vector<float> ws;
   Tensor w = Weight(Random(24 * 40, 3), {24, 40}, &ws);
