@@ -144,6 +144,22 @@ TGIS_ATTN_AVX2 float ExpRow(float* s, int64_t base, int64_t hi_all, int64_t lo, 
   return _mm_cvtss_f32(h);
 }
 
+// The largest of s[0, n), NaNs skipped (-inf for none): 8 lanes, then the lanes and the tail
+// in turn. A lane takes max(new, lane), which keeps the lane on a NaN as std::max(lane, new)
+// does, so the result is the scalar loop's, up to the sign of a zero maximum (and exp(s - mx)
+// does not see that sign).
+TGIS_ATTN_AVX2 float RowMax(const float* s, int64_t n) {
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(_mm256_loadu_ps(s + j), m);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float mx = lanes[0];
+  for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
+
 // One row's scores s (position j at s[j - base], base a multiple of 8) of its keys [lo, hi]
 // into p = exp(score + bias - max), tiles to hi_all as ExpRow; returns the sum of p. Both
 // paths call it, so a row's p and sum cannot differ between them.
@@ -152,9 +168,7 @@ float RowSoftmax(float* s, int64_t base, int64_t hi_all, int64_t lo, int64_t hi,
   if (bias.any()) {
     for (int64_t j = lo; j <= hi; ++j) s[j - base] = bias.Add(h, qpos, j, s[j - base]);
   }
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t j = lo; j <= hi; ++j) mx = std::max(mx, s[j - base]);
-  return ExpRow(s, base, hi_all, lo, hi, mx);
+  return ExpRow(s, base, hi_all, lo, hi, RowMax(s + (lo - base), hi - lo + 1));
 }
 
 // Keys a pass takes at a time: chunks at absolute positions [32 i, 32 i + 31].
