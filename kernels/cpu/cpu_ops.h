@@ -20,9 +20,9 @@ enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Vnni, kAvx512Bf16 };
 void SetIsaForTesting(Isa isa);
 // Whether this CPU can run `isa`'s path (kAuto and kScalar always can).
 bool IsaAvailable(Isa isa);
-// Whether Linear, as set now, multiplies x rounded to bf16 (to nearest even) for a call with
-// weights of dtype `w`, t tokens and k columns: bf16 weights' prefill with AVX512_BF16.
-bool Bf16DotTakes(DType w, int64_t t, int64_t k);
+// Whether Linear, as set now, multiplies x rounded to bf16 (to nearest even) for weights of
+// dtype `w` and k columns: bf16 weights with AVX512_BF16 (k even), at every T.
+bool Bf16DotTakes(DType w, int64_t k);
 // Opt-in, process-wide: 8- and 4-bit codes are multiplied by x rounded to int8 per 32 columns
 // (llama.cpp's way), where the weight's runs allow it: with AVX2 code on the 8-row panels at
 // every T (linear_int8_panels.cc; 4-bit decode on every CPU), with AVX-512 VNNI on the rows

@@ -5,7 +5,8 @@
 //
 // x is rounded to bf16 (to nearest even) first: what a bf16 model's matmul takes in transformers
 // (its activations are bf16 tensors), in torch's CPU bf16 GEMM and in llama.cpp's BF16 path.
-// Decode (T <= kSmallT) keeps f32 x: it is bound by the weights' bytes, not by its arithmetic.
+// Decode (T <= kSmallT) rounds x alike (linear_decode_bf16.cc), so that a bf16 model's every
+// matmul takes the same x whatever the batch size.
 //
 // Blocking is the f32 GEMM's: a panel of kNr = 32 weight rows, repacked kPc column pairs at a
 // time as [kPc][32] dwords (a dword is one row's bf16 pair (2j, 2j + 1), so the repacking is a

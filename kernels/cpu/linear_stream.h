@@ -280,9 +280,12 @@ TGIS_AVX2 inline void StorePanel8(const SmallArgs& a, int64_t n0, int64_t t0, in
 using PanelRows = std::function<const float*(int64_t n0, int rows, float* scratch)>;
 void LargeAvx512Gemm(const SmallArgs& a, const PanelRows& rows_of);
 // The prefill GEMM for bf16 weights on AVX512_BF16 (linear_gemm_bf16.cc): x rounded to bf16,
-// pairs of columns multiplied with vdpbf16ps. k must be even; no bias.
+// pairs of columns multiplied with vdpbf16ps. k must be even (Bf16DotTakes); no bias.
 bool CpuHasAvx512Bf16();
 void LargeBf16DotGemm(const SmallArgs& a);
+// The streaming kernel for bf16 weights on AVX512_BF16 (linear_decode_bf16.cc), x rounded to
+// bf16 as the GEMM rounds it: every output row, grain_tiles tiles of 4 rows per parallel chunk.
+void SmallBf16Dot(const SmallArgs& a, int64_t grain_tiles);
 // dst[c * ldd + r] = src[r * ld + c] for a 16 x 16 block of 32-bit values, in four rounds of
 // shuffles (AVX-512 callers only).
 #if defined(__GNUC__) && !defined(__clang__)  // GCC 12's own intrinsics' undefined operands

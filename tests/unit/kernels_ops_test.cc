@@ -215,25 +215,47 @@ TEST_P(OpsTest, Embedding) {
 // Linear into f32 logits (the lm_head's way, from activations of any dtype) against the
 // double reference: f32 accumulation and no rounding of the result, so f32's tolerance
 // whatever the inputs.
+// Linear's f64 reference, and each output's sum of |terms| (the scale of its rounding), with
+// x as the CPU takes it for weights `w`: bf16 weights with AVX512_BF16 multiply x rounded to
+// bf16, so the reference does then (and only then, so that the exact paths are held to x as it
+// is).
+struct LinearRef {
+  std::vector<double> ref, scale;
+};
+LinearRef LinearReference(const Tensor& w, const std::vector<float>& xs,
+                          const std::vector<float>& ws, const std::vector<float>* bs,
+                          int64_t t_count, int64_t in, int64_t out_f) {
+  std::vector<float> xr = xs;
+  if (w.device() == Device::kCpu && cpu::Bf16DotTakes(w.dtype(), in)) {
+    for (float& v : xr) v = Bf16ToF32(F32ToBf16(v));
+  }
+  LinearRef r{std::vector<double>(t_count * out_f), std::vector<double>(t_count * out_f)};
+  for (int64_t t = 0; t < t_count; ++t) {
+    for (int64_t n = 0; n < out_f; ++n) {
+      double s = 0, a = 0;
+      for (int64_t k = 0; k < in; ++k) {
+        s += static_cast<double>(xr[t * in + k]) * ws[n * in + k];
+        a += std::fabs(static_cast<double>(xr[t * in + k]) * ws[n * in + k]);
+      }
+      if (bs) {
+        s += (*bs)[n];
+        a += std::fabs((*bs)[n]);
+      }
+      r.ref[t * out_f + n] = s;
+      r.scale[t * out_f + n] = a;
+    }
+  }
+  return r;
+}
+
 void ExpectF32Logits(const Tensor& x, const std::vector<float>& xs, const Tensor& w,
                      const std::vector<float>& ws, int64_t t_count, int64_t in, int64_t out_f,
                      const std::string& what) {
   Tensor out = Tensor::Empty({t_count, out_f}, DType::kF32, x.device());
   Linear(x, w, nullptr, &out);
   ASSERT_EQ(out.dtype(), DType::kF32);
-  std::vector<double> ref, scale;
-  for (int64_t t = 0; t < t_count; ++t) {
-    for (int64_t n = 0; n < out_f; ++n) {
-      double s = 0, a = 0;
-      for (int64_t k = 0; k < in; ++k) {
-        s += double{xs[t * in + k]} * ws[n * in + k];
-        a += std::fabs(double{xs[t * in + k]} * ws[n * in + k]);
-      }
-      ref.push_back(s);
-      scale.push_back(a);
-    }
-  }
-  ExpectClose(OpsTest::Host(out), ref, scale, RelTol(DType::kF32) * 10, what);
+  const LinearRef r = LinearReference(w, xs, ws, nullptr, t_count, in, out_f);
+  ExpectClose(OpsTest::Host(out), r.ref, r.scale, RelTol(DType::kF32) * 10, what);
 }
 
 void LinearCase(const Tensor& x, const std::vector<float>& xs, const Tensor& w,
@@ -242,29 +264,8 @@ void LinearCase(const Tensor& x, const std::vector<float>& xs, const Tensor& w,
   Tensor out;
   Linear(x, w, bias, &out);
   ASSERT_EQ(out.shape(), (Shape{t_count, out_f})) << what;
-  // bf16 weights' prefill with AVX512_BF16 multiplies x rounded to bf16: so does the reference
-  // then (and only then, so that the exact paths are held to x as it is).
-  std::vector<float> xr = xs;
-  if (w.device() == Device::kCpu && cpu::Bf16DotTakes(w.dtype(), t_count, in)) {
-    for (float& v : xr) v = Bf16ToF32(F32ToBf16(v));
-  }
-  std::vector<double> ref(t_count * out_f), scale(t_count * out_f);
-  for (int64_t t = 0; t < t_count; ++t) {
-    for (int64_t n = 0; n < out_f; ++n) {
-      double s = 0, a = 0;
-      for (int64_t k = 0; k < in; ++k) {
-        s += static_cast<double>(xr[t * in + k]) * ws[n * in + k];
-        a += std::fabs(static_cast<double>(xr[t * in + k]) * ws[n * in + k]);
-      }
-      if (bias) {
-        s += bs[n];
-        a += std::fabs(bs[n]);
-      }
-      ref[t * out_f + n] = s;
-      scale[t * out_f + n] = a;
-    }
-  }
-  ExpectClose(OpsTest::Host(out), ref, scale, tol, what);
+  const LinearRef r = LinearReference(w, xs, ws, bias ? &bs : nullptr, t_count, in, out_f);
+  ExpectClose(OpsTest::Host(out), r.ref, r.scale, tol, what);
 }
 
 TEST_P(OpsTest, Linear) {
@@ -330,20 +331,8 @@ TEST_P(OpsTest, LinearThreeDimInputAndPreallocatedOut) {
   Linear(x, w, nullptr, &out);
   EXPECT_EQ(out.raw(), before);
   ASSERT_EQ(out.shape(), (Shape{2, 3, 24}));
-  const std::vector<float> xs = Host(x);
-  std::vector<double> ref, scale;
-  for (int t = 0; t < 6; ++t) {
-    for (int n = 0; n < 24; ++n) {
-      double s = 0, a = 0;
-      for (int k = 0; k < 40; ++k) {
-        s += double{xs[t * 40 + k]} * ws[n * 40 + k];
-        a += std::fabs(double{xs[t * 40 + k]} * ws[n * 40 + k]);
-      }
-      ref.push_back(s);
-      scale.push_back(a);
-    }
-  }
-  ExpectClose(Host(out), ref, scale, tol(), "3-d linear");
+  const LinearRef r = LinearReference(w, Host(x), ws, nullptr, 6, 40, 24);
+  ExpectClose(Host(out), r.ref, r.scale, tol(), "3-d linear");
 }
 
 // ---- Quantized Linear ----------------------------------------------------------------------
