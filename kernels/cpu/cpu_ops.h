@@ -13,8 +13,8 @@ namespace tgis::kernels::cpu {
 #include "kernels/op_signatures.inc"
 
 // Which Linear code path runs: kAuto picks the best the CPU has: AVX-512 with VNNI (integer
-// dot products for 8-bit codes) and AVX512_BF16 (bf16 weights' prefill against x rounded to
-// bf16), AVX-512, AVX2/FMA, scalar; each AVX-512 path only for the weights it takes, AVX2 for
+// dot products for 8-bit codes) and AVX512_BF16 (bf16 weights against x rounded to bf16),
+// AVX-512, AVX2/FMA, scalar; each AVX-512 path only for the weights it takes, AVX2 for
 // the others. Tests force each path in turn; not thread-safe against concurrent Linear calls.
 enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Vnni, kAvx512Bf16 };
 void SetIsaForTesting(Isa isa);

@@ -459,8 +459,8 @@ void SmallT(const SmallArgs& args) {
   // At least ~64 KB of weights per parallel chunk.
   const int64_t grain = std::max<int64_t>(
       1, static_cast<int64_t>((64 << 10) / (kTileRows * args.k * BytesPerWeight<W>() + 1)));
-  const Int8Path int8 = Int8PathFor(args.q);
   if (W == WFmt::kBF16 && Bf16DotTakes(DType::kBF16, args.k)) return SmallBf16Dot(args, grain);
+  const Int8Path int8 = Int8PathFor(args.q);
   if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4) {
     // The panels: 4-bit codes on VNNI machines too (summed with vpdpbusd there). The VNNI
     // row-at-a-time kernel they replaced measured 0.5-0.66x llama.cpp's repacked Q4_0 on Zen 4
