@@ -85,15 +85,7 @@ template <int MR>
 TGIS_AVX512_GEMM void Tile(const float* xp, const float* wp, int64_t kc, float* out, int64_t ldo,
                            __mmask16 m0, __mmask16 m1, bool first) {
   __m512 acc[MR][2];
-#pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i) {
-    if (first) {
-      acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    } else {
-      acc[i][0] = _mm512_maskz_loadu_ps(m0, out + i * ldo);
-      acc[i][1] = _mm512_maskz_loadu_ps(m1, out + i * ldo + 16);
-    }
-  }
+  StartTile<MR>(acc, out, ldo, m0, m1, first);
   for (int64_t j = 0; j < kc; ++j) {
     const __m512 w0 = _mm512_loadu_ps(wp + j * kNr);
     const __m512 w1 = _mm512_loadu_ps(wp + j * kNr + 16);
@@ -104,11 +96,7 @@ TGIS_AVX512_GEMM void Tile(const float* xp, const float* wp, int64_t kc, float* 
       acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
     }
   }
-#pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i) {
-    _mm512_mask_storeu_ps(out + i * ldo, m0, acc[i][0]);
-    _mm512_mask_storeu_ps(out + i * ldo + 16, m1, acc[i][1]);
-  }
+  StoreTile<MR>(acc, out, ldo, m0, m1);
 }
 
 using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, __mmask16, __mmask16,

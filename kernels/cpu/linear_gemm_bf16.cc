@@ -107,15 +107,7 @@ template <int MR>
 TGIS_AVX512_BF16 void Tile(const uint32_t* xp, const uint32_t* wp, int64_t pc, float* out,
                            int64_t ldo, __mmask16 m0, __mmask16 m1, bool first) {
   __m512 acc[MR][2];
-#pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i) {
-    if (first) {
-      acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    } else {
-      acc[i][0] = _mm512_maskz_loadu_ps(m0, out + i * ldo);
-      acc[i][1] = _mm512_maskz_loadu_ps(m1, out + i * ldo + 16);
-    }
-  }
+  StartTile<MR>(acc, out, ldo, m0, m1, first);
   for (int64_t j = 0; j < pc; ++j) {
     const auto w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp + j * kNr));
     const auto w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp + j * kNr + 16));
@@ -127,11 +119,7 @@ TGIS_AVX512_BF16 void Tile(const uint32_t* xp, const uint32_t* wp, int64_t pc, f
       acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xv);
     }
   }
-#pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i) {
-    _mm512_mask_storeu_ps(out + i * ldo, m0, acc[i][0]);
-    _mm512_mask_storeu_ps(out + i * ldo + 16, m1, acc[i][1]);
-  }
+  StoreTile<MR>(acc, out, ldo, m0, m1);
 }
 
 using TileFn = void (*)(const uint32_t*, const uint32_t*, int64_t, float*, int64_t, __mmask16,

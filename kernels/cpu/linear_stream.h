@@ -286,6 +286,32 @@ void LargeBf16DotGemm(const SmallArgs& a);
 // The streaming kernel for bf16 weights on AVX512_BF16 (linear_decode_bf16.cc), x rounded to
 // bf16 as the GEMM rounds it: every output row, grain_tiles tiles of 4 rows per parallel chunk.
 void SmallBf16Dot(const SmallArgs& a, int64_t grain_tiles);
+// The GEMMs' register tile of MR tokens x 32 rows of f32 sums (a token's 32 in two vectors):
+// started at zero (`first`) or from out, stored back to out; only the rows in m0/m1 (the
+// panel's first and second 16) are read and written.
+#define TGIS_GEMM_TILE __attribute__((target("avx512f,avx512vl,avx512dq"), always_inline))
+template <int MR>
+TGIS_GEMM_TILE inline void StartTile(__m512 (&acc)[MR][2], const float* out, int64_t ldo,
+                                     __mmask16 m0, __mmask16 m1, bool first) {
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    if (first) {
+      acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    } else {
+      acc[i][0] = _mm512_maskz_loadu_ps(m0, out + i * ldo);
+      acc[i][1] = _mm512_maskz_loadu_ps(m1, out + i * ldo + 16);
+    }
+  }
+}
+template <int MR>
+TGIS_GEMM_TILE inline void StoreTile(const __m512 (&acc)[MR][2], float* out, int64_t ldo,
+                                     __mmask16 m0, __mmask16 m1) {
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    _mm512_mask_storeu_ps(out + i * ldo, m0, acc[i][0]);
+    _mm512_mask_storeu_ps(out + i * ldo + 16, m1, acc[i][1]);
+  }
+}
 // dst[c * ldd + r] = src[r * ld + c] for a 16 x 16 block of 32-bit values, in four rounds of
 // shuffles (AVX-512 callers only).
 #if defined(__GNUC__) && !defined(__clang__)  // GCC 12's own intrinsics' undefined operands
