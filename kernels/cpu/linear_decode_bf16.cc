@@ -28,16 +28,10 @@ constexpr int kRows = 4;        // weight rows per tile
 constexpr int kTokens = 4;      // tokens per pass over a tile's rows
 
 // x [t, k] rounded to bf16 into rows of `width` (k rounded up to whole blocks, zeros past k).
-TGIS_AVX512_BF16 void RoundX(const float* x, int64_t t, int64_t k, int64_t width, uint16_t* out) {
+void RoundX(const float* x, int64_t t, int64_t k, int64_t width, uint16_t* out) {
   for (int64_t i = 0; i < t; ++i) {
-    const float* src = x + i * k;
-    uint16_t* dst = out + i * width;
-    for (int64_t c = 0; c < width; c += 16) {
-      const int64_t n = std::clamp<int64_t>(k - c, 0, 16);
-      const __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
-      const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + c));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), reinterpret_cast<const __m256i&>(v));
-    }
+    RowToBf16(x + i * k, k, out + i * width);
+    std::fill(out + i * width + k, out + (i + 1) * width, uint16_t{0});
   }
 }
 

@@ -41,20 +41,6 @@ constexpr int kMr = 12;       // tokens per register tile
 constexpr int kNr = 32;       // weight rows per panel
 constexpr int64_t kPc = 256;  // column pairs per packed weight block
 
-// One row of k f32 values as k bf16 values, rounded to nearest even (NaN stays NaN), in order.
-TGIS_AVX512_BF16 void RowToBf16(const float* src, int64_t k, uint16_t* dst) {
-  int64_t c = 0;
-  for (; c + 16 <= k; c += 16) {
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + c));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), reinterpret_cast<const __m256i&>(v));
-  }
-  if (c < k) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (k - c)) - 1);
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + c));
-    _mm256_mask_storeu_epi16(dst + c, m, reinterpret_cast<const __m256i&>(v));
-  }
-}
-
 // x [t, k] (k even) as tiles of kMr tokens, each [k / 2][kMr] dwords of bf16 pairs; tokens past
 // t are zeros.
 void PackX(const float* x, int64_t t, int64_t k, std::vector<uint32_t>* out) {
@@ -132,6 +118,19 @@ constexpr std::array<TileFn, kMr + 1> TileTable(std::integer_sequence<int, MR...
 constexpr std::array<TileFn, kMr + 1> kTiles = TileTable(std::make_integer_sequence<int, kMr>());
 
 }  // namespace
+
+TGIS_AVX512_BF16 void RowToBf16(const float* src, int64_t k, uint16_t* dst) {
+  int64_t c = 0;
+  for (; c + 16 <= k; c += 16) {
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + c));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c), reinterpret_cast<const __m256i&>(v));
+  }
+  if (c < k) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (k - c)) - 1);
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + c));
+    _mm256_mask_storeu_epi16(dst + c, m, reinterpret_cast<const __m256i&>(v));
+  }
+}
 
 bool CpuHasAvx512Bf16() {
   static const bool has = [] {

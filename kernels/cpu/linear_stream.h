@@ -283,6 +283,9 @@ void LargeAvx512Gemm(const SmallArgs& a, const PanelRows& rows_of);
 // pairs of columns multiplied with vdpbf16ps. k must be even (Bf16DotTakes); no bias.
 bool CpuHasAvx512Bf16();
 void LargeBf16DotGemm(const SmallArgs& a);
+// k f32 values as k bf16 values, rounded to nearest even (NaN stays NaN), in order (AVX512_BF16
+// callers only).
+void RowToBf16(const float* src, int64_t k, uint16_t* dst);
 // The streaming kernel for bf16 weights on AVX512_BF16 (linear_decode_bf16.cc), x rounded to
 // bf16 as the GEMM rounds it: every output row, grain_tiles tiles of 4 rows per parallel chunk.
 void SmallBf16Dot(const SmallArgs& a, int64_t grain_tiles);
