@@ -13,8 +13,9 @@
 // kernel's own instruction ceiling, where 1024x2048 streams from L3.
 //
 // Weights are cycled over enough copies (>= 1 GiB in all) that no call finds them in cache.
-// T = 1 and 16 (the default Ts) take the streaming kernel, T = 64 the OpenBLAS path (or, for
-// 8- and 4-bit codes with --int8-activations, the int8 GEMM); --t=N times one T of any size.
+// T = 1 and 16 (the default Ts) take the streaming kernel, T = 64 the prefill GEMM (ours with
+// AVX-512, bf16 weights' vdpbf16ps one with AVX512_BF16, else OpenBLAS; for 8- and 4-bit codes
+// with --int8-activations, the int8 GEMM); --t=N times one T of any size.
 #include <immintrin.h>
 
 #include <algorithm>
