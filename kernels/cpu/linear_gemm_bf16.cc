@@ -30,9 +30,6 @@
 #include "kernels/cpu/linear_stream.h"
 #include "kernels/cpu/thread_pool.h"
 
-#define TGIS_AVX512_BF16 \
-  __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma")))
-
 namespace tgis::kernels::cpu {
 
 namespace {

@@ -279,6 +279,9 @@ TGIS_AVX2 inline void StorePanel8(const SmallArgs& a, int64_t n0, int64_t t0, in
 // they are. It runs on the thread pool; the bias is the caller's.
 using PanelRows = std::function<const float*(int64_t n0, int rows, float* scratch)>;
 void LargeAvx512Gemm(const SmallArgs& a, const PanelRows& rows_of);
+// What the bf16-dot kernels (linear_gemm_bf16.cc, linear_decode_bf16.cc) are compiled for.
+#define TGIS_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma")))
 // The prefill GEMM for bf16 weights on AVX512_BF16 (linear_gemm_bf16.cc): x rounded to bf16,
 // pairs of columns multiplied with vdpbf16ps. k must be even (Bf16DotTakes); no bias.
 bool CpuHasAvx512Bf16();

@@ -212,9 +212,6 @@ TEST_P(OpsTest, Embedding) {
 
 // ---- Linear -------------------------------------------------------------------------------
 
-// Linear into f32 logits (the lm_head's way, from activations of any dtype) against the
-// double reference: f32 accumulation and no rounding of the result, so f32's tolerance
-// whatever the inputs.
 // Linear's f64 reference, and each output's sum of |terms| (the scale of its rounding), with
 // x as the CPU takes it for weights `w`: bf16 weights with AVX512_BF16 multiply x rounded to
 // bf16, so the reference does then (and only then, so that the exact paths are held to x as it
@@ -248,6 +245,9 @@ LinearRef LinearReference(const Tensor& w, const std::vector<float>& xs,
   return r;
 }
 
+// Linear into f32 logits (the lm_head's way, from activations of any dtype) against the
+// double reference: f32 accumulation and no rounding of the result, so f32's tolerance
+// whatever the inputs.
 void ExpectF32Logits(const Tensor& x, const std::vector<float>& xs, const Tensor& w,
                      const std::vector<float>& ws, int64_t t_count, int64_t in, int64_t out_f,
                      const std::string& what) {
