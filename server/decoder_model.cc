@@ -153,7 +153,14 @@ CausalLM::CausalLM(DecoderSpec spec, DecoderWeights weights, std::shared_ptr<Com
 
 size_t CausalLM::KvBytesPerToken() const {
   return static_cast<size_t>(2 * spec_.num_layers * layout_.kv_heads.size() * spec_.head_dim) *
-         kernels::DTypeSize(act_dtype_);
+         kernels::DTypeSize(kv_dtype());
+}
+
+kernels::DType CausalLM::kv_dtype() const {
+  std::vector<const Tensor*> linears;
+  for (const LayerWeights& l : w_.layers)
+    linears.insert(linears.end(), {&l.qkv_w, &l.o_w, &l.up_w, &l.down_w});
+  return KvCacheDType(device_, act_dtype_, linears);
 }
 
 void CausalLM::MoveTo(kernels::Device device) {
@@ -224,6 +231,17 @@ void MoveWeight(Tensor* t, DType dtype, kernels::Device device) {
   }
   Tensor host = t->dtype() == dtype ? *t : t->To(dtype);
   *t = host.ToDevice(device);
+}
+
+DType KvCacheDType(kernels::Device device, DType act, const std::vector<const Tensor*>& linears) {
+  if (device != kernels::Device::kCpu) return act;
+  std::optional<DType> dense;
+  for (const Tensor* t : linears) {
+    if (!t->defined()) continue;
+    if (t->quantized()) return act;
+    dense = dense.value_or(t->dtype());
+  }
+  return dense == DType::kBF16 || dense == DType::kF16 ? *dense : act;
 }
 
 void MixPrefixRows(const ForwardInput& in, Tensor* x) {

@@ -54,6 +54,15 @@ kernels::Tensor SelectRows(const kernels::Tensor& x, const std::vector<int32_t>&
 // Converts a weight to `dtype` and moves it to `device` (nothing for an undefined one).
 void MoveWeight(kernels::Tensor* t, kernels::DType dtype, kernels::Device device);
 
+// The KV cache's dtype for a model whose activations are `act` on `device` and whose linear
+// weights are `linears`: the activations' on CUDA; on the CPU (f32 activations) a 16-bit
+// model's own bf16 or f16, as transformers and llama.cpp keep it (half the memory, half the
+// attention's reads; the CPU attention widens it in registers), and f32 for f32 weights and
+// for models with any quantized linear (whose reference is transformers in f32 on the
+// dequantized weights).
+kernels::DType KvCacheDType(kernels::Device device, kernels::DType act,
+                            const std::vector<const kernels::Tensor*>& linears);
+
 // Prompt tuning: the rows of virtual tokens in the embedded input `x` take the prefix's vectors
 // (ForwardInput::embedding_source / prefix_values; nothing when there are none).
 void MixPrefixRows(const ForwardInput& in, kernels::Tensor* x);
@@ -73,6 +82,7 @@ class CausalLM : public Model {
   void MoveTo(kernels::Device device) override;
   kernels::Device device() const override { return device_; }
   kernels::DType act_dtype() const override { return act_dtype_; }
+  kernels::DType kv_dtype() const override;
   const DecoderSpec& spec() const override { return spec_; }  // the whole model's sizes
   const ShardLayout& shard() const override { return layout_; }
   Communicator& communicator() const override { return *comm_; }

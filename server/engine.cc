@@ -87,7 +87,7 @@ Engine::Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64
   // A tensor-parallel rank caches only its own KV heads.
   cache_ = std::make_unique<KvCache>(static_cast<int>(s.num_layers), num_blocks, block_size,
                                      static_cast<int>(model_->shard().kv_heads.size()),
-                                     static_cast<int>(s.head_dim), model_->act_dtype(),
+                                     static_cast<int>(s.head_dim), model_->kv_dtype(),
                                      model_->device(), prefix_caching_);
 }
 

@@ -11,7 +11,7 @@ namespace tgis::server {
 
 class KvCache {
  public:
-  // Keys and values in `dtype` on `device` (the model's activations'). `prefix_caching`: full
+  // Keys and values in `dtype` on `device` (Model::kv_dtype). `prefix_caching`: full
   // blocks are kept and shared by content (BlockCache).
   KvCache(int num_layers, int num_blocks, int block_size, int kv_heads, int head_dim,
           kernels::DType dtype = kernels::DType::kF32,

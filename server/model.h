@@ -155,8 +155,10 @@ class Model {
   // memory left). Call once, before the first Forward.
   virtual void MoveTo(kernels::Device device) = 0;
   virtual kernels::Device device() const = 0;
-  // The dtype of activations and of the KV cache: f32 on the CPU.
+  // The dtype of activations: f32 on the CPU.
   virtual kernels::DType act_dtype() const = 0;
+  // The dtype of the KV cache (KvCacheDType).
+  virtual kernels::DType kv_dtype() const = 0;
   // The (decoder) stack's sizes for the whole model, and this rank's part of it.
   virtual const DecoderSpec& spec() const = 0;
   virtual const ShardLayout& shard() const = 0;

@@ -61,12 +61,22 @@ class T5Model : public Model {
   int32_t decoder_start_token() const override { return opt_.decoder_start; }
   kernels::Device device() const override { return device_; }
   kernels::DType act_dtype() const override { return act_dtype_; }
+  kernels::DType kv_dtype() const override {
+    std::vector<const Tensor*> linears;
+    for (const EncoderLayer& l : encoder)
+      linears.insert(linears.end(), {&l.qkv_w, &l.o_w, &l.ff.up_w, &l.ff.down_w});
+    for (const DecoderLayer& l : decoder) {
+      linears.insert(linears.end(), {&l.qkv_w, &l.o_w, &l.cross_q_w, &l.cross_kv_w, &l.cross_o_w,
+                                     &l.ff.up_w, &l.ff.down_w});
+    }
+    return KvCacheDType(device_, act_dtype_, linears);
+  }
   const DecoderSpec& spec() const override { return spec_; }
   const ShardLayout& shard() const override { return layout_; }
   Communicator& communicator() const override { return *comm_; }
   size_t KvBytesPerToken() const override {
     return static_cast<size_t>(2 * spec_.num_layers * layout_.kv_heads.size() * spec_.head_dim) *
-           kernels::DTypeSize(act_dtype_);
+           kernels::DTypeSize(kv_dtype());
   }
 
   void MoveTo(kernels::Device device) override {

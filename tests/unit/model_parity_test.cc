@@ -1150,6 +1150,29 @@ TEST_P(CpuBf16ParityTest, GoldenTokensAreOursWithinBf16Noise) {
   ExpectGoldensWithinDtypeNoise();
 }
 
+// A bf16 model's KV cache on the CPU holds bf16, as transformers' does (half an f32 cache's
+// bytes; the attention widens it in registers), and quantized models keep an f32 one (their
+// reference is transformers in f32 on the dequantized weights). Prompt and decode rows read the
+// same rounded keys and values, so a greedy request is the same alone and in a batch, as with
+// an f32 cache.
+TEST_P(CpuBf16ParityTest, KvCacheHoldsTheModelsBf16) {
+  auto config = tgis::server::ModelConfig::Load(dir_);
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto quant = tgis::server::ReadQuantConfig(dir_, *config, quantize_);
+  ASSERT_TRUE(quant.ok()) << quant.status();
+  const bool quantized = quant->method != tgis::server::QuantMethod::kNone;
+  prefix_caching_ = false;  // each run computes its prompts whole
+  OnEveryRank([&](Engine& engine) {
+    const tgis::server::Model& m = engine.model();
+    const tgis::kernels::DType want =
+        quantized ? tgis::kernels::DType::kF32 : tgis::kernels::DType::kBF16;
+    ASSERT_EQ(m.kv_dtype(), want) << tgis::kernels::DTypeName(m.kv_dtype());
+    EXPECT_EQ(m.KvBytesPerToken(), 2 * m.spec().num_layers * m.shard().kv_heads.size() *
+                                       m.spec().head_dim * tgis::kernels::DTypeSize(want));
+    ExpectBatchInvariantGreedy(engine, goldens_, Bf16Tolerance(), true);
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, CpuBf16ParityTest, ::testing::ValuesIn(ModelFixtures()),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
