@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "kernels/cuda_ops.h"
 #include "tracing/tracing.h"
 
@@ -182,6 +183,11 @@ grpc::Status ShardService::EnsureEngine() {
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         "not enough memory for a single KV cache block");
   }
+  const size_t block_bytes = pending_model_->KvBytesPerToken() * options_.block_size;
+  LOG(INFO) << "KV cache: " << blocks << " blocks of " << options_.block_size << " tokens, "
+            << kernels::DTypeName(pending_model_->kv_dtype()) << ", "
+            << absl::StrFormat("%.1f", static_cast<double>(blocks) * block_bytes / (1 << 20))
+            << " MiB";
   engine_ = std::make_unique<Engine>(std::move(pending_model_), config_.eos_token_ids,
                                      config_.max_position_embeddings, static_cast<int>(blocks),
                                      options_.block_size, options_.prefix_caching);

@@ -47,33 +47,47 @@ void StoreAs(DType t, void* base, int64_t at, const float* src, int64_t n) {
   }
 }
 
+// A prompt sequence's keys and values as f32 [context, Hk, D], converted from a 16-bit cache
+// once per call (PromptKvF32).
+struct DenseKv {
+  const float* k = nullptr;
+  const float* v = nullptr;
+};
+
 // One task's key and value rows (KvSource): its sequence's positions through the block table,
-// for its KV head, in the cache when it holds f32, else converted into per-thread buffers.
+// for its KV head, in the cache when it holds f32, in `dense` when given, else converted into
+// per-thread buffers.
 class CacheRows final : public KvSource {
  public:
   CacheRows(const KvCacheLayer& cache, const AttentionBatch& batch, int64_t s, int64_t kvh,
-            int64_t max_blocks, int64_t context)
+            int64_t max_blocks, int64_t context, DenseKv dense)
       : cache_(cache),
         batch_(batch),
         s_(s),
         kvh_(kvh),
         max_blocks_(max_blocks),
-        context_(context) {}
+        context_(context),
+        dense_(dense) {}
   const float* const* Keys(int64_t j0, int64_t j1) override {
     thread_local std::vector<float> buffer;
     thread_local std::vector<const float*> rows;
-    return Fetch(cache_.k, j0, j1, &buffer, &rows);
+    return Fetch(cache_.k, dense_.k, j0, j1, &buffer, &rows);
   }
   const float* const* Values(int64_t j0, int64_t j1) override {
     thread_local std::vector<float> buffer;
     thread_local std::vector<const float*> rows;
-    return Fetch(cache_.v, j0, j1, &buffer, &rows);
+    return Fetch(cache_.v, dense_.v, j0, j1, &buffer, &rows);
   }
 
  private:
-  const float* const* Fetch(const Tensor& t, int64_t j0, int64_t j1, std::vector<float>* buffer,
-                            std::vector<const float*>* rows) const {
+  const float* const* Fetch(const Tensor& t, const float* dense, int64_t j0, int64_t j1,
+                            std::vector<float>* buffer, std::vector<const float*>* rows) const {
     const int64_t n = j1 - j0 + 1, bs = t.dim(1), hk = t.dim(2), d = t.dim(3);
+    if (dense != nullptr) {
+      rows->resize(n);
+      for (int64_t j = j0; j <= j1; ++j) (*rows)[j - j0] = dense + (j * hk + kvh_) * d;
+      return rows->data();
+    }
     const bool in_place = t.dtype() == DType::kF32;
     rows->resize(n);
     if (!in_place) buffer->resize(n * d);
@@ -103,6 +117,7 @@ class CacheRows final : public KvSource {
   const KvCacheLayer& cache_;
   const AttentionBatch& batch_;
   const int64_t s_, kvh_, max_blocks_, context_;
+  const DenseKv dense_;
 };
 
 // The decode path's keys and values (PositionSource): whole positions, every KV head's row,
@@ -156,6 +171,54 @@ class PositionRows final : public PositionSource {
 // thread): 64 MB, 128 sequences at 2048 keys with 32 heads of 128. Past it the per-task path
 // runs, with the same bits.
 constexpr int64_t kDecodeMaxFloats = int64_t{16} << 20;
+
+// With a 16-bit cache, each prompt task (kTaskRows rows) converted its own key and value rows,
+// all keys up to its last row's: a 2048-token prompt's rows were converted 64 times over per
+// KV head at GQA 8 (a third more time than an f32 cache: attention_bench --prefill 2048
+// --dtype bf16). Converted once per call instead, every prompt sequence's keys and values as
+// f32 [context, Hk, D], over the threads, block by block (a block's positions are contiguous
+// in the cache); exact, so the same bits. At most this many floats for keys and values
+// together (256 MB, kept by the calling thread): past it the per-task conversion runs.
+constexpr int64_t kPromptDenseMaxFloats = int64_t{64} << 20;
+
+// Fills `dense` (one entry per sequence; none where it has no query rows) from `cache`, or
+// returns false (nothing done) when the f32 copies would pass kPromptDenseMaxFloats.
+bool PromptKvF32(const KvCacheLayer& cache, const AttentionBatch& batch, int64_t num_seqs,
+                 int64_t max_blocks, std::vector<DenseKv>* dense) {
+  const int64_t bs = cache.k.dim(1), row = cache.k.dim(2) * cache.k.dim(3);  // a position's
+  std::vector<int64_t> at(num_seqs, -1);
+  int64_t floats = 0;
+  struct Block {
+    int64_t s, b;
+  };
+  std::vector<Block> blocks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (IndexAt(batch.query_start, s + 1) == IndexAt(batch.query_start, s)) continue;
+    const int64_t ctx = IndexAt(batch.context_lens, s);
+    at[s] = floats;
+    floats += ctx * row;
+    for (int64_t b = 0; b * bs < ctx; ++b) blocks.push_back({s, b});
+  }
+  if (2 * floats > kPromptDenseMaxFloats) return false;
+  thread_local std::vector<float> keys, values;
+  keys.resize(floats);
+  values.resize(floats);
+  float* const k = keys.data();  // workers write the calling thread's copies
+  float* const v = values.data();
+  ThreadPool::Global().Run(static_cast<int64_t>(blocks.size()), [&](int64_t i) {
+    const auto [s, b] = blocks[i];
+    const int64_t n = std::min(bs, IndexAt(batch.context_lens, s) - b * bs);
+    const int64_t src = IndexAt(batch.block_tables, s * max_blocks + b) * bs * row;
+    const int64_t dst = at[s] + b * bs * row;
+    LoadF32(cache.k, src, n * row, k + dst);
+    LoadF32(cache.v, src, n * row, v + dst);
+  });
+  dense->assign(num_seqs, DenseKv{});
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (at[s] >= 0) (*dense)[s] = {k + at[s], v + at[s]};
+  }
+  return true;
+}
 
 // ---- the scalar path (no AVX2, or a head_dim that is not a multiple of 8) ------------------
 
@@ -387,6 +450,10 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
         tasks.push_back({s, kvh, f0, std::min(rows, f0 + per)});
   }
 
+  std::vector<DenseKv> dense;
+  if (vector && cache.k.dtype() != DType::kF32) {
+    PromptKvF32(cache, batch, num_seqs, max_blocks, &dense);
+  }
   ThreadPool::Global().Run(static_cast<int64_t>(tasks.size()), [&](int64_t task) {
     const Task& t = tasks[task];
     const int64_t q0 = IndexAt(batch.query_start, t.s);
@@ -404,7 +471,7 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
     }
     // Rows come in query order, so the first has the lowest lo and the last the highest hi.
     const int64_t first = rows.front().lo, last = rows.back().hi;
-    CacheRows kv(cache, batch, t.s, t.kvh, max_blocks, ctx);
+    CacheRows kv(cache, batch, t.s, t.kvh, max_blocks, ctx, dense.empty() ? DenseKv{} : dense[t.s]);
     if (!vector) {
       thread_local std::vector<float> scores;
       scores.resize(last - first + 1);
