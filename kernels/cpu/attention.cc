@@ -172,12 +172,12 @@ class PositionRows final : public PositionSource {
 // runs, with the same bits.
 constexpr int64_t kDecodeMaxFloats = int64_t{16} << 20;
 
-// With a 16-bit cache, each prompt task (kTaskRows rows) converted its own key and value rows,
-// all keys up to its last row's: a 2048-token prompt's rows were converted 64 times over per
-// KV head at GQA 8 (a third more time than an f32 cache: attention_bench --prefill 2048
-// --dtype bf16). Converted once per call instead, every prompt sequence's keys and values as
-// f32 [context, Hk, D], over the threads, block by block (a block's positions are contiguous
-// in the cache); exact, so the same bits. At most this many floats for keys and values
+// With a 16-bit cache, each prompt task (kTaskRows rows: 4 query positions at GQA 8) converted
+// its own key and value rows, all keys up to its last row's: a 2048-token prompt's key rows were
+// converted about 256 times each (a third more time than over an f32 cache: attention_bench
+// --prefill 2048 --dtype bf16). Converted once per call instead, every prompt sequence's keys and
+// values as f32 [context, Hk, D], over the threads, block by block (a block's positions are
+// contiguous in the cache); exact, so the same bits. At most this many floats for keys and values
 // together (256 MB, kept by the calling thread): past it the per-task conversion runs.
 constexpr int64_t kPromptDenseMaxFloats = int64_t{64} << 20;
 
