@@ -83,10 +83,10 @@ DEFINE_bool(
     "CTranslate2 do (AVX2, or AVX-512 VNNI where present): faster, and outputs move by "
     "that rounding; "
     "off: exact f32 activations (env CPU_INT8_ACTIVATIONS)");
-DEFINE_bool(cuda_graphs, false,
+DEFINE_bool(cuda_graphs, true,
             "CUDA: decode steps of up to 64 sequences replay a graph captured per batch and "
             "context size bucket (one launch per step instead of one per kernel); outputs are "
-            "unchanged (env CUDA_GRAPHS)");
+            "unchanged; no effect on the CPU (env CUDA_GRAPHS)");
 DEFINE_string(otlp_endpoint, "",
               "OpenTelemetry collector's OTLP/gRPC endpoint (http://host:4317); empty: no "
               "tracing (env OTLP_ENDPOINT)");

@@ -57,8 +57,12 @@ def main(argv: list[str]) -> int:
     bw = results["bandwidth"].get("hbm_bytes_per_s") or 0
     cmd = [str(build / "benchmarks" / "engine_bench"), str(model_dir), "--device", "cuda",
            "--dtype", "bfloat16", "--prompt", "128", "--steps", "256", "--batches", "1,16"]
-    log(" ".join(cmd))
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    # The first run also times 2, 4 and 8 rows: those take the decode GEMV with several
+    # accumulators a lane (kernels/cuda/gemv.cuh), which 16 rows (cuBLASLt) do not; session
+    # 33's router levels suggested 8 streams ran 23 ms steps against 7.8 at 16 rows.
+    first = cmd[:-1] + ["1,2,4,8,16"]
+    log(" ".join(first))
+    p = subprocess.run(first, capture_output=True, text=True, timeout=400)
     print(p.stdout + p.stderr[-4000:], flush=True)
     results["engine_bench_rc"] = p.returncode
     streamed = re.search(r"streamed/token ([0-9.e+]+) MB", p.stdout)
