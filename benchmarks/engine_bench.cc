@@ -3,6 +3,7 @@
 //   engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] [--quantize METHOD]
 //                [--prompt 128] [--steps 32] [--batches 1,16] [--int8-activations true]
 //                [--device cpu|cuda] [--cuda-graphs true] [--cuda-pdl false]
+//                [--cuda-mma-gemv true]
 // Prints prefill and decode tokens/s per batch size, the memory bandwidth measured in the
 // same run, and the fraction of it that batch-1 decode achieves (weights streamed per token),
 // after one untimed warm-up prompt.
@@ -95,13 +96,13 @@ int main(int argc, char** argv) {
     std::cerr << "usage: engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] "
                  "[--quantize METHOD] [--prompt N] [--steps N] [--batches 1,16] "
                  "[--int8-activations true] [--device cpu|cuda] [--cuda-graphs true] "
-                 "[--cuda-pdl false]\n";
+                 "[--cuda-pdl false] [--cuda-mma-gemv true]\n";
     return 2;
   }
   const std::string dir = argv[1];
   std::string dtype_name = "float32", quantize, batches_arg = "1,16";
   int prompt = 128, steps = 32;
-  bool cuda = false, graphs = false, pdl = true;
+  bool cuda = false, graphs = false, pdl = true, mma_gemv = false;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--dtype") {
@@ -122,6 +123,8 @@ int main(int argc, char** argv) {
       graphs = v == "true";
     } else if (k == "--cuda-pdl") {  // false: kernels start in plain stream order
       pdl = v != "false";
+    } else if (k == "--cuda-mma-gemv") {  // true: 16-bit decode GEMVs on tensor cores
+      mma_gemv = v == "true";
     } else if (k == "--batches") {
       batches_arg = v;
     } else if (k == "--int8-activations") {  // the shard's --cpu-int8-activations
@@ -153,6 +156,9 @@ int main(int argc, char** argv) {
     tgis::kernels::SelectGpu(0);
     std::cout << "programmatic dependent launch: "
               << (tgis::kernels::SetGpuProgrammaticLaunch(pdl) ? "on" : "off") << "\n";
+    std::cout << "decode GEMVs of 16-bit weights: "
+              << (tgis::kernels::SetGpuTensorCoreGemv(mma_gemv) ? "tensor cores" : "CUDA cores")
+              << "\n";
   }
   const auto load_start = std::chrono::steady_clock::now();
   auto config = tgis::server::ModelConfig::Load(dir);

@@ -493,4 +493,14 @@ bool SetGpuProgrammaticLaunch(bool on) {
 #endif
 }
 
+bool SetGpuTensorCoreGemv(bool on) {
+#ifdef TGIS_WITH_CUDA
+  cuda::SetTensorCoreGemv(on);
+  return on && GpuCount() > 0;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 }  // namespace tgis::kernels

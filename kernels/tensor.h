@@ -88,6 +88,9 @@ void SelectGpu(int index);
 // launch; on by default on GPUs of compute capability 9 and later). Benchmarks turn it off to
 // measure what it gives. Returns whether it is now in effect: false without such a GPU.
 bool SetGpuProgrammaticLaunch(bool on);
+// Whether 16-bit decode GEMVs (up to 8 rows) run on tensor cores rather than CUDA cores (off by
+// default until timed on a GPU; benchmarks compare the two). Returns whether it is now in effect.
+bool SetGpuTensorCoreGemv(bool on);
 
 // bf16 / f16 <-> f32 conversions on the host.
 // (The bf16 ones are inline: checkpoints convert through them at load.)

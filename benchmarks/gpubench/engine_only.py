@@ -5,6 +5,7 @@ GPU_BUNDLE=tests): it needs only the test binaries' libraries.
 
     python3 -m gpubench.engine_only BUILD_DIR [MODEL_DIR] [--no-hf] [--ncu] [--overhead]
                                     [--prefill N] [--graphs] [--quantize M1,M2] [--pdl-off]
+                                    [--mma-gemv]
 
 --overhead also times decode of a model with the 8B shape's 32 layers (so as many kernels per
 step) but tiny matrices (hidden 256, vocabulary 32000): its ms/step is the per-step cost that
@@ -18,6 +19,10 @@ shard's --cuda-graphs: decode steps replayed from captured CUDA graphs.
 --pdl-off also times batch-1 decode (eager, and with --graphs in graphs) with programmatic
 dependent launch off (engine_bench --cuda-pdl false): kernels in plain stream order, the way
 they ran before it, for the ratio in the same run.
+
+--mma-gemv also times decode of 1, 2, 4, 8 and 16 rows with the 16-bit decode GEMVs on tensor
+cores (engine_bench --cuda-mma-gemv true; with --graphs, also in graphs), against the first
+run's figures (CUDA cores).
 
 --quantize M1,M2 also times batch-1 decode with each of the shard's --quantize methods applied
 at load (bitsandbytes: int8 rows; bitsandbytes-nf4: 4-bit codes), against bf16's ms/token
@@ -105,6 +110,15 @@ def main(argv: list[str]) -> int:
                 if results.get("decode_ms_per_token_graphs"):
                     log(f"programmatic launch: {ms:.2f} -> "
                         f"{results['decode_ms_per_token_graphs']:.2f} ms/token with graphs")
+    if "--mma-gemv" in argv:
+        # The tensor-core decode GEMV (kernels/cuda/mma_gemv.cuh) at 1, 2, 4 and 8 rows, against
+        # the CUDA-core GEMV's figures of the first run (in graphs too with --graphs).
+        for graphs in ([False, True] if "--graphs" in argv else [False]):
+            extra = ["--cuda-mma-gemv", "true", "--batches", "1,2,4,8,16"]
+            extra += ["--cuda-graphs", "true"] if graphs else []
+            ms = decode_ms(extra, what="tensor-core GEMV" + (", graphs" if graphs else ""))
+            if ms is not None:
+                results["decode_ms_per_token_mma_gemv" + ("_graphs" if graphs else "")] = ms
     if "--quantize" in argv:
         # With --graphs, in graphs only: the ratio to bf16 free of launch overhead, and each
         # quantized load (20-40 s of the device's time) once.

@@ -16,9 +16,13 @@
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
-#include "kernels/cuda/gemv.cuh"
+#include "kernels/cuda/warp_mma.cuh"
 #include "kernels/cuda_ops.h"
 #include "kernels/quantized.h"
+
+// After the primitives they use (common.cuh, warp_mma.cuh); mma_gemv.cuh after gemv.cuh.
+#include "kernels/cuda/gemv.cuh"
+#include "kernels/cuda/mma_gemv.cuh"
 
 #define TGIS_CUBLAS_CHECK(expr)                                                  \
   do {                                                                           \
@@ -63,6 +67,9 @@ struct Plan {
 };
 
 std::atomic<bool> g_force_fallback{false};
+// SetTensorCoreGemv: 16-bit decode GEMVs on tensor cores (mma_gemv.cuh). Off until the H100
+// has timed it against the CUDA-core GEMV (gpubench.engine_only --mma-gemv).
+std::atomic<bool> g_mma_gemv{false};
 
 // out[n, m] = x[n, k] @ w[m, k]^T (+ bias[m]), f32 accumulation: a plain tiled GEMM for the
 // shapes and alignments cuBLASLt offers no algorithm for (a slow path that keeps the shard up,
@@ -354,15 +361,23 @@ bool DenseGemvTakes(const Tensor& x, const Tensor& w, int64_t rows) {
 
 void DenseGemv(const Tensor& w, const Tensor& x, int64_t tokens, const Tensor* bias, Tensor* out) {
   const int64_t out_f = w.dim(0), in = w.dim(1);
-  const unsigned blocks = Blocks(out_f, kGemvWarps);
   const bool f32_out = out->dtype() == DType::kF32;
+  const bool mma = x.dtype() != DType::kF32 && g_mma_gemv.load(std::memory_order_relaxed);
   TGIS_DISPATCH_FLOAT(x.dtype(), "Linear", {
     const T* b = bias != nullptr && bias->defined() ? bias->data<T>() : nullptr;
     auto launch = [&](auto* y) {
       using TOut = std::remove_pointer_t<decltype(y)>;
       const int k = static_cast<int>(tokens);
+      if constexpr (!std::is_same_v<T, float>) {
+        if (mma) {
+          Launch(MmaGemvKernel<T, TOut>, Blocks(out_f, kMmaGemvRows), kMmaGemvWarps * 32,
+                 w.data<T>(), out_f, in, x.data<T>(), k, b, y);
+          return;
+        }
+      }
       auto go = [&](auto kernel) {
-        Launch(kernel, blocks, kGemvWarps * 32, w.data<T>(), out_f, in, x.data<T>(), k, b, y);
+        Launch(kernel, Blocks(out_f, kGemvWarps), kGemvWarps * 32, w.data<T>(), out_f, in,
+               x.data<T>(), k, b, y);
       };
       if (k == 1) {
         go(DenseGemvKernel<T, TOut, 1>);
@@ -406,6 +421,8 @@ Tensor DequantizeOnDevice(const QuantizedWeight& q, DType dtype) {
 }  // namespace
 
 void ForceGemmFallbackForTesting(bool on) { g_force_fallback.store(on, std::memory_order_relaxed); }
+
+void SetTensorCoreGemv(bool on) { g_mma_gemv.store(on, std::memory_order_relaxed); }
 
 void Linear(const Tensor& x, const Tensor& w_in, const Tensor* bias, Tensor* out) {
   const char* op = "Linear";

@@ -5,7 +5,8 @@
 // their combination) are checked on every machine, GPU or not. TopLogits (top_logits.cuh: block
 // reductions, radix select, ties), against the CPU op. (On a GPU, OpsTest runs the real
 // kernels.) The decode GEMVs (gemv.cuh: streaming, code extraction, runs and their constants,
-// tokens, the warp sums), against the sums in double.
+// tokens, the warp sums) and the tensor-core one (mma_gemv.cuh: fragment layout, split columns,
+// tails), against the sums in double.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,6 +25,7 @@
 #include "kernels/cuda/gemv.cuh"
 #include "kernels/cuda/grouped_attention.cuh"
 #include "kernels/cuda/mma_attention.cuh"
+#include "kernels/cuda/mma_gemv.cuh"
 #include "kernels/cuda/top_logits.cuh"
 #include "kernels/ops.h"
 
@@ -508,6 +510,60 @@ TEST(GemvEmulated, DenseRows) {
   run(EmuBf16{}, 10, 8 * (4 * 128 + 40), 1, 1e-5);
   run(EmuBf16{}, 9, 8 * 100, 5, 1e-5);
   run(0.0f, 3, 4 * 24, 5, 1e-5);
+}
+
+// The tensor-core GEMV (16-bit weights): against the sums in double for 1, 3 and 8 tokens,
+// with rows past a 16-row tile, columns that end inside a 32-column step and inside a chunk of
+// a warp's steps, and a bias; and each token's outputs the same bits whatever the tokens beside
+// it (the emulated mma sums in double, so this checks the kernel's own order, not the
+// hardware's).
+template <typename T>
+void RunMmaGemv(int64_t out, int64_t in, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::vector<T> w(out * in), x(kGemvTokens * in), bias(out);
+  for (T& v : w) v = FromF32<T>(unit(rng));
+  for (T& v : x) v = FromF32<T>(unit(rng));
+  for (T& v : bias) v = FromF32<T>(unit(rng));
+  const EmuDim3 grid{static_cast<unsigned>((out + kMmaGemvRows - 1) / kMmaGemvRows), 1, 1};
+  auto gemv = [&](int first, int tokens) {
+    std::vector<float> y(tokens * out, -7.0f);
+    const T* xp = x.data() + first * in;
+    const T* wp = w.data();
+    const T* bp = bias.data();
+    EmulateLaunch(grid, kMmaGemvWarps * 32, &MmaGemvKernel<T, float>, wp, out, in, xp, tokens, bp,
+                  y.data());
+    return y;
+  };
+  const std::vector<float> all = gemv(0, kGemvTokens);
+  int bad = 0;
+  for (int t = 0; t < kGemvTokens; ++t) {
+    for (int64_t n = 0; n < out; ++n) {
+      double want = ToF32(bias[n]), mag = std::fabs(want);
+      for (int64_t j = 0; j < in; ++j) {
+        const double term = static_cast<double>(ToF32(w[n * in + j])) * ToF32(x[t * in + j]);
+        want += term;
+        mag += std::fabs(term);
+      }
+      if (std::fabs(all[t * out + n] - want) > 1e-5 * mag && ++bad <= 5) {
+        ADD_FAILURE() << "out " << out << " in " << in << " token " << t << " row " << n << " got "
+                      << all[t * out + n] << " want " << want;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  for (const auto& [first, tokens] : {std::pair{0, 1}, std::pair{5, 1}, std::pair{2, 3}}) {
+    const std::vector<float> some = gemv(first, tokens);
+    for (int64_t i = 0; i < tokens * out; ++i) {
+      ASSERT_EQ(some[i], all[first * out + i]) << "tokens " << first << ".." << first + tokens;
+    }
+  }
+}
+
+TEST(GemvEmulated, MmaDenseRows) {
+  RunMmaGemv<EmuBf16>(21, 8 * (4 * 8 * 4 + 14), 61);  // two tiles, the second partial; a tail
+  RunMmaGemv<EmuF16>(16, 8 * 3, 62);                  // fewer steps than warps
+  RunMmaGemv<EmuBf16>(5, 8 * 4 * 8 * 9, 63);          // whole chunks and a partial one
 }
 
 }  // namespace

@@ -138,6 +138,18 @@ class OpsTest : public ::testing::TestWithParam<OpsParam> {
     return isas;
   }
 
+  // The decode GEMVs a case runs: on CUDA with 16-bit weights, the CUDA-core one and the
+  // tensor-core one (SetGpuTensorCoreGemv); one pass elsewhere. The mode is set on the way in
+  // and the default restored after the last pass.
+  std::vector<std::pair<bool, std::string>> GemvModes() const {
+    if (device() != Device::kCuda || dtype() == DType::kF32) return {{false, ""}};
+    return {{false, " (CUDA-core GEMV)"}, {true, " (tensor-core GEMV)"}};
+  }
+  struct GemvModeGuard {
+    explicit GemvModeGuard(bool on) { SetGpuTensorCoreGemv(on); }
+    ~GemvModeGuard() { SetGpuTensorCoreGemv(false); }
+  };
+
   Device device() const { return GetParam().device; }
   DType dtype() const { return GetParam().dtype; }
   // The dtype the device computes activations in.
@@ -279,18 +291,21 @@ TEST_P(OpsTest, Linear) {
   uint32_t seed = 10;
   for (const auto& [isa, isa_name] : Isas()) {
     cpu::SetIsaForTesting(isa);
-    for (const Size& sz : sizes) {
-      std::vector<float> ws, bs;
-      Tensor w = Weight(Random(sz.out * sz.in, ++seed), {sz.out, sz.in}, &ws);
-      Tensor b = Weight(Random(sz.out, ++seed), {sz.out}, &bs);
-      for (int64_t t : {1, 2, 3, 17, 64}) {
-        Tensor x = Act(Random(t * sz.in, ++seed), {t, sz.in});
-        const std::vector<float> xs = Host(x);
-        for (bool with_bias : {false, true}) {
-          const std::string what =
-              isa_name + " T=" + std::to_string(t) + " in=" + std::to_string(sz.in) +
-              " out=" + std::to_string(sz.out) + (with_bias ? " bias" : " no bias");
-          LinearCase(x, xs, w, ws, with_bias ? &b : nullptr, bs, t, sz.in, sz.out, tol(), what);
+    for (const auto& [mma, mode] : GemvModes()) {
+      const GemvModeGuard guard(mma);
+      for (const Size& sz : sizes) {
+        std::vector<float> ws, bs;
+        Tensor w = Weight(Random(sz.out * sz.in, ++seed), {sz.out, sz.in}, &ws);
+        Tensor b = Weight(Random(sz.out, ++seed), {sz.out}, &bs);
+        for (int64_t t : {1, 2, 3, 17, 64}) {
+          Tensor x = Act(Random(t * sz.in, ++seed), {t, sz.in});
+          const std::vector<float> xs = Host(x);
+          for (bool with_bias : {false, true}) {
+            const std::string what =
+                isa_name + mode + " T=" + std::to_string(t) + " in=" + std::to_string(sz.in) +
+                " out=" + std::to_string(sz.out) + (with_bias ? " bias" : " no bias");
+            LinearCase(x, xs, w, ws, with_bias ? &b : nullptr, bs, t, sz.in, sz.out, tol(), what);
+          }
         }
       }
     }
@@ -615,24 +630,29 @@ void ExpectBatchInvariant(const Tensor& x, const Tensor& w, int64_t out_f,
   }
 }
 
-// On CUDA, decode-sized calls (up to 8 rows) run the dense GEMV: each row's outputs are the
-// same bits alone as beside the others, as the CPU's decode kernels are.
+// On CUDA, decode-sized calls (up to 8 rows) run a dense GEMV (on CUDA cores, or on tensor
+// cores for 16-bit weights when SetGpuTensorCoreGemv asks): each row's outputs are the same bits
+// alone as beside the others, as the CPU's decode kernels are.
 TEST_P(OpsTest, LinearDecodeRowsAreBatchInvariantOnCuda) {
   if (device() != Device::kCuda) GTEST_SKIP() << "the CUDA decode GEMV";
   const int64_t in = 1032, out_f = 45, rows = 8;
   std::vector<float> ws;
   const Tensor w = Weight(Random(out_f * in, 91), {out_f, in}, &ws);
   const Tensor x = Act(Random(rows * in, 92), {rows, in});
-  Tensor all;
-  Linear(x, w, nullptr, &all);
-  const std::vector<float> want = Host(all);
-  for (int64_t n : {1, 3}) {
-    for (int64_t r = 0; r + n <= rows; r += n) {
-      Tensor some;
-      Linear(x.Rows(r, r + n), w, nullptr, &some);
-      const std::vector<float> got = Host(some);
-      for (int64_t i = 0; i < n * out_f; ++i) {
-        ASSERT_EQ(got[i], want[r * out_f + i]) << "rows " << r << ".." << r + n << " at " << i;
+  for (const auto& [mma, mode] : GemvModes()) {
+    const GemvModeGuard guard(mma);
+    Tensor all;
+    Linear(x, w, nullptr, &all);
+    const std::vector<float> want = Host(all);
+    for (int64_t n : {1, 3}) {
+      for (int64_t r = 0; r + n <= rows; r += n) {
+        Tensor some;
+        Linear(x.Rows(r, r + n), w, nullptr, &some);
+        const std::vector<float> got = Host(some);
+        for (int64_t i = 0; i < n * out_f; ++i) {
+          ASSERT_EQ(got[i], want[r * out_f + i])
+              << mode << " rows " << r << ".." << r + n << " at " << i;
+        }
       }
     }
   }

@@ -105,6 +105,7 @@ struct alignas(16) uint4 {
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 inline uint4 __ldcs(const uint4* p) { return *p; }
 inline float __uint_as_float(uint32_t bits) {
   float f;
