@@ -83,13 +83,12 @@ class CacheRows final : public KvSource {
   const float* const* Fetch(const Tensor& t, const float* dense, int64_t j0, int64_t j1,
                             std::vector<float>* buffer, std::vector<const float*>* rows) const {
     const int64_t n = j1 - j0 + 1, bs = t.dim(1), hk = t.dim(2), d = t.dim(3);
+    rows->resize(n);
     if (dense != nullptr) {
-      rows->resize(n);
       for (int64_t j = j0; j <= j1; ++j) (*rows)[j - j0] = dense + (j * hk + kvh_) * d;
       return rows->data();
     }
     const bool in_place = t.dtype() == DType::kF32;
-    rows->resize(n);
     if (!in_place) buffer->resize(n * d);
     // The next chunk's rows are on their way while this one is used: rows of one KV head sit
     // Hk * D elements apart, a stride the hardware prefetchers do not follow far.
@@ -182,8 +181,9 @@ constexpr int64_t kDecodeMaxFloats = int64_t{16} << 20;
 constexpr int64_t kPromptDenseMaxFloats = int64_t{64} << 20;
 
 // Fills `dense` (one entry per sequence; none where it has no query rows) from `cache`, or
-// returns false (nothing done) when the f32 copies would pass kPromptDenseMaxFloats.
-bool PromptKvF32(const KvCacheLayer& cache, const AttentionBatch& batch, int64_t num_seqs,
+// leaves it empty (the tasks convert their own rows) when the f32 copies would pass
+// kPromptDenseMaxFloats.
+void PromptKvF32(const KvCacheLayer& cache, const AttentionBatch& batch, int64_t num_seqs,
                  int64_t max_blocks, std::vector<DenseKv>* dense) {
   const int64_t bs = cache.k.dim(1), row = cache.k.dim(2) * cache.k.dim(3);  // a position's
   std::vector<int64_t> at(num_seqs, -1);
@@ -199,7 +199,7 @@ bool PromptKvF32(const KvCacheLayer& cache, const AttentionBatch& batch, int64_t
     floats += ctx * row;
     for (int64_t b = 0; b * bs < ctx; ++b) blocks.push_back({s, b});
   }
-  if (2 * floats > kPromptDenseMaxFloats) return false;
+  if (2 * floats > kPromptDenseMaxFloats) return;
   thread_local std::vector<float> keys, values;
   keys.resize(floats);
   values.resize(floats);
@@ -217,7 +217,6 @@ bool PromptKvF32(const KvCacheLayer& cache, const AttentionBatch& batch, int64_t
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (at[s] >= 0) (*dense)[s] = {k + at[s], v + at[s]};
   }
-  return true;
 }
 
 // ---- the scalar path (no AVX2, or a head_dim that is not a multiple of 8) ------------------
