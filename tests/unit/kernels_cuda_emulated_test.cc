@@ -469,6 +469,30 @@ TEST(GemvEmulated, QuantizedScalarKernelWithGather) {
 
 // The dense GEMV against the sums in double: bf16 rows of 4 chunks of StreamRow<4> and a tail,
 // f32 rows of fewer vectors than a chunk; 1 and 5 tokens.
+// Checks a dense GEMV's outputs y [tokens, out] against x . w^T + bias in double, within tol
+// times the sum of the terms' magnitudes.
+template <typename T>
+void ExpectDenseGemv(const std::vector<T>& w, const std::vector<T>& x, const std::vector<T>& bias,
+                     const std::vector<float>& y, int64_t out, int64_t in, int tokens, double tol,
+                     const std::string& what) {
+  int bad = 0;
+  for (int t = 0; t < tokens; ++t) {
+    for (int64_t n = 0; n < out; ++n) {
+      double want = ToF32(bias[n]), mag = std::fabs(want);
+      for (int64_t j = 0; j < in; ++j) {
+        const double term = static_cast<double>(ToF32(w[n * in + j])) * ToF32(x[t * in + j]);
+        want += term;
+        mag += std::fabs(term);
+      }
+      if (std::fabs(y[t * out + n] - want) > tol * mag && ++bad <= 5) {
+        ADD_FAILURE() << what << " T=" << t << " row " << n << " got " << y[t * out + n] << " want "
+                      << want;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
 TEST(GemvEmulated, DenseRows) {
   auto run = [](auto zero, int64_t out, int64_t in, int tokens, double tol) {
     using T = decltype(zero);
@@ -490,22 +514,7 @@ TEST(GemvEmulated, DenseRows) {
       EmulateLaunch(grid, kGemvWarps * 32, &DenseGemvKernel<T, float, kGemvTokens>, wp, out, in, xp,
                     tokens, bp, y.data());
     }
-    int bad = 0;
-    for (int t = 0; t < tokens; ++t) {
-      for (int64_t n = 0; n < out; ++n) {
-        double want = ToF32(bias[n]), mag = std::fabs(want);
-        for (int64_t j = 0; j < in; ++j) {
-          const double term = static_cast<double>(ToF32(w[n * in + j])) * ToF32(x[t * in + j]);
-          want += term;
-          mag += std::fabs(term);
-        }
-        if (std::fabs(y[t * out + n] - want) > tol * mag && ++bad <= 5) {
-          ADD_FAILURE() << "T=" << t << " row " << n << " got " << y[t * out + n] << " want "
-                        << want;
-        }
-      }
-    }
-    EXPECT_EQ(bad, 0);
+    ExpectDenseGemv(w, x, bias, y, out, in, tokens, tol, "CUDA-core GEMV");
   };
   run(EmuBf16{}, 10, 8 * (4 * 128 + 40), 1, 1e-5);
   run(EmuBf16{}, 9, 8 * 100, 5, 1e-5);
@@ -536,22 +545,8 @@ void RunMmaGemv(int64_t out, int64_t in, uint32_t seed) {
     return y;
   };
   const std::vector<float> all = gemv(0, kGemvTokens);
-  int bad = 0;
-  for (int t = 0; t < kGemvTokens; ++t) {
-    for (int64_t n = 0; n < out; ++n) {
-      double want = ToF32(bias[n]), mag = std::fabs(want);
-      for (int64_t j = 0; j < in; ++j) {
-        const double term = static_cast<double>(ToF32(w[n * in + j])) * ToF32(x[t * in + j]);
-        want += term;
-        mag += std::fabs(term);
-      }
-      if (std::fabs(all[t * out + n] - want) > 1e-5 * mag && ++bad <= 5) {
-        ADD_FAILURE() << "out " << out << " in " << in << " token " << t << " row " << n << " got "
-                      << all[t * out + n] << " want " << want;
-      }
-    }
-  }
-  EXPECT_EQ(bad, 0);
+  ExpectDenseGemv(w, x, bias, all, out, in, kGemvTokens, 1e-5,
+                  "tensor-core GEMV out " + std::to_string(out) + " in " + std::to_string(in));
   for (const auto& [first, tokens] : {std::pair{0, 1}, std::pair{5, 1}, std::pair{2, 3}}) {
     const std::vector<float> some = gemv(first, tokens);
     for (int64_t i = 0; i < tokens * out; ++i) {
