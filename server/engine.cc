@@ -318,6 +318,27 @@ void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* o
   if (!batch.empty()) RunStep(batch, /*prefill=*/false, prompt_budget, out, errors, prefilling);
 }
 
+std::vector<uint64_t> Engine::DecodableAhead(const std::vector<uint64_t>& ids) {
+  const size_t bs = static_cast<size_t>(cache_->block_size());
+  std::vector<uint64_t> ahead;
+  size_t blocks = 0;
+  for (uint64_t id : ids) {
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) continue;
+    const Sequence& s = *it->second;
+    if (s.preempted || s.speculate > 0 || s.cached + 1 != s.tokens.size()) continue;
+    if (s.generated >= s.max_new || static_cast<int64_t>(s.tokens.size()) >= max_positions_) {
+      continue;
+    }
+    if (std::find(eos_.begin(), eos_.end(), s.tokens.back()) != eos_.end()) continue;
+    const size_t need = (s.tokens.size() + bs - 1) / bs;
+    blocks += need > s.blocks.size() ? need - s.blocks.size() : 0;
+    ahead.push_back(id);
+  }
+  if (blocks > static_cast<size_t>(std::max(0, free_blocks()))) return {};
+  return ahead;
+}
+
 std::vector<int32_t> Engine::ProposeDraft(const Sequence& s, size_t limit) const {
   // Only real tokens (not prompt-tuning placeholders) are looked up.
   const std::span<const int32_t> t = std::span<const int32_t>(s.tokens).subspan(s.prefix_len);

@@ -114,6 +114,11 @@ class Engine {
   void Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* out,
               std::vector<SequenceError>* errors, std::vector<uint64_t>* preempted = nullptr,
               size_t prompt_budget = 0, std::vector<uint64_t>* prefilling = nullptr);
+  // Those of `ids` that the router cannot have finished after their last token (they are
+  // decoding, not prefilling or speculating, have tokens left to generate and positions to take
+  // them, and their last token ends nothing), if the KV cache holds a step for all of them
+  // without preempting anyone; else none. See StepAhead.
+  std::vector<uint64_t> DecodableAhead(const std::vector<uint64_t>& ids);
   void Release(uint64_t id);
   void ReleaseAll();
   bool Has(uint64_t id) const { return seqs_.count(id) > 0; }

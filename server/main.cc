@@ -87,6 +87,11 @@ DEFINE_bool(cuda_graphs, true,
             "CUDA: decode steps of up to 64 sequences replay a graph captured per batch and "
             "context size bucket (one launch per step instead of one per kernel); outputs are "
             "unchanged; no effect on the CPU (env CUDA_GRAPHS)");
+DEFINE_string(decode_ahead, "auto",
+              "true: after answering a decode step, start the next one for the sequences the "
+              "router cannot have finished, while it handles the answer (their tokens are the "
+              "same); false: every step waits for the router's call; auto: true on CUDA, false "
+              "on the CPU, where the step and the router share the cores (env DECODE_AHEAD)");
 DEFINE_string(otlp_endpoint, "",
               "OpenTelemetry collector's OTLP/gRPC endpoint (http://host:4317); empty: no "
               "tracing (env OTLP_ENDPOINT)");
@@ -152,6 +157,7 @@ int main(int argc, char** argv) {
                                    {"quantize", "QUANTIZE"},
                                    {"cpu_int8_activations", "CPU_INT8_ACTIVATIONS"},
                                    {"cuda_graphs", "CUDA_GRAPHS"},
+                                   {"decode_ahead", "DECODE_AHEAD"},
                                    {"otlp_endpoint", "OTLP_ENDPOINT"},
                                    {"otlp_service_name", "OTLP_SERVICE_NAME"}});
       !err.empty()) {
@@ -293,6 +299,14 @@ int main(int argc, char** argv) {
   opts.prompt_cache_mb = FLAGS_prompt_cache_size_mb;
   opts.prefix_caching = FLAGS_prefix_caching;
   opts.cuda_graphs = FLAGS_cuda_graphs;
+  if (FLAGS_decode_ahead == "auto") {
+    opts.decode_ahead = cuda;
+  } else if (FLAGS_decode_ahead == "true" || FLAGS_decode_ahead == "false") {
+    opts.decode_ahead = FLAGS_decode_ahead == "true";
+  } else {
+    return Fail("--decode-ahead (DECODE_AHEAD) must be auto, true or false, not '" +
+                FLAGS_decode_ahead + "'");
+  }
   for (int r = 0; r < FLAGS_world_size; ++r) {
     opts.urls.push_back("unix://" + FLAGS_uds_path + "-" + std::to_string(r));
   }

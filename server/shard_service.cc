@@ -191,6 +191,15 @@ grpc::Status ShardService::EnsureEngine() {
   engine_ = std::make_unique<Engine>(std::move(pending_model_), config_.eos_token_ids,
                                      config_.max_position_embeddings, static_cast<int>(blocks),
                                      options_.block_size, options_.prefix_caching);
+  if (options_.decode_ahead) ahead_ = std::make_unique<StepAhead>(&mu_, engine_.get());
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardService::EngineForCall() {
+  if (auto st = EnsureEngine(); !st.ok()) return st;
+  // Every call sees the engine as the steps answered so far left it, plus the one scheduled
+  // after the last answer: run it here if the worker has not (the same on every shard).
+  if (ahead_) ahead_->RunScheduled();
   return grpc::Status::OK;
 }
 
@@ -213,7 +222,7 @@ grpc::Status ShardService::Warmup(grpc::ServerContext*, const pb::WarmupRequest*
     options_.num_blocks = static_cast<int>(
         (req->max_batch_total_tokens() + options_.block_size - 1) / options_.block_size);
   }
-  if (auto st = EnsureEngine(); !st.ok()) return st;
+  if (auto st = EngineForCall(); !st.ok()) return st;
   // The largest step the router will send: a prefill of its prefill limit (which it raises to
   // one request of the longest length) beside a decode row for every other request. The engine
   // refuses anything larger, so no step needs more memory than this.
@@ -271,13 +280,20 @@ grpc::Status ShardService::Warmup(grpc::ServerContext*, const pb::WarmupRequest*
   return grpc::Status::OK;
 }
 
+void ShardService::Release(uint64_t id) {
+  if (ahead_) ahead_->Drop(id);
+  engine_->Release(id);
+}
+
 pb::CachedBatch ShardService::Describe(uint64_t batch_id) {
   pb::CachedBatch b;
   b.set_id(batch_id);
   uint32_t total = 0;
   for (uint64_t id : batches_[batch_id]) {
     b.add_request_ids(id);
-    total += static_cast<uint32_t>(engine_->CachedTokens(id) + 1);
+    // As the router knows it: a token stepped ahead is not its yet.
+    const bool ahead = ahead_ && ahead_->Pending(id);
+    total += static_cast<uint32_t>(engine_->CachedTokens(id) + (ahead ? 0 : 1));
   }
   b.set_size(static_cast<uint32_t>(batches_[batch_id].size()));
   b.set_total_tokens(total);
@@ -305,7 +321,7 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
   tracing::Span span = StepSpan("shard.prefill", req->traceparent(), options_.rank);
   span.SetAttribute("batch.requests", static_cast<int64_t>(req->batch().requests_size()));
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto st = EnsureEngine(); !st.ok()) return st;
+  if (auto st = EngineForCall(); !st.ok()) return st;
   const pb::Batch& batch = req->batch();
   if (batches_.count(batch.id())) {
     return grpc::Status(grpc::StatusCode::ALREADY_EXISTS,
@@ -359,6 +375,9 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
   }
   resp->set_forward_ns(engine_->last_forward_ns());
   resp->set_total_ns(NowNs() - t0);
+  if (ahead_ && resp->has_batch()) {
+    ahead_->Schedule({resp->batch().request_ids().begin(), resp->batch().request_ids().end()});
+  }
   resp->set_prefix_cache_hits(engine_->last_reuse().sequences);
   resp->set_prefix_cache_reused_tokens(engine_->last_reuse().reused_tokens);
   span.SetAttribute("forward_ns", static_cast<int64_t>(resp->forward_ns()));
@@ -371,7 +390,7 @@ grpc::Status ShardService::Decode(grpc::ServerContext*, const pb::DecodeRequest*
   const uint64_t t0 = NowNs();
   tracing::Span span = StepSpan("shard.decode", req->traceparent(), options_.rank);
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto st = EnsureEngine(); !st.ok()) return st;
+  if (auto st = EngineForCall(); !st.ok()) return st;
   if (req->batches_size() == 0) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no batches to decode");
   }
@@ -386,25 +405,27 @@ grpc::Status ShardService::Decode(grpc::ServerContext*, const pb::DecodeRequest*
   // Merge the batches into the first one's id, dropping finished requests.
   const uint64_t merged_id = req->batches(0).id();
   std::vector<uint64_t> ids;
+  std::vector<StepOutput> outs;
+  std::vector<SequenceError> errors;
   for (const pb::CachedBatch& b : req->batches()) {
     for (uint64_t id : batches_[b.id()]) {
       if (finished.count(id)) {
-        engine_->Release(id);
-      } else {
-        ids.push_back(id);
+        Release(id);
+      } else if (!ahead_ || !ahead_->Take(id, &outs, &errors)) {
+        ids.push_back(id);  // not stepped ahead: decoded now
       }
     }
     batches_.erase(b.id());
   }
   // Finished requests that were preempted are in no batch.
   for (uint64_t id : finished) {
-    if (engine_->Preempted(id)) engine_->Release(id);
+    if (engine_->Preempted(id)) Release(id);
   }
-  std::vector<StepOutput> outs;
-  std::vector<SequenceError> errors;
+  uint64_t forward_ns = ahead_ ? ahead_->TakeForwardNs() : 0;
   std::vector<uint64_t> preempted, prefilling;
   if (!ids.empty()) {
     engine_->Decode(ids, &outs, &errors, &preempted, req->max_prompt_tokens(), &prefilling);
+    forward_ns += engine_->last_forward_ns();
   }
   AddResults(outs, errors, resp);
   resp->mutable_preempted_request_ids()->Add(preempted.begin(), preempted.end());
@@ -422,8 +443,9 @@ grpc::Status ShardService::Decode(grpc::ServerContext*, const pb::DecodeRequest*
     }
     kept.insert(kept.end(), prefilling.begin(), prefilling.end());
     *resp->mutable_batch() = Describe(merged_id);
+    if (ahead_) ahead_->Schedule(batches_[merged_id]);
   }
-  resp->set_forward_ns(engine_->last_forward_ns());
+  resp->set_forward_ns(forward_ns);
   resp->set_total_ns(NowNs() - t0);
   span.SetAttribute("forward_ns", static_cast<int64_t>(resp->forward_ns()));
   span.SetAttribute("generations", static_cast<int64_t>(resp->generations_size()));
@@ -433,6 +455,7 @@ grpc::Status ShardService::Decode(grpc::ServerContext*, const pb::DecodeRequest*
 grpc::Status ShardService::FilterBatch(grpc::ServerContext*, const pb::FilterBatchRequest* req,
                                        pb::FilterBatchResponse* resp) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (ahead_) ahead_->RunScheduled();
   auto it = batches_.find(req->batch_id());
   if (it == batches_.end()) {
     return grpc::Status(grpc::StatusCode::NOT_FOUND,
@@ -444,7 +467,7 @@ grpc::Status ShardService::FilterBatch(grpc::ServerContext*, const pb::FilterBat
     if (keep.count(id)) {
       kept.push_back(id);
     } else {
-      engine_->Release(id);
+      Release(id);
     }
   }
   it->second = std::move(kept);
@@ -457,13 +480,15 @@ grpc::Status ShardService::ClearCache(grpc::ServerContext*, const pb::ClearCache
                                       pb::ClearCacheResponse*) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!engine_) return grpc::Status::OK;
+  if (ahead_) ahead_->RunScheduled();
   if (req->has_id()) {
     auto it = batches_.find(req->id());
     if (it != batches_.end()) {
-      for (uint64_t id : it->second) engine_->Release(id);
+      for (uint64_t id : it->second) Release(id);
       batches_.erase(it);
     }
   } else {
+    if (ahead_) ahead_->DropAll();
     engine_->ReleaseAll();
     batches_.clear();
   }

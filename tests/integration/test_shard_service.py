@@ -23,8 +23,10 @@ def golden(model: Path):
     return json.loads((model / "golden.json").read_text())["prompts"]
 
 
-@pytest.fixture(scope="module")
-def shard():
+# Every test runs with steps run ahead (StepAhead: the shard decodes the next token while the
+# client handles the last) and without: what a client sees must not differ.
+@pytest.fixture(scope="module", params=["false", "true"], ids=["step-by-step", "decode-ahead"])
+def shard(request):
     server = binary("server/text-generation-server")
     if not server.exists():
         pytest.skip(f"{server} not built")
@@ -34,7 +36,7 @@ def shard():
     tmp = tempfile.mkdtemp(prefix="tgis-shard-")
     uds = os.path.join(tmp, "shard")
     proc = Process([server, "serve", MODEL, "--uds-path", uds, "--kv-cache-blocks", "64",
-                    "--block_size", "4"])
+                    "--block_size", "4", "--decode-ahead", request.param])
     proc.wait_for(lambda: os.path.exists(uds + "-0"), what="listening")
     channel = grpc.insecure_channel(f"unix://{uds}-0")
     grpc.channel_ready_future(channel).result(timeout=30)
@@ -158,6 +160,45 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(shard):
                        request(pb, 2001, prompts[1]["input_ids"], 8)])
     assert alone == crowded
     assert len(alone) == 8
+
+
+def test_requests_joining_and_leaving_keep_their_tokens(shard):
+    """What the router does between steps: a batch joins mid-way, one request is finished
+    early (as a stop sequence would), another is filtered out. With decode-ahead, the shard has
+    by then decoded a token the router never asks for; the rest must not notice."""
+    pb, stub, _ = shard
+    prompts = golden(MODEL)
+    want = {700 + i: p["generated_ids"] for i, p in enumerate(prompts)}
+    prompt_len = {700 + i: len(p["input_ids"]) for i, p in enumerate(prompts)}
+    got = {rid: [] for rid in want}
+
+    def take(resp):
+        assert not resp.errors
+        for g in resp.generations:
+            got[g.request_id].append(g.token.token_id)
+        return resp.batch
+
+    first = take(stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=70, requests=[
+        request(pb, 700, prompts[0]["input_ids"]), request(pb, 701, prompts[1]["input_ids"])]))))
+    for _ in range(2):
+        first = take(stub.Decode(pb.DecodeRequest(batches=[first])))
+    second = take(stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=71, requests=[
+        request(pb, 702, prompts[2]["input_ids"]), request(pb, 703, prompts[3]["input_ids"])]))))
+    merged = take(stub.Decode(pb.DecodeRequest(batches=[first, second])))
+    # 701 stops here, as a stop sequence would end it: its next token is never asked for.
+    merged = take(stub.Decode(pb.DecodeRequest(batches=[merged], finished_request_ids=[701])))
+    assert 701 not in merged.request_ids
+    # 703 leaves through FilterBatch; the batch's token count is what the client was given.
+    merged = stub.FilterBatch(pb.FilterBatchRequest(batch_id=merged.id,
+                                                    request_ids=[700, 702])).batch
+    assert merged.total_tokens == sum(prompt_len[r] + len(got[r]) for r in (700, 702))
+    while len(got[700]) < 16:
+        merged = take(stub.Decode(pb.DecodeRequest(batches=[merged])))
+    stub.ClearCache(pb.ClearCacheRequest())
+    assert got[700] == want[700]
+    assert got[702] == want[702][:len(got[702])] and len(got[702]) == 14
+    assert got[701] == want[701][:4]
+    assert got[703] == want[703][:3]
 
 
 def test_bad_model_dir_fails_at_start_naming_the_file(tmp_path):

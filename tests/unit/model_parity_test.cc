@@ -1011,6 +1011,49 @@ TEST_P(ParityTest, OutOfBlocksIsReportedNotFatal) {
       /*blocks=*/2);  // 8 token slots
 }
 
+// The shard's decode-ahead (StepAhead) steps a sequence before the router asks only when the
+// router cannot have finished it, and only when the cache holds that step without preempting.
+TEST_P(ParityTest, DecodableAheadLeavesOutWhatTheRouterMayFinish) {
+  const Golden& g = goldens_[0];
+  OnEveryRank([&](Engine& engine) {
+    NewSequence going = Seq(1, g);
+    going.max_new_tokens = 2;
+    NewSequence done = Seq(2, g);
+    done.max_new_tokens = 1;  // finished by its first token
+    NewSequence drafting = Seq(3, g);
+    drafting.speculate = 2;  // a step may verify drafts: not a single token
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    engine.Prefill({std::move(going), std::move(done), std::move(drafting)}, &out, &errors);
+    ASSERT_TRUE(errors.empty()) << errors[0].status;
+    EXPECT_EQ(engine.DecodableAhead({1, 2, 3, 99}), std::vector<uint64_t>{1});
+    out.clear();
+    engine.Decode({1}, &out, &errors);
+    ASSERT_EQ(out.size(), 1u);
+    EXPECT_TRUE(engine.DecodableAhead({1}).empty());  // its second and last token is out
+  });
+  // A prompt that fills its blocks exactly: its next token needs a block of its own.
+  const Golden& longest = *std::max_element(
+      goldens_.begin(), goldens_.end(),
+      [](const Golden& x, const Golden& y) { return x.input.size() < y.input.size(); });
+  const size_t blocks = longest.input.size() / 4;  // the fixture's engines: 4-token blocks
+  if (blocks == 0) GTEST_SKIP() << "no prompt of four tokens";
+  Golden filling = longest;
+  filling.input.resize(blocks * 4);
+  for (size_t room : {0, 1}) {
+    OnEveryRank(
+        [&](Engine& engine) {
+          std::vector<StepOutput> out;
+          std::vector<SequenceError> errors;
+          engine.Prefill({Seq(1, filling)}, &out, &errors);
+          ASSERT_TRUE(errors.empty()) << errors[0].status;
+          ASSERT_EQ(engine.free_blocks(), static_cast<int>(room));
+          EXPECT_EQ(engine.DecodableAhead({1}).size(), room) << "free blocks: " << room;
+        },
+        static_cast<int>(blocks + room));
+  }
+}
+
 // A step never computes more tokens than the shard's memory was sized for (Warmup sets the
 // limit): the newest prompts that would take it past are refused with RESOURCE_EXHAUSTED and
 // released, the older ones run as ever.
