@@ -27,9 +27,10 @@ int CurrentDevice();
 // While on, Linear runs the fallback GEMM, which otherwise runs only for the shapes and
 // alignments cuBLASLt has no algorithm for (tests).
 void ForceGemmFallbackForTesting(bool on);
-// On: decode GEMVs of bf16/f16 weights (up to 8 rows of x) run on tensor cores
-// (mma_gemv.cuh) instead of CUDA cores; off by default. Each path is batch invariant by itself;
-// the two differ in the order of their sums.
+// On: decode GEMVs of bf16/f16 weights (up to 8 rows of x), and of 4-bit integer codes in runs
+// of whole 128-column chunks (GPTQ/AWQ groups of 128 or per channel; up to 16 rows), run on
+// tensor cores (mma_gemv.cuh) instead of CUDA cores; off by default. Each path is batch
+// invariant by itself; the two differ in the order of their sums.
 void SetTensorCoreGemv(bool on);
 // Keys per partition of the grouped decode attention kernel (0: its default), for
 // attention_bench to compare sizes in one run.

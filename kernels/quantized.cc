@@ -477,10 +477,35 @@ QuantizedWeight BuildCodebook4(int64_t out, int64_t in, const std::vector<uint8_
   return q;
 }
 
+void FindRunFacts(QuantizedWeight* q) {
+  if (!q->block_run.defined() || q->block_run.device() != Device::kCpu || !q->zeros.defined() ||
+      q->zeros.device() != Device::kCpu || q->zeros.dtype() != DType::kF32) {
+    return;
+  }
+  const int32_t* run = q->block_run.data<int32_t>();
+  int64_t align = 128;
+  for (int64_t b = 1; b < q->block_run.numel(); ++b) {
+    if (run[b] == run[b - 1]) continue;
+    while ((8 * b) % align != 0) align /= 2;
+  }
+  q->run_alignment = std::max<int64_t>(align, 8);
+  const float* z = q->zeros.data<float>();
+  int64_t most = 0;
+  for (int64_t i = 0; i < q->zeros.numel(); ++i) {
+    if (!(z[i] >= 0) || z[i] != std::floor(z[i]) || z[i] > 65535) {
+      most = -1;
+      break;
+    }
+    most = std::max(most, static_cast<int64_t>(z[i]));
+  }
+  q->max_zero = most;
+}
+
 QuantizedWeight QuantizedToDevice(const QuantizedWeight& q, Device device) {
   TGIS_CHECK(!q.codes_only_in_panels || device == Device::kCpu,
              "QuantizedToDevice: the weight's codes are only in the CPU panels");
   QuantizedWeight d = device == Device::kCpu ? q : ExpandRunConstants(q);
+  if (device != Device::kCpu) FindRunFacts(&d);
   for (Tensor* t : {&d.codes, &d.scales, &d.zeros, &d.block_run, &d.gather}) {
     if (t->defined()) *t = t->ToDevice(device);
   }

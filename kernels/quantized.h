@@ -81,6 +81,12 @@ struct QuantizedWeight {
   // `scales` and `zeros` undefined), where every CPU kernel path for the weight reads the
   // panels. Only those kernels can use the weight then (not Dequantize, nor another device).
   bool codes_only_in_panels = false;
+  // What the CUDA tensor-core GEMV needs to know, found by QuantizedToDevice on the host copy
+  // when the weight moves to CUDA: every run starts at a multiple of `run_alignment` stored
+  // columns (a power of two, 8 to 128), and every zero is an integer in [0, max_zero] (-1: some
+  // zero is not a non-negative integer).
+  int64_t run_alignment = 8;
+  int64_t max_zero = -1;
 
   int64_t runs() const { return scales.defined() ? scales.dim(1) : 0; }
   // Compact run constants: 4-bit weights whose every scale is an f16 value and every zero an
@@ -146,6 +152,9 @@ QuantizedWeight BuildCodebook4(int64_t out, int64_t in, const std::vector<uint8_
 // The same weight on `device` (every component copied). The CUDA kernels read f32 run
 // constants, so a compact weight goes there with them widened (ExpandRunConstants).
 QuantizedWeight QuantizedToDevice(const QuantizedWeight& q, Device device);
+// Sets q's run_alignment and max_zero from its block_run and f32 zeros when they are on the
+// host (else leaves them); QuantizedToDevice calls it for CUDA.
+void FindRunFacts(QuantizedWeight* q);
 
 // The same weight with f32 scales and zeros (a copy sharing the codes; as is if not compact).
 QuantizedWeight ExpandRunConstants(const QuantizedWeight& q);

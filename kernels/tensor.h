@@ -88,7 +88,8 @@ void SelectGpu(int index);
 // launch; on by default on GPUs of compute capability 9 and later). Benchmarks turn it off to
 // measure what it gives. Returns whether it is now in effect: false without such a GPU.
 bool SetGpuProgrammaticLaunch(bool on);
-// Whether 16-bit decode GEMVs (up to 8 rows) run on tensor cores rather than CUDA cores (off by
+// Whether decode GEMVs of 16-bit weights (up to 8 rows) and of 4-bit GPTQ/AWQ codes in groups
+// of 128 or per channel (up to 16 rows) run on tensor cores rather than CUDA cores (off by
 // default until timed on a GPU; benchmarks compare the two). Returns whether it is now in effect.
 bool SetGpuTensorCoreGemv(bool on);
 

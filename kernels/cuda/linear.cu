@@ -290,6 +290,16 @@ bool QuantizedGemvWideTakes(const QuantizedWeight& q, const Tensor& x) {
          q.stored_in % 8 == 0 && reinterpret_cast<uintptr_t>(q.codes.raw()) % 16 == 0;
 }
 
+// Whether the tensor-core kernel (SetTensorCoreGemv) takes q and x, given that the wide one
+// does: 4-bit integer codes, runs of whole 128-column chunks, and zeros that T's magic value
+// holds exactly (MmaQuantGemvKernel).
+bool MmaQuantGemvTakes(const QuantizedWeight& q, DType x_dtype) {
+  const int64_t most_zero = x_dtype == DType::kBF16 ? 127 : 1023;
+  return g_mma_gemv.load(std::memory_order_relaxed) && x_dtype != DType::kF32 && q.bits == 4 &&
+         q.codebook.empty() && !q.fp8 && q.run_alignment >= kMmaQuantChunkCols && q.max_zero >= 0 &&
+         q.max_zero <= most_zero;
+}
+
 void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, const Tensor* bias,
                    Tensor* out) {
   TGIS_CHECK(!q.compact(), "Linear: a compact quantized weight reached CUDA without widening");
@@ -302,6 +312,7 @@ void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, co
   TGIS_DISPATCH_FLOAT(x.dtype(), "Linear", {
     const T* b = bias != nullptr && bias->defined() ? bias->data<T>() : nullptr;
     const bool wide = QuantizedGemvWideTakes(q, x);
+    const bool mma = wide && MmaQuantGemvTakes(q, x.dtype());
     const T* xs = x.data<T>();
     int64_t xs_in = q.in;
     Tensor gathered;
@@ -322,6 +333,16 @@ void QuantizedGemv(const QuantizedWeight& q, const Tensor& x, int64_t tokens, co
                q.gather.defined() ? q.gather.data<int32_t>() : nullptr, q.out, q.in, x.data<T>(), k,
                b, y);
         return;
+      }
+      if constexpr (!std::is_same_v<T, float>) {
+        if (mma) {
+          Launch(k <= kGemvTokens ? MmaQuantGemvKernel<T, TOut, kGemvTokens>
+                                  : MmaQuantGemvKernel<T, TOut, kQuantizedGemvTokens>,
+                 Blocks(q.out, kMmaGemvRows), kMmaGemvWarps * 32, q.codes.data<uint8_t>(),
+                 q.codes.dim(1), q.scales.data<float>(), q.zeros.data<float>(), q.runs(),
+                 q.block_run.data<int32_t>(), q.out, xs_in, xs, k, b, y);
+          return;
+        }
       }
       auto go = [&](auto kernel) {
         Launch(kernel, blocks, kGemvWarps * 32, q.codes.data<uint8_t>(), q.codes.dim(1),

@@ -23,6 +23,36 @@ __device__ __forceinline__ uint32_t JoinHalves<f16>(f16 lo, f16 hi) {
          (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
 }
 
+// The bits of the value 2^e in T where 2^e + m is exact for every integer 0 <= m < 2^e (the
+// mantissa's width): 128 in bf16, 1024 in f16. OR-ing a small integer into its low bits makes
+// that integer plus 2^e without a conversion.
+template <typename T>
+__device__ __forceinline__ constexpr uint32_t HalfMagicBits();
+template <>
+__device__ __forceinline__ constexpr uint32_t HalfMagicBits<bf16>() {
+  return 0x4300u;
+}
+template <>
+__device__ __forceinline__ constexpr uint32_t HalfMagicBits<f16>() {
+  return 0x6400u;
+}
+
+// The two T halves of a less those of b, each rounded to T.
+template <typename T>
+__device__ __forceinline__ uint32_t SubHalves(uint32_t a, uint32_t b);
+template <>
+__device__ __forceinline__ uint32_t SubHalves<bf16>(uint32_t a, uint32_t b) {
+  const __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+template <>
+__device__ __forceinline__ uint32_t SubHalves<f16>(uint32_t a, uint32_t b) {
+  const __half2 r =
+      __hsub2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
 // Elements p[0] and p[1] (4-byte aligned) as one register.
 template <typename T>
 __device__ __forceinline__ uint32_t LoadPair(const T* p) {

@@ -555,6 +555,60 @@ void RunMmaGemv(int64_t out, int64_t in, uint32_t seed) {
   }
 }
 
+// The tensor-core GEMV for 4-bit integer codes, against the sums in double: 16 tokens, then
+// tokens alone and in small groups (the 8-token kernel) and across the 8-token boundary, each
+// the same bits as among all 16.
+template <typename T>
+void RunMmaQuantGemv(const GemvWeight& w, const std::string& what) {
+  std::mt19937 rng(17);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  constexpr int kAll = kQuantizedGemvTokens;
+  std::vector<T> x(kAll * w.in), bias(w.out);
+  std::vector<float> xf(x.size()), bias_f(w.out);
+  for (size_t i = 0; i < x.size(); ++i) xf[i] = ToF32(x[i] = FromF32<T>(unit(rng)));
+  for (int64_t n = 0; n < w.out; ++n) bias_f[n] = ToF32(bias[n] = FromF32<T>(unit(rng)));
+  const EmuDim3 grid{static_cast<unsigned>((w.out + kMmaGemvRows - 1) / kMmaGemvRows), 1, 1};
+  auto gemv = [&](int first, int tokens) {
+    std::vector<float> y(tokens * w.out, -7.0f);
+    const T* xp = x.data() + first * w.in;
+    const T* bp = bias.data();
+    auto kernel = tokens <= kGemvTokens ? &MmaQuantGemvKernel<T, float, kGemvTokens>
+                                        : &MmaQuantGemvKernel<T, float, kQuantizedGemvTokens>;
+    EmulateLaunch(grid, kMmaGemvWarps * 32, kernel, w.codes.data(), w.code_row(), w.scales.data(),
+                  w.zeros.data(), w.runs, w.block_run.data(), w.out, w.in, xp, tokens, bp,
+                  y.data());
+    return y;
+  };
+  const std::vector<float> all = gemv(0, kAll);
+  std::vector<double> magnitude;
+  const std::vector<double> want = GemvReference(w, xf, w.in, kAll, bias_f, &magnitude);
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::fabs(all[i] - want[i]) > 1e-5 * (magnitude[i] + std::fabs(want[i])) && ++bad <= 5) {
+      ADD_FAILURE() << what << ": element " << i << " got " << all[i] << " want " << want[i];
+    }
+  }
+  EXPECT_EQ(bad, 0) << what;
+  for (const auto& [first, tokens] :
+       {std::pair{0, 1}, std::pair{5, 1}, std::pair{2, 3}, std::pair{9, 7}, std::pair{3, 9}}) {
+    const std::vector<float> some = gemv(first, tokens);
+    for (int64_t i = 0; i < tokens * w.out; ++i) {
+      ASSERT_EQ(some[i], all[first * w.out + i])
+          << what << ": tokens " << first << ".." << first + tokens;
+    }
+  }
+}
+
+TEST(GemvEmulated, MmaQuantizedRows) {
+  // Groups of 128: two tiles of rows, the second partial; several chunks a warp and a last
+  // chunk of 3 quarters.
+  RunMmaQuantGemv<EmuBf16>(
+      RandomGemvWeight(4, CodeValues::kInteger, 21, 128 * 8 * 2 + 96, 128, false, 71), "bf16 g128");
+  // One run a row (per-channel), f16, fewer chunks than warps.
+  RunMmaQuantGemv<EmuF16>(RandomGemvWeight(4, CodeValues::kInteger, 16, 640, 640, false, 72),
+                          "f16 per row");
+}
+
 TEST(GemvEmulated, MmaDenseRows) {
   RunMmaGemv<EmuBf16>(21, 8 * (4 * 8 * 4 + 14), 61);  // two tiles, the second partial; a tail
   RunMmaGemv<EmuF16>(16, 8 * 3, 62);                  // fewer steps than warps

@@ -407,33 +407,68 @@ TEST_P(OpsTest, QuantizedLinearEqualsLinearOnTheDequantizedWeight) {
   };
   // Per-channel, groups of 32 and 128, act-order shuffles, and odd sizes whose runs pad.
   const Case cases[] = {
-      {8, 64, 16, 64, false},   {4, 64, 16, 64, false},   {4, 256, 35, 32, false},
-      {8, 1030, 45, 128, true}, {4, 1030, 45, 128, true}, {4, 67, 21, 3, false},
-      {4, 96, 9, 32, true},     {4, 1536, 19, 128, true}, {8, 1056, 11, 1056, false}};
+      {8, 64, 16, 64, false},
+      {4, 64, 16, 64, false},
+      {4, 256, 35, 32, false},
+      {8, 1030, 45, 128, true},
+      {4, 1030, 45, 128, true},
+      {4, 67, 21, 3, false},
+      {4, 96, 9, 32, true},
+      {4, 1536, 19, 128, true},
+      {8, 1056, 11, 1056, false},
+      // Runs of whole 128-column chunks, and a last chunk of 3 quarters: the tensor-core GEMV's.
+      {4, 1120, 21, 128, false},
+      {4, 544, 16, 544, false}};
   uint32_t seed = 40;
   for (const auto& [isa, isa_name] : Isas()) {
     cpu::SetIsaForTesting(isa);
-    for (const Case& c : cases) {
-      for (bool f16_scales : {false, true}) {
-        const DenseQuant dq =
-            RandomQuant(c.bits, c.out, c.in, c.group_size, c.act_order, ++seed, f16_scales);
-        std::vector<float> ws = dq.Weights();
-        const QuantizedWeight q = dq.Build();
-        ASSERT_EQ(q.compact(), c.bits == 4 && f16_scales);  // 8-bit constants stay f32
-        Tensor w;
-        ASSERT_NO_FATAL_FAILURE(QuantizedWeightOnDevice(q, &ws, &w));
-        std::vector<float> bs;
-        const Tensor b = Weight(Random(c.out, ++seed), {c.out}, &bs);
-        for (int64_t t : {1, 3, 12, 17, 64}) {
-          const Tensor x = Act(Random(t * c.in, ++seed), {t, c.in});
-          const std::string what =
-              isa_name + " bits=" + std::to_string(c.bits) + " T=" + std::to_string(t) +
-              " in=" + std::to_string(c.in) + " group=" + std::to_string(c.group_size) +
-              (c.act_order ? " act-order" : "") + (q.compact() ? " compact" : "");
-          LinearCase(x, Host(x), w, ws, &b, bs, t, c.in, c.out, tol(), what);
+    for (const auto& [mma, mode] : GemvModes()) {
+      const GemvModeGuard guard(mma);
+      for (const Case& c : cases) {
+        for (bool f16_scales : {false, true}) {
+          const DenseQuant dq =
+              RandomQuant(c.bits, c.out, c.in, c.group_size, c.act_order, ++seed, f16_scales);
+          std::vector<float> ws = dq.Weights();
+          const QuantizedWeight q = dq.Build();
+          ASSERT_EQ(q.compact(), c.bits == 4 && f16_scales);  // 8-bit constants stay f32
+          Tensor w;
+          ASSERT_NO_FATAL_FAILURE(QuantizedWeightOnDevice(q, &ws, &w));
+          std::vector<float> bs;
+          const Tensor b = Weight(Random(c.out, ++seed), {c.out}, &bs);
+          for (int64_t t : {1, 3, 12, 17, 64}) {
+            const Tensor x = Act(Random(t * c.in, ++seed), {t, c.in});
+            const std::string what =
+                isa_name + mode + " bits=" + std::to_string(c.bits) + " T=" + std::to_string(t) +
+                " in=" + std::to_string(c.in) + " group=" + std::to_string(c.group_size) +
+                (c.act_order ? " act-order" : "") + (q.compact() ? " compact" : "");
+            LinearCase(x, Host(x), w, ws, &b, bs, t, c.in, c.out, tol(), what);
+          }
         }
       }
     }
+  }
+}
+
+// What QuantizedToDevice notes for the CUDA tensor-core GEMV: how runs align in the stored
+// columns (act-order groups of 128 are stored as runs of 128; groups of 3 pad to runs of 8),
+// and whether the zeros are small non-negative integers.
+TEST(QuantizedWeight, RunFactsForTheTensorCoreGemv) {
+  struct Case {
+    int64_t in, group;
+    bool act_order;
+    int64_t alignment;
+  };
+  for (const Case& c :
+       {Case{1152, 128, false, 128}, Case{1152, 1152, false, 128}, Case{1152, 64, false, 64},
+        Case{256, 32, false, 32}, Case{1030, 128, true, 128}, Case{67, 3, false, 8}}) {
+    QuantizedWeight q = RandomQuant(4, 5, c.in, c.group, c.act_order, 7).Build();
+    FindRunFacts(&q);
+    EXPECT_EQ(q.run_alignment, c.alignment) << c.in << " group " << c.group;
+    EXPECT_GE(q.max_zero, 0);
+    EXPECT_LE(q.max_zero, 16);
+    q.zeros.data<float>()[3] = 2.5f;
+    FindRunFacts(&q);
+    EXPECT_EQ(q.max_zero, -1) << "a zero with a fraction";
   }
 }
 
@@ -639,19 +674,30 @@ TEST_P(OpsTest, LinearDecodeRowsAreBatchInvariantOnCuda) {
   std::vector<float> ws;
   const Tensor w = Weight(Random(out_f * in, 91), {out_f, in}, &ws);
   const Tensor x = Act(Random(rows * in, 92), {rows, in});
+  // 4-bit GPTQ-shaped codes in groups of 128 (up to 16 rows: kQuantizedGemvTokens).
+  const int64_t q_in = 1152, q_rows = 16;
+  const DenseQuant dq = RandomQuant(4, out_f, q_in, 128, false, 93, true);
+  std::vector<float> qs = dq.Weights();
+  Tensor qw;
+  ASSERT_NO_FATAL_FAILURE(QuantizedWeightOnDevice(dq.Build(), &qs, &qw));
+  const Tensor& cqw = qw;
+  const Tensor qx = Act(Random(q_rows * q_in, 94), {q_rows, q_in});
   for (const auto& [mma, mode] : GemvModes()) {
     const GemvModeGuard guard(mma);
-    Tensor all;
-    Linear(x, w, nullptr, &all);
-    const std::vector<float> want = Host(all);
-    for (int64_t n : {1, 3}) {
-      for (int64_t r = 0; r + n <= rows; r += n) {
-        Tensor some;
-        Linear(x.Rows(r, r + n), w, nullptr, &some);
-        const std::vector<float> got = Host(some);
-        for (int64_t i = 0; i < n * out_f; ++i) {
-          ASSERT_EQ(got[i], want[r * out_f + i])
-              << mode << " rows " << r << ".." << r + n << " at " << i;
+    for (const auto& [weight, input, n_rows, what] :
+         {std::tuple{&w, &x, rows, "16-bit"}, std::tuple{&cqw, &qx, q_rows, "4-bit"}}) {
+      Tensor all;
+      Linear(*input, *weight, nullptr, &all);
+      const std::vector<float> want = Host(all);
+      for (int64_t n : {1, 3, 9}) {
+        for (int64_t r = 0; r + n <= n_rows; r += n) {
+          Tensor some;
+          Linear(input->Rows(r, r + n), *weight, nullptr, &some);
+          const std::vector<float> got = Host(some);
+          for (int64_t i = 0; i < n * out_f; ++i) {
+            ASSERT_EQ(got[i], want[r * out_f + i])
+                << what << mode << " rows " << r << ".." << r + n << " at " << i;
+          }
         }
       }
     }

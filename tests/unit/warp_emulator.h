@@ -90,6 +90,23 @@ uint32_t JoinHalves(T lo, T hi) {
   return static_cast<uint32_t>(lo.bits) | (static_cast<uint32_t>(hi.bits) << 16);
 }
 template <typename T>
+constexpr uint32_t HalfMagicBits();
+template <>
+constexpr uint32_t HalfMagicBits<EmuBf16>() {
+  return 0x4300u;
+}
+template <>
+constexpr uint32_t HalfMagicBits<EmuF16>() {
+  return 0x6400u;
+}
+template <typename T>
+uint32_t SubHalves(uint32_t a, uint32_t b) {
+  const auto half = [](uint32_t r, int i) {
+    return ToF32(T{static_cast<uint16_t>(r >> (16 * i))});
+  };
+  return JoinHalves(FromF32<T>(half(a, 0) - half(b, 0)), FromF32<T>(half(a, 1) - half(b, 1)));
+}
+template <typename T>
 uint32_t LoadPair(const T* p) {
   uint32_t r;
   std::memcpy(&r, p, sizeof(r));
