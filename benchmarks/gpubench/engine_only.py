@@ -5,7 +5,7 @@ GPU_BUNDLE=tests): it needs only the test binaries' libraries.
 
     python3 -m gpubench.engine_only BUILD_DIR [MODEL_DIR] [--no-hf] [--ncu] [--overhead]
                                     [--prefill N] [--graphs] [--quantize M1,M2] [--pdl-off]
-                                    [--mma-gemv]
+                                    [--mma-gemv] [--gptq]
 
 --overhead also times decode of a model with the 8B shape's 32 layers (so as many kernels per
 step) but tiny matrices (hidden 256, vocabulary 32000): its ms/step is the per-step cost that
@@ -28,6 +28,11 @@ run's figures (CUDA cores).
 at load (bitsandbytes: int8 rows; bitsandbytes-nf4: 4-bit codes), against bf16's ms/token
 (with --graphs, in graphs against bf16 in graphs; with --ncu, the first method is profiled too).
 
+--gptq also times decode of 1 and 16 rows on a GPTQ 4-bit copy of the shape (groups of 128,
+random codes, written beside the bf16 one: gpubench.gptq_checkpoint) with the CUDA-core 4-bit
+GEMV and with the tensor-core one (engine_bench --cuda-mma-gemv true), in graphs with --graphs,
+against bf16's ms/token.
+
 --ncu also runs a short engine_bench (16-token prompt, 3 decode steps) under Nsight Compute
 with one metric, the GPU time of every kernel, into $OUT/ncu.csv (or /tmp): the sum over a
 decode step's kernels against the step's wall time separates kernel time from host overhead;
@@ -49,6 +54,7 @@ from types import SimpleNamespace
 from .bandwidth import measure_bandwidth
 from .checkpoint import LLAMA3_8B, TINY, make_checkpoint
 from .common import log
+from .gptq_checkpoint import make_gptq_checkpoint
 from .hf_reference import run_hf
 from .ncu_summary import summarize
 
@@ -130,6 +136,24 @@ def main(argv: list[str]) -> int:
             ms = decode_ms(extra, what=what)
             if ms is not None:
                 results[f"decode_ms_per_token_{method}" + ("_graphs" if graphs else "")] = ms
+                if base:
+                    log(f"{what}: {base / ms:.2f}x bf16")
+    if "--gptq" in argv:
+        # The 4-bit decode GEMVs on the 8B shape: a GPTQ g128 copy with random codes, batch 1
+        # (and 16 in the log) with the CUDA-core kernel and the tensor-core one, against bf16.
+        graphs = "--graphs" in argv
+        base = results.get("decode_ms_per_token_graphs" if graphs else "decode_ms_per_token")
+        gptq_dir = Path(str(model_dir) + "-gptq4-g128")
+        results["gptq_checkpoint"] = make_gptq_checkpoint(gptq_dir, LLAMA3_8B)
+        for mma in (False, True):
+            extra = ["--batches", "1,16"] + (["--cuda-mma-gemv", "true"] if mma else [])
+            extra += ["--cuda-graphs", "true"] if graphs else []
+            what = "GPTQ 4-bit g128, " + ("tensor-core" if mma else "CUDA-core") + " GEMV" + (
+                ", graphs" if graphs else "")
+            ms = decode_ms(extra, gptq_dir, what)
+            if ms is not None:
+                results["decode_ms_per_token_gptq4" + ("_mma" if mma else "") +
+                        ("_graphs" if graphs else "")] = ms
                 if base:
                     log(f"{what}: {base / ms:.2f}x bf16")
     if "--prefill" in argv:  # --prefill N: time to first token of an N-token prompt, alone
