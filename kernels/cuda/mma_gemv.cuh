@@ -41,6 +41,32 @@ constexpr int kMmaGemvRows = 16;  // output rows a block
 constexpr int kMmaGemvSteps = 4;  // 32-column steps whose loads a warp has in flight
 static_assert(kGemvTokens == 8, "one mma.m16n8k16 takes 8 tokens");
 
+// A block's 16 rows' sums: every warp's mma accumulators, acc[h][e] of lane (g, q) for row g
+// (+ 8 for e >= 2) and token 8h + 2q + e % 2, added in warp order, plus the bias, stored for the
+// rows below `out` and tokens below `tokens`.
+template <typename T, typename TOut, int kTokens>
+__device__ __forceinline__ void StoreMmaGemvTile(const float (&acc)[kTokens / 8][4], int64_t row0,
+                                                 int64_t out, int tokens, const T* bias, TOut* y) {
+  __shared__ float partial[kMmaGemvWarps][kMmaGemvRows][kTokens];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, q = lane % 4;
+#pragma unroll
+  for (int h = 0; h < kTokens / 8; ++h) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) partial[warp][g + 8 * (e / 2)][8 * h + 2 * q + e % 2] = acc[h][e];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kMmaGemvRows * kTokens; i += kMmaGemvWarps * 32) {
+    const int r = i / kTokens, t = i % kTokens;
+    const int64_t n = row0 + r;
+    if (n >= out || t >= tokens) continue;
+    float sum = 0.0f;
+    for (int k = 0; k < kMmaGemvWarps; ++k) sum += partial[k][r][t];
+    if (bias != nullptr) sum += ToF32(bias[n]);
+    y[static_cast<int64_t>(t) * out + n] = FromF32<TOut>(sum);
+  }
+}
+
 // One 32-column step: the two mmas over a lane's 16 bytes of rows g, g + 8 and of x.
 template <typename T>
 __device__ __forceinline__ void MmaGemvStep(const uint4& ra, const uint4& rb, const uint4& xv,
@@ -57,7 +83,6 @@ template <typename T, typename TOut>
 __global__ void __launch_bounds__(kMmaGemvWarps * 32)
     MmaGemvKernel(const T* w, int64_t out, int64_t in, const T* x, int tokens, const T* bias,
                   TOut* y) {
-  __shared__ float partial[kMmaGemvWarps][kMmaGemvRows][kGemvTokens];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, q = lane % 4;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaGemvRows;
@@ -116,21 +141,8 @@ __global__ void __launch_bounds__(kMmaGemvWarps * 32)
       }
     }
   }
-  // Accumulator i of lane (g, q): row g (+ 8 for i >= 2), token 2q + i % 2.
-  partial[warp][g][2 * q] = d[0];
-  partial[warp][g][2 * q + 1] = d[1];
-  partial[warp][g + 8][2 * q] = d[2];
-  partial[warp][g + 8][2 * q + 1] = d[3];
-  __syncthreads();
-  for (int i = threadIdx.x; i < kMmaGemvRows * kGemvTokens; i += kMmaGemvWarps * 32) {
-    const int r = i / kGemvTokens, t = i % kGemvTokens;
-    const int64_t n = row0 + r;
-    if (n >= out || t >= tokens) continue;
-    float sum = 0.0f;
-    for (int k = 0; k < kMmaGemvWarps; ++k) sum += partial[k][r][t];
-    if (bias != nullptr) sum += ToF32(bias[n]);
-    y[static_cast<int64_t>(t) * out + n] = FromF32<TOut>(sum);
-  }
+  const float acc[1][4] = {{d[0], d[1], d[2], d[3]}};
+  StoreMmaGemvTile<T, TOut, kGemvTokens>(acc, row0, out, tokens, bias, y);
 }
 
 // ---- 4-bit integer codes ------------------------------------------------------------------
@@ -182,7 +194,6 @@ __global__ void __launch_bounds__(kMmaGemvWarps * 32)
                        int64_t in, const T* x, int tokens, const T* bias, TOut* y) {
   static_assert(kTokens == kGemvTokens || kTokens == kQuantizedGemvTokens, "8 or 16 tokens");
   constexpr int kHalves = kTokens / kGemvTokens;  // x rows a lane: tokens g (and g + 8)
-  __shared__ float partial[kMmaGemvWarps][kMmaGemvRows][kTokens];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, q = lane % 4;
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kMmaGemvRows;
@@ -276,22 +287,7 @@ __global__ void __launch_bounds__(kMmaGemvWarps * 32)
       }
     }
   }
-  // Accumulator e of lane (g, q): row g (+ 8 for e >= 2), token 8h + 2q + e % 2.
-#pragma unroll
-  for (int h = 0; h < kHalves; ++h) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) partial[warp][g + 8 * (e / 2)][8 * h + 2 * q + e % 2] = acc[h][e];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < kMmaGemvRows * kTokens; i += kMmaGemvWarps * 32) {
-    const int r = i / kTokens, t = i % kTokens;
-    const int64_t n = row0 + r;
-    if (n >= out || t >= tokens) continue;
-    float sum = 0.0f;
-    for (int k = 0; k < kMmaGemvWarps; ++k) sum += partial[k][r][t];
-    if (bias != nullptr) sum += ToF32(bias[n]);
-    y[static_cast<int64_t>(t) * out + n] = FromF32<TOut>(sum);
-  }
+  StoreMmaGemvTile<T, TOut, kTokens>(acc, row0, out, tokens, bias, y);
 }
 
 }  // namespace
