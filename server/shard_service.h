@@ -41,9 +41,10 @@ struct ShardOptions {
   // parity fixture, batch-1 decode 6.91 -> 6.85 ms and batch 16 8.07 -> 7.80 for the 8B shape).
   bool cuda_graphs = true;
   // Each answered decode step starts the next one for the sequences certain to go on, while the
-  // router handles the answer (StepAhead). The shard's --decode-ahead=auto: on CUDA only (on a
-  // 2-core CPU VM the step ahead and the router fought for the cores: a tiny model's token
-  // took 1.23 against 0.59 ms; with the step on one thread, 0.53 against 0.63).
+  // router handles the answer (StepAhead). The shard's --decode-ahead=auto: on CUDA only. On a
+  // 2-core CPU VM the step ahead and the router fought for the cores (llama fixture, ms a token
+  // through the router, off -> on: 0.75-0.85 -> 0.95); with the step on one thread, as a GPU
+  // host leaves the router its own cores, 0.53-0.63 -> 0.43-0.49.
   bool decode_ahead = false;
 };
 
