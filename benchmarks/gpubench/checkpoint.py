@@ -116,15 +116,32 @@ def plan_shards(specs, max_shard_bytes: int):
     return shards
 
 
-def safetensors_header(tensors) -> bytes:
+ITEMSIZE = {"BF16": 2, "F16": 2, "I32": 4}
+
+
+def typed_header(entries) -> bytes:
+    """A safetensors header for (name, shape, dtype) entries laid out in order."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape, _ in tensors:
-        nbytes = 2 * math.prod(shape)
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+    for name, shape, dtype in entries:
+        nbytes = ITEMSIZE[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return len(raw).to_bytes(8, "little") + raw
+
+
+def safetensors_header(tensors) -> bytes:
+    return typed_header((name, shape, "BF16") for name, shape, _ in tensors)
+
+
+def write_tiled(f, pool: memoryview, nbytes: int, off: int) -> None:
+    """nbytes of `pool` from byte `off`, wrapping around to its start."""
+    while nbytes > 0:
+        chunk = pool[off:off + nbytes]
+        f.write(chunk)
+        nbytes -= len(chunk)
+        off = 0
 
 
 def checkpoint_complete(folder: Path, config: dict) -> bool:
@@ -192,12 +209,7 @@ def make_checkpoint(folder: Path, shape: dict, max_shard_bytes: int = 5 * 10**9)
                     if norm:
                         f.write(ones[:nbytes])
                         continue
-                    off = 2 * int(rng.integers(0, pool_n))
-                    while nbytes > 0:
-                        chunk = pool_mv[off:off + nbytes]
-                        f.write(chunk)
-                        nbytes -= len(chunk)
-                        off = 0
+                    write_tiled(f, pool_mv, nbytes, 2 * int(rng.integers(0, pool_n)))
             files[fname] = (folder / fname).stat().st_size
             log(f"  {fname}: {files[fname] / 1e9:.2f} GB ({time.perf_counter() - t0:.0f} s)")
         (folder / "model.safetensors.index.json").write_text(json.dumps(

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import (MARKER, TOKENIZER_FILES, bf16_pool, checkpoint_complete, model_config,
-                         special_ids, tensor_shapes, tokenizer_fixture)
+from .checkpoint import (ITEMSIZE, MARKER, TOKENIZER_FILES, bf16_pool, checkpoint_complete,
+                         model_config, special_ids, tensor_shapes, tokenizer_fixture, typed_header,
+                         write_tiled)
 from .common import log
 
 GROUP = 128
-ITEMSIZE = {"BF16": 2, "F16": 2, "I32": 4}
 FORMAT_VERSION = 1
 
 
@@ -39,16 +39,6 @@ def gptq_tensors(config: dict) -> list[tuple[str, tuple[int, ...], str, str]]:
                 (base + ".scales", (cols // GROUP, rows), "F16", "scales"),
                 (base + ".g_idx", (cols,), "I32", "g_idx")]
     return out
-
-
-def write_tiled(f, pool: memoryview, nbytes: int, rng: np.random.Generator) -> None:
-    """nbytes of `pool`, from a random start, wrapping around (as checkpoint.py tiles bf16)."""
-    off = int(rng.integers(0, len(pool) // 4)) * 4
-    while nbytes > 0:
-        chunk = pool[off:off + nbytes]
-        f.write(chunk)
-        nbytes -= len(chunk)
-        off = 0
 
 
 def small_fill(kind: str, n: int, rng: np.random.Generator) -> bytes:
@@ -84,21 +74,17 @@ def make_gptq_checkpoint(folder: Path, shape: dict) -> dict:
     # that rows shift against each other.
     codes = memoryview(rng.integers(0, 2**32, 16_777_259, dtype=np.uint32)).cast("B")
     bf16 = memoryview(bf16_pool(25_165_843)).cast("B")
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shp, dtype, _ in specs:
-        nbytes = ITEMSIZE[dtype] * math.prod(shp)
-        header[name] = {"dtype": dtype, "shape": list(shp), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    entries = [(name, shp, dtype) for name, shp, dtype, _ in specs]
+    total = sum(ITEMSIZE[dtype] * math.prod(shp) for _, shp, dtype in entries)
     fname = "model.safetensors"
-    log(f"writing a GPTQ 4-bit checkpoint ({offset / 1e9:.2f} GB) to {folder}")
+    log(f"writing a GPTQ 4-bit checkpoint ({total / 1e9:.2f} GB) to {folder}")
     with open(folder / fname, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.write(typed_header(entries))
         for name, shp, dtype, kind in specs:
             n = math.prod(shp)
             if kind in ("codes", "bf16"):
-                write_tiled(f, codes if kind == "codes" else bf16, ITEMSIZE[dtype] * n, rng)
+                pool = codes if kind == "codes" else bf16
+                write_tiled(f, pool, ITEMSIZE[dtype] * n, 4 * int(rng.integers(0, len(pool) // 4)))
             else:
                 f.write(small_fill(kind, n, rng))
     files = {fname: (folder / fname).stat().st_size}
@@ -108,6 +94,6 @@ def make_gptq_checkpoint(folder: Path, shape: dict) -> dict:
             shutil.copyfile(tok_dir / name, folder / name)
     (folder / MARKER).write_text(json.dumps(
         {"format": FORMAT_VERSION, "config": config, "files": files}, indent=2))
-    info.update(reused=False, bytes=offset, write_seconds=round(time.perf_counter() - t0, 1))
+    info.update(reused=False, bytes=total, write_seconds=round(time.perf_counter() - t0, 1))
     log(f"GPTQ checkpoint written in {info['write_seconds']} s")
     return info
