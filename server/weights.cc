@@ -96,6 +96,7 @@ absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* ba
   }
   const size_t data_start = 8 + header_len;
   const size_t data_size = size - data_start;
+  size_t unaligned = 0;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") continue;
     const Json& t = it.value();
@@ -155,8 +156,22 @@ absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* ba
           numel > UINT64_MAX / elem ? std::string("more") : absl::StrCat(numel * elem)));
     }
     if (shape.empty()) shape.push_back(1);  // scalars as [1]
-    void* data = const_cast<uint8_t*>(base + data_start + begin);
-    tensors[it.key()] = Tensor::View(data, shape, *dtype, kernels::Device::kCpu, owner);
+    const uint8_t* data = base + data_start + begin;
+    if (reinterpret_cast<uintptr_t>(data) % elem != 0) {
+      // The format does not require alignment: safetensors' own writer pads the header to 8
+      // bytes, but a file from another writer may place a tensor at any byte. Every kernel
+      // reads elements of their own size, so such a tensor is copied to aligned memory.
+      tensors[it.key()] = Tensor::FromHost(data, shape, *dtype);
+      ++unaligned;
+      continue;
+    }
+    tensors[it.key()] =
+        Tensor::View(const_cast<uint8_t*>(data), shape, *dtype, kernels::Device::kCpu, owner);
+  }
+  if (unaligned > 0) {
+    LOG(WARNING) << file << ": " << unaligned << " of " << tensors.size()
+                 << " tensors do not start at a multiple of their element size; they were "
+                    "copied to memory (the file's header is not padded as safetensors pads it)";
   }
   return tensors;
 }
