@@ -110,12 +110,18 @@ bool Engine::AllocateBlocks(size_t n, std::vector<int32_t>* blocks) {
   return true;
 }
 
-bool Engine::Reserve(Sequence* s) {
+size_t Engine::MissingBlocks(const Sequence& s) const {
   const size_t bs = static_cast<size_t>(cache_->block_size());
-  const size_t need = (s->tokens.size() + bs - 1) / bs;
-  if (s->blocks.size() < need && !AllocateBlocks(need - s->blocks.size(), &s->blocks)) {
+  const size_t need = (s.tokens.size() + bs - 1) / bs;
+  return need > s.blocks.size() ? need - s.blocks.size() : 0;
+}
+
+bool Engine::Reserve(Sequence* s) {
+  if (const size_t missing = MissingBlocks(*s);
+      missing > 0 && !AllocateBlocks(missing, &s->blocks)) {
     return false;
   }
+  const size_t bs = static_cast<size_t>(cache_->block_size());
   const size_t cross = (s->encoder_ids.size() + bs - 1) / bs;
   if (s->cross_blocks.size() < cross &&
       !AllocateBlocks(cross - s->cross_blocks.size(), &s->cross_blocks)) {
@@ -319,7 +325,6 @@ void Engine::Decode(const std::vector<uint64_t>& ids, std::vector<StepOutput>* o
 }
 
 std::vector<uint64_t> Engine::DecodableAhead(const std::vector<uint64_t>& ids) {
-  const size_t bs = static_cast<size_t>(cache_->block_size());
   std::vector<uint64_t> ahead;
   size_t blocks = 0;
   for (uint64_t id : ids) {
@@ -331,8 +336,7 @@ std::vector<uint64_t> Engine::DecodableAhead(const std::vector<uint64_t>& ids) {
       continue;
     }
     if (std::find(eos_.begin(), eos_.end(), s.tokens.back()) != eos_.end()) continue;
-    const size_t need = (s.tokens.size() + bs - 1) / bs;
-    blocks += need > s.blocks.size() ? need - s.blocks.size() : 0;
+    blocks += MissingBlocks(s);  // what Reserve will take for the step
     ahead.push_back(id);
   }
   if (blocks > static_cast<size_t>(std::max(0, free_blocks()))) return {};

@@ -188,6 +188,8 @@ class Engine {
     std::vector<int32_t> draft;
   };
 
+  // Blocks s lacks for the keys of all its tokens (cross-attention's are reserved at prefill).
+  size_t MissingBlocks(const Sequence& s) const;
   // Reserves blocks for every uncached token of s; false when the cache is full.
   bool Reserve(Sequence* s);
   void FreeBlocks(Sequence* s);
