@@ -14,6 +14,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -97,6 +99,11 @@ absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* ba
   const size_t data_start = 8 + header_len;
   const size_t data_size = size - data_start;
   size_t unaligned = 0;
+  struct Span {
+    uint64_t begin, end;
+    std::string name;
+  };
+  std::vector<Span> spans;
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == "__metadata__") continue;
     const Json& t = it.value();
@@ -155,6 +162,7 @@ absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* ba
           t["dtype"].get<std::string>(), " needs ",
           numel > UINT64_MAX / elem ? std::string("more") : absl::StrCat(numel * elem)));
     }
+    spans.push_back({begin, end, it.key()});
     if (shape.empty()) shape.push_back(1);  // scalars as [1]
     const uint8_t* data = base + data_start + begin;
     if (reinterpret_cast<uintptr_t>(data) % elem != 0) {
@@ -167,6 +175,28 @@ absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* ba
     }
     tensors[it.key()] =
         Tensor::View(const_cast<uint8_t*>(data), shape, *dtype, kernels::Device::kCpu, owner);
+  }
+  // As safetensors itself requires: the tensors' bytes tile the data exactly, without holes,
+  // overlaps or trailing bytes (so that a file holds nothing else, and no tensor aliases
+  // another).
+  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) {
+    return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+  });
+  uint64_t covered = 0;
+  for (const Span& span : spans) {
+    if (span.begin != covered) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file, ": tensor ", span.name, ": data_offsets [", span.begin, ", ", span.end,
+                       "] ", span.begin < covered ? "overlap" : "leave a hole after",
+                       " the tensors before, which end at byte ", covered,
+                       " (safetensors data have no holes or overlaps)"));
+    }
+    covered = span.end;
+  }
+  if (covered != data_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file, ": the tensors' data_offsets cover ", covered, " bytes of the ",
+                     data_size, " after the header (safetensors data have no trailing bytes)"));
   }
   if (unaligned > 0) {
     LOG(WARNING) << file << ": " << unaligned << " of " << tensors.size()

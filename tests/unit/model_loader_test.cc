@@ -55,6 +55,21 @@ class LoaderTest : public ::testing::Test {
     data_.append(static_cast<size_t>(numel) * 4, '\0');
     header_[name] = {{"dtype", "F32"}, {"shape", {numel}}, {"data_offsets", {begin, data_.size()}}};
   }
+  // The tensor gone from the header and its bytes from the data (the later ones move down, as
+  // safetensors leaves no holes).
+  void Drop(const std::string& name) {
+    const auto begin = header_[name]["data_offsets"][0].get<uint64_t>();
+    const auto end = header_[name]["data_offsets"][1].get<uint64_t>();
+    header_.erase(name);
+    data_.erase(begin, end - begin);
+    for (auto& [other, t] : header_.items()) {
+      if (other == "__metadata__") continue;
+      for (int j : {0, 1}) {
+        const auto at = t["data_offsets"][j].get<uint64_t>();
+        if (at >= end) t["data_offsets"][j] = at - (end - begin);
+      }
+    }
+  }
   // `misalign`: spaces added after the padding, which move every tensor off its alignment (a
   // writer other than safetensors' own may do that).
   void Save(size_t misalign = 0) {
@@ -186,7 +201,7 @@ TEST_F(LoaderTest, ListedBuffersAreIgnored) {
 }
 
 TEST_F(LoaderTest, AMissingTensorIsNamed) {
-  header_.erase("model.layers.1.mlp.down_proj.weight");
+  Drop("model.layers.1.mlp.down_proj.weight");
   Save();
   const absl::Status st = Build();
   ASSERT_FALSE(st.ok());
@@ -972,6 +987,34 @@ TEST_F(HostileCheckpointTest, WronglyTypedHeaderFieldsAreNamed) {
     EXPECT_NE(st.message().find("model.layers.0.extra.weight"), std::string::npos) << st;
     EXPECT_NE(st.message().find("model.safetensors"), std::string::npos) << st;
   }
+}
+
+// safetensors' own reader refuses these (its Metadata::validate): the tensors' bytes must tile
+// the data exactly.
+TEST_F(HostileCheckpointTest, HolesOverlapsAndTrailingBytesAreRefused) {
+  const uint64_t end = data_.size();
+  // A tensor over bytes another one holds.
+  absl::Status st = OpenWithTensor({{"dtype", "F32"}, {"shape", {4}}, {"data_offsets", {0, 16}}});
+  EXPECT_NE(st.message().find("overlap the tensors before"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("model.safetensors"), std::string::npos) << st;
+  // A tensor 16 bytes past the others' end.
+  data_.append(32, '\0');
+  st = OpenWithTensor({{"dtype", "F32"}, {"shape", {4}}, {"data_offsets", {end + 16, end + 32}}});
+  EXPECT_NE(st.message().find("leave a hole after the tensors before, which end at byte " +
+                              std::to_string(end)),
+            std::string::npos)
+      << st;
+  EXPECT_NE(st.message().find("model.layers.0.extra.weight"), std::string::npos) << st;
+  // Bytes no tensor claims.
+  header_.erase("model.layers.0.extra.weight");
+  Save();
+  st = tgis::server::WeightStore::Open(dir_.string()).status();
+  EXPECT_NE(st.message().find(absl::StrCat("cover ", end, " bytes of the ", end + 32)),
+            std::string::npos)
+      << st;
+  // The same bytes claimed: it opens.
+  st = OpenWithTensor({{"dtype", "F32"}, {"shape", {8}}, {"data_offsets", {end, end + 32}}});
+  EXPECT_TRUE(st.ok()) << st;
 }
 
 TEST_F(HostileCheckpointTest, WronglyTypedConfigValuesAreNamed) {
