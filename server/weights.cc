@@ -91,6 +91,13 @@ absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* ba
   if (header_len > size - 8) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": header length exceeds the file"));
   }
+  // safetensors' own limit (MAX_HEADER_SIZE): beyond it, its reader refuses the file.
+  constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+  if (header_len > kMaxHeaderBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": a header of ", header_len,
+                                                   " bytes, over safetensors' limit of ",
+                                                   kMaxHeaderBytes));
+  }
   Json header = Json::parse(reinterpret_cast<const char*>(base + 8),
                             reinterpret_cast<const char*>(base + 8 + header_len), nullptr, false);
   if (header.is_discarded() || !header.is_object()) {
@@ -105,7 +112,18 @@ absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* ba
   };
   std::vector<Span> spans;
   for (auto it = header.begin(); it != header.end(); ++it) {
-    if (it.key() == "__metadata__") continue;
+    if (it.key() == "__metadata__") {
+      // Free-form text (as transformers writes {"format": "pt"}): a map of strings, as
+      // safetensors' reader requires.
+      const Json& m = it.value();
+      if (!m.is_object() ||
+          !std::all_of(m.begin(), m.end(), [](const Json& v) { return v.is_string(); })) {
+        return absl::InvalidArgumentError(absl::StrCat(file, ": __metadata__ ",
+                                                       m.dump().substr(0, 200),
+                                                       " is not a map of strings to strings"));
+      }
+      continue;
+    }
     const Json& t = it.value();
     const std::string where = absl::StrCat(file, ": tensor ", it.key());
     if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") ||

@@ -1017,6 +1017,31 @@ TEST_F(HostileCheckpointTest, HolesOverlapsAndTrailingBytesAreRefused) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
+// The header's other rules in safetensors' reader: __metadata__ maps strings to strings, and a
+// header is at most 100 MB.
+TEST_F(HostileCheckpointTest, MetadataOtherThanTextAndOversizedHeadersAreRefused) {
+  header_["__metadata__"] = {{"format", "pt"}, {"step", 3}};
+  Save();
+  absl::Status st = tgis::server::WeightStore::Open(dir_.string()).status();
+  EXPECT_NE(st.message().find("is not a map of strings to strings"), std::string::npos) << st;
+  header_["__metadata__"] = {{"format", "pt"}, {"step", "3"}};
+  Save();
+  EXPECT_TRUE(tgis::server::WeightStore::Open(dir_.string()).ok());
+
+  // A sparse file: the length alone is refused, before anything is read.
+  const fs::path big = dir_ / "model.safetensors";
+  {
+    std::ofstream out(big, std::ios::binary | std::ios::trunc);
+    const uint64_t n = 100'000'001;
+    out.write(reinterpret_cast<const char*>(&n), 8);
+  }
+  fs::resize_file(big, 100'000'016);
+  st = tgis::server::WeightStore::Open(dir_.string()).status();
+  EXPECT_NE(st.message().find("a header of 100000001 bytes, over safetensors' limit"),
+            std::string::npos)
+      << st;
+}
+
 TEST_F(HostileCheckpointTest, WronglyTypedConfigValuesAreNamed) {
   struct Case {
     const char* key;
