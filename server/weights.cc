@@ -233,6 +233,7 @@ absl::StatusOr<std::map<std::string, Tensor>> ReadSafetensorsFile(const std::str
 absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string& model_dir) {
   const fs::path dir(model_dir);
   std::vector<fs::path> files;
+  std::map<std::string, std::string> placed;  // the index's weight_map: tensor -> file name
   std::error_code ec;
   const fs::path index = dir / "model.safetensors.index.json";
   if (fs::exists(index, ec)) {
@@ -254,6 +255,7 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string
                                                        " is not a file name of this folder"));
       }
       names.insert(it.value().get<std::string>());
+      placed[it.key()] = it.value().get<std::string>();
     }
     for (const std::string& n : names) files.push_back(dir / n);
   } else if (fs::exists(dir / "model.safetensors", ec)) {
@@ -277,7 +279,21 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string
     std::pair<void*, size_t> mapped;
     if (auto st = MapFile(f, &found, &mapped); !st.ok()) return st;
     store->mapped_.push_back(mapped);
-    for (auto& [name, t] : found) store->tensors_[name] = Entry{std::move(t), f.string()};
+    for (auto& [name, t] : found) {
+      // Which copy was meant is not for us to guess: a checkpoint holds each tensor once, in
+      // the file its index names.
+      if (auto had = store->tensors_.find(name); had != store->tensors_.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor ", name, " is in both ", had->second.file, " and ", f.string()));
+      }
+      if (auto where = placed.find(name);
+          where != placed.end() && where->second != f.filename().string()) {
+        return absl::InvalidArgumentError(absl::StrCat(f.string(), ": tensor ", name,
+                                                       " is here, but ", index.string(),
+                                                       " places it in ", where->second));
+      }
+      store->tensors_[name] = Entry{std::move(t), f.string()};
+    }
   }
   int64_t total = 0;
   for (const auto& [name, e] : store->tensors_) total += static_cast<int64_t>(e.view.nbytes());

@@ -1042,6 +1042,67 @@ TEST_F(HostileCheckpointTest, MetadataOtherThanTextAndOversizedHeadersAreRefused
       << st;
 }
 
+// Sharded checkpoints: each tensor once, in the file model.safetensors.index.json names.
+TEST_F(HostileCheckpointTest, ShardsHoldEachTensorOnceWhereTheIndexSays) {
+  std::vector<std::string> names;
+  for (auto it = header_.begin(); it != header_.end(); ++it) {
+    if (it.key() != "__metadata__") names.push_back(it.key());
+  }
+  ASSERT_GT(names.size(), 2u);
+  // `file` holds `tensors`, packed in order.
+  auto write_shard = [&](const std::string& file, const std::vector<std::string>& tensors) {
+    Json h = Json::object();
+    std::string bytes;
+    for (const std::string& n : tensors) {
+      const auto begin = header_[n]["data_offsets"][0].get<size_t>();
+      const auto end = header_[n]["data_offsets"][1].get<size_t>();
+      h[n] = header_[n];
+      h[n]["data_offsets"] = {bytes.size(), bytes.size() + end - begin};
+      bytes += data_.substr(begin, end - begin);
+    }
+    std::string text = h.dump();
+    text.append((8 - text.size() % 8) % 8, ' ');
+    const uint64_t n = text.size();
+    std::ofstream out(dir_ / file, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << text << bytes;
+  };
+  const size_t half = names.size() / 2;
+  const std::vector<std::string> first(names.begin(), names.begin() + half);
+  const std::vector<std::string> second(names.begin() + half, names.end());
+  fs::remove(dir_ / "model.safetensors");
+  write_shard("model-00001-of-00002.safetensors", first);
+  write_shard("model-00002-of-00002.safetensors", second);
+  Json map = Json::object();
+  for (const std::string& n : first) map[n] = "model-00001-of-00002.safetensors";
+  for (const std::string& n : second) map[n] = "model-00002-of-00002.safetensors";
+  auto write_index = [&] {
+    std::ofstream(dir_ / "model.safetensors.index.json", std::ios::trunc)
+        << Json({{"metadata", {{"total_size", data_.size()}}}, {"weight_map", map}}).dump();
+  };
+  write_index();
+  EXPECT_TRUE(Build().ok()) << Build();
+
+  // The index places a tensor in the other file.
+  map[second[0]] = "model-00001-of-00002.safetensors";
+  write_index();
+  absl::Status st = tgis::server::WeightStore::Open(dir_.string()).status();
+  EXPECT_NE(
+      st.message().find("model-00002-of-00002.safetensors: tensor " + second[0] + " is here, but"),
+      std::string::npos)
+      << st;
+  EXPECT_NE(st.message().find("places it in model-00001-of-00002.safetensors"), std::string::npos)
+      << st;
+
+  // A tensor in both files (no index: every *.safetensors file of the folder is read).
+  fs::remove(dir_ / "model.safetensors.index.json");
+  std::vector<std::string> first_and_one = first;
+  first_and_one.push_back(second[0]);
+  write_shard("model-00001-of-00002.safetensors", first_and_one);
+  st = tgis::server::WeightStore::Open(dir_.string()).status();
+  EXPECT_NE(st.message().find("tensor " + second[0] + " is in both"), std::string::npos) << st;
+}
+
 TEST_F(HostileCheckpointTest, WronglyTypedConfigValuesAreNamed) {
   struct Case {
     const char* key;
