@@ -105,10 +105,11 @@ absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* ba
   }
   const size_t data_start = 8 + header_len;
   const size_t data_size = size - data_start;
-  size_t unaligned = 0;
   struct Span {
     uint64_t begin, end;
     std::string name;
+    DType dtype;
+    kernels::Shape shape;
   };
   std::vector<Span> spans;
   for (auto it = header.begin(); it != header.end(); ++it) {
@@ -180,19 +181,8 @@ absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* ba
           t["dtype"].get<std::string>(), " needs ",
           numel > UINT64_MAX / elem ? std::string("more") : absl::StrCat(numel * elem)));
     }
-    spans.push_back({begin, end, it.key()});
     if (shape.empty()) shape.push_back(1);  // scalars as [1]
-    const uint8_t* data = base + data_start + begin;
-    if (reinterpret_cast<uintptr_t>(data) % elem != 0) {
-      // The format does not require alignment: safetensors' own writer pads the header to 8
-      // bytes, but a file from another writer may place a tensor at any byte. Every kernel
-      // reads elements of their own size, so such a tensor is copied to aligned memory.
-      tensors[it.key()] = Tensor::FromHost(data, shape, *dtype);
-      ++unaligned;
-      continue;
-    }
-    tensors[it.key()] =
-        Tensor::View(const_cast<uint8_t*>(data), shape, *dtype, kernels::Device::kCpu, owner);
+    spans.push_back({begin, end, it.key(), *dtype, std::move(shape)});
   }
   // As safetensors itself requires: the tensors' bytes tile the data exactly, without holes,
   // overlaps or trailing bytes (so that a file holds nothing else, and no tensor aliases
@@ -215,6 +205,20 @@ absl::StatusOr<std::map<std::string, Tensor>> ParseSafetensors(const uint8_t* ba
     return absl::InvalidArgumentError(
         absl::StrCat(file, ": the tensors' data_offsets cover ", covered, " bytes of the ",
                      data_size, " after the header (safetensors data have no trailing bytes)"));
+  }
+  size_t unaligned = 0;
+  for (const Span& span : spans) {
+    const uint8_t* data = base + data_start + span.begin;
+    if (reinterpret_cast<uintptr_t>(data) % kernels::DTypeSize(span.dtype) != 0) {
+      // The format does not require alignment: safetensors' own writer pads the header to 8
+      // bytes, but a file from another writer may place a tensor at any byte. Every kernel
+      // reads elements of their own size, so such a tensor is copied to aligned memory.
+      tensors[span.name] = Tensor::FromHost(data, span.shape, span.dtype);
+      ++unaligned;
+    } else {
+      tensors[span.name] = Tensor::View(const_cast<uint8_t*>(data), span.shape, span.dtype,
+                                        kernels::Device::kCpu, owner);
+    }
   }
   if (unaligned > 0) {
     LOG(WARNING) << file << ": " << unaligned << " of " << tensors.size()
