@@ -48,6 +48,10 @@ size_t CpuDerivedLayoutBytes() { return cpu::DerivedLayoutBytes(); }
 
 size_t CpuReleasedCodeBytes() { return g_released_code_bytes.load(); }
 
+int CpusAvailable() { return cpu::CpusAvailable(); }
+
+bool SetCpuThreads(int n) { return cpu::SetGlobalPoolSize(n); }
+
 std::string CpuBackendSummary() {
   return std::string("linear isa ") + cpu::ActiveIsaName() + ", " +
          std::to_string(cpu::ThreadPool::Global().size()) + " threads, prefill GEMM " +

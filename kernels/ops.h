@@ -28,6 +28,12 @@ namespace tgis::kernels {
 // pool's threads and the OpenBLAS kernel family (this loads OpenBLAS: call it before other
 // threads start, as it sets OpenBLAS's environment variables first).
 std::string CpuBackendSummary();
+// CPUs this process may use: its affinity mask capped by its cgroup's CPU quota (a container's
+// limits.cpu).
+int CpusAvailable();
+// The CPU kernels' threads, set before their first use (false after); TGIS_CPU_THREADS, when
+// set, wins. Default: CpusAvailable().
+bool SetCpuThreads(int n);
 
 // Runs fn(i) for every i in [0, n) on the kernels' CPU thread pool (the caller takes part) and
 // returns when all are done: for the host's work between steps, such as choosing the tokens of

@@ -13,6 +13,7 @@
 #include <grpcpp/grpcpp.h>
 #include <sys/prctl.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
@@ -174,6 +175,11 @@ int main(int argc, char** argv) {
   if (FLAGS_cpu_int8_activations && !int8_activations) {
     LOG(WARNING) << "--cpu-int8-activations (CPU_INT8_ACTIVATIONS) is set, but this CPU has no "
                     "AVX2: 8- and 4-bit weights keep exact f32 activations";
+  }
+  // The launcher starts every rank on this host: each takes its share of the CPUs, where each
+  // taking all of them would run world-size times as many threads as there are cores.
+  if (std::getenv("TGIS_CPU_THREADS") == nullptr && FLAGS_world_size > 1) {
+    tgis::kernels::SetCpuThreads(std::max(1, tgis::kernels::CpusAvailable() / FLAGS_world_size));
   }
   LOG(INFO) << "CPU kernels: " << tgis::kernels::CpuBackendSummary()
             << (int8_activations ? ", int8 activations for 8- and 4-bit weights" : "");

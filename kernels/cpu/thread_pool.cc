@@ -1,13 +1,18 @@
 #include "kernels/cpu/thread_pool.h"
 
 #include <immintrin.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cinttypes>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -73,10 +78,76 @@ struct ThreadPool::State {
   }
 };
 
+namespace {
+
+std::string ReadSmallFile(const std::string& path) {
+  std::ifstream in(path);
+  std::string text;
+  std::getline(in, text);
+  return text;
+}
+
+// The process's cgroup v2 path ("0::/kubepods/..."), "" without one.
+std::string CgroupV2Path() {
+  std::ifstream in("/proc/self/cgroup");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("0::", 0) == 0) return line.substr(3);
+  }
+  return "";
+}
+
+// A cgroup's CPU quota, in CPUs rounded up; 0 for none (v2 first, then v1's CFS files).
+int CgroupQuotaCpus() {
+  const std::string path = CgroupV2Path();
+  for (const std::string& file :
+       {"/sys/fs/cgroup" + path + "/cpu.max", std::string("/sys/fs/cgroup/cpu.max")}) {
+    if (const int n = CpusOfCgroupMax(ReadSmallFile(file)); n > 0) return n;
+  }
+  for (const char* dir : {"/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"}) {
+    const std::string quota = ReadSmallFile(std::string(dir) + "/cpu.cfs_quota_us");
+    const std::string period = ReadSmallFile(std::string(dir) + "/cpu.cfs_period_us");
+    if (const int n = CpusOfCgroupMax(quota + " " + period); n > 0) return n;
+  }
+  return 0;
+}
+
+std::atomic<int> g_requested_size{0};  // SetGlobalPoolSize's, before the pool exists
+std::atomic<bool> g_pool_made{false};
+
+}  // namespace
+
+int CpusOfCgroupMax(std::string_view text) {
+  // "QUOTA PERIOD" in microseconds, or "max PERIOD" (v1: a quota of -1) for no limit.
+  int64_t quota = 0, period = 0;
+  const std::string s(text);
+  char tail = 0;
+  if (std::sscanf(s.c_str(), "%" SCNd64 " %" SCNd64 " %c", &quota, &period, &tail) != 2 ||
+      quota <= 0 || period <= 0) {
+    return 0;
+  }
+  return static_cast<int>(std::min<int64_t>((quota + period - 1) / period, 1 << 20));
+}
+
+int CpusAvailable() {
+  int n = static_cast<int>(std::thread::hardware_concurrency());
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) n = CPU_COUNT(&set);
+  if (const int quota = CgroupQuotaCpus(); quota > 0) n = std::min(n, quota);
+  return std::max(1, n);
+}
+
+bool SetGlobalPoolSize(int n) {
+  if (g_pool_made.load()) return false;
+  g_requested_size.store(std::max(1, n));
+  return true;
+}
+
 ThreadPool& ThreadPool::Global() {
   // Never destroyed: the workers simply stay blocked until the process exits.
   static ThreadPool* pool = [] {
-    int n = static_cast<int>(std::thread::hardware_concurrency());
+    g_pool_made.store(true);
+    int n = g_requested_size.load();
+    if (n == 0) n = CpusAvailable();
     if (const char* env = std::getenv("TGIS_CPU_THREADS")) {
       const int v = std::atoi(env);
       if (v > 0) n = v;

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -92,6 +93,12 @@ def test_two_shards_match_the_goldens(model, tmp_path):
         out = launcher.proc.output()
         # Both shards ran, each with its slice (not two whole models side by side).
         assert "rank 0 of 2" in out and "rank 1 of 2" in out, out
+        # ... and each with its share of the CPUs, not all of them twice over.
+        if "TGIS_CPU_THREADS" not in os.environ:
+            threads = [int(n) for n in re.findall(r"CPU kernels: [^\n]*?, (\d+) threads", out)]
+            assert len(threads) == 2, out
+            share = max(1, len(os.sched_getaffinity(0)) // 2)
+            assert all(1 <= n <= share for n in threads), (threads, share)
     finally:
         launcher.close()
 

@@ -4,6 +4,7 @@
 // on CUDA, of the activations too. CUDA cases report themselves skipped until CUDA is built and
 // a GPU is present.
 #include <gtest/gtest.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -2421,6 +2422,32 @@ TEST(CpuThreadPool, NestedAndConcurrentCallsComplete) {
   for (int t = 0; t < 4; ++t) threads.emplace_back(work);
   for (std::thread& t : threads) t.join();
   EXPECT_EQ(total.load(), 4 * 64 * 10);
+}
+
+// A container's CPU limit, as cgroup v2's cpu.max and v1's quota and period write it.
+TEST(CpuThreadPool, CgroupQuotasCountInCpusRoundedUp) {
+  EXPECT_EQ(cpu::CpusOfCgroupMax("max 100000"), 0);  // no limit
+  EXPECT_EQ(cpu::CpusOfCgroupMax("-1 100000"), 0);   // v1's "no limit"
+  EXPECT_EQ(cpu::CpusOfCgroupMax("200000 100000"), 2);
+  EXPECT_EQ(cpu::CpusOfCgroupMax("150000 100000"), 2);  // limits.cpu: 1500m
+  EXPECT_EQ(cpu::CpusOfCgroupMax("50000 100000"), 1);
+  EXPECT_EQ(cpu::CpusOfCgroupMax("400000 100000\n"), 4);
+  for (const char* bad : {"", "max", "100000", "a b", "100000 0", "1 2 3"}) {
+    EXPECT_EQ(cpu::CpusOfCgroupMax(bad), 0) << bad;
+  }
+}
+
+// The pool's default size is what the process may use (affinity and quota), never more than
+// the host's CPUs; once the pool exists, its size is fixed.
+TEST(CpuThreadPool, SizedToTheCpusTheProcessMayUse) {
+  const int available = cpu::CpusAvailable();
+  EXPECT_GE(available, 1);
+  EXPECT_LE(available, std::max(1, static_cast<int>(std::thread::hardware_concurrency())));
+  cpu_set_t set;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  EXPECT_LE(available, CPU_COUNT(&set));
+  (void)cpu::ThreadPool::Global();
+  EXPECT_FALSE(cpu::SetGlobalPoolSize(1));
 }
 
 // The CUDA runtime's current device is per host thread: a thread other than the one that chose
