@@ -177,8 +177,9 @@ int main(int argc, char** argv) {
                     "AVX2: 8- and 4-bit weights keep exact f32 activations";
   }
   // The launcher starts every rank on this host: each takes its share of the CPUs, where each
-  // taking all of them would run world-size times as many threads as there are cores.
-  if (std::getenv("TGIS_CPU_THREADS") == nullptr && FLAGS_world_size > 1) {
+  // taking all of them would run world-size times as many threads as there are cores
+  // (TGIS_CPU_THREADS, when set, still decides: the pool reads it over any size set here).
+  if (FLAGS_world_size > 1) {
     tgis::kernels::SetCpuThreads(std::max(1, tgis::kernels::CpusAvailable() / FLAGS_world_size));
   }
   LOG(INFO) << "CPU kernels: " << tgis::kernels::CpuBackendSummary()

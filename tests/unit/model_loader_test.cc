@@ -32,6 +32,32 @@ std::string ReadAll(const fs::path& p) {
   return buf.str();
 }
 
+// A safetensors file of `header` and `data`, the header padded with spaces to a multiple of 8
+// bytes as safetensors writes it (so the tensors stay aligned), then `misalign` more spaces,
+// which move every tensor off its alignment (a writer other than safetensors' own may do that).
+void WriteSafetensors(const fs::path& path, const Json& header, const std::string& data,
+                      size_t misalign = 0) {
+  std::string h = header.dump();
+  h.append((8 - h.size() % 8) % 8 + misalign, ' ');
+  const uint64_t n = h.size();
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out << h << data;
+}
+
+// Every data offset at or past `from` moved by `delta`: the tensors after bytes that were
+// removed or grew (safetensors leaves no holes).
+void ShiftOffsetsFrom(Json* header, uint64_t from, int64_t delta) {
+  for (auto& [name, t] : header->items()) {
+    if (name == "__metadata__") continue;
+    for (int j : {0, 1}) {
+      const auto at = t["data_offsets"][j].get<uint64_t>();
+      if (at >= from)
+        t["data_offsets"][j] = static_cast<uint64_t>(static_cast<int64_t>(at) + delta);
+    }
+  }
+}
+
 // A copy of the llama fixture in a fresh folder whose model.safetensors and config.json the
 // test may rewrite.
 class LoaderTest : public ::testing::Test {
@@ -55,32 +81,16 @@ class LoaderTest : public ::testing::Test {
     data_.append(static_cast<size_t>(numel) * 4, '\0');
     header_[name] = {{"dtype", "F32"}, {"shape", {numel}}, {"data_offsets", {begin, data_.size()}}};
   }
-  // The tensor gone from the header and its bytes from the data (the later ones move down, as
-  // safetensors leaves no holes).
+  // The tensor gone from the header and its bytes from the data.
   void Drop(const std::string& name) {
     const auto begin = header_[name]["data_offsets"][0].get<uint64_t>();
     const auto end = header_[name]["data_offsets"][1].get<uint64_t>();
     header_.erase(name);
     data_.erase(begin, end - begin);
-    for (auto& [other, t] : header_.items()) {
-      if (other == "__metadata__") continue;
-      for (int j : {0, 1}) {
-        const auto at = t["data_offsets"][j].get<uint64_t>();
-        if (at >= end) t["data_offsets"][j] = at - (end - begin);
-      }
-    }
+    ShiftOffsetsFrom(&header_, end, -static_cast<int64_t>(end - begin));
   }
-  // `misalign`: spaces added after the padding, which move every tensor off its alignment (a
-  // writer other than safetensors' own may do that).
   void Save(size_t misalign = 0) {
-    // Padded with spaces to a multiple of 8 bytes, as safetensors writes it, so that the
-    // tensors stay aligned.
-    std::string h = header_.dump();
-    h.append((8 - h.size() % 8) % 8 + misalign, ' ');
-    const uint64_t n = h.size();
-    std::ofstream out(dir_ / "model.safetensors", std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(&n), 8);
-    out << h << data_;
+    WriteSafetensors(dir_ / "model.safetensors", header_, data_, misalign);
   }
   absl::Status Build() {
     auto config = tgis::server::ModelConfig::Load(dir_.string());
@@ -542,13 +552,7 @@ TEST_F(LoaderTest, Bitsandbytes4BitCheckpointsAreReadStrictly) {
       ASSERT_NE(i, std::string::npos) << from;
       data_.replace(begin + i, from.size(), to);
       const int64_t moved = static_cast<int64_t>(to.size()) - static_cast<int64_t>(from.size());
-      for (auto& [name, t] : header_.items()) {
-        if (name == "__metadata__") continue;
-        for (int j : {0, 1}) {
-          const size_t at = t["data_offsets"][j].get<size_t>();
-          if (at > begin || (j == 1 && at == end)) t["data_offsets"][j] = at + moved;
-        }
-      }
+      ShiftOffsetsFrom(&header_, end, moved);
       header_[record]["shape"] = {end - begin + moved};
     };
   };
@@ -1060,12 +1064,7 @@ TEST_F(HostileCheckpointTest, ShardsHoldEachTensorOnceWhereTheIndexSays) {
       h[n]["data_offsets"] = {bytes.size(), bytes.size() + end - begin};
       bytes += data_.substr(begin, end - begin);
     }
-    std::string text = h.dump();
-    text.append((8 - text.size() % 8) % 8, ' ');
-    const uint64_t n = text.size();
-    std::ofstream out(dir_ / file, std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(&n), 8);
-    out << text << bytes;
+    WriteSafetensors(dir_ / file, h, bytes);
   };
   const size_t half = names.size() / 2;
   const std::vector<std::string> first(names.begin(), names.begin() + half);
