@@ -115,6 +115,9 @@ void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out);
 void Activate(Activation kind, Tensor* x);
 // In place: x = min(max(x, lo), hi) (clip_qkv of MPT and OLMo).
 void Clamp(float lo, float hi, Tensor* x);
+// In place: x = x * factor, in f32, rounded to x's dtype (Granite's embedding and residual
+// multipliers, as `tensor * python_float` computes them in PyTorch).
+void Scale(float factor, Tensor* x);
 
 // Over the last dim, in place.
 void Softmax(Tensor* x);

@@ -299,7 +299,9 @@ void CausalLM::Embed(const Tensor& ids, Tensor* x) const {
 }
 
 Tensor CausalLM::LmHead(const Tensor& normed) const {
-  return VocabLogits(normed, w_.lm_head, layout_, spec_.vocab, *comm_);
+  Tensor logits = VocabLogits(normed, w_.lm_head, layout_, spec_.vocab, *comm_);
+  if (spec_.logits_scale != 1.0f) kernels::Scale(spec_.logits_scale, &logits);
+  return logits;
 }
 
 void CausalLM::Norm(const Tensor& x, const Tensor& w, const Tensor& b, Tensor* out) const {
@@ -373,6 +375,8 @@ Tensor CausalLM::InputRows(const ForwardInput& in) const {
   Tensor x = Buf({t, e});
   Embed(in.input_ids, &x);
   MixPrefixRows(in, &x);
+  // After the prompt-tuning rows, as transformers scales whatever inputs_embeds it is given.
+  if (s.embed_scale != 1.0f) kernels::Scale(s.embed_scale, &x);
   if (e != s.hidden) {
     Tensor projected = Buf({t, s.hidden});
     kernels::Linear(x, w_.project_in, nullptr, &projected);
@@ -415,6 +419,10 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
   Tensor attn = Buf({t, hq, d});
   Tensor o = Buf({t, s.hidden});
   Tensor m = Buf({t, s.hidden});
+  // An attention or MLP output (whole, after its all-reduce) before its residual add.
+  auto residual_scaled = [&](Tensor* y) {
+    if (s.residual_scale != 1.0f) kernels::Scale(s.residual_scale, y);
+  };
   if (!post_norm) Norm(x, w_.layers[0].ln1_w, w_.layers[0].ln1_b, &h);
   for (int64_t l = 0; l < s.num_layers; ++l) {
     const LayerWeights& w = w_.layers[l];
@@ -439,10 +447,12 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
       // x = ln1(x + attn); x = ln2(x + mlp(x)): the sums land in x, the norms in h, and the
       // two swap roles.
       comm_->AllReduceSum(&o);
+      residual_scaled(&o);
       AddNorm(&x, o, w.ln1_w, w.ln1_b, &h);
       std::swap(x, h);
       Mlp(w, x, &m);
       comm_->AllReduceSum(&m);
+      residual_scaled(&m);
       AddNorm(&x, m, w.ln2_w, w.ln2_b, &h);
       std::swap(x, h);
     } else if (s.residual == Residual::kParallel) {
@@ -452,17 +462,22 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
         // x + attn + mlp: one all-reduce of this rank's attn + mlp parts.
         kernels::AddInPlace(&o, m);
         comm_->AllReduceSum(&o);
+        residual_scaled(&o);
         kernels::AddInPlace(&x, o);
       } else {
+        residual_scaled(&o);
+        residual_scaled(&m);
         kernels::AddInPlace(&x, o);
         kernels::AddInPlace(&x, m);
       }
       if (next != nullptr) Norm(x, next->ln1_w, next->ln1_b, &h);
     } else {
       comm_->AllReduceSum(&o);
+      residual_scaled(&o);
       AddNorm(&x, o, w.ln2_w, w.ln2_b, &h);
       Mlp(w, h, &m);
       comm_->AllReduceSum(&m);
+      residual_scaled(&m);
       if (next != nullptr) {
         AddNorm(&x, m, next->ln1_w, next->ln1_b, &h);
       } else {

@@ -65,6 +65,11 @@ struct DecoderSpec {
   int64_t EmbedDim() const { return embed_dim > 0 ? embed_dim : hidden; }
   int sliding_window = 0;
   float attn_scale = 0;  // 0: 1/sqrt(head_dim)
+  // Granite's multipliers (1: none): the token embeddings, each attention and MLP output before
+  // its residual add, and the f32 logits (1 / logits_scaling) are multiplied by them.
+  float embed_scale = 1;
+  float residual_scale = 1;
+  float logits_scale = 1;
 };
 
 // A half-open range of indices [begin, end).

@@ -12,6 +12,8 @@ ModelRegistry& ModelRegistry::Get() {
     auto* r = new ModelRegistry();
     RegisterLlamaModels(r);
     RegisterQwen2Model(r);
+    RegisterGraniteModel(r);
+    RegisterPhi3Model(r);
     RegisterGpt2Model(r);
     RegisterGptBigCodeModel(r);
     RegisterGptNeoxModel(r);

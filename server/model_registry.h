@@ -49,6 +49,8 @@ class ModelRegistry {
 // Each architecture file defines one of these; ModelRegistry::Get calls them all.
 void RegisterLlamaModels(ModelRegistry* r);  // llama, mistral
 void RegisterQwen2Model(ModelRegistry* r);
+void RegisterGraniteModel(ModelRegistry* r);
+void RegisterPhi3Model(ModelRegistry* r);
 void RegisterGpt2Model(ModelRegistry* r);
 void RegisterGptBigCodeModel(ModelRegistry* r);
 void RegisterGptNeoxModel(ModelRegistry* r);

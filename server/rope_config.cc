@@ -60,6 +60,20 @@ double Mscale(double scale, double mscale = 1) {
 
 }  // namespace
 
+absl::StatusOr<int> PartialRotaryDim(int64_t head_dim, double fraction, const char* key) {
+  // (The model_config fuzz target found both: an odd count failed a kernel check, and a huge
+  // fraction made the cast undefined.)
+  const double rotary = static_cast<double>(head_dim) * fraction;
+  if (!(rotary >= 2 && rotary <= static_cast<double>(head_dim)) ||
+      static_cast<int>(rotary) % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: ", key, " = ", fraction, " gives head_dim ", head_dim, " x ", key, " = ",
+        rotary,
+        " rotary dimensions; their whole part must be even, non-zero and at most head_dim"));
+  }
+  return static_cast<int>(rotary);
+}
+
 absl::Status ReadRope(const ModelConfig& c, int rotary_dim, double theta, DecoderSpec* s) {
   RopeScaling r;
   r.theta = theta;
@@ -203,8 +217,11 @@ absl::Status ReadRope(const ModelConfig& c, int rotary_dim, double theta, Decode
           "config.json: rope_scaling with an attention factor on a partial rotary dimension is "
           "not supported");
     }
-    s->attn_scale = static_cast<float>(r.attention_factor * r.attention_factor /
-                                       std::sqrt(static_cast<double>(s->head_dim)));
+    // On top of an architecture's own scale (Granite's attention_multiplier) where it has one.
+    const double squared = r.attention_factor * r.attention_factor;
+    s->attn_scale = static_cast<float>(s->attn_scale != 0
+                                           ? squared * s->attn_scale
+                                           : squared / std::sqrt(static_cast<double>(s->head_dim)));
   }
   return absl::OkStatus();
 }

@@ -194,6 +194,14 @@ void Clamp(float lo, float hi, Tensor* x) {
   });
 }
 
+void Scale(float factor, Tensor* x) {
+  CheckF32(*x, "Scale", "x");
+  float* p = x->data<float>();
+  ParallelFor(x->numel(), 1 << 14, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) p[i] *= factor;
+  });
+}
+
 namespace {
 
 template <bool kLog>

@@ -174,6 +174,15 @@ __global__ void ClampKernel(float lo, float hi, T* x, int64_t n) {
 }
 
 template <typename T>
+__global__ void ScaleKernel(float factor, T* x, int64_t n) {
+  PriorGridsDone();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = FromF32<T>(ToF32(x[i]) * factor);
+  }
+}
+
+template <typename T>
 __global__ void SoftmaxKernel(T* x, int64_t n, bool log) {
   PriorGridsDone();
   __shared__ float scratch[32];
@@ -315,6 +324,15 @@ void Clamp(float lo, float hi, Tensor* x) {
   if (n == 0) return;
   TGIS_DISPATCH_FLOAT(x->dtype(), op,
                       Launch(ClampKernel<T>, StrideBlocks(n), 256, lo, hi, x->data<T>(), n));
+}
+
+void Scale(float factor, Tensor* x) {
+  const char* op = "Scale";
+  CheckCudaFloat(*x, op, "x");
+  const int64_t n = x->numel();
+  if (n == 0) return;
+  TGIS_DISPATCH_FLOAT(x->dtype(), op,
+                      Launch(ScaleKernel<T>, StrideBlocks(n), 256, factor, x->data<T>(), n));
 }
 
 namespace {

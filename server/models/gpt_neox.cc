@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/model_registry.h"
 #include "server/models/weight_utils.h"
+#include "server/rope_config.h"
 
 namespace tgis::server {
 
@@ -37,18 +38,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
       c.Get<double>(c.raw.contains("rope_theta") ? "rope_theta" : "rotary_emb_base", 10000.0);
   if (!theta_or.ok()) return theta_or.status();
   const double theta = *theta_or;
-  // transformers: int(head_size * rotary_pct); our rotary kernels need it even and non-zero
-  // (found by the model_config fuzz target: an odd one failed a kernel check, and a huge
-  // rotary_pct made the cast undefined).
-  const double rotary = static_cast<double>(s.head_dim) * *pct;
-  if (!(rotary >= 2 && rotary <= static_cast<double>(s.head_dim)) ||
-      static_cast<int>(rotary) % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: rotary_pct = ", *pct, " gives head_dim ", s.head_dim,
-        " x rotary_pct = ", rotary,
-        " rotary dimensions; their whole part must be even, non-zero and at most head_dim"));
-  }
-  s.rotary.rotary_dim = static_cast<int>(rotary);
+  auto rotary = PartialRotaryDim(s.head_dim, *pct, "rotary_pct");
+  if (!rotary.ok()) return rotary.status();
+  s.rotary.rotary_dim = *rotary;
   s.rotary.style = kernels::RotaryStyle::kNeox;
   s.rotary.inv_freq = kernels::RotaryInvFreq(s.rotary.rotary_dim, theta);
   if (auto it = c.raw.find("rope_scaling"); it != c.raw.end() && !it->is_null()) {

@@ -33,8 +33,18 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   auto theta = c.Get<double>("rope_theta", 10000.0);
   if (!theta.ok()) return theta.status();
   s.rotary.style = kernels::RotaryStyle::kNeox;
-  if (auto st = ReadRope(c, static_cast<int>(s.head_dim), *theta, &s); !st.ok()) return st;
+  s.attn_scale = opt.attn_scale;  // before ReadRope, which folds YaRN's factor into it
+  int rotary_dim = static_cast<int>(s.head_dim);
+  if (opt.partial_rotary != 1.0) {
+    auto dim = PartialRotaryDim(s.head_dim, opt.partial_rotary, "partial_rotary_factor");
+    if (!dim.ok()) return dim.status();
+    rotary_dim = *dim;
+  }
+  if (auto st = ReadRope(c, rotary_dim, *theta, &s); !st.ok()) return st;
   s.sliding_window = opt.sliding_window;
+  s.embed_scale = opt.embed_scale;
+  s.residual_scale = opt.residual_scale;
+  s.logits_scale = opt.logits_scale;
 
   auto layout = ShardLayout::Make(s, comm->rank(), comm->world_size());
   if (!layout.ok()) return layout.status();
@@ -48,8 +58,11 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     const std::string p = absl::StrCat("model.layers.", i, ".");
     const std::string a = p + "self_attn.";
     LayerWeights l;
-    auto qkv = ld.StackOutputRows(
-        {{a + "q_proj.weight", q}, {a + "k_proj.weight", kv}, {a + "v_proj.weight", kv}});
+    auto qkv =
+        opt.fused_projections
+            ? ld.FusedQkv(a + "qkv_proj.weight", QkvLayout::kConcat)
+            : ld.StackOutputRows(
+                  {{a + "q_proj.weight", q}, {a + "k_proj.weight", kv}, {a + "v_proj.weight", kv}});
     if (!qkv.ok()) return qkv.status();
     l.qkv_w = *qkv;
     if (opt.qkv_bias) {
@@ -66,8 +79,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
       if (!b.ok()) return b.status();
       l.o_b = *b;
     }
-    auto gate_up =
-        ld.StackOutputRows({{p + "mlp.gate_proj.weight", mlp}, {p + "mlp.up_proj.weight", mlp}});
+    auto gate_up = opt.fused_projections ? ld.OutputRows(p + "mlp.gate_up_proj.weight",
+                                                         {mlp, mlp.Shifted(s.intermediate)})
+                                         : ld.StackOutputRows({{p + "mlp.gate_proj.weight", mlp},
+                                                               {p + "mlp.up_proj.weight", mlp}});
     if (!gate_up.ok()) return gate_up.status();
     l.up_w = *gate_up;
     auto down = ld.InputColumns(p + "mlp.down_proj.weight", mlp);

@@ -1,5 +1,6 @@
 // The Llama layout (RMSNorm, rotary, gated SiLU MLP, separate q/k/v/o projections), shared by
-// the Llama/Mistral and Qwen2 files, which differ in biases and sliding-window settings.
+// the Llama/Mistral, Qwen2, Granite and Phi-3 files, which differ in biases, sliding-window
+// settings, Granite's multipliers and Phi-3's fused projections.
 #pragma once
 
 #include <memory>
@@ -16,6 +17,16 @@ struct LlamaStyleOptions {
   bool o_bias = false;    // o_proj bias (Llama's attention_bias)
   bool mlp_bias = false;  // gate/up/down_proj biases (Llama's mlp_bias)
   int sliding_window = 0;
+  // Phi-3: one qkv_proj (q rows, then k, then v) and one gate_up_proj ([gate | up]) where
+  // Llama has q/k/v_proj and gate/up_proj; the part of each head that rotates.
+  bool fused_projections = false;
+  double partial_rotary = 1.0;
+  // Granite's multipliers (DecoderSpec's embed_scale, residual_scale, logits_scale); 0: the
+  // default 1/sqrt(head_dim) attention scale.
+  float embed_scale = 1;
+  float residual_scale = 1;
+  float logits_scale = 1;
+  float attn_scale = 0;
 };
 
 absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& config,

@@ -1203,6 +1203,23 @@ TEST_P(OpsTest, Clamp) {
   ExpectClose(got, ref, std::vector<double>(ref.size(), 1.0), tol(), "clamp");
 }
 
+TEST_P(OpsTest, Scale) {
+  std::vector<float> v = Random(300, 23, -8, 8);
+  v[5] = std::numeric_limits<float>::infinity();  // inf and NaN pass through, as in PyTorch
+  v[9] = std::nanf("");
+  Tensor x = Act(v, {3, 100});
+  const std::vector<float> s = Host(x);
+  std::vector<double> ref;
+  for (float f : s) ref.push_back(double{f} * 0.22);
+  Scale(0.22f, &x);
+  std::vector<float> got = Host(x);
+  EXPECT_EQ(got[5], std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(got[9]));
+  got[5] = got[9] = 0;
+  ref[5] = ref[9] = 0;
+  ExpectClose(got, ref, std::vector<double>(ref.size(), 1.0), tol(), "scale");
+}
+
 TEST_P(OpsTest, SoftmaxAndLogSoftmaxLargeMagnitudes) {
   const int64_t n = 1000;
   std::vector<float> v;

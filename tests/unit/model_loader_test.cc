@@ -905,28 +905,68 @@ TEST_F(LoaderTest, AnUnservableConfigNamesTheKeyAndValue) {
       << st;
 }
 
+// The fixture `name` built with its config.json edited by `edit`.
+absl::Status BuildFixtureWith(const std::string& name, const std::function<void(Json&)>& edit) {
+  char tmpl[] = "/tmp/tgis-config-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp failed");
+  const fs::path dir = tmpl, src = fs::path(TGIS_FIXTURES_DIR) / "models" / name;
+  fs::copy(src / "model.safetensors", dir / "model.safetensors");
+  Json c = Json::parse(ReadAll(src / "config.json"));
+  edit(c);
+  std::ofstream(dir / "config.json", std::ios::trunc) << c.dump();
+  absl::Status st = [&]() -> absl::Status {
+    auto config = tgis::server::ModelConfig::Load(dir.string());
+    if (!config.ok()) return config.status();
+    auto weights = tgis::server::WeightStore::Open(dir.string());
+    if (!weights.ok()) return weights.status();
+    return tgis::server::ModelRegistry::Get()
+        .Build(*config, **weights, tgis::kernels::DType::kF32)
+        .status();
+  }();
+  fs::remove_all(dir);
+  return st;
+}
+
+void ExpectBuildError(const absl::Status& st, const std::string& text) {
+  ASSERT_FALSE(st.ok()) << "expected an error with: " << text;
+  EXPECT_NE(st.message().find(text), std::string::npos) << st;
+}
+
 // Found by the model_config fuzz target: GPT-NeoX's rotary_pct giving an odd rotary dimension
 // failed a kernel check (the process died), and a huge one made a float-to-int cast undefined.
 TEST(ModelConfigTest, GptNeoxRotaryPctMustGiveAnEvenRotaryDimension) {
-  char tmpl[] = "/tmp/tgis-neox-XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
-  const fs::path dir = tmpl, src = fs::path(TGIS_FIXTURES_DIR) / "models" / "gpt_neox";
-  fs::copy(src / "model.safetensors", dir / "model.safetensors");
   for (double pct : {0.7, 1e30}) {  // head_dim 16: 11.2 rotary dimensions; then far too many
-    Json c = Json::parse(ReadAll(src / "config.json"));
-    c["rotary_pct"] = pct;
-    std::ofstream(dir / "config.json", std::ios::trunc) << c.dump();
-    auto config = tgis::server::ModelConfig::Load(dir.string());
-    ASSERT_TRUE(config.ok()) << config.status();
-    auto weights = tgis::server::WeightStore::Open(dir.string());
-    ASSERT_TRUE(weights.ok()) << weights.status();
-    auto model =
-        tgis::server::ModelRegistry::Get().Build(*config, **weights, tgis::kernels::DType::kF32);
-    ASSERT_FALSE(model.ok());
-    EXPECT_NE(model.status().message().find("config.json: rotary_pct = "), std::string::npos)
-        << model.status();
+    ExpectBuildError(BuildFixtureWith("gpt_neox", [&](Json& c) { c["rotary_pct"] = pct; }),
+                     "config.json: rotary_pct = ");
   }
-  fs::remove_all(dir);
+}
+
+// Phi-3's partial_rotary_factor follows the same rule; LongRoPE's attention factor on a partial
+// rotation (Phi-4-mini) is refused by name rather than computed otherwise than transformers.
+TEST(ModelConfigTest, Phi3PartialRotationIsCheckedAndLongRopeOnItRefused) {
+  EXPECT_TRUE(BuildFixtureWith("phi3", [](Json&) {}).ok());
+  ExpectBuildError(BuildFixtureWith("phi3", [](Json& c) { c["partial_rotary_factor"] = 0.35; }),
+                   "config.json: partial_rotary_factor = 0.35 gives head_dim 16");
+  ExpectBuildError(BuildFixtureWith("phi3",
+                                    [](Json& c) {
+                                      c["original_max_position_embeddings"] = 32;
+                                      c["rope_scaling"] = {
+                                          {"type", "longrope"},
+                                          {"short_factor", std::vector<double>(4, 1.0)},
+                                          {"long_factor", std::vector<double>(4, 2.0)}};
+                                    }),
+                   "attention factor on a partial rotary dimension is not supported");
+}
+
+// Granite's multipliers: numbers, finite and non-zero (logits_scaling divides).
+TEST(ModelConfigTest, GraniteMultipliersMustBeFiniteNonZeroNumbers) {
+  EXPECT_TRUE(BuildFixtureWith("granite", [](Json&) {}).ok());
+  ExpectBuildError(BuildFixtureWith("granite", [](Json& c) { c["logits_scaling"] = 0.0; }),
+                   "config.json: logits_scaling = 0: expected a finite, non-zero number");
+  ExpectBuildError(BuildFixtureWith("granite", [](Json& c) { c["residual_multiplier"] = "0.22"; }),
+                   "config.json: residual_multiplier = \"0.22\": wrong type");
+  ExpectBuildError(BuildFixtureWith("granite", [](Json& c) { c["embedding_multiplier"] = 1e300; }),
+                   "embedding_multiplier");
 }
 
 TEST(ModelConfigTest, AnUnknownFamilyWithoutSizesSaysWhichKeysItLooked) {

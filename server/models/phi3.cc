@@ -1,0 +1,30 @@
+// Microsoft Phi-3 and Phi-3.5 (transformers' Phi3ForCausalLM): the Llama layout with q, k and v
+// fused into one qkv_proj and gate and up into one gate_up_proj, a sliding window when the
+// config sets one (transformers masks keys more than sliding_window - 1 positions back, as for
+// Mistral), LongRoPE as rope_scaling, and partial_rotary_factor (Phi-4-mini's 0.75).
+#include "server/model_registry.h"
+#include "server/models/llama_style.h"
+
+namespace tgis::server {
+
+namespace {
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
+                                                kernels::DType dtype,
+                                                std::shared_ptr<Communicator> comm) {
+  LlamaStyleOptions opt;
+  opt.fused_projections = true;
+  auto window = c.Get<int64_t>("sliding_window", int64_t{0});
+  if (!window.ok()) return window.status();
+  opt.sliding_window = static_cast<int>(*window);
+  auto partial = c.Get<double>("partial_rotary_factor", 1.0);
+  if (!partial.ok()) return partial.status();
+  opt.partial_rotary = *partial;
+  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+}
+
+}  // namespace
+
+void RegisterPhi3Model(ModelRegistry* r) { r->Register("phi3", Build); }
+
+}  // namespace tgis::server
