@@ -78,7 +78,7 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
   const int64_t hq = layout.q_heads.size(), hk = layout.kv_heads.size();
   const int64_t inter = layout.intermediate.size(), vocab = layout.vocab.size();
   const int64_t qkv = (hq + 2 * hk) * s.head_dim;
-  const int64_t up = s.mlp == MlpKind::kGatedSilu ? 2 * inter : inter;
+  const int64_t up = s.mlp == MlpKind::kGated ? 2 * inter : inter;
   const int64_t e = s.EmbedDim();
   if (auto st = CheckShape(w.embed, {vocab, e}, "embedding"); !st.ok()) return st;
   if (auto st = CheckShape(w.lm_head, {vocab, e}, "lm_head"); !st.ok()) return st;
@@ -326,11 +326,11 @@ void CausalLM::AddNorm(Tensor* x, const Tensor& y, const Tensor& w, const Tensor
 void CausalLM::Mlp(const LayerWeights& w, const Tensor& x, Tensor* out) const {
   const int64_t t = x.dim(0);
   const int64_t inter = layout_.intermediate.size();
-  if (spec_.mlp == MlpKind::kGatedSilu) {
+  if (spec_.mlp == MlpKind::kGated) {
     Tensor gate_up = Buf({t, 2 * inter});
     kernels::Linear(x, w.up_w, w.up_b.defined() ? &w.up_b : nullptr, &gate_up);
     Tensor act = Buf({t, inter});
-    kernels::GatedActivation(kernels::Activation::kSilu, gate_up, &act);
+    kernels::GatedActivation(spec_.act, gate_up, &act);
     kernels::Linear(act, w.down_w, RowParallelBias(w.down_b), out);
   } else {
     Tensor h = Buf({t, inter});
@@ -376,7 +376,15 @@ Tensor CausalLM::InputRows(const ForwardInput& in) const {
   Embed(in.input_ids, &x);
   MixPrefixRows(in, &x);
   // After the prompt-tuning rows, as transformers scales whatever inputs_embeds it is given.
-  if (s.embed_scale != 1.0f) kernels::Scale(s.embed_scale, &x);
+  if (s.embed_scale != 1.0f) {
+    float factor = s.embed_scale;
+    if (s.embed_scale_in_act_dtype && act_dtype_ == DType::kBF16) {
+      factor = kernels::Bf16ToF32(kernels::F32ToBf16(factor));
+    } else if (s.embed_scale_in_act_dtype && act_dtype_ == DType::kF16) {
+      factor = kernels::F16ToF32(kernels::F32ToF16(factor));
+    }
+    kernels::Scale(factor, &x);
+  }
   if (e != s.hidden) {
     Tensor projected = Buf({t, s.hidden});
     kernels::Linear(x, w_.project_in, nullptr, &projected);

@@ -19,8 +19,8 @@ namespace tgis::server {
 
 enum class NormKind { kRms, kLayer };
 enum class MlpKind {
-  kGatedSilu,  // down(silu(gate(x)) * up(x)); up_w holds [gate | up]
-  kPlain,      // proj(act(fc(x)))
+  kGated,  // down(act(gate(x)) * up(x)); up_w holds [gate | up]
+  kPlain,  // proj(act(fc(x)))
 };
 // Position schemes: rotary on q and k; learned absolute embeddings added to the input
 // (pos_embed); ALiBi slopes added to the attention logits.
@@ -41,8 +41,8 @@ struct DecoderSpec {
   int64_t vocab = 0;
   NormKind norm = NormKind::kRms;
   float norm_eps = 1e-6f;
-  MlpKind mlp = MlpKind::kGatedSilu;
-  kernels::Activation act = kernels::Activation::kGeluTanh;  // kPlain MLPs
+  MlpKind mlp = MlpKind::kGated;
+  kernels::Activation act = kernels::Activation::kSilu;
   PositionKind position = PositionKind::kRotary;
   std::vector<float> alibi_slopes;  // kAlibi: one per head; empty: kernels::AlibiSlopes
   kernels::RotaryConfig rotary;     // the frequencies within the original context
@@ -70,6 +70,9 @@ struct DecoderSpec {
   float embed_scale = 1;
   float residual_scale = 1;
   float logits_scale = 1;
+  // Gemma: embed_scale (sqrt(hidden)) rounded to the activations' dtype first, as transformers
+  // makes it a tensor of that dtype.
+  bool embed_scale_in_act_dtype = false;
 };
 
 // A half-open range of indices [begin, end).

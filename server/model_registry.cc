@@ -14,6 +14,7 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterQwen2Model(r);
     RegisterGraniteModel(r);
     RegisterPhi3Model(r);
+    RegisterGemmaModel(r);
     RegisterGpt2Model(r);
     RegisterGptBigCodeModel(r);
     RegisterGptNeoxModel(r);

@@ -51,6 +51,7 @@ void RegisterLlamaModels(ModelRegistry* r);  // llama, mistral
 void RegisterQwen2Model(ModelRegistry* r);
 void RegisterGraniteModel(ModelRegistry* r);
 void RegisterPhi3Model(ModelRegistry* r);
+void RegisterGemmaModel(ModelRegistry* r);
 void RegisterGpt2Model(ModelRegistry* r);
 void RegisterGptBigCodeModel(ModelRegistry* r);
 void RegisterGptNeoxModel(ModelRegistry* r);

@@ -9,6 +9,20 @@ namespace tgis::server {
 using kernels::DType;
 using kernels::Tensor;
 
+namespace {
+
+// Gemma's RMSNorm weights are offsets from 1: transformers multiplies by (1 + w) in f32, which
+// the f32 weight 1 + w gives exactly.
+absl::StatusOr<Tensor> NormWeight(const ShardedLoader& ld, const std::string& name, bool plus_one) {
+  auto w = ld.Whole(name);
+  if (!w.ok() || !plus_one) return w;
+  std::vector<float> v(w->data<float>(), w->data<float>() + w->numel());
+  for (float& x : v) x += 1.0f;
+  return Tensor::FromVector(v, w->shape());
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
                                                           const WeightStore& w, DType dtype,
                                                           std::shared_ptr<Communicator> comm,
@@ -23,13 +37,13 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   if (!eps.ok()) return eps.status();
   s.norm = NormKind::kRms;
   s.norm_eps = static_cast<float>(*eps);
-  s.mlp = MlpKind::kGatedSilu;
-  auto act = c.Get<std::string>("hidden_act", std::string("silu"));
+  s.mlp = MlpKind::kGated;
+  // transformers' MLPs of these families take ACT2FN[hidden_act] (Gemma's gelu_pytorch_tanh).
+  auto act_name = c.Get<std::string>("hidden_act", opt.default_act);
+  if (!act_name.ok()) return act_name.status();
+  auto act = ActivationFromName(*act_name, "hidden_act");
   if (!act.ok()) return act.status();
-  if (*act != "silu") {
-    return absl::UnimplementedError(
-        absl::StrCat("config.json: hidden_act '", *act, "' is not supported for ", c.model_type));
-  }
+  s.act = *act;
   auto theta = c.Get<double>("rope_theta", 10000.0);
   if (!theta.ok()) return theta.status();
   s.rotary.style = kernels::RotaryStyle::kNeox;
@@ -45,6 +59,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   s.embed_scale = opt.embed_scale;
   s.residual_scale = opt.residual_scale;
   s.logits_scale = opt.logits_scale;
+  s.embed_scale_in_act_dtype = opt.embed_scale_in_act_dtype;
 
   auto layout = ShardLayout::Make(s, comm->rank(), comm->world_size());
   if (!layout.ok()) return layout.status();
@@ -97,15 +112,15 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
       l.up_b = *up_b;
       l.down_b = *down_b;
     }
-    auto ln1 = ld.Whole(p + "input_layernorm.weight");
-    auto ln2 = ld.Whole(p + "post_attention_layernorm.weight");
+    auto ln1 = NormWeight(ld, p + "input_layernorm.weight", opt.norm_plus_one);
+    auto ln2 = NormWeight(ld, p + "post_attention_layernorm.weight", opt.norm_plus_one);
     if (!ln1.ok()) return ln1.status();
     if (!ln2.ok()) return ln2.status();
     l.ln1_w = *ln1;
     l.ln2_w = *ln2;
     dw.layers.push_back(std::move(l));
   }
-  auto norm = ld.Whole("model.norm.weight");
+  auto norm = NormWeight(ld, "model.norm.weight", opt.norm_plus_one);
   if (!norm.ok()) return norm.status();
   dw.final_norm_w = *norm;
   return FinishDecoder(ld, w, "lm_head.weight", c.tie_word_embeddings, std::move(s), std::move(dw),

@@ -1,9 +1,11 @@
 // The Llama layout (RMSNorm, rotary, gated SiLU MLP, separate q/k/v/o projections), shared by
-// the Llama/Mistral, Qwen2, Granite and Phi-3 files, which differ in biases, sliding-window
-// settings, Granite's multipliers and Phi-3's fused projections.
+// the Llama/Mistral, Qwen2, Granite, Phi-3 and Gemma files, which differ in biases,
+// sliding-window settings, Granite's multipliers, Phi-3's fused projections and Gemma's norms
+// and embedding scale.
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "server/decoder_model.h"
@@ -21,6 +23,11 @@ struct LlamaStyleOptions {
   // Llama has q/k/v_proj and gate/up_proj; the part of each head that rotates.
   bool fused_projections = false;
   double partial_rotary = 1.0;
+  // Gemma: RMSNorm weights applied as (1 + w); the embeddings times sqrt(hidden) rounded to the
+  // activations' dtype (embed_scale, embed_scale_in_act_dtype); hidden_act's default.
+  bool norm_plus_one = false;
+  bool embed_scale_in_act_dtype = false;
+  std::string default_act = "silu";
   // Granite's multipliers (DecoderSpec's embed_scale, residual_scale, logits_scale); 0: the
   // default 1/sqrt(head_dim) attention scale.
   float embed_scale = 1;

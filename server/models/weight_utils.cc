@@ -65,9 +65,11 @@ absl::StatusOr<kernels::Activation> ActivationFromName(const std::string& act,
     return kernels::Activation::kGeluTanh;
   }
   if (act == "relu") return kernels::Activation::kRelu;
-  return absl::UnimplementedError(absl::StrCat(
-      "config.json: ", key, " = \"", act,
-      "\" is not supported (gelu, gelu_new, gelu_pytorch_tanh, gelu_fast and relu are)"));
+  if (act == "silu" || act == "swish") return kernels::Activation::kSilu;
+  return absl::UnimplementedError(absl::StrCat("config.json: ", key, " = \"", act,
+                                               "\" is not supported (gelu, gelu_new, "
+                                               "gelu_pytorch_tanh, gelu_fast, relu, silu and "
+                                               "swish are)"));
 }
 
 namespace {

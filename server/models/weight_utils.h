@@ -32,7 +32,8 @@ absl::StatusOr<kernels::Tensor> ConcatRows(const std::vector<kernels::Tensor>& p
                                            const std::string& what = "",
                                            std::optional<kernels::DType> dense_dtype = {});
 // transformers' ACT2FN names: "gelu" -> erf GELU; "gelu_new", "gelu_pytorch_tanh", "gelu_fast"
-// -> tanh GELU; "relu". Others fail naming config.json's key `key` and the value.
+// -> tanh GELU; "relu"; "silu", "swish". Others fail naming config.json's key `key` and the
+// value.
 absl::StatusOr<kernels::Activation> ActivationFromName(const std::string& act,
                                                        const std::string& key);
 

@@ -969,6 +969,16 @@ TEST(ModelConfigTest, GraniteMultipliersMustBeFiniteNonZeroNumbers) {
                    "embedding_multiplier");
 }
 
+// The Llama layout's MLP takes ACT2FN[hidden_act], as transformers' does: a Llama with "gelu"
+// builds; a name we have no kernel for is refused by name.
+TEST(ModelConfigTest, LlamaLayoutActivationIsHiddenAct) {
+  EXPECT_TRUE(BuildFixtureWith("llama", [](Json& c) { c["hidden_act"] = "gelu"; }).ok());
+  ExpectBuildError(BuildFixtureWith("gemma", [](Json& c) { c["hidden_act"] = "quick_gelu"; }),
+                   "config.json: hidden_act = \"quick_gelu\" is not supported");
+  // Gemma's hidden_activation is transformers' to ignore (a warning), not an error.
+  EXPECT_TRUE(BuildFixtureWith("gemma", [](Json& c) { c["hidden_activation"] = "gelu"; }).ok());
+}
+
 TEST(ModelConfigTest, AnUnknownFamilyWithoutSizesSaysWhichKeysItLooked) {
   char tmpl[] = "/tmp/tgis-config-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr);

@@ -1,0 +1,48 @@
+// Google Gemma (transformers' GemmaForCausalLM; Gemma 1, CodeGemma): the Llama layout with
+// RMSNorm weights applied as (1 + w), token embeddings times sqrt(hidden) (that factor rounded
+// to the activations' dtype, as transformers rounds it), a GELU-gated MLP (hidden_act,
+// gelu_pytorch_tanh by default), an explicit head_dim (256 in the 7B: 16 heads x 256 != 3072) and
+// tied embeddings.
+//
+// config.json's hidden_activation is read only to warn: transformers' GemmaMLP takes hidden_act
+// and ignores it, and so do we, where vLLM prefers it; a checkpoint whose two keys disagree
+// would run differently there.
+#include <cmath>
+
+#include "glog/logging.h"
+#include "server/model_registry.h"
+#include "server/models/llama_style.h"
+
+namespace tgis::server {
+
+namespace {
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
+                                                kernels::DType dtype,
+                                                std::shared_ptr<Communicator> comm) {
+  LlamaStyleOptions opt;
+  auto bias = c.Get<bool>("attention_bias", false);
+  if (!bias.ok()) return bias.status();
+  opt.qkv_bias = *bias;
+  opt.o_bias = *bias;
+  opt.norm_plus_one = true;
+  opt.embed_scale = static_cast<float>(std::sqrt(static_cast<double>(c.hidden_size)));
+  opt.embed_scale_in_act_dtype = true;
+  opt.default_act = "gelu_pytorch_tanh";
+  auto act = c.Get<std::string>("hidden_act", opt.default_act);
+  if (!act.ok()) return act.status();
+  auto declared = c.Get<std::string>("hidden_activation", *act);
+  if (!declared.ok()) return declared.status();
+  if (*declared != *act) {
+    LOG(WARNING) << "config.json: hidden_activation \"" << *declared
+                 << "\" differs from hidden_act \"" << *act
+                 << "\"; the MLP uses hidden_act, as transformers' Gemma does";
+  }
+  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+}
+
+}  // namespace
+
+void RegisterGemmaModel(ModelRegistry* r) { r->Register("gemma", Build); }
+
+}  // namespace tgis::server
