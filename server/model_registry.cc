@@ -15,6 +15,7 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterGraniteModel(r);
     RegisterPhi3Model(r);
     RegisterGemmaModel(r);
+    RegisterStarcoder2Model(r);
     RegisterGpt2Model(r);
     RegisterGptBigCodeModel(r);
     RegisterGptNeoxModel(r);

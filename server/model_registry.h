@@ -52,6 +52,7 @@ void RegisterQwen2Model(ModelRegistry* r);
 void RegisterGraniteModel(ModelRegistry* r);
 void RegisterPhi3Model(ModelRegistry* r);
 void RegisterGemmaModel(ModelRegistry* r);
+void RegisterStarcoder2Model(ModelRegistry* r);
 void RegisterGpt2Model(ModelRegistry* r);
 void RegisterGptBigCodeModel(ModelRegistry* r);
 void RegisterGptNeoxModel(ModelRegistry* r);

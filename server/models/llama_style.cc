@@ -21,6 +21,49 @@ absl::StatusOr<Tensor> NormWeight(const ShardedLoader& ld, const std::string& na
   return Tensor::FromVector(v, w->shape());
 }
 
+// The norm `prefix` ("model.norm"): its weight, and its bias for LayerNorms.
+absl::Status LoadNorm(const ShardedLoader& ld, const std::string& prefix,
+                      const LlamaStyleOptions& opt, Tensor* w, Tensor* b) {
+  auto weight = NormWeight(ld, prefix + ".weight", opt.norm_plus_one);
+  if (!weight.ok()) return weight.status();
+  *w = *weight;
+  if (!opt.layer_norm) return absl::OkStatus();
+  auto bias = ld.Whole(prefix + ".bias");
+  if (!bias.ok()) return bias.status();
+  *b = *bias;
+  return absl::OkStatus();
+}
+
+// This rank's part of layer `p`'s MLP: gate|up and down (Llama: gate_proj, up_proj, down_proj;
+// Phi-3: gate_up_proj, down_proj), or StarCoder2's c_fc and c_proj.
+absl::Status LoadMlp(const ShardedLoader& ld, const std::string& p, int64_t intermediate,
+                     const LlamaStyleOptions& opt, LayerWeights* l) {
+  const Range mlp = ld.mlp_rows();
+  const std::string m = p + "mlp.";
+  TensorLoads loads;
+  if (opt.plain_mlp) {
+    loads.emplace_back(&l->up_w, ld.OutputRows(m + "c_fc.weight", {mlp}));
+    loads.emplace_back(&l->down_w, ld.InputColumns(m + "c_proj.weight", mlp));
+    if (opt.mlp_bias) {
+      loads.emplace_back(&l->up_b, ld.OutputRows(m + "c_fc.bias", {mlp}));
+      loads.emplace_back(&l->down_b, ld.Whole(m + "c_proj.bias"));
+    }
+    return AssignLoads(&loads);
+  }
+  loads.emplace_back(
+      &l->up_w,
+      opt.fused_projections
+          ? ld.OutputRows(m + "gate_up_proj.weight", {mlp, mlp.Shifted(intermediate)})
+          : ld.StackOutputRows({{m + "gate_proj.weight", mlp}, {m + "up_proj.weight", mlp}}));
+  loads.emplace_back(&l->down_w, ld.InputColumns(m + "down_proj.weight", mlp));
+  if (opt.mlp_bias) {
+    loads.emplace_back(
+        &l->up_b, ld.StackOutputRows({{m + "gate_proj.bias", mlp}, {m + "up_proj.bias", mlp}}));
+    loads.emplace_back(&l->down_b, ld.Whole(m + "down_proj.bias"));
+  }
+  return AssignLoads(&loads);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
@@ -33,11 +76,12 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   auto inter = c.Get<int64_t>("intermediate_size");
   if (!inter.ok()) return inter.status();
   s.intermediate = *inter;
-  auto eps = c.Get<double>("rms_norm_eps", 1e-6);
+  auto eps =
+      opt.layer_norm ? c.Get<double>("norm_epsilon", 1e-5) : c.Get<double>("rms_norm_eps", 1e-6);
   if (!eps.ok()) return eps.status();
-  s.norm = NormKind::kRms;
+  s.norm = opt.layer_norm ? NormKind::kLayer : NormKind::kRms;
   s.norm_eps = static_cast<float>(*eps);
-  s.mlp = MlpKind::kGated;
+  s.mlp = opt.plain_mlp ? MlpKind::kPlain : MlpKind::kGated;
   // transformers' MLPs of these families take ACT2FN[hidden_act] (Gemma's gelu_pytorch_tanh).
   auto act_name = c.Get<std::string>("hidden_act", opt.default_act);
   if (!act_name.ok()) return act_name.status();
@@ -64,7 +108,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   auto layout = ShardLayout::Make(s, comm->rank(), comm->world_size());
   if (!layout.ok()) return layout.status();
   const ShardedLoader ld(w, s, *layout, dtype);
-  const Range q = ld.q_rows(), kv = ld.kv_rows(), mlp = ld.mlp_rows();
+  const Range q = ld.q_rows(), kv = ld.kv_rows();
   DecoderWeights dw;
   auto embed = ld.VocabRows("model.embed_tokens.weight");
   if (!embed.ok()) return embed.status();
@@ -94,35 +138,16 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
       if (!b.ok()) return b.status();
       l.o_b = *b;
     }
-    auto gate_up = opt.fused_projections ? ld.OutputRows(p + "mlp.gate_up_proj.weight",
-                                                         {mlp, mlp.Shifted(s.intermediate)})
-                                         : ld.StackOutputRows({{p + "mlp.gate_proj.weight", mlp},
-                                                               {p + "mlp.up_proj.weight", mlp}});
-    if (!gate_up.ok()) return gate_up.status();
-    l.up_w = *gate_up;
-    auto down = ld.InputColumns(p + "mlp.down_proj.weight", mlp);
-    if (!down.ok()) return down.status();
-    l.down_w = *down;
-    if (opt.mlp_bias) {
-      auto up_b =
-          ld.StackOutputRows({{p + "mlp.gate_proj.bias", mlp}, {p + "mlp.up_proj.bias", mlp}});
-      auto down_b = ld.Whole(p + "mlp.down_proj.bias");
-      if (!up_b.ok()) return up_b.status();
-      if (!down_b.ok()) return down_b.status();
-      l.up_b = *up_b;
-      l.down_b = *down_b;
+    if (auto st = LoadMlp(ld, p, s.intermediate, opt, &l); !st.ok()) return st;
+    for (auto [name, nw, nb] : {std::tuple{"input_layernorm", &l.ln1_w, &l.ln1_b},
+                                std::tuple{"post_attention_layernorm", &l.ln2_w, &l.ln2_b}}) {
+      if (auto st = LoadNorm(ld, p + name, opt, nw, nb); !st.ok()) return st;
     }
-    auto ln1 = NormWeight(ld, p + "input_layernorm.weight", opt.norm_plus_one);
-    auto ln2 = NormWeight(ld, p + "post_attention_layernorm.weight", opt.norm_plus_one);
-    if (!ln1.ok()) return ln1.status();
-    if (!ln2.ok()) return ln2.status();
-    l.ln1_w = *ln1;
-    l.ln2_w = *ln2;
     dw.layers.push_back(std::move(l));
   }
-  auto norm = NormWeight(ld, "model.norm.weight", opt.norm_plus_one);
-  if (!norm.ok()) return norm.status();
-  dw.final_norm_w = *norm;
+  if (auto st = LoadNorm(ld, "model.norm", opt, &dw.final_norm_w, &dw.final_norm_b); !st.ok()) {
+    return st;
+  }
   return FinishDecoder(ld, w, "lm_head.weight", c.tie_word_embeddings, std::move(s), std::move(dw),
                        std::move(comm));
 }

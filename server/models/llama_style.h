@@ -1,7 +1,7 @@
 // The Llama layout (RMSNorm, rotary, gated SiLU MLP, separate q/k/v/o projections), shared by
-// the Llama/Mistral, Qwen2, Granite, Phi-3 and Gemma files, which differ in biases,
-// sliding-window settings, Granite's multipliers, Phi-3's fused projections and Gemma's norms
-// and embedding scale.
+// the Llama/Mistral, Qwen2, Granite, Phi-3, Gemma and StarCoder2 files, which differ in
+// biases, sliding-window settings, Granite's multipliers, Phi-3's fused projections, Gemma's
+// norms and embedding scale, and StarCoder2's LayerNorms and plain MLP.
 #pragma once
 
 #include <memory>
@@ -17,7 +17,7 @@ namespace tgis::server {
 struct LlamaStyleOptions {
   bool qkv_bias = false;  // q/k/v_proj biases (Qwen2; Llama's attention_bias)
   bool o_bias = false;    // o_proj bias (Llama's attention_bias)
-  bool mlp_bias = false;  // gate/up/down_proj biases (Llama's mlp_bias)
+  bool mlp_bias = false;  // gate/up/down_proj (or c_fc/c_proj) biases (Llama's mlp_bias)
   int sliding_window = 0;
   // Phi-3: one qkv_proj (q rows, then k, then v) and one gate_up_proj ([gate | up]) where
   // Llama has q/k/v_proj and gate/up_proj; the part of each head that rotates.
@@ -26,6 +26,10 @@ struct LlamaStyleOptions {
   // Gemma: RMSNorm weights applied as (1 + w); the embeddings times sqrt(hidden) rounded to the
   // activations' dtype (embed_scale, embed_scale_in_act_dtype); hidden_act's default.
   bool norm_plus_one = false;
+  // StarCoder2: LayerNorms with biases (norm_epsilon) and a plain MLP (c_fc, act, c_proj;
+  // mlp_bias gives their biases).
+  bool layer_norm = false;
+  bool plain_mlp = false;
   bool embed_scale_in_act_dtype = false;
   std::string default_act = "silu";
   // Granite's multipliers (DecoderSpec's embed_scale, residual_scale, logits_scale); 0: the

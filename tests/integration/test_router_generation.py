@@ -76,7 +76,7 @@ def assert_stream_equals_unary(messages, unary):
 
 # Families whose other behaviour is the Llama layout's (tested above with llama): their
 # greedy output through the router is what is theirs to check.
-@pytest.fixture(scope="module", params=["granite", "phi3", "gemma"])
+@pytest.fixture(scope="module", params=["granite", "phi3", "gemma", "starcoder2"])
 def family(request):
     missing = binaries_missing()
     if missing:

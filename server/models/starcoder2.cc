@@ -1,0 +1,32 @@
+// BigCode StarCoder2 (transformers' Starcoder2ForCausalLM): q/k/v/o projections with GQA and
+// rotary as in Llama, but LayerNorms with biases (norm_epsilon), a plain MLP (c_fc, hidden_act,
+// c_proj), biases on every linear when use_bias (the default), a sliding window when set, and
+// tied embeddings.
+#include "server/model_registry.h"
+#include "server/models/llama_style.h"
+
+namespace tgis::server {
+
+namespace {
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
+                                                kernels::DType dtype,
+                                                std::shared_ptr<Communicator> comm) {
+  LlamaStyleOptions opt;
+  auto bias = c.Get<bool>("use_bias", true);
+  if (!bias.ok()) return bias.status();
+  opt.qkv_bias = opt.o_bias = opt.mlp_bias = *bias;
+  opt.layer_norm = true;
+  opt.plain_mlp = true;
+  opt.default_act = "gelu_pytorch_tanh";
+  auto window = c.Get<int64_t>("sliding_window", int64_t{0});
+  if (!window.ok()) return window.status();
+  opt.sliding_window = static_cast<int>(*window);
+  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+}
+
+}  // namespace
+
+void RegisterStarcoder2Model(ModelRegistry* r) { r->Register("starcoder2", Build); }
+
+}  // namespace tgis::server
