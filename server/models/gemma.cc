@@ -21,10 +21,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
                                                 kernels::DType dtype,
                                                 std::shared_ptr<Communicator> comm) {
   LlamaStyleOptions opt;
-  auto bias = c.Get<bool>("attention_bias", false);
-  if (!bias.ok()) return bias.status();
-  opt.qkv_bias = *bias;
-  opt.o_bias = *bias;
+  if (auto st = ReadBiasKeys(c, /*mlp=*/false, &opt); !st.ok()) return st;
   opt.norm_plus_one = true;
   opt.embed_scale = static_cast<float>(std::sqrt(static_cast<double>(c.hidden_size)));
   opt.embed_scale_in_act_dtype = true;

@@ -28,13 +28,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
                                                 kernels::DType dtype,
                                                 std::shared_ptr<Communicator> comm) {
   LlamaStyleOptions opt;
-  auto bias = c.Get<bool>("attention_bias", false);
-  if (!bias.ok()) return bias.status();
-  opt.qkv_bias = *bias;
-  opt.o_bias = *bias;
-  auto mlp_bias = c.Get<bool>("mlp_bias", false);
-  if (!mlp_bias.ok()) return mlp_bias.status();
-  opt.mlp_bias = *mlp_bias;
+  if (auto st = ReadBiasKeys(c, /*mlp=*/true, &opt); !st.ok()) return st;
   auto embed = Multiplier(c, "embedding_multiplier");
   auto residual = Multiplier(c, "residual_multiplier");
   auto attention = Multiplier(c, "attention_multiplier");

@@ -9,13 +9,7 @@ void RegisterLlamaModels(ModelRegistry* r) {
   auto build = [](const ModelConfig& c, const WeightStore& w, kernels::DType dtype,
                   std::shared_ptr<Communicator> comm) -> absl::StatusOr<std::unique_ptr<CausalLM>> {
     LlamaStyleOptions opt;
-    auto bias = c.Get<bool>("attention_bias", false);
-    if (!bias.ok()) return bias.status();
-    opt.qkv_bias = *bias;
-    opt.o_bias = *bias;
-    auto mlp_bias = c.Get<bool>("mlp_bias", false);
-    if (!mlp_bias.ok()) return mlp_bias.status();
-    opt.mlp_bias = *mlp_bias;
+    if (auto st = ReadBiasKeys(c, /*mlp=*/true, &opt); !st.ok()) return st;
     auto window = c.Get<int64_t>("sliding_window", int64_t{0});
     if (!window.ok()) return window.status();
     opt.sliding_window = static_cast<int>(*window);

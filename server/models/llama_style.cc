@@ -66,6 +66,17 @@ absl::Status LoadMlp(const ShardedLoader& ld, const std::string& p, int64_t inte
 
 }  // namespace
 
+absl::Status ReadBiasKeys(const ModelConfig& c, bool mlp, LlamaStyleOptions* opt) {
+  auto bias = c.Get<bool>("attention_bias", false);
+  if (!bias.ok()) return bias.status();
+  opt->qkv_bias = opt->o_bias = *bias;
+  if (!mlp) return absl::OkStatus();
+  auto mlp_bias = c.Get<bool>("mlp_bias", false);
+  if (!mlp_bias.ok()) return mlp_bias.status();
+  opt->mlp_bias = *mlp_bias;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
                                                           const WeightStore& w, DType dtype,
                                                           std::shared_ptr<Communicator> comm,

@@ -40,6 +40,10 @@ struct LlamaStyleOptions {
   float attn_scale = 0;
 };
 
+// config.json's attention_bias (q/k/v and o biases) and, with `mlp`, mlp_bias (Llama's and
+// Granite's keys; Gemma has only the first).
+absl::Status ReadBiasKeys(const ModelConfig& config, bool mlp, LlamaStyleOptions* options);
+
 absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& config,
                                                           const WeightStore& weights,
                                                           kernels::DType dtype,

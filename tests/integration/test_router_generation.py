@@ -15,14 +15,19 @@ from router_harness import Oracle, RouterServer, binaries_missing  # noqa: E402
 grpc = pytest.importorskip("grpc")
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
-def setup(request):
+def serve(model: str):
+    """The router and shard serving fixture `model`, and transformers' answers for it."""
     missing = binaries_missing()
     if missing:
         pytest.skip(missing)
-    server = RouterServer(request.param)
-    yield server, Oracle(request.param)
+    server = RouterServer(model)
+    yield server, Oracle(model)
     server.close()
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def setup(request):
+    yield from serve(request.param)
 
 
 def params(pb, max_new=16, method=None, seed=None, stop=None, include=None, min_new=0,
@@ -78,12 +83,7 @@ def assert_stream_equals_unary(messages, unary):
 # greedy output through the router is what is theirs to check.
 @pytest.fixture(scope="module", params=["granite", "phi3", "gemma", "starcoder2"])
 def family(request):
-    missing = binaries_missing()
-    if missing:
-        pytest.skip(missing)
-    server = RouterServer(request.param)
-    yield server, Oracle(request.param)
-    server.close()
+    yield from serve(request.param)
 
 
 def test_greedy_matches_transformers(setup):
