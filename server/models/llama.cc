@@ -10,9 +10,7 @@ void RegisterLlamaModels(ModelRegistry* r) {
                   std::shared_ptr<Communicator> comm) -> absl::StatusOr<std::unique_ptr<CausalLM>> {
     LlamaStyleOptions opt;
     if (auto st = ReadBiasKeys(c, /*mlp=*/true, &opt); !st.ok()) return st;
-    auto window = c.Get<int64_t>("sliding_window", int64_t{0});
-    if (!window.ok()) return window.status();
-    opt.sliding_window = static_cast<int>(*window);
+    if (auto st = ReadSlidingWindow(c, &opt); !st.ok()) return st;
     return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
   };
   // Checkpoints saved by transformers before 4.31 hold each layer's rotary inv_freq buffer; we

@@ -77,6 +77,13 @@ absl::Status ReadBiasKeys(const ModelConfig& c, bool mlp, LlamaStyleOptions* opt
   return absl::OkStatus();
 }
 
+absl::Status ReadSlidingWindow(const ModelConfig& c, LlamaStyleOptions* opt) {
+  auto window = c.Get<int64_t>("sliding_window", int64_t{0});
+  if (!window.ok()) return window.status();
+  opt->sliding_window = static_cast<int>(*window);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
                                                           const WeightStore& w, DType dtype,
                                                           std::shared_ptr<Communicator> comm,

@@ -43,6 +43,8 @@ struct LlamaStyleOptions {
 // config.json's attention_bias (q/k/v and o biases) and, with `mlp`, mlp_bias (Llama's and
 // Granite's keys; Gemma has only the first).
 absl::Status ReadBiasKeys(const ModelConfig& config, bool mlp, LlamaStyleOptions* options);
+// config.json's sliding_window (absent: none), as Mistral, Phi-3 and StarCoder2 name it.
+absl::Status ReadSlidingWindow(const ModelConfig& config, LlamaStyleOptions* options);
 
 absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& config,
                                                           const WeightStore& weights,

@@ -14,9 +14,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
                                                 std::shared_ptr<Communicator> comm) {
   LlamaStyleOptions opt;
   opt.fused_projections = true;
-  auto window = c.Get<int64_t>("sliding_window", int64_t{0});
-  if (!window.ok()) return window.status();
-  opt.sliding_window = static_cast<int>(*window);
+  if (auto st = ReadSlidingWindow(c, &opt); !st.ok()) return st;
   auto partial = c.Get<double>("partial_rotary_factor", 1.0);
   if (!partial.ok()) return partial.status();
   opt.partial_rotary = *partial;

@@ -19,9 +19,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   opt.layer_norm = true;
   opt.plain_mlp = true;
   opt.default_act = "gelu_pytorch_tanh";
-  auto window = c.Get<int64_t>("sliding_window", int64_t{0});
-  if (!window.ok()) return window.status();
-  opt.sliding_window = static_cast<int>(*window);
+  if (auto st = ReadSlidingWindow(c, &opt); !st.ok()) return st;
   return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
 }
 
