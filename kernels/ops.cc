@@ -135,6 +135,9 @@ void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
 void Activate(Activation kind, Tensor* x) { TGIS_DISPATCH(Activate, TGIS_TENSORS(x), kind, x); }
 void Clamp(float lo, float hi, Tensor* x) { TGIS_DISPATCH(Clamp, TGIS_TENSORS(x), lo, hi, x); }
 void Scale(float factor, Tensor* x) { TGIS_DISPATCH(Scale, TGIS_TENSORS(x), factor, x); }
+void AddWeightedRows(const Tensor& src, const Tensor& rows, const Tensor& weights, Tensor* out) {
+  TGIS_DISPATCH(AddWeightedRows, TGIS_TENSORS(&src, &rows, &weights, out), src, rows, weights, out);
+}
 
 void Softmax(Tensor* x) { TGIS_DISPATCH(Softmax, TGIS_TENSORS(x), x); }
 

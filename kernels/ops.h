@@ -119,6 +119,13 @@ void Clamp(float lo, float hi, Tensor* x);
 // multipliers, as `tensor * python_float` computes them in PyTorch).
 void Scale(float factor, Tensor* x);
 
+// out[rows[i], :] += weights[i] * src[i, :] for each row i of src [N, H]: one expert's part of
+// a mixture of experts' output. rows: [N] i32 or i64, distinct, each in [0, T) for out [T, H];
+// weights: [N] f32; src and out share a dtype. In 16 bits the weight, the product and the sum
+// are each rounded to that dtype, as transformers' Mixtral computes
+// `out.index_add_(0, rows, expert(x) * weights.to(dtype))`.
+void AddWeightedRows(const Tensor& src, const Tensor& rows, const Tensor& weights, Tensor* out);
+
 // Over the last dim, in place.
 void Softmax(Tensor* x);
 void LogSoftmax(Tensor* x);

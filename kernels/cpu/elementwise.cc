@@ -202,6 +202,35 @@ void Scale(float factor, Tensor* x) {
   });
 }
 
+void AddWeightedRows(const Tensor& src, const Tensor& rows, const Tensor& weights, Tensor* out) {
+  const char* op = "AddWeightedRows";
+  CheckF32(src, op, "src");
+  CheckF32(*out, op, "out");
+  CheckF32(weights, op, "weights");
+  CheckIndexTensor(rows, op, "rows");
+  TGIS_CHECK(src.rank() == 2 && out->rank() == 2 && src.dim(1) == out->dim(1),
+             "%s: src [N, H] and out [T, H] must share H", op);
+  const int64_t n = src.dim(0), h = src.dim(1), t = out->dim(0);
+  TGIS_CHECK(rows.numel() == n && weights.numel() == n, "%s: want one row index and weight per row",
+             op);
+  std::vector<bool> taken(t, false);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = IndexAt(rows, i);
+    TGIS_CHECK(0 <= r && r < t && !taken[r], "%s: row %lld is out of [0, %lld) or repeated", op,
+               static_cast<long long>(r), static_cast<long long>(t));
+    taken[r] = true;
+  }
+  const float* s = src.data<float>();
+  const float* w = weights.data<float>();
+  float* o = out->data<float>();
+  ParallelFor(n, RowGrain(h), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      float* dst = o + IndexAt(rows, i) * h;
+      for (int64_t j = 0; j < h; ++j) dst[j] += s[i * h + j] * w[i];
+    }
+  });
+}
+
 namespace {
 
 template <bool kLog>

@@ -183,6 +183,19 @@ __global__ void ScaleKernel(float factor, T* x, int64_t n) {
 }
 
 template <typename T>
+__global__ void AddWeightedRowsKernel(const T* src, const void* rows, bool wide,
+                                      const float* weights, int64_t h, T* out) {
+  PriorGridsDone();
+  const int64_t i = blockIdx.x;
+  const float w = ToF32(FromF32<T>(weights[i]));  // transformers' weights.to(dtype)
+  const T* s = src + i * h;
+  T* o = out + LoadIndex(rows, wide, i) * h;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+    o[j] = FromF32<T>(ToF32(o[j]) + ToF32(FromF32<T>(ToF32(s[j]) * w)));
+  }
+}
+
+template <typename T>
 __global__ void SoftmaxKernel(T* x, int64_t n, bool log) {
   PriorGridsDone();
   __shared__ float scratch[32];
@@ -333,6 +346,26 @@ void Scale(float factor, Tensor* x) {
   if (n == 0) return;
   TGIS_DISPATCH_FLOAT(x->dtype(), op,
                       Launch(ScaleKernel<T>, StrideBlocks(n), 256, factor, x->data<T>(), n));
+}
+
+// Rows are distinct (the contract): one block a row, no two blocks write the same one.
+void AddWeightedRows(const Tensor& src, const Tensor& rows, const Tensor& weights, Tensor* out) {
+  const char* op = "AddWeightedRows";
+  CheckCudaFloat(src, op, "src");
+  CheckSame(src, *out, op, "out");
+  CheckCudaIndex(rows, op, "rows");
+  TGIS_CHECK(weights.device() == Device::kCuda && weights.dtype() == DType::kF32,
+             "%s: weights must be f32 on the device", op);
+  TGIS_CHECK(src.rank() == 2 && out->rank() == 2 && src.dim(1) == out->dim(1),
+             "%s: src [N, H] and out [T, H] must share H", op);
+  const int64_t n = src.dim(0), h = src.dim(1);
+  TGIS_CHECK(rows.numel() == n && weights.numel() == n, "%s: want one row index and weight per row",
+             op);
+  if (n == 0 || h == 0) return;
+  TGIS_DISPATCH_FLOAT(
+      src.dtype(), op,
+      Launch(AddWeightedRowsKernel<T>, static_cast<unsigned>(n), RowThreads(h), src.data<T>(),
+             rows.raw(), rows.dtype() == DType::kI64, weights.data<float>(), h, out->data<T>()));
 }
 
 namespace {

@@ -1220,6 +1220,36 @@ TEST_P(OpsTest, Scale) {
   ExpectClose(got, ref, std::vector<double>(ref.size(), 1.0), tol(), "scale");
 }
 
+// Two experts' weighted rows added into out in turn, as a mixture of experts sums them; rows
+// no expert took stay as they were. In 16 bits the weight, each product and each sum round.
+TEST_P(OpsTest, AddWeightedRows) {
+  const int64_t t = 5, h = 37;
+  Tensor out = Act(Random(t * h, 31, -2, 2), {t, h});
+  const std::vector<float> before = Host(out);
+  std::vector<double> ref(before.begin(), before.end());
+  const std::vector<std::pair<std::vector<int32_t>, std::vector<float>>> experts = {
+      {{4, 0, 2}, {0.7f, 0.125f, 0.3337f}}, {{2, 4}, {0.6663f, 0.3f}}};
+  for (size_t e = 0; e < experts.size(); ++e) {
+    const auto& [rows, weights] = experts[e];
+    const int64_t n = static_cast<int64_t>(rows.size());
+    Tensor src = Act(Random(n * h, 32 + static_cast<int>(e), -3, 3), {n, h});
+    const std::vector<float> s = Host(src);
+    Tensor w = Tensor::FromVector(weights, {n});
+    if (device() != Device::kCpu) w = w.ToDevice(device());
+    AddWeightedRows(src, Index(rows), w, &out);
+    for (int64_t i = 0; i < n; ++i) {
+      const double wi = RoundTo(act_dtype(), weights[i]);
+      for (int64_t j = 0; j < h; ++j) {
+        double& o = ref[rows[i] * h + j];
+        o = RoundTo(act_dtype(), static_cast<float>(o + RoundTo(act_dtype(), s[i * h + j] * wi)));
+      }
+    }
+  }
+  ExpectClose(Host(out), ref, std::vector<double>(ref.size(), 4.0), tol(), "weighted rows");
+  const std::vector<float> got = Host(out);
+  for (int64_t j = 0; j < h; ++j) EXPECT_EQ(got[1 * h + j], ref[1 * h + j]) << "untouched row";
+}
+
 TEST_P(OpsTest, SoftmaxAndLogSoftmaxLargeMagnitudes) {
   const int64_t n = 1000;
   std::vector<float> v;
