@@ -108,13 +108,28 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const LayerWeights& l = w.layers[i];
     const std::string p = absl::StrCat("layer ", i, " ");
-    for (auto [t, shape, name] :
-         {std::tuple{&l.qkv_w, kernels::Shape{qkv, s.hidden}, "qkv"},
-          std::tuple{&l.o_w, kernels::Shape{s.hidden, hq * s.head_dim}, "o_proj"},
-          std::tuple{&l.up_w, kernels::Shape{up, s.hidden}, "mlp up"},
-          std::tuple{&l.down_w, kernels::Shape{s.hidden, inter}, "mlp down"},
-          std::tuple{&l.ln1_w, kernels::Shape{s.hidden}, "input norm"},
-          std::tuple{&l.ln2_w, kernels::Shape{s.hidden}, "post-attention norm"}}) {
+    std::vector<std::tuple<const Tensor*, kernels::Shape, std::string>> want = {
+        {&l.qkv_w, {qkv, s.hidden}, "qkv"},
+        {&l.o_w, {s.hidden, hq * s.head_dim}, "o_proj"},
+        {&l.ln1_w, {s.hidden}, "input norm"},
+        {&l.ln2_w, {s.hidden}, "post-attention norm"}};
+    if (s.num_experts > 0) {
+      if (static_cast<int64_t>(l.expert_up.size()) != s.num_experts ||
+          static_cast<int64_t>(l.expert_down.size()) != s.num_experts) {
+        return absl::InvalidArgumentError(absl::StrCat(p, "experts: ", s.num_experts, " expected"));
+      }
+      want.emplace_back(&l.router_w, kernels::Shape{s.num_experts, s.hidden}, "router");
+      for (int64_t e = 0; e < s.num_experts; ++e) {
+        want.emplace_back(&l.expert_up[e], kernels::Shape{up, s.hidden},
+                          absl::StrCat("expert ", e, " up"));
+        want.emplace_back(&l.expert_down[e], kernels::Shape{s.hidden, inter},
+                          absl::StrCat("expert ", e, " down"));
+      }
+    } else {
+      want.emplace_back(&l.up_w, kernels::Shape{up, s.hidden}, "mlp up");
+      want.emplace_back(&l.down_w, kernels::Shape{s.hidden, inter}, "mlp down");
+    }
+    for (const auto& [t, shape, name] : want) {
       if (auto st = CheckShape(*t, shape, p + name); !st.ok()) return st;
     }
     for (auto [t, shape, name] :
@@ -158,8 +173,9 @@ size_t CausalLM::KvBytesPerToken() const {
 
 kernels::DType CausalLM::kv_dtype() const {
   std::vector<const Tensor*> linears;
-  for (const LayerWeights& l : w_.layers)
-    linears.insert(linears.end(), {&l.qkv_w, &l.o_w, &l.up_w, &l.down_w});
+  for (const LayerWeights& l : w_.layers) {
+    for (const Tensor* t : l.Linears()) linears.push_back(t);
+  }
   return KvCacheDType(device_, act_dtype_, linears);
 }
 
@@ -170,7 +186,7 @@ void CausalLM::MoveTo(kernels::Device device) {
       kernels::PrepareCpuWeight(&w_.project_in);
       kernels::PrepareCpuWeight(&w_.project_out);
       for (LayerWeights& l : w_.layers) {
-        for (Tensor* t : {&l.qkv_w, &l.o_w, &l.up_w, &l.down_w}) kernels::PrepareCpuWeight(t);
+        for (Tensor* t : l.Linears()) kernels::PrepareCpuWeight(t);
       }
     }
     return;
@@ -197,10 +213,11 @@ void CausalLM::MoveTo(kernels::Device device) {
   move(&w_.final_norm_w);
   move(&w_.final_norm_b);
   for (LayerWeights& l : w_.layers) {
-    for (Tensor* t : {&l.ln1_w, &l.ln1_b, &l.ln2_w, &l.ln2_b, &l.qkv_w, &l.qkv_b, &l.o_w, &l.o_b,
-                      &l.up_w, &l.up_b, &l.down_w, &l.down_b}) {
+    for (Tensor* t : {&l.ln1_w, &l.ln1_b, &l.ln2_w, &l.ln2_b, &l.qkv_b, &l.o_b, &l.up_b, &l.down_b,
+                      &l.router_w}) {
       move(t);
     }
+    for (Tensor* t : l.Linears()) move(t);
   }
   device_ = device;
   act_dtype_ = dtype;
@@ -324,19 +341,28 @@ void CausalLM::AddNorm(Tensor* x, const Tensor& y, const Tensor& w, const Tensor
 
 // This rank's part of the MLP output (before the all-reduce).
 void CausalLM::Mlp(const LayerWeights& w, const Tensor& x, Tensor* out) const {
+  if (spec_.num_experts > 0) {
+    MixtureOfExperts(w, x, out);
+  } else {
+    DenseMlp(w.up_w, w.up_b, w.down_w, w.down_b, x, out);
+  }
+}
+
+void CausalLM::DenseMlp(const Tensor& up_w, const Tensor& up_b, const Tensor& down_w,
+                        const Tensor& down_b, const Tensor& x, Tensor* out) const {
   const int64_t t = x.dim(0);
   const int64_t inter = layout_.intermediate.size();
   if (spec_.mlp == MlpKind::kGated) {
     Tensor gate_up = Buf({t, 2 * inter});
-    kernels::Linear(x, w.up_w, w.up_b.defined() ? &w.up_b : nullptr, &gate_up);
+    kernels::Linear(x, up_w, up_b.defined() ? &up_b : nullptr, &gate_up);
     Tensor act = Buf({t, inter});
     kernels::GatedActivation(spec_.act, gate_up, &act);
-    kernels::Linear(act, w.down_w, RowParallelBias(w.down_b), out);
+    kernels::Linear(act, down_w, RowParallelBias(down_b), out);
   } else {
     Tensor h = Buf({t, inter});
-    kernels::Linear(x, w.up_w, w.up_b.defined() ? &w.up_b : nullptr, &h);
+    kernels::Linear(x, up_w, up_b.defined() ? &up_b : nullptr, &h);
     kernels::Activate(spec_.act, &h);
-    kernels::Linear(h, w.down_w, RowParallelBias(w.down_b), out);
+    kernels::Linear(h, down_w, RowParallelBias(down_b), out);
   }
 }
 

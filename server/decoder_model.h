@@ -31,6 +31,23 @@ struct LayerWeights {
   kernels::Tensor o_w, o_b;                    // [H, Hq * D]; the bias whole (added once)
   kernels::Tensor up_w, up_b;                  // [2I, H] ([gate | up]) or [I, H]
   kernels::Tensor down_w, down_b;              // [H, I]; the bias whole (added once)
+  // A mixture of experts (DecoderSpec::num_experts > 0) in place of up_w and down_w: the
+  // router [E, H] (whole, as the checkpoint holds it) and each expert's [2I, H] ([gate | up])
+  // and [H, I].
+  kernels::Tensor router_w;
+  std::vector<kernels::Tensor> expert_up, expert_down;
+
+  // The linear weights (undefined ones included), for what every linear gets alike.
+  template <typename Self>
+  static auto LinearsOf(Self& l) {
+    std::vector<decltype(&l.qkv_w)> all = {&l.qkv_w, &l.o_w, &l.up_w, &l.down_w};
+    for (auto* experts : {&l.expert_up, &l.expert_down}) {
+      for (auto& t : *experts) all.push_back(&t);
+    }
+    return all;
+  }
+  std::vector<kernels::Tensor*> Linears() { return LinearsOf(*this); }
+  std::vector<const kernels::Tensor*> Linears() const { return LinearsOf(*this); }
 };
 
 struct DecoderWeights {
@@ -97,6 +114,15 @@ class CausalLM : public Model {
     return b.defined() && layout_.rank == 0 ? &b : nullptr;
   }
   void Mlp(const LayerWeights& w, const kernels::Tensor& x, kernels::Tensor* out) const;
+  // A dense MLP: up (gate | up for a gated one), activation, down.
+  void DenseMlp(const kernels::Tensor& up_w, const kernels::Tensor& up_b,
+                const kernels::Tensor& down_w, const kernels::Tensor& down_b,
+                const kernels::Tensor& x, kernels::Tensor* out) const;
+  // The mixture of experts: the router's scores cross to the host (one synchronisation a layer
+  // on CUDA, so these models run decode steps without CUDA graphs), each expert runs over the
+  // rows routed to it, and their weighted outputs are summed into *out.
+  void MixtureOfExperts(const LayerWeights& w, const kernels::Tensor& x,
+                        kernels::Tensor* out) const;
   // Rotary with length-dependent frequencies on q and k: each sequence past the original
   // context gets its own (the other rotary models rotate inside QkvToCache).
   void Rotate(const ForwardInput& in, kernels::Tensor* q, kernels::Tensor* k) const;

@@ -16,6 +16,7 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterPhi3Model(r);
     RegisterGemmaModel(r);
     RegisterStarcoder2Model(r);
+    RegisterMixtralModel(r);
     RegisterGpt2Model(r);
     RegisterGptBigCodeModel(r);
     RegisterGptNeoxModel(r);

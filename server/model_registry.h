@@ -49,10 +49,11 @@ class ModelRegistry {
 // Each architecture file defines one of these; ModelRegistry::Get calls them all.
 void RegisterLlamaModels(ModelRegistry* r);  // llama, mistral
 void RegisterQwen2Model(ModelRegistry* r);
-void RegisterGraniteModel(ModelRegistry* r);
+void RegisterGraniteModel(ModelRegistry* r);  // granite, granitemoe
 void RegisterPhi3Model(ModelRegistry* r);
 void RegisterGemmaModel(ModelRegistry* r);
 void RegisterStarcoder2Model(ModelRegistry* r);
+void RegisterMixtralModel(ModelRegistry* r);
 void RegisterGpt2Model(ModelRegistry* r);
 void RegisterGptBigCodeModel(ModelRegistry* r);
 void RegisterGptNeoxModel(ModelRegistry* r);

@@ -2,6 +2,11 @@
 // multipliers: token embeddings times embedding_multiplier, attention scores times
 // attention_multiplier (in place of 1/sqrt(head_dim)), each attention and MLP output times
 // residual_multiplier before its residual add, and logits divided by logits_scaling.
+// GraniteMoE (granitemoe: Granite 3.x's 1B-A400M and 3B-A800M) is the same with a mixture of
+// experts in place of the MLP: a router (router.layer) scores num_local_experts experts, a
+// token's num_experts_per_tok best ones run (input_linear [E, 2I, H] holding gate | up,
+// output_linear [E, H, I]), weighted by a softmax over their scores. Read only in training,
+// so not here: output_router_logits and router_aux_loss_coef.
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -26,9 +31,11 @@ absl::StatusOr<float> Multiplier(const ModelConfig& c, const char* key) {
 
 absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
                                                 kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm) {
+                                                std::shared_ptr<Communicator> comm, MoeLayout moe) {
   LlamaStyleOptions opt;
-  if (auto st = ReadBiasKeys(c, /*mlp=*/true, &opt); !st.ok()) return st;
+  opt.moe = moe;
+  // GraniteMoE's config has attention_bias but no mlp_bias.
+  if (auto st = ReadBiasKeys(c, /*mlp=*/moe == MoeLayout::kNone, &opt); !st.ok()) return st;
   auto embed = Multiplier(c, "embedding_multiplier");
   auto residual = Multiplier(c, "residual_multiplier");
   auto attention = Multiplier(c, "attention_multiplier");
@@ -47,6 +54,15 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
 
 }  // namespace
 
-void RegisterGraniteModel(ModelRegistry* r) { r->Register("granite", Build); }
+void RegisterGraniteModel(ModelRegistry* r) {
+  for (const auto& entry :
+       {std::pair{"granite", MoeLayout::kNone}, std::pair{"granitemoe", MoeLayout::kGraniteMoe}}) {
+    const MoeLayout moe = entry.second;
+    r->Register(entry.first, [moe](const ModelConfig& c, const WeightStore& w, kernels::DType dtype,
+                                   std::shared_ptr<Communicator> comm) {
+      return Build(c, w, dtype, std::move(comm), moe);
+    });
+  }
+}
 
 }  // namespace tgis::server

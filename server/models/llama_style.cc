@@ -64,6 +64,51 @@ absl::Status LoadMlp(const ShardedLoader& ld, const std::string& p, int64_t inte
   return AssignLoads(&loads);
 }
 
+// This rank's part of layer `p`'s mixture of experts: the router whole, and each expert's
+// gate|up rows and down columns.
+absl::Status LoadExperts(const ShardedLoader& ld, const std::string& p, const DecoderSpec& s,
+                         MoeLayout layout, LayerWeights* l) {
+  const Range mlp = ld.mlp_rows();
+  const std::string m = p + "block_sparse_moe.";
+  l->expert_up.resize(s.num_experts);
+  l->expert_down.resize(s.num_experts);
+  TensorLoads loads;
+  if (layout == MoeLayout::kMixtral) {
+    loads.emplace_back(&l->router_w, ld.Whole(m + "gate.weight"));
+    for (int64_t e = 0; e < s.num_experts; ++e) {
+      const std::string x = absl::StrCat(m, "experts.", e, ".");
+      loads.emplace_back(&l->expert_up[e],
+                         ld.StackOutputRows({{x + "w1.weight", mlp}, {x + "w3.weight", mlp}}));
+      loads.emplace_back(&l->expert_down[e], ld.InputColumns(x + "w2.weight", mlp));
+    }
+  } else {
+    loads.emplace_back(&l->router_w, ld.Whole(m + "router.layer.weight"));
+    for (int64_t e = 0; e < s.num_experts; ++e) {
+      const ShardedLoader expert = ld.Expert(e);
+      loads.emplace_back(&l->expert_up[e], expert.OutputRows(m + "input_linear.weight",
+                                                             {mlp, mlp.Shifted(s.intermediate)}));
+      loads.emplace_back(&l->expert_down[e], expert.InputColumns(m + "output_linear.weight", mlp));
+    }
+  }
+  return AssignLoads(&loads);
+}
+
+// config.json's expert counts: num_local_experts experts, num_experts_per_tok of them a token.
+absl::Status ReadExpertCounts(const ModelConfig& c, DecoderSpec* s) {
+  auto experts = c.Get<int64_t>("num_local_experts");
+  if (!experts.ok()) return experts.status();
+  auto per_token = c.Get<int64_t>("num_experts_per_tok");
+  if (!per_token.ok()) return per_token.status();
+  if (*experts < 1 || *per_token < 1 || *per_token > *experts) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: num_experts_per_tok = ", *per_token, " with num_local_experts = ", *experts,
+        ": expected 1 <= num_experts_per_tok <= num_local_experts"));
+  }
+  s->num_experts = *experts;
+  s->experts_per_token = *per_token;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ReadBiasKeys(const ModelConfig& c, bool mlp, LlamaStyleOptions* opt) {
@@ -122,6 +167,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   s.residual_scale = opt.residual_scale;
   s.logits_scale = opt.logits_scale;
   s.embed_scale_in_act_dtype = opt.embed_scale_in_act_dtype;
+  if (opt.moe != MoeLayout::kNone) {
+    if (auto st = ReadExpertCounts(c, &s); !st.ok()) return st;
+    s.route_softmax_first = opt.moe == MoeLayout::kMixtral;
+  }
 
   auto layout = ShardLayout::Make(s, comm->rank(), comm->world_size());
   if (!layout.ok()) return layout.status();
@@ -156,7 +205,11 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
       if (!b.ok()) return b.status();
       l.o_b = *b;
     }
-    if (auto st = LoadMlp(ld, p, s.intermediate, opt, &l); !st.ok()) return st;
+    if (auto st = opt.moe == MoeLayout::kNone ? LoadMlp(ld, p, s.intermediate, opt, &l)
+                                              : LoadExperts(ld, p, s, opt.moe, &l);
+        !st.ok()) {
+      return st;
+    }
     for (auto [name, nw, nb] : {std::tuple{"input_layernorm", &l.ln1_w, &l.ln1_b},
                                 std::tuple{"post_attention_layernorm", &l.ln2_w, &l.ln2_b}}) {
       if (auto st = LoadNorm(ld, p + name, opt, nw, nb); !st.ok()) return st;

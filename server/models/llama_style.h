@@ -14,6 +14,14 @@
 
 namespace tgis::server {
 
+// Where a mixture of experts' tensors are (DecoderSpec::num_experts; config.json's
+// num_local_experts and num_experts_per_tok).
+enum class MoeLayout {
+  kNone,        // a dense MLP
+  kMixtral,     // block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2
+  kGraniteMoe,  // block_sparse_moe.router.layer, input_linear [E, 2I, H], output_linear [E, H, I]
+};
+
 struct LlamaStyleOptions {
   bool qkv_bias = false;  // q/k/v_proj biases (Qwen2; Llama's attention_bias)
   bool o_bias = false;    // o_proj bias (Llama's attention_bias)
@@ -38,6 +46,7 @@ struct LlamaStyleOptions {
   float residual_scale = 1;
   float logits_scale = 1;
   float attn_scale = 0;
+  MoeLayout moe = MoeLayout::kNone;
 };
 
 // config.json's attention_bias (q/k/v and o biases) and, with `mlp`, mlp_bias (Llama's and

@@ -153,6 +153,14 @@ Tensor Select(const Tensor& src, int dim, const std::vector<Range>& ranges, bool
 absl::StatusOr<Tensor> ShardedLoader::Raw(const std::string& name) const {
   auto t = w_.View(name);
   if (!t.ok()) return t.status();
+  if (expert_) {
+    if (t->rank() != 3 || t->dim(0) != spec_.num_experts) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected a 3-D tensor [experts, rows, columns] of the config's ",
+                       spec_.num_experts, " experts (num_local_experts)"));
+    }
+    return t->Rows(*expert_, *expert_ + 1).Reshape({t->dim(1), t->dim(2)});
+  }
   if (t->rank() != 1 && t->rank() != 2) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": expected a 1-D or 2-D tensor"));
   }
@@ -172,7 +180,7 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
     return std::nullopt;
   }
   const std::optional<std::string> linear = LinearPrefix(name);
-  if (!linear) return std::nullopt;
+  if (!linear || expert_) return std::nullopt;
   const std::string& prefix = *linear;
   if (q.method == QuantMethod::kFp8) {
     // A linear left dense (the config's ignore list) has no scale; an fp8 weight without one

@@ -56,6 +56,14 @@ class ShardedLoader {
       : w_(weights), spec_(spec), layout_(layout), dtype_(dtype) {}
 
   const ShardLayout& layout() const { return layout_; }
+  // A loader whose tensors are expert `expert`'s [rows, columns] of the checkpoint's 3-D
+  // [experts, rows, columns] ones (GraniteMoE's input_linear and output_linear), sliced as
+  // this one slices. Such tensors are read dense: a checkpoint that quantized them is not served.
+  ShardedLoader Expert(int64_t expert) const {
+    ShardedLoader l = *this;
+    l.expert_ = expert;
+    return l;
+  }
   // This rank's rows of q/k/v projections laid out head by head, and of the MLP.
   Range q_rows() const { return layout_.q_rows(spec_.head_dim); }
   Range kv_rows() const { return layout_.kv_rows(spec_.head_dim); }
@@ -114,6 +122,7 @@ class ShardedLoader {
   const DecoderSpec& spec_;
   ShardLayout layout_;
   kernels::DType dtype_;
+  std::optional<int64_t> expert_;  // Expert()
 };
 
 // Stores each loaded tensor in its destination, or returns the first load's error.

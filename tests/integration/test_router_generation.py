@@ -81,7 +81,7 @@ def assert_stream_equals_unary(messages, unary):
 
 # Families whose other behaviour is the Llama layout's (tested above with llama): their
 # greedy output through the router is what is theirs to check.
-@pytest.fixture(scope="module", params=["granite", "phi3", "gemma", "starcoder2"])
+@pytest.fixture(scope="module", params=["granite", "phi3", "gemma", "starcoder2", "mixtral", "granitemoe"])
 def family(request):
     yield from serve(request.param)
 
@@ -91,6 +91,7 @@ def test_greedy_matches_transformers(setup):
 
 
 def test_greedy_of_other_llama_layout_families_matches_transformers(family):
+    """Granite, Phi-3, Gemma, StarCoder2 and the mixtures of experts (Mixtral, GraniteMoE)."""
     check_greedy(*family)
 
 

@@ -969,6 +969,29 @@ TEST(ModelConfigTest, GraniteMultipliersMustBeFiniteNonZeroNumbers) {
                    "embedding_multiplier");
 }
 
+// Expert counts: num_experts_per_tok within num_local_experts, and the checkpoint holding
+// exactly the config's experts (Mixtral's per-expert tensors, GraniteMoE's 3-D ones).
+TEST(ModelConfigTest, MixtureOfExpertsCountsMatchTheConfigAndTheCheckpoint) {
+  for (const char* family : {"mixtral", "granitemoe"}) {
+    EXPECT_TRUE(BuildFixtureWith(family, [](Json&) {}).ok()) << family;
+    ExpectBuildError(BuildFixtureWith(family, [](Json& c) { c["num_experts_per_tok"] = 5; }),
+                     "config.json: num_experts_per_tok = 5 with num_local_experts = 4");
+    ExpectBuildError(BuildFixtureWith(family, [](Json& c) { c["num_experts_per_tok"] = 0; }),
+                     "expected 1 <= num_experts_per_tok <= num_local_experts");
+    ExpectBuildError(BuildFixtureWith(family, [](Json& c) { c.erase("num_local_experts"); }),
+                     "num_local_experts");
+  }
+  ExpectBuildError(BuildFixtureWith("mixtral", [](Json& c) { c["num_local_experts"] = 5; }),
+                   "model.layers.0.block_sparse_moe.experts.4.w1.weight");
+  for (int experts : {3, 5}) {
+    ExpectBuildError(
+        BuildFixtureWith("granitemoe", [&](Json& c) { c["num_local_experts"] = experts; }),
+        "model.layers.0.block_sparse_moe.input_linear.weight: expected a 3-D tensor [experts, "
+        "rows, columns] of the config's " +
+            std::to_string(experts) + " experts");
+  }
+}
+
 // The Llama layout's MLP takes ACT2FN[hidden_act], as transformers' does: a Llama with "gelu"
 // builds; a name we have no kernel for is refused by name.
 TEST(ModelConfigTest, LlamaLayoutActivationIsHiddenAct) {

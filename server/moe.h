@@ -1,0 +1,26 @@
+// Mixture-of-experts routing on the host: which experts each token of a step goes to, and with
+// what weight, from the router's scores (CausalLM::MixtureOfExperts runs the experts).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace tgis::server {
+
+// The rows of a step that one expert takes, ascending, and their weights.
+struct ExpertRows {
+  std::vector<int32_t> rows;
+  std::vector<float> weights;
+};
+
+// Routes `tokens` rows of router scores ([tokens, experts] f32, row-major) to each row's `k`
+// best experts (ties: the lower expert), in f32 as transformers does:
+// - softmax_first (Mixtral): p = softmax(scores); the k largest p, each divided by their sum;
+// - else (GraniteMoE): the k largest scores, then a softmax over those k.
+// Returns one ExpertRows per expert. A row holding a NaN gets NaN weights (its logits turn NaN,
+// which fails that request alone), never an expert out of range.
+std::vector<ExpertRows> RouteTokens(std::span<const float> scores, int64_t tokens, int64_t experts,
+                                    int64_t k, bool softmax_first);
+
+}  // namespace tgis::server
