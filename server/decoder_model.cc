@@ -40,6 +40,9 @@ absl::StatusOr<ShardLayout> ShardLayout::Make(const DecoderSpec& s, int rank, in
   };
   if (s.num_heads % world != 0) return indivisible("the number of attention heads", s.num_heads);
   if (s.intermediate % world != 0) return indivisible("the MLP size", s.intermediate);
+  if (s.shared_expert_intermediate % world != 0) {
+    return indivisible("the shared expert's MLP size", s.shared_expert_intermediate);
+  }
   if (s.num_kv_heads <= 0 || s.num_heads % s.num_kv_heads != 0) {
     return absl::InvalidArgumentError("attention heads are not a multiple of the KV heads");
   }
@@ -67,6 +70,8 @@ absl::StatusOr<ShardLayout> ShardLayout::Make(const DecoderSpec& s, int rank, in
   }
   const int64_t inter = s.intermediate / world;
   l.intermediate = {rank * inter, (rank + 1) * inter};
+  const int64_t shared = s.shared_expert_intermediate / world;
+  l.shared_expert = {rank * shared, (rank + 1) * shared};
   l.vocab_chunk = (s.vocab + world - 1) / world;
   l.vocab = {std::min(s.vocab, rank * l.vocab_chunk),
              std::min(s.vocab, (rank + 1) * l.vocab_chunk)};
@@ -118,7 +123,13 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
           static_cast<int64_t>(l.expert_down.size()) != s.num_experts) {
         return absl::InvalidArgumentError(absl::StrCat(p, "experts: ", s.num_experts, " expected"));
       }
-      want.emplace_back(&l.router_w, kernels::Shape{s.num_experts, s.hidden}, "router");
+      const int64_t shared = layout.shared_expert.size();
+      want.emplace_back(&l.router_w, kernels::Shape{s.num_experts + (shared > 0 ? 1 : 0), s.hidden},
+                        "router");
+      if (shared > 0) {
+        want.emplace_back(&l.shared_up, kernels::Shape{2 * shared, s.hidden}, "shared expert up");
+        want.emplace_back(&l.shared_down, kernels::Shape{s.hidden, shared}, "shared expert down");
+      }
       for (int64_t e = 0; e < s.num_experts; ++e) {
         want.emplace_back(&l.expert_up[e], kernels::Shape{up, s.hidden},
                           absl::StrCat("expert ", e, " up"));
@@ -344,14 +355,13 @@ void CausalLM::Mlp(const LayerWeights& w, const Tensor& x, Tensor* out) const {
   if (spec_.num_experts > 0) {
     MixtureOfExperts(w, x, out);
   } else {
-    DenseMlp(w.up_w, w.up_b, w.down_w, w.down_b, x, out);
+    DenseMlp(w.up_w, w.up_b, w.down_w, w.down_b, layout_.intermediate.size(), x, out);
   }
 }
 
 void CausalLM::DenseMlp(const Tensor& up_w, const Tensor& up_b, const Tensor& down_w,
-                        const Tensor& down_b, const Tensor& x, Tensor* out) const {
+                        const Tensor& down_b, int64_t inter, const Tensor& x, Tensor* out) const {
   const int64_t t = x.dim(0);
-  const int64_t inter = layout_.intermediate.size();
   if (spec_.mlp == MlpKind::kGated) {
     Tensor gate_up = Buf({t, 2 * inter});
     kernels::Linear(x, up_w, up_b.defined() ? &up_b : nullptr, &gate_up);

@@ -34,13 +34,16 @@ struct LayerWeights {
   // A mixture of experts (DecoderSpec::num_experts > 0) in place of up_w and down_w: the
   // router [E, H] (whole, as the checkpoint holds it) and each expert's [2I, H] ([gate | up])
   // and [H, I].
+  // With a shared expert, router_w's last row is its gate: [E + 1, H].
   kernels::Tensor router_w;
   std::vector<kernels::Tensor> expert_up, expert_down;
+  kernels::Tensor shared_up, shared_down;  // [2S, H] and [H, S] (S: this rank's shared columns)
 
   // The linear weights (undefined ones included), for what every linear gets alike.
   template <typename Self>
   static auto LinearsOf(Self& l) {
-    std::vector<decltype(&l.qkv_w)> all = {&l.qkv_w, &l.o_w, &l.up_w, &l.down_w};
+    std::vector<decltype(&l.qkv_w)> all = {&l.qkv_w,  &l.o_w,       &l.up_w,
+                                           &l.down_w, &l.shared_up, &l.shared_down};
     for (auto* experts : {&l.expert_up, &l.expert_down}) {
       for (auto& t : *experts) all.push_back(&t);
     }
@@ -114,9 +117,10 @@ class CausalLM : public Model {
     return b.defined() && layout_.rank == 0 ? &b : nullptr;
   }
   void Mlp(const LayerWeights& w, const kernels::Tensor& x, kernels::Tensor* out) const;
-  // A dense MLP: up (gate | up for a gated one), activation, down.
+  // A dense MLP of `inter` columns (this rank's): up (gate | up for a gated one), activation,
+  // down.
   void DenseMlp(const kernels::Tensor& up_w, const kernels::Tensor& up_b,
-                const kernels::Tensor& down_w, const kernels::Tensor& down_b,
+                const kernels::Tensor& down_w, const kernels::Tensor& down_b, int64_t inter,
                 const kernels::Tensor& x, kernels::Tensor* out) const;
   // The mixture of experts: the router's scores cross to the host (one synchronisation a layer
   // on CUDA, so these models run decode steps without CUDA graphs), each expert runs over the

@@ -14,6 +14,7 @@
 #include "kernels/rope_scaling.h"
 #include "kernels/tensor.h"
 #include "server/communicator.h"
+#include "server/moe.h"
 
 namespace tgis::server {
 
@@ -78,9 +79,10 @@ struct DecoderSpec {
   // is the weighted sum of its experts_per_token best ones (RouteTokens). 0: a dense MLP.
   int64_t num_experts = 0;
   int64_t experts_per_token = 0;
-  // How the router's scores become weights (moe.h): softmax over all experts then the top k
-  // renormalized (Mixtral), or the top k logits then a softmax over them (GraniteMoE).
-  bool route_softmax_first = true;
+  ExpertRouting routing = ExpertRouting::kSoftmaxTopKRenormalized;
+  // Qwen2-MoE: a shared expert (a gated MLP of this many columns) that every token runs, its
+  // output times sigmoid(shared gate . x) added to the experts'; 0: none.
+  int64_t shared_expert_intermediate = 0;
 };
 
 // A half-open range of indices [begin, end).
@@ -100,6 +102,7 @@ struct ShardLayout {
   Range kv_heads;  // key/value heads (a slice, or the one this rank's q heads share)
   bool kv_replicated = false;
   Range intermediate;       // MLP columns: up (and gate) rows, down input columns
+  Range shared_expert;      // the shared expert's columns (DecoderSpec::shared_expert_intermediate)
   Range vocab;              // embedding and lm_head rows
   int64_t vocab_chunk = 0;  // vocab rows per rank, ceil(V / world_size); the last may hold fewer
 

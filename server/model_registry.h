@@ -47,8 +47,8 @@ class ModelRegistry {
 };
 
 // Each architecture file defines one of these; ModelRegistry::Get calls them all.
-void RegisterLlamaModels(ModelRegistry* r);  // llama, mistral
-void RegisterQwen2Model(ModelRegistry* r);
+void RegisterLlamaModels(ModelRegistry* r);   // llama, mistral
+void RegisterQwen2Model(ModelRegistry* r);    // qwen2, qwen2_moe
 void RegisterGraniteModel(ModelRegistry* r);  // granite, granitemoe
 void RegisterPhi3Model(ModelRegistry* r);
 void RegisterGemmaModel(ModelRegistry* r);

@@ -42,7 +42,8 @@ std::vector<int32_t> TopK(const std::vector<float>& v, int64_t k) {
 }  // namespace
 
 std::vector<ExpertRows> RouteTokens(std::span<const float> scores, int64_t tokens, int64_t experts,
-                                    int64_t k, bool softmax_first) {
+                                    int64_t k, ExpertRouting routing) {
+  const bool softmax_first = routing != ExpertRouting::kTopKSoftmax;
   std::vector<ExpertRows> out(experts);
   for (int64_t t = 0; t < tokens; ++t) {
     std::vector<float> row(scores.begin() + t * experts, scores.begin() + (t + 1) * experts);
@@ -50,11 +51,11 @@ std::vector<ExpertRows> RouteTokens(std::span<const float> scores, int64_t token
     const std::vector<int32_t> best = TopK(row, k);
     std::vector<float> w;
     for (int32_t e : best) w.push_back(row[e]);
-    if (softmax_first) {
+    if (routing == ExpertRouting::kSoftmaxTopKRenormalized) {
       float sum = 0;
       for (float x : w) sum += x;
       for (float& x : w) x /= sum;
-    } else {
+    } else if (routing == ExpertRouting::kTopKSoftmax) {
       SoftmaxInPlace(&w);
     }
     for (size_t i = 0; i < best.size(); ++i) {
@@ -67,13 +68,26 @@ std::vector<ExpertRows> RouteTokens(std::span<const float> scores, int64_t token
 
 void CausalLM::MixtureOfExperts(const LayerWeights& w, const Tensor& x, Tensor* out) const {
   const int64_t t = x.dim(0), experts = spec_.num_experts;
-  Tensor scores = Buf({t, experts});
+  const bool shared = w.shared_up.defined();
+  const int64_t columns = experts + (shared ? 1 : 0);  // the shared expert's gate last
+  Tensor scores = Buf({t, columns});
   kernels::Linear(x, w.router_w, nullptr, &scores);
   Tensor host = device_ == Device::kCpu ? scores : scores.ToDevice(Device::kCpu);
   if (host.dtype() != DType::kF32) host = host.To(DType::kF32);
-  const std::vector<ExpertRows> routes =
-      RouteTokens({host.data<float>(), static_cast<size_t>(host.numel())}, t, experts,
-                  spec_.experts_per_token, spec_.route_softmax_first);
+  const float* s = host.data<float>();
+  std::vector<float> router;  // [t, experts]
+  // The shared expert takes every row, weighted by sigmoid(its gate's score), after the
+  // others, as transformers adds it.
+  ExpertRows shared_rows;
+  for (int64_t i = 0; i < t; ++i) {
+    router.insert(router.end(), s + i * columns, s + i * columns + experts);
+    if (!shared) continue;
+    shared_rows.rows.push_back(static_cast<int32_t>(i));
+    shared_rows.weights.push_back(1.0f / (1.0f + std::exp(-s[i * columns + experts])));
+  }
+  std::vector<ExpertRows> routes =
+      RouteTokens(router, t, experts, spec_.experts_per_token, spec_.routing);
+  if (shared) routes.push_back(std::move(shared_rows));
   *out = Tensor::Zeros({t, spec_.hidden}, act_dtype_, device_);
   // Every expert's rows and weights end to end, sent to the device in one copy each.
   std::vector<int32_t> all_rows;
@@ -90,17 +104,24 @@ void CausalLM::MixtureOfExperts(const LayerWeights& w, const Tensor& x, Tensor* 
     weights = weights.ToDevice(device_);
   }
   int64_t begin = 0;
-  for (int64_t e = 0; e < experts; ++e) {
+  for (size_t e = 0; e < routes.size(); ++e) {
     const int64_t n = static_cast<int64_t>(routes[e].rows.size());
     if (n == 0) continue;
+    const bool is_shared = static_cast<int64_t>(e) == experts;
     const Tensor expert_rows = rows.Rows(begin, begin + n);
-    Tensor xe = x;  // every row in order (a decode step of one sequence): no gather
+    Tensor xe = x;  // every row in order (a decode step of one sequence, the shared expert)
     if (n != t) {
       xe = Buf({n, spec_.hidden});
       kernels::Embedding(expert_rows, x, &xe);
     }
     Tensor ye = Buf({n, spec_.hidden});
-    DenseMlp(w.expert_up[e], Tensor(), w.expert_down[e], Tensor(), xe, &ye);
+    if (is_shared) {
+      DenseMlp(w.shared_up, Tensor(), w.shared_down, Tensor(), layout_.shared_expert.size(), xe,
+               &ye);
+    } else {
+      DenseMlp(w.expert_up[e], Tensor(), w.expert_down[e], Tensor(), layout_.intermediate.size(),
+               xe, &ye);
+    }
     kernels::AddWeightedRows(ye, expert_rows, weights.Rows(begin, begin + n), out);
     begin += n;
   }

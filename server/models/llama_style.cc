@@ -81,6 +81,26 @@ absl::Status LoadExperts(const ShardedLoader& ld, const std::string& p, const De
                          ld.StackOutputRows({{x + "w1.weight", mlp}, {x + "w3.weight", mlp}}));
       loads.emplace_back(&l->expert_down[e], ld.InputColumns(x + "w2.weight", mlp));
     }
+  } else if (layout == MoeLayout::kQwen2Moe) {
+    const std::string q = p + "mlp.";
+    auto router = ld.Whole(q + "gate.weight");
+    auto gate = ld.Whole(q + "shared_expert_gate.weight");
+    for (const auto* t : {&router, &gate}) {
+      if (!t->ok()) return t->status();
+    }
+    // The shared expert's gate as the router's last row: one product, one copy to the host.
+    loads.emplace_back(&l->router_w, ConcatRows({*router, *gate}, q + "gate.weight"));
+    for (int64_t e = 0; e < s.num_experts; ++e) {
+      const std::string x = absl::StrCat(q, "experts.", e, ".");
+      loads.emplace_back(&l->expert_up[e], ld.StackOutputRows({{x + "gate_proj.weight", mlp},
+                                                               {x + "up_proj.weight", mlp}}));
+      loads.emplace_back(&l->expert_down[e], ld.InputColumns(x + "down_proj.weight", mlp));
+    }
+    const Range shared = ld.layout().shared_expert;
+    const std::string x = q + "shared_expert.";
+    loads.emplace_back(&l->shared_up, ld.StackOutputRows({{x + "gate_proj.weight", shared},
+                                                          {x + "up_proj.weight", shared}}));
+    loads.emplace_back(&l->shared_down, ld.InputColumns(x + "down_proj.weight", shared));
   } else {
     loads.emplace_back(&l->router_w, ld.Whole(m + "router.layer.weight"));
     for (int64_t e = 0; e < s.num_experts; ++e) {
@@ -93,19 +113,55 @@ absl::Status LoadExperts(const ShardedLoader& ld, const std::string& p, const De
   return AssignLoads(&loads);
 }
 
-// config.json's expert counts: num_local_experts experts, num_experts_per_tok of them a token.
-absl::Status ReadExpertCounts(const ModelConfig& c, DecoderSpec* s) {
-  auto experts = c.Get<int64_t>("num_local_experts");
+// config.json's expert counts: num_local_experts (Qwen2-MoE: num_experts) experts,
+// num_experts_per_tok of them a token.
+absl::Status ReadExpertCounts(const ModelConfig& c, MoeLayout layout, DecoderSpec* s) {
+  const char* count_key = layout == MoeLayout::kQwen2Moe ? "num_experts" : "num_local_experts";
+  auto experts = c.Get<int64_t>(count_key);
   if (!experts.ok()) return experts.status();
   auto per_token = c.Get<int64_t>("num_experts_per_tok");
   if (!per_token.ok()) return per_token.status();
   if (*experts < 1 || *per_token < 1 || *per_token > *experts) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: num_experts_per_tok = ", *per_token, " with num_local_experts = ", *experts,
-        ": expected 1 <= num_experts_per_tok <= num_local_experts"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: num_experts_per_tok = ", *per_token, " with ", count_key, " = ",
+                     *experts, ": expected 1 <= num_experts_per_tok <= ", count_key));
   }
   s->num_experts = *experts;
   s->experts_per_token = *per_token;
+  return absl::OkStatus();
+}
+
+// Qwen2-MoE's sizes and routing: every layer's MLP a mixture of experts of
+// moe_intermediate_size columns (configs that keep some layers dense, through
+// decoder_sparse_step or mlp_only_layers, are refused: intermediate_size is those layers'),
+// a shared expert of shared_expert_intermediate_size, norm_topk_prob.
+absl::Status ReadQwen2MoeKeys(const ModelConfig& c, DecoderSpec* s) {
+  auto inter = c.Get<int64_t>("moe_intermediate_size");
+  auto shared = c.Get<int64_t>("shared_expert_intermediate_size");
+  auto step = c.Get<int64_t>("decoder_sparse_step", int64_t{1});
+  auto normalize = c.Get<bool>("norm_topk_prob", false);
+  for (const auto* v : {&inter, &shared, &step}) {
+    if (!v->ok()) return v->status();
+  }
+  if (!normalize.ok()) return normalize.status();
+  if (*step != 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "config.json: decoder_sparse_step = ", *step,
+        ": dense MLP layers between the mixtures of experts are not supported (only 1)"));
+  }
+  if (auto dense = c.raw.find("mlp_only_layers");
+      dense != c.raw.end() && !dense->is_null() && !(dense->is_array() && dense->empty())) {
+    return absl::UnimplementedError(
+        absl::StrCat("config.json: mlp_only_layers = ", dense->dump(),
+                     ": dense MLP layers among the mixtures of experts are not supported"));
+  }
+  if (*inter <= 0 || *shared <= 0) {
+    return absl::InvalidArgumentError(
+        "config.json: moe_intermediate_size and shared_expert_intermediate_size must be positive");
+  }
+  s->intermediate = *inter;
+  s->shared_expert_intermediate = *shared;
+  s->routing = *normalize ? ExpertRouting::kSoftmaxTopKRenormalized : ExpertRouting::kSoftmaxTopK;
   return absl::OkStatus();
 }
 
@@ -168,8 +224,12 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   s.logits_scale = opt.logits_scale;
   s.embed_scale_in_act_dtype = opt.embed_scale_in_act_dtype;
   if (opt.moe != MoeLayout::kNone) {
-    if (auto st = ReadExpertCounts(c, &s); !st.ok()) return st;
-    s.route_softmax_first = opt.moe == MoeLayout::kMixtral;
+    if (auto st = ReadExpertCounts(c, opt.moe, &s); !st.ok()) return st;
+    s.routing = opt.moe == MoeLayout::kGraniteMoe ? ExpertRouting::kTopKSoftmax
+                                                  : ExpertRouting::kSoftmaxTopKRenormalized;
+  }
+  if (opt.moe == MoeLayout::kQwen2Moe) {
+    if (auto st = ReadQwen2MoeKeys(c, &s); !st.ok()) return st;
   }
 
   auto layout = ShardLayout::Make(s, comm->rank(), comm->world_size());

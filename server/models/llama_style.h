@@ -20,6 +20,9 @@ enum class MoeLayout {
   kNone,        // a dense MLP
   kMixtral,     // block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2
   kGraniteMoe,  // block_sparse_moe.router.layer, input_linear [E, 2I, H], output_linear [E, H, I]
+  // mlp.gate, mlp.experts.{e}.gate_proj / up_proj / down_proj, and a shared expert
+  // (mlp.shared_expert.*_proj) weighted by mlp.shared_expert_gate
+  kQwen2Moe,
 };
 
 struct LlamaStyleOptions {

@@ -1,4 +1,9 @@
 // Qwen2: the Llama layout with q/k/v biases; a sliding window only with use_sliding_window.
+// Qwen2-MoE (qwen2_moe: Qwen1.5-MoE, Qwen2-57B-A14B): the same with a mixture of experts in
+// every layer's MLP, num_experts_per_tok of num_experts weighted by their softmax probabilities
+// (renormalized with norm_topk_prob), plus a shared expert that every token runs, weighted by
+// sigmoid(shared_expert_gate . x). Read only in training, so not here: output_router_logits
+// and router_aux_loss_coef.
 #include "server/model_registry.h"
 #include "server/models/llama_style.h"
 
@@ -8,9 +13,10 @@ namespace {
 
 absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
                                                 kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm) {
+                                                std::shared_ptr<Communicator> comm, MoeLayout moe) {
   LlamaStyleOptions opt;
   opt.qkv_bias = true;
+  opt.moe = moe;
   auto use_window = c.Get<bool>("use_sliding_window", false);
   if (!use_window.ok()) return use_window.status();
   if (*use_window) {
@@ -34,7 +40,16 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
 
 // Early Qwen2 conversions hold each layer's rotary inv_freq buffer; we compute the frequencies.
 void RegisterQwen2Model(ModelRegistry* r) {
-  r->Register("qwen2", Build, {"model.layers.*.self_attn.rotary_emb.inv_freq"});
+  for (const auto& entry :
+       {std::pair{"qwen2", MoeLayout::kNone}, std::pair{"qwen2_moe", MoeLayout::kQwen2Moe}}) {
+    const MoeLayout moe = entry.second;
+    r->Register(entry.first,
+                [moe](const ModelConfig& c, const WeightStore& w, kernels::DType dtype,
+                      std::shared_ptr<Communicator> comm) {
+                  return Build(c, w, dtype, std::move(comm), moe);
+                },
+                {"model.layers.*.self_attn.rotary_emb.inv_freq"});
+  }
 }
 
 }  // namespace tgis::server

@@ -970,7 +970,8 @@ TEST(ModelConfigTest, GraniteMultipliersMustBeFiniteNonZeroNumbers) {
 }
 
 // Expert counts: num_experts_per_tok within num_local_experts, and the checkpoint holding
-// exactly the config's experts (Mixtral's per-expert tensors, GraniteMoE's 3-D ones).
+// exactly the config's experts (Mixtral's per-expert tensors, GraniteMoE's 3-D ones) and
+// shared expert (Qwen2-MoE).
 TEST(ModelConfigTest, MixtureOfExpertsCountsMatchTheConfigAndTheCheckpoint) {
   for (const char* family : {"mixtral", "granitemoe"}) {
     EXPECT_TRUE(BuildFixtureWith(family, [](Json&) {}).ok()) << family;
@@ -983,6 +984,17 @@ TEST(ModelConfigTest, MixtureOfExpertsCountsMatchTheConfigAndTheCheckpoint) {
   }
   ExpectBuildError(BuildFixtureWith("mixtral", [](Json& c) { c["num_local_experts"] = 5; }),
                    "model.layers.0.block_sparse_moe.experts.4.w1.weight");
+  // Qwen2-MoE names the count num_experts, and keeps no dense layer here.
+  EXPECT_TRUE(BuildFixtureWith("qwen2_moe", [](Json&) {}).ok());
+  ExpectBuildError(BuildFixtureWith("qwen2_moe", [](Json& c) { c["num_experts_per_tok"] = 5; }),
+                   "config.json: num_experts_per_tok = 5 with num_experts = 4");
+  ExpectBuildError(BuildFixtureWith("qwen2_moe", [](Json& c) { c["decoder_sparse_step"] = 2; }),
+                   "config.json: decoder_sparse_step = 2: dense MLP layers");
+  ExpectBuildError(BuildFixtureWith("qwen2_moe", [](Json& c) { c["mlp_only_layers"] = {1}; }),
+                   "config.json: mlp_only_layers = [1]: dense MLP layers");
+  ExpectBuildError(
+      BuildFixtureWith("qwen2_moe", [](Json& c) { c["shared_expert_intermediate_size"] = 97; }),
+      "model.layers.0.mlp.shared_expert.gate_proj.weight");
   for (int experts : {3, 5}) {
     ExpectBuildError(
         BuildFixtureWith("granitemoe", [&](Json& c) { c["num_local_experts"] = experts; }),
