@@ -195,7 +195,7 @@ int main(int argc, char** argv) {
             << tgis::kernels::CpuDerivedLayoutBytes() / (1 << 20) << " MiB, row-major codes let go "
             << tgis::kernels::CpuReleasedCodeBytes() / (1 << 20) << " MiB\n";
   const auto& spec = (*model)->spec();
-  // Bytes of weights a decode step streams: every linear layer plus the lm_head, in their
+  // Bytes of weights a batch-1 decode step streams: every linear layer plus the lm_head, in their
   // stored format (quantized: codes plus a scale and zero per row and group: f32 ones, or for
   // 4-bit codes the compact f16 scale and byte zero that GPTQ's and AWQ's f16 scales keep).
   const double wbytes = static_cast<double>(tgis::kernels::DTypeSize(dtype));
@@ -207,9 +207,19 @@ int main(int argc, char** argv) {
     return out * in * q.bits / 8 + out * groups * (q.bits == 4 ? 3 : 8);
   };
   const double h = spec.hidden, qd = spec.num_heads * spec.head_dim;
-  const double layer_bytes = linear_bytes(qd + 2 * spec.num_kv_heads * spec.head_dim, h) +
-                             linear_bytes(h, qd) + 2 * linear_bytes(spec.intermediate, h) +
-                             linear_bytes(h, spec.intermediate);
+  auto mlp_bytes = [&](double inter) {
+    return 2 * linear_bytes(inter, h) + linear_bytes(h, inter);
+  };
+  // A mixture of experts: one token reads its experts_per_token experts, the shared expert and
+  // the router (f32 on the CPU, its shared gate row included), not the other experts.
+  const double shared = static_cast<double>(spec.shared_expert_intermediate);
+  const double mlp = spec.num_experts == 0
+                         ? mlp_bytes(spec.intermediate)
+                         : spec.experts_per_token * mlp_bytes(spec.intermediate) +
+                               (shared > 0 ? mlp_bytes(shared) : 0.0) +
+                               (spec.num_experts + (shared > 0 ? 1 : 0)) * h * 4.0;
+  const double layer_bytes =
+      linear_bytes(qd + 2 * spec.num_kv_heads * spec.head_dim, h) + linear_bytes(h, qd) + mlp;
   const double head_bytes =
       q.method == tgis::server::QuantMethod::kInt8AtLoad || q.lm_head_quantized.value_or(false)
           ? linear_bytes(spec.vocab, h)

@@ -74,7 +74,7 @@ struct DecoderSpec {
   // Gemma: embed_scale (sqrt(hidden)) rounded to the activations' dtype first, as transformers
   // makes it a tensor of that dtype.
   bool embed_scale_in_act_dtype = false;
-  // A mixture of experts in place of the MLP (Mixtral, GraniteMoE): a router scores
+  // A mixture of experts in place of the MLP (Mixtral, GraniteMoE, Qwen2-MoE): a router scores
   // num_experts experts of `intermediate` columns each per token, and the token's MLP output
   // is the weighted sum of its experts_per_token best ones (RouteTokens). 0: a dense MLP.
   int64_t num_experts = 0;
