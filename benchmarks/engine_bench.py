@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """CPU engine benchmark: ours against HF transformers on the same random checkpoint.
 
-Makes a ~100M-parameter Llama-shaped checkpoint with random weights (numpy + safetensors, under
+Makes a ~100M-parameter Llama-shaped checkpoint (--arch mixtral: a Mixtral-shaped one of 178M
+parameters, 8 experts of which 2 run a token) with random weights (numpy + safetensors, under
 benchmarks/data/, nothing downloaded, nothing committed), runs build/benchmarks/engine_bench on
 it (prefill and decode tokens/s at batch 1 and 16; memory bandwidth measured in the same run
 and the fraction of it batch-1 decode achieves), then HF transformers on the same folder when a
 python with torch is available (Debian's python3-torch for /usr/bin/python3 works).
 
     python3 benchmarks/engine_bench.py [--build-dir build] [--dtype float32|bfloat16]
+                                       [--arch llama|mixtral]
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ CONFIG = {
     "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "bos_token_id": 1,
     "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "float32",
+}
+
+# A sparse mixture of experts: 57M parameters read per token past the embedding.
+MIXTRAL_CONFIG = {
+    **CONFIG, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+    "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "rope_theta": 1e6,
 }
 
 HF_SCRIPT = r'''
@@ -57,7 +67,8 @@ for batch in (1, 16):
 
 
 def make_checkpoint(folder: Path, config: dict | None = None) -> None:
-    """A Llama checkpoint of `config` (default CONFIG) with random weights in `folder`."""
+    """A Llama (or, with num_local_experts, Mixtral) checkpoint of `config` (default CONFIG) with
+    random weights in `folder`."""
     if (folder / "model.safetensors").exists():
         return
     from safetensors.numpy import save_file
@@ -79,11 +90,19 @@ def make_checkpoint(folder: Path, config: dict | None = None) -> None:
         tensors.update({
             p + "self_attn.q_proj.weight": w(h, h), p + "self_attn.k_proj.weight": w(kv, h),
             p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, h),
-            p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
-            p + "mlp.down_proj.weight": w(h, i),
             p + "input_layernorm.weight": np.ones(h, np.float32),
             p + "post_attention_layernorm.weight": np.ones(h, np.float32),
         })
+        experts = c.get("num_local_experts", 0)
+        if experts == 0:
+            tensors.update({p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+                            p + "mlp.down_proj.weight": w(h, i)})
+            continue
+        m = p + "block_sparse_moe."
+        tensors[m + "gate.weight"] = w(experts, h)
+        for e in range(experts):
+            tensors.update({f"{m}experts.{e}.w1.weight": w(i, h), f"{m}experts.{e}.w3.weight": w(i, h),
+                            f"{m}experts.{e}.w2.weight": w(h, i)})
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(c, indent=2))
     params = sum(t.size for t in tensors.values())
@@ -105,9 +124,14 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--arch", choices=("llama", "mixtral"), default="llama")
     args = ap.parse_args()
-    folder = REPO / "benchmarks" / "data" / "llama-100m"
-    make_checkpoint(folder)
+    if args.arch == "mixtral":
+        folder = REPO / "benchmarks" / "data" / "mixtral-180m"
+        make_checkpoint(folder, MIXTRAL_CONFIG)
+    else:
+        folder = REPO / "benchmarks" / "data" / "llama-100m"
+        make_checkpoint(folder)
     binary = REPO / args.build_dir / "benchmarks" / "engine_bench"
     print("== ours (C++ engine, CPU)", flush=True)
     subprocess.run([str(binary), str(folder), "--dtype", args.dtype, "--prompt", str(args.prompt),
