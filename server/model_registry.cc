@@ -17,6 +17,7 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterGemmaModel(r);
     RegisterStarcoder2Model(r);
     RegisterMixtralModel(r);
+    RegisterCohereModel(r);
     RegisterGpt2Model(r);
     RegisterGptBigCodeModel(r);
     RegisterGptNeoxModel(r);

@@ -27,7 +27,7 @@ absl::Status LoadNorm(const ShardedLoader& ld, const std::string& prefix,
   auto weight = NormWeight(ld, prefix + ".weight", opt.norm_plus_one);
   if (!weight.ok()) return weight.status();
   *w = *weight;
-  if (!opt.layer_norm) return absl::OkStatus();
+  if (!opt.layer_norm || !opt.norm_bias) return absl::OkStatus();
   auto bias = ld.Whole(prefix + ".bias");
   if (!bias.ok()) return bias.status();
   *b = *bias;
@@ -195,8 +195,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   auto inter = c.Get<int64_t>("intermediate_size");
   if (!inter.ok()) return inter.status();
   s.intermediate = *inter;
-  auto eps =
-      opt.layer_norm ? c.Get<double>("norm_epsilon", 1e-5) : c.Get<double>("rms_norm_eps", 1e-6);
+  auto eps = opt.layer_norm ? c.Get<double>(opt.layer_norm_eps_key, 1e-5)
+                            : c.Get<double>("rms_norm_eps", 1e-6);
   if (!eps.ok()) return eps.status();
   s.norm = opt.layer_norm ? NormKind::kLayer : NormKind::kRms;
   s.norm_eps = static_cast<float>(*eps);
@@ -209,7 +209,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   s.act = *act;
   auto theta = c.Get<double>("rope_theta", 10000.0);
   if (!theta.ok()) return theta.status();
-  s.rotary.style = kernels::RotaryStyle::kNeox;
+  s.rotary.style =
+      opt.interleaved_rotary ? kernels::RotaryStyle::kGptj : kernels::RotaryStyle::kNeox;
+  if (opt.parallel_residual) s.residual = Residual::kParallel;
   s.attn_scale = opt.attn_scale;  // before ReadRope, which folds YaRN's factor into it
   int rotary_dim = static_cast<int>(s.head_dim);
   if (opt.partial_rotary != 1.0) {
@@ -272,6 +274,11 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     }
     for (auto [name, nw, nb] : {std::tuple{"input_layernorm", &l.ln1_w, &l.ln1_b},
                                 std::tuple{"post_attention_layernorm", &l.ln2_w, &l.ln2_b}}) {
+      if (opt.parallel_residual && nw == &l.ln2_w) {
+        l.ln2_w = l.ln1_w;  // one norm feeds attention and the MLP
+        l.ln2_b = l.ln1_b;
+        continue;
+      }
       if (auto st = LoadNorm(ld, p + name, opt, nw, nb); !st.ok()) return st;
     }
     dw.layers.push_back(std::move(l));

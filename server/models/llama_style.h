@@ -1,7 +1,8 @@
 // The Llama layout (RMSNorm, rotary, gated SiLU MLP, separate q/k/v/o projections), shared by
-// the Llama/Mistral, Qwen2, Granite, Phi-3, Gemma and StarCoder2 files, which differ in
-// biases, sliding-window settings, Granite's multipliers, Phi-3's fused projections, Gemma's
-// norms and embedding scale, and StarCoder2's LayerNorms and plain MLP.
+// the Llama/Mistral, Qwen2, Granite, Phi-3, Gemma, StarCoder2, Cohere and mixture-of-experts
+// (Mixtral, GraniteMoE, Qwen2-MoE) files, which differ in biases, sliding-window settings,
+// Granite's multipliers, Phi-3's fused projections, Gemma's norms and embedding scale,
+// StarCoder2's LayerNorms and plain MLP, Cohere's parallel residual, and the experts.
 #pragma once
 
 #include <memory>
@@ -38,8 +39,10 @@ struct LlamaStyleOptions {
   // activations' dtype (embed_scale, embed_scale_in_act_dtype); hidden_act's default.
   bool norm_plus_one = false;
   // StarCoder2: LayerNorms with biases (norm_epsilon) and a plain MLP (c_fc, act, c_proj;
-  // mlp_bias gives their biases).
+  // mlp_bias gives their biases). Cohere: LayerNorms without biases (layer_norm_eps).
   bool layer_norm = false;
+  bool norm_bias = true;
+  const char* layer_norm_eps_key = "norm_epsilon";
   bool plain_mlp = false;
   bool embed_scale_in_act_dtype = false;
   std::string default_act = "silu";
@@ -50,6 +53,10 @@ struct LlamaStyleOptions {
   float logits_scale = 1;
   float attn_scale = 0;
   MoeLayout moe = MoeLayout::kNone;
+  // Cohere: one norm a layer (input_layernorm) feeding attention and the MLP, whose outputs
+  // join the residual together (Residual::kParallel); rotary on interleaved pairs (GPT-J's).
+  bool parallel_residual = false;
+  bool interleaved_rotary = false;
 };
 
 // config.json's attention_bias (q/k/v and o biases) and, with `mlp`, mlp_bias (Llama's and

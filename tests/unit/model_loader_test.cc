@@ -1004,6 +1004,16 @@ TEST(ModelConfigTest, MixtureOfExpertsCountsMatchTheConfigAndTheCheckpoint) {
   }
 }
 
+// Cohere: Command R+'s per-head q/k norms are refused by key; logit_scale is a finite,
+// non-zero number.
+TEST(ModelConfigTest, CohereRefusesQkNormsAndChecksTheLogitScale) {
+  EXPECT_TRUE(BuildFixtureWith("cohere", [](Json&) {}).ok());
+  ExpectBuildError(BuildFixtureWith("cohere", [](Json& c) { c["use_qk_norm"] = true; }),
+                   "config.json: use_qk_norm = true: per-head q and k LayerNorms");
+  ExpectBuildError(BuildFixtureWith("cohere", [](Json& c) { c["logit_scale"] = 0.0; }),
+                   "config.json: logit_scale = 0: expected a finite, non-zero number");
+}
+
 // The Llama layout's MLP takes ACT2FN[hidden_act], as transformers' does: a Llama with "gelu"
 // builds; a name we have no kernel for is refused by name.
 TEST(ModelConfigTest, LlamaLayoutActivationIsHiddenAct) {

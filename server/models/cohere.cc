@@ -1,0 +1,48 @@
+// Cohere's Command R (transformers' CohereForCausalLM; Command R 35B, Aya): the Llama layout
+// with one LayerNorm a layer (no bias, layer_norm_eps) whose output feeds attention and the MLP,
+// both added to the residual at once; rotary on interleaved pairs (GPT-J's, where Llama rotates
+// halves); logits times logit_scale; tied embeddings. use_qk_norm (Command R+'s per-head q and k
+// LayerNorms) is refused.
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "server/model_registry.h"
+#include "server/models/llama_style.h"
+
+namespace tgis::server {
+
+namespace {
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
+                                                kernels::DType dtype,
+                                                std::shared_ptr<Communicator> comm) {
+  LlamaStyleOptions opt;
+  if (auto st = ReadBiasKeys(c, /*mlp=*/false, &opt); !st.ok()) return st;
+  opt.layer_norm = true;
+  opt.norm_bias = false;
+  opt.layer_norm_eps_key = "layer_norm_eps";
+  opt.parallel_residual = true;
+  opt.interleaved_rotary = true;
+  auto qk_norm = c.Get<bool>("use_qk_norm", false);
+  if (!qk_norm.ok()) return qk_norm.status();
+  if (*qk_norm) {
+    return absl::UnimplementedError(
+        "config.json: use_qk_norm = true: per-head q and k LayerNorms (Command R+) are not "
+        "supported");
+  }
+  auto scale = c.Get<double>("logit_scale", 0.0625);  // CohereConfig's default
+  if (!scale.ok()) return scale.status();
+  const float f = static_cast<float>(*scale);
+  if (!std::isfinite(f) || f == 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: logit_scale = ", *scale,
+                                                   ": expected a finite, non-zero number"));
+  }
+  opt.logits_scale = f;
+  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+}
+
+}  // namespace
+
+void RegisterCohereModel(ModelRegistry* r) { r->Register("cohere", Build); }
+
+}  // namespace tgis::server
