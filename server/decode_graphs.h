@@ -31,7 +31,8 @@ class DecodeGraphs {
 
   // Whether `model`'s decode steps can be replayed: on CUDA, decoder-only, one rank (NCCL
   // inside a graph is unproven here), rotary frequencies that do not depend on the lengths
-  // (those are chosen on the host per step).
+  // (those are chosen on the host per step), no mixture of experts (its routing is chosen on
+  // the host per layer).
   static bool Supports(const Model& model);
 
   // One decode step: sequence i adds token ids[i] at positions[i] into slots[i], its context

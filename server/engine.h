@@ -153,7 +153,7 @@ class Engine {
   // per batch and context bucket: with `capture_batch` > 0 every bucket up to that batch and
   // the longest context is captured now (warmup), else each on first use. False, and nothing
   // changes, when the model cannot (DecodeGraphs::Supports: CPU, encoder-decoder, several
-  // ranks, rotary frequencies chosen per length).
+  // ranks, rotary frequencies chosen per length, a mixture of experts).
   bool EnableDecodeGraphs(int64_t capture_batch = 0);
   size_t max_step_tokens() const { return max_step_tokens_; }
 

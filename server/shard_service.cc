@@ -269,8 +269,10 @@ grpc::Status ShardService::Warmup(grpc::ServerContext*, const pb::WarmupRequest*
   // The CPU has no graphs: the flag (on by default) means nothing there.
   if (options_.cuda_graphs && engine_->model().device() == kernels::Device::kCuda &&
       !engine_->EnableDecodeGraphs(std::max<int64_t>(1, req->max_batch_size()))) {
-    LOG(INFO) << "--cuda-graphs (CUDA_GRAPHS): this model runs every step eagerly (graphs "
-                 "need a decoder-only model, one shard and length-independent rotary)";
+    LOG(INFO)
+        << "--cuda-graphs (CUDA_GRAPHS): this model runs every step eagerly (graphs "
+           "need a decoder-only model, one shard, length-independent rotary and no mixture of "
+           "experts)";
   }
   resp->set_num_blocks(static_cast<uint32_t>(engine_->num_blocks()));
   resp->set_block_size(static_cast<uint32_t>(engine_->block_size()));
