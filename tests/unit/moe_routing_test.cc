@@ -77,7 +77,9 @@ TEST(MoeRoutingTest, ANanRowStillPicksDistinctExpertsWithNanWeights) {
       for (const auto& [row, w] : Taken(r, e)) {
         if (row == 0) {
           ++taken0;
-          if (routing != ExpertRouting::kTopKSoftmax) EXPECT_TRUE(std::isnan(w)) << e;
+          if (routing != ExpertRouting::kTopKSoftmax) {
+            EXPECT_TRUE(std::isnan(w)) << e;
+          }
         } else {
           EXPECT_TRUE(e == 2 || e == 3) << e;
           EXPECT_FALSE(std::isnan(w));
