@@ -3,9 +3,7 @@
 // both added to the residual at once; rotary on interleaved pairs (GPT-J's, where Llama rotates
 // halves); logits times logit_scale; tied embeddings. use_qk_norm (Command R+'s per-head q and k
 // LayerNorms) is refused.
-#include <cmath>
 
-#include "absl/strings/str_cat.h"
 #include "server/model_registry.h"
 #include "server/models/llama_style.h"
 
@@ -30,14 +28,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
         "config.json: use_qk_norm = true: per-head q and k LayerNorms (Command R+) are not "
         "supported");
   }
-  auto scale = c.Get<double>("logit_scale", 0.0625);  // CohereConfig's default
+  auto scale = ReadMultiplier(c, "logit_scale", 0.0625);  // CohereConfig's default
   if (!scale.ok()) return scale.status();
-  const float f = static_cast<float>(*scale);
-  if (!std::isfinite(f) || f == 0.0f) {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: logit_scale = ", *scale,
-                                                   ": expected a finite, non-zero number"));
-  }
-  opt.logits_scale = f;
+  opt.logits_scale = *scale;
   return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
 }
 

@@ -7,27 +7,13 @@
 // token's num_experts_per_tok best ones run (input_linear [E, 2I, H] holding gate | up,
 // output_linear [E, H, I]), weighted by a softmax over their scores. Read only in training,
 // so not here: output_router_logits and router_aux_loss_coef.
-#include <cmath>
 
-#include "absl/strings/str_cat.h"
 #include "server/model_registry.h"
 #include "server/models/llama_style.h"
 
 namespace tgis::server {
 
 namespace {
-
-// A multiplier from config.json: transformers' default when absent; finite and non-zero.
-absl::StatusOr<float> Multiplier(const ModelConfig& c, const char* key) {
-  auto v = c.Get<double>(key, 1.0);
-  if (!v.ok()) return v.status();
-  const float f = static_cast<float>(*v);  // as a float: 1e300 is no more finite than inf
-  if (!std::isfinite(f) || f == 0.0f) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: ", key, " = ", *v, ": expected a finite, non-zero number (as a float)"));
-  }
-  return f;
-}
 
 absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
                                                 kernels::DType dtype,
@@ -36,10 +22,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   opt.moe = moe;
   // GraniteMoE's config has attention_bias but no mlp_bias.
   if (auto st = ReadBiasKeys(c, /*mlp=*/moe == MoeLayout::kNone, &opt); !st.ok()) return st;
-  auto embed = Multiplier(c, "embedding_multiplier");
-  auto residual = Multiplier(c, "residual_multiplier");
-  auto attention = Multiplier(c, "attention_multiplier");
-  auto logits = Multiplier(c, "logits_scaling");
+  auto embed = ReadMultiplier(c, "embedding_multiplier");
+  auto residual = ReadMultiplier(c, "residual_multiplier");
+  auto attention = ReadMultiplier(c, "attention_multiplier");
+  auto logits = ReadMultiplier(c, "logits_scaling");
   for (const auto* m : {&embed, &residual, &attention, &logits}) {
     if (!m->ok()) return m->status();
   }

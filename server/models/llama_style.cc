@@ -1,5 +1,7 @@
 #include "server/models/llama_style.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "server/models/weight_utils.h"
 #include "server/rope_config.h"
@@ -178,6 +180,17 @@ absl::Status ReadBiasKeys(const ModelConfig& c, bool mlp, LlamaStyleOptions* opt
   return absl::OkStatus();
 }
 
+absl::StatusOr<float> ReadMultiplier(const ModelConfig& c, const char* key, double absent) {
+  auto v = c.Get<double>(key, absent);
+  if (!v.ok()) return v.status();
+  const float f = static_cast<float>(*v);  // as a float: 1e300 is no more finite than inf
+  if (!std::isfinite(f) || f == 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: ", key, " = ", *v, ": expected a finite, non-zero number (as a float)"));
+  }
+  return f;
+}
+
 absl::Status ReadSlidingWindow(const ModelConfig& c, LlamaStyleOptions* opt) {
   auto window = c.Get<int64_t>("sliding_window", int64_t{0});
   if (!window.ok()) return window.status();
@@ -227,9 +240,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   s.embed_scale_in_act_dtype = opt.embed_scale_in_act_dtype;
   if (opt.moe != MoeLayout::kNone) {
     if (auto st = ReadExpertCounts(c, opt.moe, &s); !st.ok()) return st;
-    s.routing = opt.moe == MoeLayout::kGraniteMoe ? ExpertRouting::kTopKSoftmax
-                                                  : ExpertRouting::kSoftmaxTopKRenormalized;
   }
+  // Mixtral's routing is DecoderSpec's default; Qwen2-MoE's follows norm_topk_prob below.
+  if (opt.moe == MoeLayout::kGraniteMoe) s.routing = ExpertRouting::kTopKSoftmax;
   if (opt.moe == MoeLayout::kQwen2Moe) {
     if (auto st = ReadQwen2MoeKeys(c, &s); !st.ok()) return st;
   }

@@ -62,6 +62,10 @@ struct LlamaStyleOptions {
 // config.json's attention_bias (q/k/v and o biases) and, with `mlp`, mlp_bias (Llama's and
 // Granite's keys; Gemma has only the first).
 absl::Status ReadBiasKeys(const ModelConfig& config, bool mlp, LlamaStyleOptions* options);
+// A multiplier from config.json (Granite's, Cohere's logit_scale): `absent` when the key is
+// absent (transformers' default); finite and non-zero as a float.
+absl::StatusOr<float> ReadMultiplier(const ModelConfig& config, const char* key,
+                                     double absent = 1.0);
 // config.json's sliding_window (absent: none), as Mistral, Phi-3 and StarCoder2 name it.
 absl::Status ReadSlidingWindow(const ModelConfig& config, LlamaStyleOptions* options);
 
