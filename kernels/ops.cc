@@ -2,6 +2,7 @@
 #include "kernels/ops.h"
 
 #include <atomic>
+#include <cmath>
 
 #include "kernels/check.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -135,6 +136,11 @@ void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
 void Activate(Activation kind, Tensor* x) { TGIS_DISPATCH(Activate, TGIS_TENSORS(x), kind, x); }
 void Clamp(float lo, float hi, Tensor* x) { TGIS_DISPATCH(Clamp, TGIS_TENSORS(x), lo, hi, x); }
 void Scale(float factor, Tensor* x) { TGIS_DISPATCH(Scale, TGIS_TENSORS(x), factor, x); }
+void SoftCap(float cap, Tensor* x) {
+  TGIS_CHECK(cap > 0 && std::isfinite(cap), "SoftCap: cap %g must be positive and finite",
+             static_cast<double>(cap));
+  TGIS_DISPATCH(SoftCap, TGIS_TENSORS(x), cap, x);
+}
 void AddWeightedRows(const Tensor& src, const Tensor& rows, const Tensor& weights, Tensor* out) {
   TGIS_DISPATCH(AddWeightedRows, TGIS_TENSORS(&src, &rows, &weights, out), src, rows, weights, out);
 }
@@ -175,6 +181,9 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
                     float scale, int sliding_window, const AttentionBias* bias, Tensor* out) {
   const Tensor* table =
       bias != nullptr && bias->relative_table.defined() ? &bias->relative_table : &q;
+  TGIS_CHECK(bias == nullptr || (bias->softcap >= 0 && std::isfinite(bias->softcap)),
+             "PagedAttention: softcap %g must be 0 (none) or positive and finite",
+             static_cast<double>(bias->softcap));
   TGIS_DISPATCH(PagedAttention,
                 TGIS_TENSORS(&q, &cache.k, &cache.v, &batch.query_start, &batch.context_lens,
                              &batch.block_tables, table, out),

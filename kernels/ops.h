@@ -118,6 +118,9 @@ void Clamp(float lo, float hi, Tensor* x);
 // In place: x = x * factor, in f32, rounded to x's dtype (Granite's embedding and residual
 // multipliers, as `tensor * python_float` computes them in PyTorch).
 void Scale(float factor, Tensor* x);
+// In place: x = tanh(x / cap) * cap, in f32, rounded to x's dtype (Gemma 2's final logit soft
+// cap, in transformers' order of operations); cap > 0.
+void SoftCap(float cap, Tensor* x);
 
 // out[rows[i], :] += weights[i] * src[i, :] for each row i of src [N, H]: one expert's part of
 // a mixture of experts' output. rows: [N] i32 or i64, distinct, each in [0, T) for out [T, H];
@@ -201,10 +204,13 @@ struct AttentionBatch {
   int64_t min_query_len = 0;
   int64_t max_query_len = 0;
 };
-// What attention adds to a (scaled) logit, by the key's position relative to the query's.
-// Position schemes are these biases (or rotary, applied to q and k before), never special
-// cases of a model inside attention.
+// What attention adds to a (scaled) logit, by the key's position relative to the query's, and
+// a soft cap applied before it. Position schemes are these biases (or rotary, applied to q and
+// k before), never special cases of a model inside attention.
 struct AttentionBias {
+  // > 0: each scaled logit becomes tanh(logit / softcap) * softcap (Gemma 2's
+  // attn_logit_softcapping), before any bias and the mask.
+  float softcap = 0;
   // ALiBi: alibi_slopes[h] * (key - query); [Hq], on the host.
   std::vector<float> alibi_slopes;
   // T5: relative_table[h, RelativePositionBucket(key - query, ...)]; [Hq, num_buckets] f32 on

@@ -402,7 +402,7 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   const float* qp = q.data<float>();
   float* out_p = out->data<float>();
   const bool vector = UseAvx2Kernels() && d % 8 == 0;
-  const LogitBias logit_bias{alibi_slopes, relative, bias};
+  const LogitBias logit_bias{alibi_slopes, relative, bias, bias != nullptr ? bias->softcap : 0};
 
   // The first key a query at qpos sees (its sliding window's start), on both paths.
   const auto first_key = [sliding_window](int64_t qpos) {

@@ -2,6 +2,7 @@
 // attention.cc (tasks, the scalar path) and attention_avx2.cc (the vector path).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -17,14 +18,17 @@ struct AttnRow {
   int64_t h, qpos, lo, hi;
 };
 
-// What attention adds to a scaled score by the key's position relative to the query's.
+// What attention does to a scaled score: a soft cap (Gemma 2's tanh, first, as transformers
+// caps before the mask), then a bias by the key's position relative to the query's.
 struct LogitBias {
   const std::vector<float>* alibi_slopes;  // [Hq] or null
   const float* relative;                   // bias's relative_table, [Hq, num_buckets], or null
   const AttentionBias* bias;
+  float softcap = 0;  // > 0: AttentionBias::softcap
 
-  bool any() const { return alibi_slopes != nullptr || relative != nullptr; }
+  bool any() const { return alibi_slopes != nullptr || relative != nullptr || softcap > 0; }
   float Add(int64_t h, int64_t qpos, int64_t j, float sc) const {
+    if (softcap > 0) sc = std::tanh(sc / softcap) * softcap;
     if (alibi_slopes) sc += (*alibi_slopes)[h] * static_cast<float>(j - qpos);
     if (relative != nullptr) {
       sc += relative[h * bias->num_buckets +

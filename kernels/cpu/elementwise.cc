@@ -202,6 +202,14 @@ void Scale(float factor, Tensor* x) {
   });
 }
 
+void SoftCap(float cap, Tensor* x) {
+  CheckF32(*x, "SoftCap", "x");
+  float* p = x->data<float>();
+  ParallelFor(x->numel(), 1 << 12, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) p[i] = std::tanh(p[i] / cap) * cap;
+  });
+}
+
 void AddWeightedRows(const Tensor& src, const Tensor& rows, const Tensor& weights, Tensor* out) {
   const char* op = "AddWeightedRows";
   CheckF32(src, op, "src");

@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int i = lane; i < p.d; i += 32) dot += q_s[i] * ToF32(kr[i]);
       dot = WarpSum(dot);
       if (lane == 0) {
-        float sc = dot * p.scale + slope * static_cast<float>(c0 + j - qpos);
+        float sc = ScaledLogit(p, dot) + slope * static_cast<float>(c0 + j - qpos);
         if (p.relative != nullptr) {
           sc +=
               p.relative[h * p.num_buckets + RelativePositionBucket(c0 + j - qpos, p.bidirectional,
@@ -273,7 +273,8 @@ __global__ void __launch_bounds__(kTileThreads)
         const int j = lane + 32 * k, pos = c0 + j;
         const bool seen = row < rows && j < n && (!p.causal || pos <= qpos) &&
                           (p.window <= 0 || pos > qpos - p.window);
-        sc[r][k] = seen ? sc[r][k] * p.scale + slope * static_cast<float>(pos - qpos) : -INFINITY;
+        sc[r][k] =
+            seen ? ScaledLogit(p, sc[r][k]) + slope * static_cast<float>(pos - qpos) : -INFINITY;
         mx = fmaxf(mx, sc[r][k]);
       }
       const float m_new = fmaxf(m_run[r], WarpMax(mx));
@@ -406,6 +407,7 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
                static_cast<int>(hk),
                static_cast<int>(d),
                scale,
+               bias != nullptr ? bias->softcap : 0.0f,
                sliding_window,
                alibi,
                batch.causal,

@@ -22,6 +22,7 @@ struct AttnParams {
   int max_blocks, num_seqs, block_size;
   int hq, hk, d;
   float scale;
+  float softcap;  // > 0: AttentionBias::softcap
   int window;
   bool alibi;
   bool causal;
@@ -35,6 +36,13 @@ struct AttnParams {
   // request's result does not depend on its batch. A huge value: no tiled kernel runs.
   int tiled_min_rows;
 };
+
+// q.k scaled, through the soft cap when there is one (Gemma 2: tanh(logit / cap) * cap, before
+// any bias, as transformers applies it).
+__device__ __forceinline__ float ScaledLogit(const AttnParams& p, float dot) {
+  const float s = dot * p.scale;
+  return p.softcap > 0 ? tanhf(s / p.softcap) * p.softcap : s;
+}
 
 // The cache row (slot * Hk + kv head) of sequence s's key at position pos, through its block
 // table.

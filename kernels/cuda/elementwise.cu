@@ -174,6 +174,15 @@ __global__ void ClampKernel(float lo, float hi, T* x, int64_t n) {
 }
 
 template <typename T>
+__global__ void SoftCapKernel(float cap, T* x, int64_t n) {
+  PriorGridsDone();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    x[i] = FromF32<T>(tanhf(ToF32(x[i]) / cap) * cap);
+  }
+}
+
+template <typename T>
 __global__ void ScaleKernel(float factor, T* x, int64_t n) {
   PriorGridsDone();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -337,6 +346,15 @@ void Clamp(float lo, float hi, Tensor* x) {
   if (n == 0) return;
   TGIS_DISPATCH_FLOAT(x->dtype(), op,
                       Launch(ClampKernel<T>, StrideBlocks(n), 256, lo, hi, x->data<T>(), n));
+}
+
+void SoftCap(float cap, Tensor* x) {
+  const char* op = "SoftCap";
+  CheckCudaFloat(*x, op, "x");
+  const int64_t n = x->numel();
+  if (n == 0) return;
+  TGIS_DISPATCH_FLOAT(x->dtype(), op,
+                      Launch(SoftCapKernel<T>, StrideBlocks(n), 256, cap, x->data<T>(), n));
 }
 
 void Scale(float factor, Tensor* x) {

@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kGroupThreads)
         if (sub == 0 && j[u] < hi) {
           for (int g = 0; g < heads; ++g) {
             sm.loop.scores[g][j[u]] =
-                dot[u][g] * p.scale +
+                ScaledLogit(p, dot[u][g]) +
                 (p.alibi ? slopes.v[h0 + g] * static_cast<float>(c0 + j[u] - qpos) : 0.0f);
           }
         }

@@ -176,7 +176,8 @@ __global__ void __launch_bounds__(kMmaThreads)
           const int row = e < 2 ? r_lo : r_hi, qpos = pos0 + row;
           const bool seen = whole || (row < rows && j < n && (!p.causal || pos <= qpos) &&
                                       (p.window <= 0 || pos > qpos - p.window));
-          sc[t][e] = seen ? sc[t][e] * p.scale + slope * static_cast<float>(pos - qpos) : -INFINITY;
+          sc[t][e] =
+              seen ? ScaledLogit(p, sc[t][e]) + slope * static_cast<float>(pos - qpos) : -INFINITY;
           if (e < 2) {
             mx_lo = fmaxf(mx_lo, sc[t][e]);
           } else {

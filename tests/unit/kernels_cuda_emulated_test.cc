@@ -37,6 +37,7 @@ struct Case {
   int window = 0;
   bool alibi = false;
   bool causal = true;
+  float softcap = 0;  // > 0: Gemma 2's soft cap on the scaled logits
 };
 
 struct Seq {
@@ -113,6 +114,7 @@ void RunCase(Kernel kernel, const Case& c, const std::vector<Seq>& seqs, double 
   p.hk = c.hk;
   p.d = d;
   p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.softcap = c.softcap;
   p.window = c.window;
   p.alibi = c.alibi;
   p.causal = c.causal;
@@ -191,7 +193,9 @@ void RunCase(Kernel kernel, const Case& c, const std::vector<Seq>& seqs, double 
           for (int x = 0; x < d; ++x)
             dot +=
                 ToF32(q[(static_cast<size_t>(row) * c.hq + h) * d + x]) * cached(kc, s, j, kvh, x);
-          logits.push_back(dot * p.scale + (c.alibi ? slopes.v[h] * (j - qpos) : 0.0));
+          double l = dot * p.scale;
+          if (c.softcap > 0) l = std::tanh(l / c.softcap) * c.softcap;
+          logits.push_back(l + (c.alibi ? slopes.v[h] * (j - qpos) : 0.0));
           seen.push_back(j);
         }
         const double mx = *std::max_element(logits.begin(), logits.end());
@@ -253,6 +257,18 @@ TEST(AttentionEmulated, GroupedGqaBf16) {
 }
 TEST(AttentionEmulated, GroupedMqaWindowAlibiF16) {
   RunCase<EmuF16>(Kernel::kGrouped, {10, 1, 64, /*window=*/40, /*alibi=*/true}, kDecodes, 2e-3);
+}
+// Gemma 2's soft cap (0.2, where these scaled logits are ~0.33 rms), with a window, on both
+// kernels.
+TEST(AttentionEmulated, MmaSoftCapWindowBf16) {
+  Case c{4, 2, 128, /*window=*/40};
+  c.softcap = 0.2f;
+  RunCase<EmuBf16>(Kernel::kMma, c, kPrefills, 1e-2);
+}
+TEST(AttentionEmulated, GroupedSoftCapWindowF16) {
+  Case c{4, 1, 64, /*window=*/40};
+  c.softcap = 0.2f;
+  RunCase<EmuF16>(Kernel::kGrouped, c, kDecodes, 2e-3);
 }
 TEST(AttentionEmulated, GroupedNotCausalF32) {
   RunCase<float>(Kernel::kGrouped, {1, 1, 256, 0, false, /*causal=*/false}, kDecodes, 1e-5);

@@ -1220,6 +1220,25 @@ TEST_P(OpsTest, Scale) {
   ExpectClose(got, ref, std::vector<double>(ref.size(), 1.0), tol(), "scale");
 }
 
+TEST_P(OpsTest, SoftCap) {
+  std::vector<float> v = Random(300, 29, -90, 90);
+  v[5] = std::numeric_limits<float>::infinity();  // tanh saturates: +-cap; NaN stays NaN
+  v[6] = -std::numeric_limits<float>::infinity();
+  v[9] = std::nanf("");
+  Tensor x = Act(v, {3, 100});
+  const std::vector<float> s = Host(x);
+  std::vector<double> ref;
+  for (float f : s) ref.push_back(std::tanh(double{f} / 30.0) * 30.0);
+  SoftCap(30.0f, &x);
+  std::vector<float> got = Host(x);
+  EXPECT_EQ(got[5], 30.0f);
+  EXPECT_EQ(got[6], -30.0f);
+  EXPECT_TRUE(std::isnan(got[9]));
+  got[9] = 0;
+  ref[9] = 0;
+  ExpectClose(got, ref, std::vector<double>(ref.size(), 1.0), tol(), "soft cap");
+}
+
 // Two experts' weighted rows added into out in turn, as a mixture of experts sums them; rows
 // no expert took stay as they were. In 16 bits the weight, each product and each sum round.
 TEST_P(OpsTest, AddWeightedRows) {
@@ -1702,6 +1721,8 @@ struct AttnCase {
   // > 0: the first sequence is a whole prefill of this many tokens (several CPU tasks of
   // query rows) instead of 5.
   int64_t long_prefill = 0;
+  // > 0: Gemma 2's soft cap on the scaled logits (AttentionBias::softcap).
+  float softcap = 0;
 };
 
 void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device device, double tol) {
@@ -1816,6 +1837,7 @@ void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device de
   batch.causal = c.causal;
   const std::vector<float> slopes = AlibiSlopes(static_cast<int>(c.hq));
   AttentionBias bias;
+  bias.softcap = c.softcap;
   if (c.alibi) bias.alibi_slopes = slopes;
   const int buckets = 32, max_distance = c.long_context ? 1000 : 128;
   const std::vector<float> table = Random(c.hq * buckets, 23, -2, 2);
@@ -1844,6 +1866,7 @@ void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device de
             dot += double{qs[(row * c.hq + h) * d + x]} *
                    RoundTo(cache_dtype, keys[s][(j * c.hk + kvh) * d + x]);
           double l = dot * scale;
+          if (c.softcap > 0) l = std::tanh(l / c.softcap) * c.softcap;
           if (c.alibi) l += double{slopes[h]} * static_cast<double>(j - qpos);
           if (c.relative) {
             l +=
@@ -1872,7 +1895,8 @@ void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device de
   for (const auto& [isa, isa_name] : test->Isas()) {  // the CPU's vector and scalar paths
     cpu::SetIsaForTesting(isa);
     Tensor out;
-    PagedAttention(q, cache, batch, scale, c.window, c.alibi || c.relative ? &bias : nullptr, &out);
+    PagedAttention(q, cache, batch, scale, c.window,
+                   c.alibi || c.relative || c.softcap > 0 ? &bias : nullptr, &out);
     ASSERT_EQ(out.shape(), (Shape{t_count, c.hq, d}));
     ExpectClose(OpsTest::Host(out), ref, mag, tol, "paged attention " + isa_name);
   }
@@ -1901,6 +1925,27 @@ TEST_P(OpsTest, PagedAttentionLongContexts) {
 }
 TEST_P(OpsTest, PagedAttentionLongContextsSlidingWindowAlibi) {
   RunAttention(this, {4, 4, 700, true, true}, dtype(), device(), tol());
+}
+// Gemma 2's soft cap, at a cap (0.2) that bends these logits (q.k / sqrt(d) ~ 0.33 rms):
+// alone, with a window, ALiBi and GQA 8 over a 70-token prefill, and at the long contexts and
+// head sizes of CUDA's tiled and flash-decoding kernels.
+TEST_P(OpsTest, PagedAttentionSoftCap) {
+  AttnCase c{8, 2, 0, false};
+  c.softcap = 0.2f;
+  RunAttention(this, c, dtype(), device(), tol());
+  AttnCase g{16, 2, 24, true};
+  g.d = 64;
+  g.long_prefill = 70;
+  g.softcap = 0.2f;
+  RunAttention(this, g, dtype(), device(), tol());
+  for (int64_t d : {64, 256}) {
+    SCOPED_TRACE("head_dim " + std::to_string(d));
+    AttnCase l{8, 4, 0, false, /*long_context=*/true};
+    l.d = d;
+    l.long_prefill = 100;
+    l.softcap = 0.2f;
+    RunAttention(this, l, dtype(), device(), tol());
+  }
 }
 // The head sizes models use (the CPU's vector path takes multiples of 8, others the scalar
 // path), GQA ratios up to 8, and a 70-token prefill (query rows over several tasks).
