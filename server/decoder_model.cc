@@ -110,6 +110,9 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
   if (static_cast<int64_t>(w.layers.size()) != s.num_layers) {
     return absl::InvalidArgumentError("layer count does not match the config");
   }
+  if (!s.layer_windows.empty() && static_cast<int64_t>(s.layer_windows.size()) != s.num_layers) {
+    return absl::InvalidArgumentError("per-layer sliding windows: one per layer is needed");
+  }
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const LayerWeights& l = w.layers[i];
     const std::string p = absl::StrCat("layer ", i, " ");
@@ -117,7 +120,9 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
         {&l.qkv_w, {qkv, s.hidden}, "qkv"},
         {&l.o_w, {s.hidden, hq * s.head_dim}, "o_proj"},
         {&l.ln1_w, {s.hidden}, "input norm"},
-        {&l.ln2_w, {s.hidden}, "post-attention norm"}};
+        {&l.ln2_w,
+         {s.hidden},
+         s.residual == Residual::kSandwich ? "pre-MLP norm" : "post-attention norm"}};
     if (s.num_experts > 0) {
       if (static_cast<int64_t>(l.expert_up.size()) != s.num_experts ||
           static_cast<int64_t>(l.expert_down.size()) != s.num_experts) {
@@ -139,6 +144,10 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
     } else {
       want.emplace_back(&l.up_w, kernels::Shape{up, s.hidden}, "mlp up");
       want.emplace_back(&l.down_w, kernels::Shape{s.hidden, inter}, "mlp down");
+    }
+    if (s.residual == Residual::kSandwich) {
+      want.emplace_back(&l.post_attn_norm_w, kernels::Shape{s.hidden}, "post-attention norm");
+      want.emplace_back(&l.post_mlp_norm_w, kernels::Shape{s.hidden}, "post-MLP norm");
     }
     for (const auto& [t, shape, name] : want) {
       if (auto st = CheckShape(*t, shape, p + name); !st.ok()) return st;
@@ -172,9 +181,11 @@ CausalLM::CausalLM(DecoderSpec spec, DecoderWeights weights, std::shared_ptr<Com
     const std::vector<float> all = spec_.alibi_slopes.empty()
                                        ? kernels::AlibiSlopes(static_cast<int>(spec_.num_heads))
                                        : spec_.alibi_slopes;
-    alibi_.alibi_slopes.assign(all.begin() + layout_.q_heads.begin,
-                               all.begin() + layout_.q_heads.end);
+    attn_bias_.alibi_slopes.assign(all.begin() + layout_.q_heads.begin,
+                                   all.begin() + layout_.q_heads.end);
   }
+  attn_bias_.softcap = spec_.attn_softcap;
+  attn_bias_used_ = !attn_bias_.alibi_slopes.empty() || attn_bias_.softcap > 0;
 }
 
 size_t CausalLM::KvBytesPerToken() const {
@@ -224,8 +235,9 @@ void CausalLM::MoveTo(kernels::Device device) {
   move(&w_.final_norm_w);
   move(&w_.final_norm_b);
   for (LayerWeights& l : w_.layers) {
-    for (Tensor* t : {&l.ln1_w, &l.ln1_b, &l.ln2_w, &l.ln2_b, &l.qkv_b, &l.o_b, &l.up_b, &l.down_b,
-                      &l.router_w}) {
+    for (Tensor* t : {&l.ln1_w, &l.ln1_b, &l.ln2_w, &l.ln2_b, &l.post_attn_norm_w,
+                      &l.post_attn_norm_b, &l.post_mlp_norm_w, &l.post_mlp_norm_b, &l.qkv_b, &l.o_b,
+                      &l.up_b, &l.down_b, &l.router_w}) {
       move(t);
     }
     for (Tensor* t : l.Linears()) move(t);
@@ -329,6 +341,7 @@ void CausalLM::Embed(const Tensor& ids, Tensor* x) const {
 Tensor CausalLM::LmHead(const Tensor& normed) const {
   Tensor logits = VocabLogits(normed, w_.lm_head, layout_, spec_.vocab, *comm_);
   if (spec_.logits_scale != 1.0f) kernels::Scale(spec_.logits_scale, &logits);
+  if (spec_.final_logit_softcap > 0) kernels::SoftCap(spec_.final_logit_softcap, &logits);
   return logits;
 }
 
@@ -484,8 +497,8 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
     } else {
       kernels::QkvToCache(qkv, rotary, in.positions, in.slot_mapping, &q, &(*cache)[l]);
     }
-    kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.sliding_window,
-                            alibi_.alibi_slopes.empty() ? nullptr : &alibi_, &attn);
+    kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.WindowOf(l),
+                            attn_bias_used_ ? &attn_bias_ : nullptr, &attn);
     kernels::Linear(attn.Reshape({t, hq * d}), w.o_w, RowParallelBias(w.o_b), &o);
     if (post_norm) {
       // x = ln1(x + attn); x = ln2(x + mlp(x)): the sums land in x, the norms in h, and the
@@ -499,6 +512,19 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
       residual_scaled(&m);
       AddNorm(&x, m, w.ln2_w, w.ln2_b, &h);
       std::swap(x, h);
+    } else if (s.residual == Residual::kSandwich) {
+      // x += post_attn_norm(attn); h = ln2(x); x += post_mlp_norm(mlp(h)); h = next ln1(x).
+      comm_->AllReduceSum(&o);
+      Norm(o, w.post_attn_norm_w, w.post_attn_norm_b, &m);
+      AddNorm(&x, m, w.ln2_w, w.ln2_b, &h);
+      Mlp(w, h, &m);
+      comm_->AllReduceSum(&m);
+      Norm(m, w.post_mlp_norm_w, w.post_mlp_norm_b, &o);
+      if (next != nullptr) {
+        AddNorm(&x, o, next->ln1_w, next->ln1_b, &h);
+      } else {
+        kernels::AddInPlace(&x, o);
+      }
     } else if (s.residual == Residual::kParallel) {
       Norm(x, w.ln2_w, w.ln2_b, &h);
       Mlp(w, h, &m);

@@ -27,6 +27,9 @@ namespace tgis::server {
 // are this rank's heads, KV heads, MLP columns and vocabulary rows.
 struct LayerWeights {
   kernels::Tensor ln1_w, ln1_b, ln2_w, ln2_b;  // biases undefined for RMSNorm
+  // Residual::kSandwich: the norms of the attention's and the MLP's outputs (ln2 is the MLP's
+  // input norm there).
+  kernels::Tensor post_attn_norm_w, post_attn_norm_b, post_mlp_norm_w, post_mlp_norm_b;
   kernels::Tensor qkv_w, qkv_b;                // [(Hq + 2 Hk) * D, H]: q rows, then k, then v
   kernels::Tensor o_w, o_b;                    // [H, Hq * D]; the bias whole (added once)
   kernels::Tensor up_w, up_b;                  // [2I, H] ([gate | up]) or [I, H]
@@ -142,7 +145,9 @@ class CausalLM : public Model {
   DecoderWeights w_;
   std::shared_ptr<Communicator> comm_;
   ShardLayout layout_;
-  kernels::AttentionBias alibi_;  // this rank's heads' slopes
+  // This rank's heads' ALiBi slopes and the soft cap; attn_bias_used_: whether either is set.
+  kernels::AttentionBias attn_bias_;
+  bool attn_bias_used_ = false;
   kernels::Device device_ = kernels::Device::kCpu;
   kernels::DType act_dtype_ = kernels::DType::kF32;
 };

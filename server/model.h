@@ -30,6 +30,8 @@ enum class Residual {
   kSequential,  // x += attn(ln1(x)); x += mlp(ln2(x))
   kParallel,    // x += attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX, Falcon; ln2 may be ln1's tensors)
   kPostNorm,    // x = ln1(x + attn(x)); x = ln2(x + mlp(x)) (OPT-350m)
+  // x += post_attn_norm(attn(ln1(x))); x += post_mlp_norm(mlp(ln2(x))) (Gemma 2)
+  kSandwich,
 };
 
 struct DecoderSpec {
@@ -65,7 +67,17 @@ struct DecoderSpec {
   float clip_qkv = 0;       // > 0: q, k and v clamped to [-clip_qkv, clip_qkv] (MPT)
   int64_t EmbedDim() const { return embed_dim > 0 ? embed_dim : hidden; }
   int sliding_window = 0;
+  // Per layer when not empty (Gemma 2: sliding_window on the even layers, 0 on the odd ones);
+  // else every layer has sliding_window.
+  std::vector<int> layer_windows;
+  int WindowOf(int64_t layer) const {
+    return layer_windows.empty() ? sliding_window : layer_windows[layer];
+  }
   float attn_scale = 0;  // 0: 1/sqrt(head_dim)
+  // Gemma 2's soft caps (0: none): each scaled attention logit and each f32 output logit
+  // become tanh(v / cap) * cap (AttentionBias::softcap, kernels::SoftCap).
+  float attn_softcap = 0;
+  float final_logit_softcap = 0;
   // Granite's multipliers (1: none): the token embeddings, each attention and MLP output before
   // its residual add, and the f32 logits (1 / logits_scaling) are multiplied by them.
   float embed_scale = 1;

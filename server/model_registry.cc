@@ -15,6 +15,7 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterGraniteModel(r);
     RegisterPhi3Model(r);
     RegisterGemmaModel(r);
+    RegisterGemma2Model(r);
     RegisterStarcoder2Model(r);
     RegisterMixtralModel(r);
     RegisterCohereModel(r);

@@ -52,6 +52,7 @@ void RegisterQwen2Model(ModelRegistry* r);    // qwen2, qwen2_moe
 void RegisterGraniteModel(ModelRegistry* r);  // granite, granitemoe
 void RegisterPhi3Model(ModelRegistry* r);
 void RegisterGemmaModel(ModelRegistry* r);
+void RegisterGemma2Model(ModelRegistry* r);
 void RegisterStarcoder2Model(ModelRegistry* r);
 void RegisterMixtralModel(ModelRegistry* r);
 void RegisterCohereModel(ModelRegistry* r);

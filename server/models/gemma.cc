@@ -7,9 +7,6 @@
 // config.json's hidden_activation is read only to warn: transformers' GemmaMLP takes hidden_act
 // and ignores it, and so do we, where vLLM prefers it; a checkpoint whose two keys disagree
 // would run differently there.
-#include <cmath>
-
-#include "glog/logging.h"
 #include "server/model_registry.h"
 #include "server/models/llama_style.h"
 
@@ -22,19 +19,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
                                                 std::shared_ptr<Communicator> comm) {
   LlamaStyleOptions opt;
   if (auto st = ReadBiasKeys(c, /*mlp=*/false, &opt); !st.ok()) return st;
-  opt.norm_plus_one = true;
-  opt.embed_scale = static_cast<float>(std::sqrt(static_cast<double>(c.hidden_size)));
-  opt.embed_scale_in_act_dtype = true;
-  opt.default_act = "gelu_pytorch_tanh";
-  auto act = c.Get<std::string>("hidden_act", opt.default_act);
-  if (!act.ok()) return act.status();
-  auto declared = c.Get<std::string>("hidden_activation", *act);
-  if (!declared.ok()) return declared.status();
-  if (*declared != *act) {
-    LOG(WARNING) << "config.json: hidden_activation \"" << *declared
-                 << "\" differs from hidden_act \"" << *act
-                 << "\"; the MLP uses hidden_act, as transformers' Gemma does";
-  }
+  if (auto st = UseGemmaLayout(c, "hidden_act", &opt); !st.ok()) return st;
   return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
 }
 

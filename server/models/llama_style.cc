@@ -1,8 +1,12 @@
 #include "server/models/llama_style.h"
 
 #include <cmath>
+#include <string_view>
+#include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 #include "server/models/weight_utils.h"
 #include "server/rope_config.h"
 
@@ -191,6 +195,25 @@ absl::StatusOr<float> ReadMultiplier(const ModelConfig& c, const char* key, doub
   return f;
 }
 
+absl::Status UseGemmaLayout(const ModelConfig& c, const char* act_key, LlamaStyleOptions* opt) {
+  opt->norm_plus_one = true;
+  opt->embed_scale = static_cast<float>(std::sqrt(static_cast<double>(c.hidden_size)));
+  opt->embed_scale_in_act_dtype = true;
+  opt->default_act = "gelu_pytorch_tanh";
+  opt->act_key = act_key;
+  const char* other = std::string_view(act_key) == "hidden_act" ? "hidden_activation" : "hidden_act";
+  auto act = c.Get<std::string>(act_key, opt->default_act);
+  if (!act.ok()) return act.status();
+  auto declared = c.Get<std::string>(other, *act);
+  if (!declared.ok()) return declared.status();
+  if (*declared != *act) {
+    LOG(WARNING) << "config.json: " << other << " \"" << *declared << "\" differs from " << act_key
+                 << " \"" << *act << "\"; the MLP uses " << act_key << ", as transformers' "
+                 << c.model_type << " does";
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReadSlidingWindow(const ModelConfig& c, LlamaStyleOptions* opt) {
   auto window = c.Get<int64_t>("sliding_window", int64_t{0});
   if (!window.ok()) return window.status();
@@ -205,6 +228,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   DecoderSpec s = MultiHeadSpec(c);
   s.num_kv_heads = c.num_kv_heads;  // GQA
   s.head_dim = c.head_dim;          // head_dim may differ from hidden / heads
+  if (opt.head_dim_default > 0 && !c.raw.contains("head_dim")) s.head_dim = opt.head_dim_default;
   auto inter = c.Get<int64_t>("intermediate_size");
   if (!inter.ok()) return inter.status();
   s.intermediate = *inter;
@@ -214,10 +238,11 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   s.norm = opt.layer_norm ? NormKind::kLayer : NormKind::kRms;
   s.norm_eps = static_cast<float>(*eps);
   s.mlp = opt.plain_mlp ? MlpKind::kPlain : MlpKind::kGated;
-  // transformers' MLPs of these families take ACT2FN[hidden_act] (Gemma's gelu_pytorch_tanh).
-  auto act_name = c.Get<std::string>("hidden_act", opt.default_act);
+  // transformers' MLPs of these families take ACT2FN[hidden_act] (Gemma's gelu_pytorch_tanh;
+  // Gemma 2's hidden_activation).
+  auto act_name = c.Get<std::string>(opt.act_key, opt.default_act);
   if (!act_name.ok()) return act_name.status();
-  auto act = ActivationFromName(*act_name, "hidden_act");
+  auto act = ActivationFromName(*act_name, opt.act_key);
   if (!act.ok()) return act.status();
   s.act = *act;
   auto theta = c.Get<double>("rope_theta", 10000.0);
@@ -234,6 +259,12 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   }
   if (auto st = ReadRope(c, rotary_dim, *theta, &s); !st.ok()) return st;
   s.sliding_window = opt.sliding_window;
+  if (opt.window_on_even_layers) {
+    for (int64_t l = 0; l < s.num_layers; ++l) s.layer_windows.push_back(l % 2 == 0 ? s.sliding_window : 0);
+  }
+  if (opt.sandwich_norms) s.residual = Residual::kSandwich;
+  s.attn_softcap = opt.attn_softcap;
+  s.final_logit_softcap = opt.final_logit_softcap;
   s.embed_scale = opt.embed_scale;
   s.residual_scale = opt.residual_scale;
   s.logits_scale = opt.logits_scale;
@@ -285,8 +316,17 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
         !st.ok()) {
       return st;
     }
-    for (auto [name, nw, nb] : {std::tuple{"input_layernorm", &l.ln1_w, &l.ln1_b},
-                                std::tuple{"post_attention_layernorm", &l.ln2_w, &l.ln2_b}}) {
+    std::vector<std::tuple<const char*, Tensor*, Tensor*>> norms = {
+        {"input_layernorm", &l.ln1_w, &l.ln1_b}};
+    if (opt.sandwich_norms) {
+      norms.insert(norms.end(),
+                   {{"post_attention_layernorm", &l.post_attn_norm_w, &l.post_attn_norm_b},
+                    {"pre_feedforward_layernorm", &l.ln2_w, &l.ln2_b},
+                    {"post_feedforward_layernorm", &l.post_mlp_norm_w, &l.post_mlp_norm_b}});
+    } else {
+      norms.emplace_back("post_attention_layernorm", &l.ln2_w, &l.ln2_b);
+    }
+    for (auto [name, nw, nb] : norms) {
       if (opt.parallel_residual && nw == &l.ln2_w) {
         l.ln2_w = l.ln1_w;  // one norm feeds attention and the MLP
         l.ln2_b = l.ln1_b;

@@ -1,8 +1,9 @@
 // The Llama layout (RMSNorm, rotary, gated SiLU MLP, separate q/k/v/o projections), shared by
-// the Llama/Mistral, Qwen2, Granite, Phi-3, Gemma, StarCoder2, Cohere and mixture-of-experts
-// (Mixtral, GraniteMoE, Qwen2-MoE) files, which differ in biases, sliding-window settings,
-// Granite's multipliers, Phi-3's fused projections, Gemma's norms and embedding scale,
-// StarCoder2's LayerNorms and plain MLP, Cohere's parallel residual, and the experts.
+// the Llama/Mistral, Qwen2, Granite, Phi-3, Gemma, Gemma 2, StarCoder2, Cohere and
+// mixture-of-experts (Mixtral, GraniteMoE, Qwen2-MoE) files, which differ in biases,
+// sliding-window settings, Granite's multipliers, Phi-3's fused projections, Gemma's norms and
+// embedding scale, Gemma 2's extra norms and soft caps, StarCoder2's LayerNorms and plain MLP,
+// Cohere's parallel residual, and the experts.
 #pragma once
 
 #include <memory>
@@ -57,6 +58,19 @@ struct LlamaStyleOptions {
   // join the residual together (Residual::kParallel); rotary on interleaved pairs (GPT-J's).
   bool parallel_residual = false;
   bool interleaved_rotary = false;
+  // The config key that names the MLP's activation (Gemma 2's MLP takes hidden_activation).
+  const char* act_key = "hidden_act";
+  // Gemma 2: four norms a layer (input_layernorm and post_attention_layernorm around attention,
+  // pre_feedforward_layernorm and post_feedforward_layernorm around the MLP:
+  // Residual::kSandwich); soft caps on attention and output logits (0: none);
+  // sliding_window on the even layers only.
+  bool sandwich_norms = false;
+  float attn_softcap = 0;
+  float final_logit_softcap = 0;
+  bool window_on_even_layers = false;
+  // head_dim when config.json has none (Gemma 2's config class defaults it to 256, not
+  // hidden / heads); 0: hidden / heads.
+  int64_t head_dim_default = 0;
 };
 
 // config.json's attention_bias (q/k/v and o biases) and, with `mlp`, mlp_bias (Llama's and
@@ -66,6 +80,11 @@ absl::Status ReadBiasKeys(const ModelConfig& config, bool mlp, LlamaStyleOptions
 // absent (transformers' default); finite and non-zero as a float.
 absl::StatusOr<float> ReadMultiplier(const ModelConfig& config, const char* key,
                                      double absent = 1.0);
+// Gemma's (1 + w) RMSNorm weights and sqrt(hidden) embedding scale rounded to the activations'
+// dtype (Gemma 1 and 2); the MLP's activation from `act_key` (gelu_pytorch_tanh by default), with
+// a warning when the other of hidden_act / hidden_activation names another one.
+absl::Status UseGemmaLayout(const ModelConfig& config, const char* act_key,
+                            LlamaStyleOptions* options);
 // config.json's sliding_window (absent: none), as Mistral, Phi-3 and StarCoder2 name it.
 absl::Status ReadSlidingWindow(const ModelConfig& config, LlamaStyleOptions* options);
 

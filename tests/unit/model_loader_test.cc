@@ -906,7 +906,10 @@ TEST_F(LoaderTest, AnUnservableConfigNamesTheKeyAndValue) {
 }
 
 // The fixture `name` built with its config.json edited by `edit`.
-absl::Status BuildFixtureWith(const std::string& name, const std::function<void(Json&)>& edit) {
+// The spec of the fixture `name` built with its config.json edited by `edit`, or why it did
+// not build.
+absl::StatusOr<tgis::server::DecoderSpec> FixtureSpecWith(const std::string& name,
+                                                          const std::function<void(Json&)>& edit) {
   char tmpl[] = "/tmp/tgis-config-XXXXXX";
   if (mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp failed");
   const fs::path dir = tmpl, src = fs::path(TGIS_FIXTURES_DIR) / "models" / name;
@@ -914,17 +917,22 @@ absl::Status BuildFixtureWith(const std::string& name, const std::function<void(
   Json c = Json::parse(ReadAll(src / "config.json"));
   edit(c);
   std::ofstream(dir / "config.json", std::ios::trunc) << c.dump();
-  absl::Status st = [&]() -> absl::Status {
+  absl::StatusOr<tgis::server::DecoderSpec> spec = [&]() -> absl::StatusOr<tgis::server::DecoderSpec> {
     auto config = tgis::server::ModelConfig::Load(dir.string());
     if (!config.ok()) return config.status();
     auto weights = tgis::server::WeightStore::Open(dir.string());
     if (!weights.ok()) return weights.status();
-    return tgis::server::ModelRegistry::Get()
-        .Build(*config, **weights, tgis::kernels::DType::kF32)
-        .status();
+    auto model =
+        tgis::server::ModelRegistry::Get().Build(*config, **weights, tgis::kernels::DType::kF32);
+    if (!model.ok()) return model.status();
+    return (*model)->spec();
   }();
   fs::remove_all(dir);
-  return st;
+  return spec;
+}
+
+absl::Status BuildFixtureWith(const std::string& name, const std::function<void(Json&)>& edit) {
+  return FixtureSpecWith(name, edit).status();
 }
 
 void ExpectBuildError(const absl::Status& st, const std::string& text) {
@@ -1012,6 +1020,49 @@ TEST(ModelConfigTest, CohereRefusesQkNormsAndChecksTheLogitScale) {
                    "config.json: use_qk_norm = true: per-head q and k LayerNorms");
   ExpectBuildError(BuildFixtureWith("cohere", [](Json& c) { c["logit_scale"] = 0.0; }),
                    "config.json: logit_scale = 0: expected a finite, non-zero number");
+}
+
+// Gemma 2: keys absent from config.json take Gemma2Config's defaults (soft caps 50 and 30,
+// query_pre_attn_scalar 256, a window of 4096 on the even layers, head_dim 256); a null soft
+// cap is none; a cap or scalar that is not positive is refused by key; the MLP's activation is
+// hidden_activation's (hidden_act only warns).
+TEST(ModelConfigTest, Gemma2KeysTakeTheConfigClassDefaults) {
+  auto spec = FixtureSpecWith("gemma2", [](Json&) {});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->residual, tgis::server::Residual::kSandwich);
+  EXPECT_FLOAT_EQ(spec->attn_scale, 0.25f);  // the fixture's query_pre_attn_scalar: 16
+  EXPECT_EQ(spec->layer_windows, (std::vector<int>{8, 0}));
+  EXPECT_EQ(spec->head_dim, 24);
+  auto defaults = FixtureSpecWith("gemma2", [](Json& c) {
+    for (const char* key : {"attn_logit_softcapping", "final_logit_softcapping",
+                            "query_pre_attn_scalar", "sliding_window"}) {
+      c.erase(key);
+    }
+  });
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(defaults->attn_softcap, 50.0f);
+  EXPECT_EQ(defaults->final_logit_softcap, 30.0f);
+  EXPECT_FLOAT_EQ(defaults->attn_scale, 1.0f / 16);
+  EXPECT_EQ(defaults->layer_windows, (std::vector<int>{4096, 0}));
+  // Without head_dim the checkpoint's [96, 64] q_proj no longer fits 4 heads of 256.
+  ExpectBuildError(BuildFixtureWith("gemma2", [](Json& c) { c.erase("head_dim"); }),
+                   "model.layers.0.self_attn.q_proj.weight: rows [0, 1024) of 96 do not exist");
+  auto uncapped = FixtureSpecWith("gemma2", [](Json& c) {
+    c["attn_logit_softcapping"] = nullptr;
+    c["final_logit_softcapping"] = nullptr;
+  });
+  ASSERT_TRUE(uncapped.ok()) << uncapped.status();
+  EXPECT_EQ(uncapped->attn_softcap, 0.0f);
+  EXPECT_EQ(uncapped->final_logit_softcap, 0.0f);
+  ExpectBuildError(
+      BuildFixtureWith("gemma2", [](Json& c) { c["final_logit_softcapping"] = -30.0; }),
+      "config.json: final_logit_softcapping = -30: expected null or a positive, finite number");
+  ExpectBuildError(BuildFixtureWith("gemma2", [](Json& c) { c["query_pre_attn_scalar"] = 0; }),
+                   "config.json: query_pre_attn_scalar = 0: expected a positive number");
+  ExpectBuildError(
+      BuildFixtureWith("gemma2", [](Json& c) { c["hidden_activation"] = "quick_gelu"; }),
+      "config.json: hidden_activation = \"quick_gelu\" is not supported");
+  EXPECT_TRUE(BuildFixtureWith("gemma2", [](Json& c) { c["hidden_act"] = "quick_gelu"; }).ok());
 }
 
 // The Llama layout's MLP takes ACT2FN[hidden_act], as transformers' does: a Llama with "gelu"

@@ -1,0 +1,74 @@
+// Google Gemma 2 (transformers' Gemma2ForCausalLM): Gemma's (1 + w) RMSNorms, sqrt(hidden)
+// embedding scale and tied embeddings, plus
+// - four norms a layer: the attention's and the MLP's outputs are normed before their residual
+//   adds (post_attention_layernorm, post_feedforward_layernorm), and the MLP's input norm is
+//   pre_feedforward_layernorm (Residual::kSandwich);
+// - soft caps: each scaled attention logit becomes tanh(v / 50) * 50 and each output logit
+//   tanh(v / 30) * 30 (attn_logit_softcapping, final_logit_softcapping; null: none);
+// - attention scaled by query_pre_attn_scalar^-0.5 instead of head_dim^-0.5;
+// - sliding_window (4096) on the even layers only, the odd ones attending to every key;
+// - the MLP's activation from hidden_activation (hidden_act is read only to warn).
+// Absent keys take Gemma2Config's defaults, as transformers gives them. cache_implementation
+// ("hybrid") is how transformers' generate() stores the cache; the paged cache serves it.
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "server/model_registry.h"
+#include "server/models/llama_style.h"
+
+namespace tgis::server {
+
+namespace {
+
+// A soft cap: `absent` when config.json has no such key, 0 (none) for null, else a positive,
+// finite float.
+absl::StatusOr<float> ReadSoftCap(const ModelConfig& c, const char* key, double absent) {
+  auto it = c.raw.find(key);
+  if (it == c.raw.end()) return static_cast<float>(absent);
+  if (it->is_null()) return 0.0f;
+  auto v = c.Get<double>(key);
+  if (!v.ok()) return v.status();
+  const float f = static_cast<float>(*v);
+  if (!std::isfinite(f) || f <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: ", key, " = ", *v, ": expected null or a positive, finite number"));
+  }
+  return f;
+}
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
+                                                kernels::DType dtype,
+                                                std::shared_ptr<Communicator> comm) {
+  LlamaStyleOptions opt;
+  if (auto st = ReadBiasKeys(c, /*mlp=*/false, &opt); !st.ok()) return st;
+  if (auto st = UseGemmaLayout(c, "hidden_activation", &opt); !st.ok()) return st;
+  opt.sandwich_norms = true;
+  opt.head_dim_default = 256;
+  auto attn_cap = ReadSoftCap(c, "attn_logit_softcapping", 50.0);
+  if (!attn_cap.ok()) return attn_cap.status();
+  auto final_cap = ReadSoftCap(c, "final_logit_softcapping", 30.0);
+  if (!final_cap.ok()) return final_cap.status();
+  opt.attn_softcap = *attn_cap;
+  opt.final_logit_softcap = *final_cap;
+  auto scalar = c.Get<double>("query_pre_attn_scalar", 256.0);
+  if (!scalar.ok()) return scalar.status();
+  const float scale = static_cast<float>(std::pow(*scalar, -0.5));
+  if (!(*scalar > 0) || !std::isfinite(scale) || scale == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: query_pre_attn_scalar = ",
+                                                   *scalar, ": expected a positive number"));
+  }
+  opt.attn_scale = scale;
+  if (c.raw.contains("sliding_window")) {
+    if (auto st = ReadSlidingWindow(c, &opt); !st.ok()) return st;
+  } else {
+    opt.sliding_window = 4096;
+  }
+  opt.window_on_even_layers = true;
+  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+}
+
+}  // namespace
+
+void RegisterGemma2Model(ModelRegistry* r) { r->Register("gemma2", Build); }
+
+}  // namespace tgis::server
