@@ -27,13 +27,13 @@ namespace tgis::server {
 // are this rank's heads, KV heads, MLP columns and vocabulary rows.
 struct LayerWeights {
   kernels::Tensor ln1_w, ln1_b, ln2_w, ln2_b;  // biases undefined for RMSNorm
-  // Residual::kSandwich: the norms of the attention's and the MLP's outputs (ln2 is the MLP's
-  // input norm there).
-  kernels::Tensor post_attn_norm_w, post_attn_norm_b, post_mlp_norm_w, post_mlp_norm_b;
   kernels::Tensor qkv_w, qkv_b;                // [(Hq + 2 Hk) * D, H]: q rows, then k, then v
   kernels::Tensor o_w, o_b;                    // [H, Hq * D]; the bias whole (added once)
   kernels::Tensor up_w, up_b;                  // [2I, H] ([gate | up]) or [I, H]
   kernels::Tensor down_w, down_b;              // [H, I]; the bias whole (added once)
+  // Residual::kSandwich: the norms of the attention's and the MLP's outputs (ln2 is the MLP's
+  // input norm there).
+  kernels::Tensor post_attn_norm_w, post_attn_norm_b, post_mlp_norm_w, post_mlp_norm_b;
   // A mixture of experts (DecoderSpec::num_experts > 0) in place of up_w and down_w: the
   // router [E, H] (whole, as the checkpoint holds it) and each expert's [2I, H] ([gate | up])
   // and [H, I].

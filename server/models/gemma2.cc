@@ -30,8 +30,8 @@ absl::StatusOr<float> ReadSoftCap(const ModelConfig& c, const char* key, double 
   if (!v.ok()) return v.status();
   const float f = static_cast<float>(*v);
   if (!std::isfinite(f) || f <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: ", key, " = ", *v, ": expected null or a positive, finite number"));
+    return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, " = ", *v,
+                                                   ": expected null or a positive, finite number"));
   }
   return f;
 }
@@ -54,8 +54,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   if (!scalar.ok()) return scalar.status();
   const float scale = static_cast<float>(std::pow(*scalar, -0.5));
   if (!(*scalar > 0) || !std::isfinite(scale) || scale == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: query_pre_attn_scalar = ",
-                                                   *scalar, ": expected a positive number"));
+    return absl::InvalidArgumentError(absl::StrCat("config.json: query_pre_attn_scalar = ", *scalar,
+                                                   ": expected a positive number"));
   }
   opt.attn_scale = scale;
   if (c.raw.contains("sliding_window")) {

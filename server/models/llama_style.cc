@@ -201,7 +201,8 @@ absl::Status UseGemmaLayout(const ModelConfig& c, const char* act_key, LlamaStyl
   opt->embed_scale_in_act_dtype = true;
   opt->default_act = "gelu_pytorch_tanh";
   opt->act_key = act_key;
-  const char* other = std::string_view(act_key) == "hidden_act" ? "hidden_activation" : "hidden_act";
+  const char* other =
+      std::string_view(act_key) == "hidden_act" ? "hidden_activation" : "hidden_act";
   auto act = c.Get<std::string>(act_key, opt->default_act);
   if (!act.ok()) return act.status();
   auto declared = c.Get<std::string>(other, *act);
@@ -260,7 +261,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   if (auto st = ReadRope(c, rotary_dim, *theta, &s); !st.ok()) return st;
   s.sliding_window = opt.sliding_window;
   if (opt.window_on_even_layers) {
-    for (int64_t l = 0; l < s.num_layers; ++l) s.layer_windows.push_back(l % 2 == 0 ? s.sliding_window : 0);
+    for (int64_t l = 0; l < s.num_layers; ++l)
+      s.layer_windows.push_back(l % 2 == 0 ? s.sliding_window : 0);
   }
   if (opt.sandwich_norms) s.residual = Residual::kSandwich;
   s.attn_softcap = opt.attn_softcap;

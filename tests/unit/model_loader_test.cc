@@ -917,7 +917,8 @@ absl::StatusOr<tgis::server::DecoderSpec> FixtureSpecWith(const std::string& nam
   Json c = Json::parse(ReadAll(src / "config.json"));
   edit(c);
   std::ofstream(dir / "config.json", std::ios::trunc) << c.dump();
-  absl::StatusOr<tgis::server::DecoderSpec> spec = [&]() -> absl::StatusOr<tgis::server::DecoderSpec> {
+  absl::StatusOr<tgis::server::DecoderSpec> spec =
+      [&]() -> absl::StatusOr<tgis::server::DecoderSpec> {
     auto config = tgis::server::ModelConfig::Load(dir.string());
     if (!config.ok()) return config.status();
     auto weights = tgis::server::WeightStore::Open(dir.string());
