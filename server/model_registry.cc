@@ -17,6 +17,7 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterGemmaModel(r);
     RegisterGemma2Model(r);
     RegisterStarcoder2Model(r);
+    RegisterStableLmModel(r);
     RegisterMixtralModel(r);
     RegisterCohereModel(r);
     RegisterGpt2Model(r);

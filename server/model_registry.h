@@ -54,6 +54,7 @@ void RegisterPhi3Model(ModelRegistry* r);
 void RegisterGemmaModel(ModelRegistry* r);
 void RegisterGemma2Model(ModelRegistry* r);
 void RegisterStarcoder2Model(ModelRegistry* r);
+void RegisterStableLmModel(ModelRegistry* r);
 void RegisterMixtralModel(ModelRegistry* r);
 void RegisterCohereModel(ModelRegistry* r);
 void RegisterGpt2Model(ModelRegistry* r);

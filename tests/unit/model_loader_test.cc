@@ -1066,6 +1066,20 @@ TEST(ModelConfigTest, Gemma2KeysTakeTheConfigClassDefaults) {
   EXPECT_TRUE(BuildFixtureWith("gemma2", [](Json& c) { c["hidden_act"] = "quick_gelu"; }).ok());
 }
 
+// StableLM: rotary on partial_rotary_factor of each head, StableLmConfig's 0.25 when absent;
+// per-head q/k LayerNorms refused by key; with use_parallel_residual a checkpoint's
+// post_attention_layernorm is a tensor that the model does not use, an error that names it.
+TEST(ModelConfigTest, StableLmPartialRotaryAndResidualLayout) {
+  auto spec = FixtureSpecWith("stablelm", [](Json& c) { c.erase("partial_rotary_factor"); });
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->rotary.rotary_dim, 4);  // a quarter of head_dim 16
+  EXPECT_EQ(spec->residual, tgis::server::Residual::kSequential);
+  ExpectBuildError(BuildFixtureWith("stablelm", [](Json& c) { c["qk_layernorm"] = true; }),
+                   "config.json: qk_layernorm = true: per-head q and k LayerNorms");
+  ExpectBuildError(BuildFixtureWith("stablelm", [](Json& c) { c["use_parallel_residual"] = true; }),
+                   "model.layers.0.post_attention_layernorm.bias");
+}
+
 // The Llama layout's MLP takes ACT2FN[hidden_act], as transformers' does: a Llama with "gelu"
 // builds; a name we have no kernel for is refused by name.
 TEST(ModelConfigTest, LlamaLayoutActivationIsHiddenAct) {

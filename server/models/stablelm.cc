@@ -1,0 +1,43 @@
+// Stability AI's StableLM (transformers' StableLmForCausalLM: StableLM-3B-4E1T, StableLM 2,
+// Stable Code): the Llama layout with LayerNorms (weights and biases, layer_norm_eps), rotary on
+// the first partial_rotary_factor (0.25) of each head, q/k/v biases with use_qkv_bias, and with
+// use_parallel_residual one norm a layer feeding attention and the MLP, added together (then
+// there is no post_attention_layernorm). qk_layernorm (StableLM 2 12B's per-head q and k
+// LayerNorms) is refused.
+#include "server/model_registry.h"
+#include "server/models/llama_style.h"
+
+namespace tgis::server {
+
+namespace {
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
+                                                kernels::DType dtype,
+                                                std::shared_ptr<Communicator> comm) {
+  LlamaStyleOptions opt;
+  opt.layer_norm = true;
+  opt.layer_norm_eps_key = "layer_norm_eps";
+  auto qkv_bias = c.Get<bool>("use_qkv_bias", false);
+  auto parallel = c.Get<bool>("use_parallel_residual", false);
+  auto qk_norm = c.Get<bool>("qk_layernorm", false);
+  for (const auto* v : {&qkv_bias, &parallel, &qk_norm}) {
+    if (!v->ok()) return v->status();
+  }
+  if (*qk_norm) {
+    return absl::UnimplementedError(
+        "config.json: qk_layernorm = true: per-head q and k LayerNorms (StableLM 2 12B) are not "
+        "supported");
+  }
+  opt.qkv_bias = *qkv_bias;
+  opt.parallel_residual = *parallel;
+  auto partial = c.Get<double>("partial_rotary_factor", 0.25);  // StableLmConfig's default
+  if (!partial.ok()) return partial.status();
+  opt.partial_rotary = *partial;
+  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+}
+
+}  // namespace
+
+void RegisterStableLmModel(ModelRegistry* r) { r->Register("stablelm", Build); }
+
+}  // namespace tgis::server
