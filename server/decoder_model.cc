@@ -87,6 +87,9 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
   const int64_t e = s.EmbedDim();
   if (auto st = CheckShape(w.embed, {vocab, e}, "embedding"); !st.ok()) return st;
   if (auto st = CheckShape(w.lm_head, {vocab, e}, "lm_head"); !st.ok()) return st;
+  if (w.lm_head_b.defined()) {
+    if (auto st = CheckShape(w.lm_head_b, {vocab}, "lm_head bias"); !st.ok()) return st;
+  }
   if (e != s.hidden) {
     if (auto st = CheckShape(w.project_in, {s.hidden, e}, "project_in"); !st.ok()) return st;
     if (auto st = CheckShape(w.project_out, {e, s.hidden}, "project_out"); !st.ok()) return st;
@@ -227,6 +230,7 @@ void CausalLM::MoveTo(kernels::Device device) {
   } else {
     move(&w_.lm_head);
   }
+  move(&w_.lm_head_b);
   move(&w_.pos_embed);
   move(&w_.embed_norm_w);
   move(&w_.embed_norm_b);
@@ -307,13 +311,13 @@ void EmbedTokens(const Tensor& ids, const Tensor& embed, const ShardLayout& layo
   comm.AllReduceSum(x);
 }
 
-Tensor VocabLogits(const Tensor& normed, const Tensor& lm_head, const ShardLayout& layout,
-                   int64_t vocab, Communicator& comm) {
+Tensor VocabLogits(const Tensor& normed, const Tensor& lm_head, const Tensor* lm_head_b,
+                   const ShardLayout& layout, int64_t vocab, Communicator& comm) {
   const int64_t rows = normed.dim(0);
   const kernels::Device device = normed.device();
   // f32 logits whatever the activations: sampling and logprobs want them unrounded.
   Tensor local = Tensor::Empty({rows, layout.vocab.size()}, DType::kF32, device);
-  kernels::Linear(normed, lm_head, nullptr, &local);
+  kernels::Linear(normed, lm_head, lm_head_b, &local);
   if (layout.world_size == 1) return local;
   // Vocab-parallel: every rank computes its slice of the logits; the all-gather (equal chunks:
   // the last rank's is padded) gives every rank all of them, so they all sample alike.
@@ -339,7 +343,8 @@ void CausalLM::Embed(const Tensor& ids, Tensor* x) const {
 }
 
 Tensor CausalLM::LmHead(const Tensor& normed) const {
-  Tensor logits = VocabLogits(normed, w_.lm_head, layout_, spec_.vocab, *comm_);
+  Tensor logits = VocabLogits(normed, w_.lm_head, w_.lm_head_b.defined() ? &w_.lm_head_b : nullptr,
+                              layout_, spec_.vocab, *comm_);
   if (spec_.logits_scale != 1.0f) kernels::Scale(spec_.logits_scale, &logits);
   if (spec_.final_logit_softcap > 0) kernels::SoftCap(spec_.final_logit_softcap, &logits);
   return logits;

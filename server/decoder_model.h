@@ -64,6 +64,7 @@ struct DecoderWeights {
   std::vector<LayerWeights> layers;
   kernels::Tensor final_norm_w, final_norm_b;  // undefined: no final norm (post-norm layouts)
   kernels::Tensor lm_head;                     // [V, E]; may share storage with embed
+  kernels::Tensor lm_head_b;                   // [V] (Phi), or undefined
 };
 
 // Shared layers of every family: the vocab-parallel token embedding (rows `layout.vocab` of
@@ -89,8 +90,10 @@ kernels::DType KvCacheDType(kernels::Device device, kernels::DType act,
 // Prompt tuning: the rows of virtual tokens in the embedded input `x` take the prefix's vectors
 // (ForwardInput::embedding_source / prefix_values; nothing when there are none).
 void MixPrefixRows(const ForwardInput& in, kernels::Tensor* x);
+// `lm_head_b`: this rank's rows of the lm_head's bias, or null.
 kernels::Tensor VocabLogits(const kernels::Tensor& normed, const kernels::Tensor& lm_head,
-                            const ShardLayout& layout, int64_t vocab, Communicator& comm);
+                            const kernels::Tensor* lm_head_b, const ShardLayout& layout,
+                            int64_t vocab, Communicator& comm);
 
 class CausalLM : public Model {
  public:

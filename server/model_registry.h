@@ -50,6 +50,7 @@ class ModelRegistry {
 void RegisterLlamaModels(ModelRegistry* r);   // llama, mistral
 void RegisterQwen2Model(ModelRegistry* r);    // qwen2, qwen2_moe
 void RegisterGraniteModel(ModelRegistry* r);  // granite, granitemoe
+void RegisterPhiModel(ModelRegistry* r);
 void RegisterPhi3Model(ModelRegistry* r);
 void RegisterGemmaModel(ModelRegistry* r);
 void RegisterGemma2Model(ModelRegistry* r);

@@ -48,11 +48,12 @@ absl::Status LoadMlp(const ShardedLoader& ld, const std::string& p, int64_t inte
   const std::string m = p + "mlp.";
   TensorLoads loads;
   if (opt.plain_mlp) {
-    loads.emplace_back(&l->up_w, ld.OutputRows(m + "c_fc.weight", {mlp}));
-    loads.emplace_back(&l->down_w, ld.InputColumns(m + "c_proj.weight", mlp));
+    const std::string in = m + opt.plain_mlp_in, out = m + opt.plain_mlp_out;
+    loads.emplace_back(&l->up_w, ld.OutputRows(in + ".weight", {mlp}));
+    loads.emplace_back(&l->down_w, ld.InputColumns(out + ".weight", mlp));
     if (opt.mlp_bias) {
-      loads.emplace_back(&l->up_b, ld.OutputRows(m + "c_fc.bias", {mlp}));
-      loads.emplace_back(&l->down_b, ld.Whole(m + "c_proj.bias"));
+      loads.emplace_back(&l->up_b, ld.OutputRows(in + ".bias", {mlp}));
+      loads.emplace_back(&l->down_b, ld.Whole(out + ".bias"));
     }
     return AssignLoads(&loads);
   }
@@ -305,11 +306,12 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
       if (!b.ok()) return b.status();
       l.qkv_b = *b;
     }
-    auto o = ld.InputColumns(a + "o_proj.weight", q);
+    const std::string o_proj = a + opt.o_proj_name;
+    auto o = ld.InputColumns(o_proj + ".weight", q);
     if (!o.ok()) return o.status();
     l.o_w = *o;
     if (opt.o_bias) {
-      auto b = ld.Whole(a + "o_proj.bias");
+      auto b = ld.Whole(o_proj + ".bias");
       if (!b.ok()) return b.status();
       l.o_b = *b;
     }
@@ -338,8 +340,14 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     }
     dw.layers.push_back(std::move(l));
   }
-  if (auto st = LoadNorm(ld, "model.norm", opt, &dw.final_norm_w, &dw.final_norm_b); !st.ok()) {
+  if (auto st = LoadNorm(ld, opt.final_norm_name, opt, &dw.final_norm_w, &dw.final_norm_b);
+      !st.ok()) {
     return st;
+  }
+  if (opt.lm_head_bias) {
+    auto b = ld.OutputRows("lm_head.bias", {ld.layout().vocab});
+    if (!b.ok()) return b.status();
+    dw.lm_head_b = *b;
   }
   return FinishDecoder(ld, w, "lm_head.weight", c.tie_word_embeddings, std::move(s), std::move(dw),
                        std::move(comm));

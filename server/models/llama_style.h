@@ -1,9 +1,9 @@
-// The Llama layout (RMSNorm, rotary, gated SiLU MLP, separate q/k/v/o projections), shared by
-// the Llama/Mistral, Qwen2, Granite, Phi-3, Gemma, Gemma 2, StarCoder2, Cohere and
-// mixture-of-experts (Mixtral, GraniteMoE, Qwen2-MoE) files, which differ in biases,
-// sliding-window settings, Granite's multipliers, Phi-3's fused projections, Gemma's norms and
-// embedding scale, Gemma 2's extra norms and soft caps, StarCoder2's LayerNorms and plain MLP,
-// Cohere's parallel residual, and the experts.
+// The Llama layout (norms, rotary, a gated or plain MLP, separate q/k/v/o projections), shared
+// by the Llama/Mistral, Qwen2, Granite, Phi-2, Phi-3, Gemma, Gemma 2, StableLM, StarCoder2,
+// Cohere and mixture-of-experts (Mixtral, GraniteMoE, Qwen2-MoE) files, which differ in biases,
+// sliding-window settings, Granite's multipliers, Phi-2's names and lm_head bias, Phi-3's fused
+// projections, Gemma's norms and embedding scale, Gemma 2's extra norms and soft caps, the
+// LayerNorms of StableLM, StarCoder2 and Cohere, parallel residuals, and the experts.
 #pragma once
 
 #include <memory>
@@ -68,6 +68,13 @@ struct LlamaStyleOptions {
   float attn_softcap = 0;
   float final_logit_softcap = 0;
   bool window_on_even_layers = false;
+  // Phi: the attention's output projection, the plain MLP's two linears and the final norm
+  // under other names; a bias on the lm_head.
+  const char* o_proj_name = "o_proj";
+  const char* plain_mlp_in = "c_fc";
+  const char* plain_mlp_out = "c_proj";
+  const char* final_norm_name = "model.norm";
+  bool lm_head_bias = false;
   // head_dim when config.json has none (Gemma 2's config class defaults it to 256, not
   // hidden / heads); 0: hidden / heads.
   int64_t head_dim_default = 0;

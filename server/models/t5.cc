@@ -179,7 +179,7 @@ class T5Model : public Model {
   }
 
   Tensor Logits(const Tensor& hidden) const override {
-    return VocabLogits(hidden, lm_head, layout_, spec_.vocab, *comm_);
+    return VocabLogits(hidden, lm_head, nullptr, layout_, spec_.vocab, *comm_);
   }
 
  private:

@@ -1080,6 +1080,16 @@ TEST(ModelConfigTest, StableLmPartialRotaryAndResidualLayout) {
                    "model.layers.0.post_attention_layernorm.bias");
 }
 
+// Phi: qk_layernorm refused by key; partial_rotary_factor PhiConfig's 0.5 when absent.
+TEST(ModelConfigTest, PhiRefusesQkNormsAndRotatesHalfByDefault) {
+  auto spec = FixtureSpecWith("phi", [](Json& c) { c.erase("partial_rotary_factor"); });
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->rotary.rotary_dim, 8);  // half of head_dim 16
+  EXPECT_EQ(spec->residual, tgis::server::Residual::kParallel);
+  ExpectBuildError(BuildFixtureWith("phi", [](Json& c) { c["qk_layernorm"] = true; }),
+                   "config.json: qk_layernorm = true: per-head q and k LayerNorms");
+}
+
 // The Llama layout's MLP takes ACT2FN[hidden_act], as transformers' does: a Llama with "gelu"
 // builds; a name we have no kernel for is refused by name.
 TEST(ModelConfigTest, LlamaLayoutActivationIsHiddenAct) {

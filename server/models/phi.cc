@@ -1,0 +1,45 @@
+// Microsoft Phi-1, Phi-1.5 and Phi-2 (transformers' PhiForCausalLM): one LayerNorm a layer
+// (weights and biases, layer_norm_eps) feeding attention and the MLP, added to the residual
+// together (Residual::kParallel); biases on q/k/v, on the output projection (`dense`), on the
+// plain MLP (fc1, hidden_act gelu_new, fc2) and on the lm_head; rotary on the first
+// partial_rotary_factor (0.5) of each head; a final LayerNorm named final_layernorm.
+// qk_layernorm (per-head q and k LayerNorms, which no released Phi checkpoint sets) is refused;
+// resid_pdrop, embd_pdrop and attention_dropout are training's.
+#include "server/model_registry.h"
+#include "server/models/llama_style.h"
+
+namespace tgis::server {
+
+namespace {
+
+absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
+                                                kernels::DType dtype,
+                                                std::shared_ptr<Communicator> comm) {
+  LlamaStyleOptions opt;
+  auto qk_norm = c.Get<bool>("qk_layernorm", false);
+  if (!qk_norm.ok()) return qk_norm.status();
+  if (*qk_norm) {
+    return absl::UnimplementedError(
+        "config.json: qk_layernorm = true: per-head q and k LayerNorms are not supported");
+  }
+  opt.layer_norm = true;
+  opt.layer_norm_eps_key = "layer_norm_eps";
+  opt.parallel_residual = true;
+  opt.plain_mlp = true;
+  opt.plain_mlp_in = "fc1";
+  opt.plain_mlp_out = "fc2";
+  opt.o_proj_name = "dense";
+  opt.final_norm_name = "model.final_layernorm";
+  opt.qkv_bias = opt.o_bias = opt.mlp_bias = opt.lm_head_bias = true;
+  opt.default_act = "gelu_new";
+  auto partial = c.Get<double>("partial_rotary_factor", 0.5);  // PhiConfig's default
+  if (!partial.ok()) return partial.status();
+  opt.partial_rotary = *partial;
+  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+}
+
+}  // namespace
+
+void RegisterPhiModel(ModelRegistry* r) { r->Register("phi", Build); }
+
+}  // namespace tgis::server
