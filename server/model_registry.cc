@@ -21,6 +21,7 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterStableLmModel(r);
     RegisterMixtralModel(r);
     RegisterCohereModel(r);
+    RegisterOlmoModel(r);
     RegisterGpt2Model(r);
     RegisterGptBigCodeModel(r);
     RegisterGptNeoxModel(r);

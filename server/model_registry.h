@@ -58,6 +58,7 @@ void RegisterStarcoder2Model(ModelRegistry* r);
 void RegisterStableLmModel(ModelRegistry* r);
 void RegisterMixtralModel(ModelRegistry* r);
 void RegisterCohereModel(ModelRegistry* r);
+void RegisterOlmoModel(ModelRegistry* r);
 void RegisterGpt2Model(ModelRegistry* r);
 void RegisterGptBigCodeModel(ModelRegistry* r);
 void RegisterGptNeoxModel(ModelRegistry* r);

@@ -30,6 +30,10 @@ absl::StatusOr<Tensor> NormWeight(const ShardedLoader& ld, const std::string& na
 // The norm `prefix` ("model.norm"): its weight, and its bias for LayerNorms.
 absl::Status LoadNorm(const ShardedLoader& ld, const std::string& prefix,
                       const LlamaStyleOptions& opt, Tensor* w, Tensor* b) {
+  if (!opt.norm_weights) {  // OLMo's: nothing in the checkpoint; scaled by 1, no bias
+    *w = Tensor::FromVector(std::vector<float>(ld.spec().hidden, 1.0f), {ld.spec().hidden});
+    return absl::OkStatus();
+  }
   auto weight = NormWeight(ld, prefix + ".weight", opt.norm_plus_one);
   if (!weight.ok()) return weight.status();
   *w = *weight;
@@ -234,8 +238,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   auto inter = c.Get<int64_t>("intermediate_size");
   if (!inter.ok()) return inter.status();
   s.intermediate = *inter;
-  auto eps = opt.layer_norm ? c.Get<double>(opt.layer_norm_eps_key, 1e-5)
-                            : c.Get<double>("rms_norm_eps", 1e-6);
+  auto eps = opt.fixed_norm_eps > 0 ? absl::StatusOr<double>(opt.fixed_norm_eps)
+             : opt.layer_norm       ? c.Get<double>(opt.layer_norm_eps_key, 1e-5)
+                                    : c.Get<double>("rms_norm_eps", 1e-6);
   if (!eps.ok()) return eps.status();
   s.norm = opt.layer_norm ? NormKind::kLayer : NormKind::kRms;
   s.norm_eps = static_cast<float>(*eps);
@@ -266,6 +271,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
       s.layer_windows.push_back(l % 2 == 0 ? s.sliding_window : 0);
   }
   if (opt.sandwich_norms) s.residual = Residual::kSandwich;
+  s.clip_qkv = opt.clip_qkv;
   s.attn_softcap = opt.attn_softcap;
   s.final_logit_softcap = opt.final_logit_softcap;
   s.embed_scale = opt.embed_scale;

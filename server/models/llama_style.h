@@ -1,9 +1,10 @@
 // The Llama layout (norms, rotary, a gated or plain MLP, separate q/k/v/o projections), shared
 // by the Llama/Mistral, Qwen2, Granite, Phi-2, Phi-3, Gemma, Gemma 2, StableLM, StarCoder2,
-// Cohere and mixture-of-experts (Mixtral, GraniteMoE, Qwen2-MoE) files, which differ in biases,
-// sliding-window settings, Granite's multipliers, Phi-2's names and lm_head bias, Phi-3's fused
-// projections, Gemma's norms and embedding scale, Gemma 2's extra norms and soft caps, the
-// LayerNorms of StableLM, StarCoder2 and Cohere, parallel residuals, and the experts.
+// Cohere, OLMo and mixture-of-experts (Mixtral, GraniteMoE, Qwen2-MoE) files, which differ in
+// biases, sliding-window settings, Granite's multipliers, Phi-2's names and lm_head bias,
+// Phi-3's fused projections, Gemma's norms and embedding scale, Gemma 2's extra norms and soft
+// caps, the LayerNorms of StableLM, StarCoder2, Cohere and OLMo, OLMo's clip_qkv, parallel
+// residuals, and the experts.
 #pragma once
 
 #include <memory>
@@ -75,6 +76,11 @@ struct LlamaStyleOptions {
   const char* plain_mlp_out = "c_proj";
   const char* final_norm_name = "model.norm";
   bool lm_head_bias = false;
+  // OLMo: LayerNorms without weights or biases (as weight 1, no bias) and with a fixed eps
+  // (fixed_norm_eps > 0: no config key); q, k and v clamped to [-clip_qkv, clip_qkv] (0: none).
+  bool norm_weights = true;
+  double fixed_norm_eps = 0;
+  float clip_qkv = 0;
   // head_dim when config.json has none (Gemma 2's config class defaults it to 256, not
   // hidden / heads); 0: hidden / heads.
   int64_t head_dim_default = 0;

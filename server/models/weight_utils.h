@@ -56,6 +56,7 @@ class ShardedLoader {
       : w_(weights), spec_(spec), layout_(layout), dtype_(dtype) {}
 
   const ShardLayout& layout() const { return layout_; }
+  const DecoderSpec& spec() const { return spec_; }
   // A loader whose tensors are expert `expert`'s [rows, columns] of the checkpoint's 3-D
   // [experts, rows, columns] ones (GraniteMoE's input_linear and output_linear), sliced as
   // this one slices. Such tensors are read dense: a checkpoint that quantized them is not served.

@@ -82,8 +82,8 @@ def assert_stream_equals_unary(messages, unary):
 # Families whose other behaviour is the Llama layout's (tested above with llama): their
 # greedy output through the router is what is theirs to check.
 @pytest.fixture(scope="module", params=["granite", "phi", "phi3", "gemma", "gemma2",
-                                        "stablelm", "starcoder2", "cohere", "mixtral",
-                                        "granitemoe", "qwen2_moe"])
+                                        "stablelm", "starcoder2", "cohere", "olmo",
+                                        "mixtral", "granitemoe", "qwen2_moe"])
 def family(request):
     yield from serve(request.param)
 
@@ -93,8 +93,8 @@ def test_greedy_matches_transformers(setup):
 
 
 def test_greedy_of_other_llama_layout_families_matches_transformers(family):
-    """Granite, Phi-2, Phi-3, Gemma, Gemma 2, StableLM, StarCoder2, Cohere and the mixtures
-    of experts (Mixtral, GraniteMoE, Qwen2-MoE)."""
+    """Granite, Phi-2, Phi-3, Gemma, Gemma 2, StableLM, StarCoder2, Cohere, OLMo and the
+    mixtures of experts (Mixtral, GraniteMoE, Qwen2-MoE)."""
     check_greedy(*family)
 
 

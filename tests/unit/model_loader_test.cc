@@ -1090,6 +1090,20 @@ TEST(ModelConfigTest, PhiRefusesQkNormsAndRotatesHalfByDefault) {
                    "config.json: qk_layernorm = true: per-head q and k LayerNorms");
 }
 
+// OLMo: clip_qkv null is no clamp, a negative one is refused by key; its weightless norms
+// take eps 1e-5 whatever the config holds.
+TEST(ModelConfigTest, OlmoClipQkvAndFixedNormEps) {
+  auto spec = FixtureSpecWith("olmo", [](Json& c) { c["layer_norm_eps"] = 0.5; });
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->clip_qkv, 1.5f);
+  EXPECT_EQ(spec->norm_eps, 1e-5f);
+  auto unclipped = FixtureSpecWith("olmo", [](Json& c) { c["clip_qkv"] = nullptr; });
+  ASSERT_TRUE(unclipped.ok()) << unclipped.status();
+  EXPECT_EQ(unclipped->clip_qkv, 0.0f);
+  ExpectBuildError(BuildFixtureWith("olmo", [](Json& c) { c["clip_qkv"] = -1.0; }),
+                   "config.json: clip_qkv = -1: expected null or a positive number");
+}
+
 // The Llama layout's MLP takes ACT2FN[hidden_act], as transformers' does: a Llama with "gelu"
 // builds; a name we have no kernel for is refused by name.
 TEST(ModelConfigTest, LlamaLayoutActivationIsHiddenAct) {
