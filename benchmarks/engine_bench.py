@@ -2,14 +2,15 @@
 """CPU engine benchmark: ours against HF transformers on the same random checkpoint.
 
 Makes a ~100M-parameter Llama-shaped checkpoint (--arch mixtral: a Mixtral-shaped one of 178M
-parameters, 8 experts of which 2 run a token) with random weights (numpy + safetensors, under
+parameters, 8 experts of which 2 run a token; --arch gemma2: the Llama shape as Gemma 2, with
+its four norms a layer, soft caps and tied embeddings) with random weights (numpy + safetensors, under
 benchmarks/data/, nothing downloaded, nothing committed), runs build/benchmarks/engine_bench on
 it (prefill and decode tokens/s at batch 1 and 16; memory bandwidth measured in the same run
 and the fraction of it batch-1 decode achieves), then HF transformers on the same folder when a
 python with torch is available (Debian's python3-torch for /usr/bin/python3 works).
 
     python3 benchmarks/engine_bench.py [--build-dir build] [--dtype float32|bfloat16]
-                                       [--arch llama|mixtral]
+                                       [--arch llama|mixtral|gemma2]
 """
 
 from __future__ import annotations
@@ -41,9 +42,17 @@ MIXTRAL_CONFIG = {
     "num_experts_per_tok": 2, "rope_theta": 1e6,
 }
 
+# Gemma 2 at the Llama shape: soft caps 50 and 30 (Gemma 2's own), a window past every prompt.
+GEMMA2_CONFIG = {
+    **CONFIG, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 64,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 64, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+    "sliding_window": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+}
+
 HF_SCRIPT = r'''
 import sys, time, torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 path, prompt, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
@@ -51,7 +60,8 @@ for batch in (1, 16):
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt))
     with torch.no_grad():
         t0 = time.perf_counter()
-        out = model(ids, use_cache=True)
+        # A DynamicCache given: Gemma 2's default HybridCache needs torch._dynamo.
+        out = model(ids, past_key_values=DynamicCache(), use_cache=True)
         prefill = time.perf_counter() - t0
         past = out.past_key_values
         tok = out.logits[:, -1:].argmax(-1)
@@ -77,22 +87,28 @@ def make_checkpoint(folder: Path, config: dict | None = None) -> None:
     c = config or CONFIG
     rng = np.random.default_rng(0)
     h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    d = h // c["num_attention_heads"]
+    d = c.get("head_dim", h // c["num_attention_heads"])
     kv = c["num_key_value_heads"] * d
 
     def w(*shape):
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
 
-    tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": np.ones(h, np.float32),
-               "lm_head.weight": w(v, h)}
+    gemma2 = c["model_type"] == "gemma2"
+    # Gemma stores its norm weights as offsets from 1: zeros scale by 1.
+    norm = (lambda: np.zeros(h, np.float32)) if gemma2 else (lambda: np.ones(h, np.float32))
+    tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": norm()}
+    if not c["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = w(v, h)
     for layer in range(c["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         tensors.update({
             p + "self_attn.q_proj.weight": w(h, h), p + "self_attn.k_proj.weight": w(kv, h),
             p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, h),
-            p + "input_layernorm.weight": np.ones(h, np.float32),
-            p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+            p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
         })
+        if gemma2:
+            tensors.update({p + "pre_feedforward_layernorm.weight": norm(),
+                            p + "post_feedforward_layernorm.weight": norm()})
         experts = c.get("num_local_experts", 0)
         if experts == 0:
             tensors.update({p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
@@ -124,11 +140,14 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--arch", choices=("llama", "mixtral"), default="llama")
+    ap.add_argument("--arch", choices=("llama", "mixtral", "gemma2"), default="llama")
     args = ap.parse_args()
     if args.arch == "mixtral":
         folder = REPO / "benchmarks" / "data" / "mixtral-180m"
         make_checkpoint(folder, MIXTRAL_CONFIG)
+    elif args.arch == "gemma2":
+        folder = REPO / "benchmarks" / "data" / "gemma2-100m"
+        make_checkpoint(folder, GEMMA2_CONFIG)
     else:
         folder = REPO / "benchmarks" / "data" / "llama-100m"
         make_checkpoint(folder)
