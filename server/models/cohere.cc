@@ -21,13 +21,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   opt.layer_norm_eps_key = "layer_norm_eps";
   opt.parallel_residual = true;
   opt.interleaved_rotary = true;
-  auto qk_norm = c.Get<bool>("use_qk_norm", false);
-  if (!qk_norm.ok()) return qk_norm.status();
-  if (*qk_norm) {
-    return absl::UnimplementedError(
-        "config.json: use_qk_norm = true: per-head q and k LayerNorms (Command R+) are not "
-        "supported");
-  }
+  if (auto st = RefuseQkNorms(c, "use_qk_norm", "Command R+"); !st.ok()) return st;
   auto scale = ReadMultiplier(c, "logit_scale", 0.0625);  // CohereConfig's default
   if (!scale.ok()) return scale.status();
   opt.logits_scale = *scale;

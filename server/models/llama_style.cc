@@ -220,6 +220,22 @@ absl::Status UseGemmaLayout(const ModelConfig& c, const char* act_key, LlamaStyl
   return absl::OkStatus();
 }
 
+absl::Status ReadPartialRotary(const ModelConfig& c, double absent, LlamaStyleOptions* opt) {
+  auto partial = c.Get<double>("partial_rotary_factor", absent);
+  if (!partial.ok()) return partial.status();
+  opt->partial_rotary = *partial;
+  return absl::OkStatus();
+}
+
+absl::Status RefuseQkNorms(const ModelConfig& c, const char* key, const char* who) {
+  auto qk_norm = c.Get<bool>(key, false);
+  if (!qk_norm.ok()) return qk_norm.status();
+  if (!*qk_norm) return absl::OkStatus();
+  return absl::UnimplementedError(
+      absl::StrCat("config.json: ", key, " = true: per-head q and k LayerNorms",
+                   *who != '\0' ? absl::StrCat(" (", who, ")") : "", " are not supported"));
+}
+
 absl::Status ReadSlidingWindow(const ModelConfig& c, LlamaStyleOptions* opt) {
   auto window = c.Get<int64_t>("sliding_window", int64_t{0});
   if (!window.ok()) return window.status();

@@ -98,6 +98,12 @@ absl::StatusOr<float> ReadMultiplier(const ModelConfig& config, const char* key,
 // a warning when the other of hidden_act / hidden_activation names another one.
 absl::Status UseGemmaLayout(const ModelConfig& config, const char* act_key,
                             LlamaStyleOptions* options);
+// config.json's partial_rotary_factor, `absent` when it has none (the config class's default).
+absl::Status ReadPartialRotary(const ModelConfig& config, double absent,
+                               LlamaStyleOptions* options);
+// Per-head q and k norms, flagged by `key` (Cohere's use_qk_norm, StableLM's and Phi's
+// qk_layernorm): true is refused; `who` (may be empty) says which checkpoints set it.
+absl::Status RefuseQkNorms(const ModelConfig& config, const char* key, const char* who);
 // config.json's sliding_window (absent: none), as Mistral, Phi-3 and StarCoder2 name it.
 absl::Status ReadSlidingWindow(const ModelConfig& config, LlamaStyleOptions* options);
 

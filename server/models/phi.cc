@@ -16,12 +16,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
                                                 kernels::DType dtype,
                                                 std::shared_ptr<Communicator> comm) {
   LlamaStyleOptions opt;
-  auto qk_norm = c.Get<bool>("qk_layernorm", false);
-  if (!qk_norm.ok()) return qk_norm.status();
-  if (*qk_norm) {
-    return absl::UnimplementedError(
-        "config.json: qk_layernorm = true: per-head q and k LayerNorms are not supported");
-  }
+  if (auto st = RefuseQkNorms(c, "qk_layernorm", ""); !st.ok()) return st;
   opt.layer_norm = true;
   opt.layer_norm_eps_key = "layer_norm_eps";
   opt.parallel_residual = true;
@@ -32,9 +27,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   opt.final_norm_name = "model.final_layernorm";
   opt.qkv_bias = opt.o_bias = opt.mlp_bias = opt.lm_head_bias = true;
   opt.default_act = "gelu_new";
-  auto partial = c.Get<double>("partial_rotary_factor", 0.5);  // PhiConfig's default
-  if (!partial.ok()) return partial.status();
-  opt.partial_rotary = *partial;
+  if (auto st = ReadPartialRotary(c, 0.5, &opt); !st.ok()) return st;  // PhiConfig's default
   return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
 }
 

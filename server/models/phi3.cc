@@ -15,9 +15,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   LlamaStyleOptions opt;
   opt.fused_projections = true;
   if (auto st = ReadSlidingWindow(c, &opt); !st.ok()) return st;
-  auto partial = c.Get<double>("partial_rotary_factor", 1.0);
-  if (!partial.ok()) return partial.status();
-  opt.partial_rotary = *partial;
+  if (auto st = ReadPartialRotary(c, 1.0, &opt); !st.ok()) return st;
   return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
 }
 

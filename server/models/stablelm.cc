@@ -17,22 +17,16 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   LlamaStyleOptions opt;
   opt.layer_norm = true;
   opt.layer_norm_eps_key = "layer_norm_eps";
+  if (auto st = RefuseQkNorms(c, "qk_layernorm", "StableLM 2 12B"); !st.ok()) return st;
   auto qkv_bias = c.Get<bool>("use_qkv_bias", false);
   auto parallel = c.Get<bool>("use_parallel_residual", false);
-  auto qk_norm = c.Get<bool>("qk_layernorm", false);
-  for (const auto* v : {&qkv_bias, &parallel, &qk_norm}) {
+  for (const auto* v : {&qkv_bias, &parallel}) {
     if (!v->ok()) return v->status();
-  }
-  if (*qk_norm) {
-    return absl::UnimplementedError(
-        "config.json: qk_layernorm = true: per-head q and k LayerNorms (StableLM 2 12B) are not "
-        "supported");
   }
   opt.qkv_bias = *qkv_bias;
   opt.parallel_residual = *parallel;
-  auto partial = c.Get<double>("partial_rotary_factor", 0.25);  // StableLmConfig's default
-  if (!partial.ok()) return partial.status();
-  opt.partial_rotary = *partial;
+  // StableLmConfig's default
+  if (auto st = ReadPartialRotary(c, 0.25, &opt); !st.ok()) return st;
   return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
 }
 
