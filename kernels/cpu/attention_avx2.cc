@@ -32,6 +32,7 @@
 
 #include "kernels/cpu/attention_rows.h"
 #include "kernels/cpu/thread_pool.h"
+#include "kernels/cpu/vector_math_avx2.h"
 
 namespace tgis::kernels::cpu {
 
@@ -62,27 +63,6 @@ TGIS_ATTN_AVX2 inline __m256 Load8(const typename T::Elem* p) {
       return _mm256_cvtph_ps(h);
     }
   }
-}
-
-// e^x to about 1 ulp (Cephes' expf polynomial): lanes below -87.3 give 0 (their value is
-// under FLT_MIN, beside a row maximum of 1); NaN stays NaN.
-TGIS_ATTN_AVX2 inline __m256 Exp8(__m256 x) {
-  const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i pow2 =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2)));
 }
 
 // Scaled scores of R query rows q[r] against K = 8 / R key rows k[i] into s[r][i]: eight
@@ -165,8 +145,11 @@ TGIS_ATTN_AVX2 float RowMax(const float* s, int64_t n) {
 // paths call it, so a row's p and sum cannot differ between them.
 float RowSoftmax(float* s, int64_t base, int64_t hi_all, int64_t lo, int64_t hi, int64_t h,
                  int64_t qpos, const LogitBias& bias) {
-  if (bias.any()) {
-    for (int64_t j = lo; j <= hi; ++j) s[j - base] = bias.Add(h, qpos, j, s[j - base]);
+  if (bias.softcap > 0) SoftCapAvx2(bias.softcap, s + (lo - base), hi - lo + 1);
+  LogitBias positional = bias;
+  positional.softcap = 0;
+  if (positional.any()) {
+    for (int64_t j = lo; j <= hi; ++j) s[j - base] = positional.Add(h, qpos, j, s[j - base]);
   }
   return ExpRow(s, base, hi_all, lo, hi, RowMax(s + (lo - base), hi - lo + 1));
 }

@@ -7,6 +7,7 @@
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/thread_pool.h"
+#include "kernels/cpu/vector_math_avx2.h"
 
 namespace tgis::kernels::cpu {
 
@@ -143,7 +144,7 @@ namespace {
 float ActivateOne(Activation kind, float v) {
   switch (kind) {
     case Activation::kRelu:
-      return v > 0 ? v : 0.0f;
+      return v < 0 ? 0.0f : v;  // NaN stays NaN, as in torch.relu
     case Activation::kSilu:
       return v / (1.0f + std::exp(-v));
     case Activation::kGeluErf:
@@ -168,12 +169,17 @@ void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
   PrepareOut(out, shape, "GatedActivation");
   const float* g = gate_up.data<float>();
   float* o = out->data<float>();
+  const bool avx2 = UseAvx2Kernels();
   ParallelFor(rows, RowGrain(two_i), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* gr = g + r * two_i;
       const float* ur = gr + inter;
       float* orow = o + r * inter;
-      for (int64_t i = 0; i < inter; ++i) orow[i] = ActivateOne(kind, gr[i]) * ur[i];
+      if (avx2) {
+        ActivateAvx2(kind, gr, ur, orow, inter);
+      } else {
+        for (int64_t i = 0; i < inter; ++i) orow[i] = ActivateOne(kind, gr[i]) * ur[i];
+      }
     }
   });
 }
@@ -181,8 +187,13 @@ void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
 void Activate(Activation kind, Tensor* x) {
   CheckF32(*x, "Activate", "x");
   float* p = x->data<float>();
+  const bool avx2 = UseAvx2Kernels();
   ParallelFor(x->numel(), 1 << 14, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) p[i] = ActivateOne(kind, p[i]);
+    if (avx2) {
+      ActivateAvx2(kind, p + b, nullptr, p + b, e - b);
+    } else {
+      for (int64_t i = b; i < e; ++i) p[i] = ActivateOne(kind, p[i]);
+    }
   });
 }
 
@@ -205,8 +216,13 @@ void Scale(float factor, Tensor* x) {
 void SoftCap(float cap, Tensor* x) {
   CheckF32(*x, "SoftCap", "x");
   float* p = x->data<float>();
+  const bool avx2 = UseAvx2Kernels();
   ParallelFor(x->numel(), 1 << 12, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) p[i] = std::tanh(p[i] / cap) * cap;
+    if (avx2) {
+      SoftCapAvx2(cap, p + b, e - b);
+    } else {
+      for (int64_t i = b; i < e; ++i) p[i] = std::tanh(p[i] / cap) * cap;
+    }
   });
 }
 

@@ -126,7 +126,7 @@ __global__ void AddKernel(T* x, const T* y, int64_t n) {
 __device__ float ActivateOne(Activation kind, float v) {
   switch (kind) {
     case Activation::kRelu:
-      return v > 0 ? v : 0.0f;
+      return v < 0 ? 0.0f : v;  // NaN stays NaN, as in torch.relu
     case Activation::kSilu:
       return v / (1.0f + expf(-v));
     case Activation::kGeluErf:

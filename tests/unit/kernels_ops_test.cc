@@ -1120,71 +1120,103 @@ TEST_P(OpsTest, GatedActivation) {
   v[1] = 90.0f;
   Tensor gu = Act(v, {t_count, 2 * inter});
   const std::vector<float> s = Host(gu);
-  for (Activation kind :
-       {Activation::kSilu, Activation::kGeluTanh, Activation::kGeluErf, Activation::kRelu}) {
-    std::vector<double> ref;
-    for (int64_t t = 0; t < t_count; ++t) {
-      for (int64_t i = 0; i < inter; ++i) {
-        const double g = s[t * 2 * inter + i], u = s[t * 2 * inter + inter + i];
-        double a = 0;
-        switch (kind) {
-          case Activation::kSilu:
-            a = g / (1 + std::exp(-g));
-            break;
-          case Activation::kGeluTanh:
-            a = 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g)));
-            break;
-          case Activation::kGeluErf:
-            a = 0.5 * g * (1 + std::erf(g / std::sqrt(2.0)));
-            break;
-          case Activation::kRelu:
-            a = g > 0 ? g : 0;
-            break;
+  for (const auto& [isa, isa_name] : Isas()) {
+    cpu::SetIsaForTesting(isa);
+    for (Activation kind :
+         {Activation::kSilu, Activation::kGeluTanh, Activation::kGeluErf, Activation::kRelu}) {
+      std::vector<double> ref;
+      for (int64_t t = 0; t < t_count; ++t) {
+        for (int64_t i = 0; i < inter; ++i) {
+          const double g = s[t * 2 * inter + i], u = s[t * 2 * inter + inter + i];
+          double a = 0;
+          switch (kind) {
+            case Activation::kSilu:
+              a = g / (1 + std::exp(-g));
+              break;
+            case Activation::kGeluTanh:
+              a = 0.5 * g * (1 + std::tanh(std::sqrt(2 / M_PI) * (g + 0.044715 * g * g * g)));
+              break;
+            case Activation::kGeluErf:
+              a = 0.5 * g * (1 + std::erf(g / std::sqrt(2.0)));
+              break;
+            case Activation::kRelu:
+              a = g > 0 ? g : 0;
+              break;
+          }
+          ref.push_back(a * u);
         }
-        ref.push_back(a * u);
       }
-    }
-    Tensor out;
-    GatedActivation(kind, gu, &out);
-    ASSERT_EQ(out.shape(), (Shape{t_count, inter}));
-    // Absolute slack of 1e-6 * tol: silu(-90) ~ -7e-38 is 0 in f32 arithmetic (exp overflows);
-    // gelu of a large negative value is the difference of two O(|x|) quantities.
-    std::vector<double> scale;
-    for (int64_t t = 0; t < t_count; ++t) {
-      for (int64_t i = 0; i < inter; ++i) {
-        const double g = s[t * 2 * inter + i], u = s[t * 2 * inter + inter + i];
-        scale.push_back(1e-6 + std::fabs(u) * std::min(1.0, std::fabs(g)));
+      Tensor out;
+      GatedActivation(kind, gu, &out);
+      ASSERT_EQ(out.shape(), (Shape{t_count, inter}));
+      // Absolute slack of 1e-6 * tol: silu(-90) ~ -7e-38 is 0 in f32 arithmetic (exp overflows);
+      // gelu of a large negative value is the difference of two O(|x|) quantities.
+      std::vector<double> scale;
+      for (int64_t t = 0; t < t_count; ++t) {
+        for (int64_t i = 0; i < inter; ++i) {
+          const double g = s[t * 2 * inter + i], u = s[t * 2 * inter + inter + i];
+          scale.push_back(1e-6 + std::fabs(u) * std::min(1.0, std::fabs(g)));
+        }
       }
+      ExpectClose(Host(out), ref, scale, tol(), "gated activation (" + isa_name + ")");
     }
-    ExpectClose(Host(out), ref, scale, tol(), "gated activation");
   }
 }
 
+double ActivationReference(Activation kind, double d) {
+  switch (kind) {
+    case Activation::kRelu:
+      return d > 0 ? d : 0.0;
+    case Activation::kSilu:
+      return d / (1 + std::exp(-d));
+    case Activation::kGeluErf:
+      return 0.5 * d * (1 + std::erf(d / std::sqrt(2.0)));
+    case Activation::kGeluTanh:
+      return 0.5 * d * (1 + std::tanh(std::sqrt(2 / M_PI) * (d + 0.044715 * d * d * d)));
+  }
+  return d;
+}
+
+// Every activation on every path (libm on the scalar one, the vector e^x / tanh / erf on AVX2),
+// over random values, a fine grid across where the functions bend, and values far out; NaN
+// stays NaN (torch.relu keeps it too). The vector paths' rows end in masked tails (207 and 2207
+// values), which go through the same lanes.
 TEST_P(OpsTest, Activations) {
   std::vector<float> v = Random(200, 15, -6, 6);
   for (float big : {-30.0f, -10.0f, 0.0f, 10.0f, 30.0f, 1e4f, -1e4f}) v.push_back(big);
-  for (Activation kind : {Activation::kGeluErf, Activation::kGeluTanh, Activation::kRelu}) {
-    Tensor x = Act(v, {static_cast<int64_t>(v.size())});
-    const std::vector<float> s = Host(x);
-    std::vector<double> ref;
-    for (float f : s) {
-      const double d = f;
-      if (kind == Activation::kRelu) {
-        ref.push_back(d > 0 ? d : 0.0);
-      } else if (kind == Activation::kGeluErf) {
-        ref.push_back(0.5 * d * (1 + std::erf(d / std::sqrt(2.0))));
-      } else {
-        ref.push_back(0.5 * d * (1 + std::tanh(std::sqrt(2 / M_PI) * (d + 0.044715 * d * d * d))));
+  const size_t nan_at = 3;
+  v[nan_at] = std::nanf("");
+  std::vector<float> grid = v;
+  for (int i = 0; i <= 2000; ++i) grid.push_back(-10.0f + 0.01f * static_cast<float>(i));
+  // f32 on the CPU: every path within 5e-7 of the exact value (scale as below); the dtype's
+  // tolerance elsewhere.
+  const double tight = device() == Device::kCpu ? 5e-7 : tol();
+  for (const auto& [isa, isa_name] : Isas()) {
+    cpu::SetIsaForTesting(isa);
+    for (const std::vector<float>* in : {&v, &grid}) {
+      for (Activation kind :
+           {Activation::kGeluErf, Activation::kGeluTanh, Activation::kRelu, Activation::kSilu}) {
+        Tensor x = Act(*in, {static_cast<int64_t>(in->size())});
+        const std::vector<float> s = Host(x);
+        std::vector<double> ref;
+        for (float f : s) ref.push_back(ActivationReference(kind, f));
+        Activate(kind, &x);
+        std::vector<float> got = Host(x);
+        const std::string what = std::string(kind == Activation::kRelu      ? "relu"
+                                             : kind == Activation::kGeluErf ? "gelu erf"
+                                             : kind == Activation::kSilu    ? "silu"
+                                                                            : "gelu tanh") +
+                                 " (" + isa_name + ", " + std::to_string(in->size()) + ")";
+        EXPECT_TRUE(std::isnan(got[nan_at])) << what << " turned NaN into " << got[nan_at];
+        got[nan_at] = 0;
+        ref[nan_at] = 0;
+        // Scale min(1, |x|): gelu(x) ~ 0 for negative x is the difference of two O(|x|)
+        // quantities.
+        std::vector<double> scale;
+        for (float f : s) scale.push_back(std::min(1.0, std::fabs(double{f})));
+        ExpectClose(got, ref, scale, tight, what);
       }
     }
-    Activate(kind, &x);
-    // Scale |x|: gelu(x) ~ 0 for negative x is the difference of two O(|x|) quantities.
-    std::vector<double> scale;
-    for (float f : s) scale.push_back(std::min(1.0, std::fabs(double{f})));
-    ExpectClose(Host(x), ref, scale, tol(),
-                kind == Activation::kRelu      ? "relu"
-                : kind == Activation::kGeluErf ? "gelu erf"
-                                               : "gelu tanh");
   }
 }
 
@@ -1225,18 +1257,23 @@ TEST_P(OpsTest, SoftCap) {
   v[5] = std::numeric_limits<float>::infinity();  // tanh saturates: +-cap; NaN stays NaN
   v[6] = -std::numeric_limits<float>::infinity();
   v[9] = std::nanf("");
-  Tensor x = Act(v, {3, 100});
-  const std::vector<float> s = Host(x);
-  std::vector<double> ref;
-  for (float f : s) ref.push_back(std::tanh(double{f} / 30.0) * 30.0);
-  SoftCap(30.0f, &x);
-  std::vector<float> got = Host(x);
-  EXPECT_EQ(got[5], 30.0f);
-  EXPECT_EQ(got[6], -30.0f);
-  EXPECT_TRUE(std::isnan(got[9]));
-  got[9] = 0;
-  ref[9] = 0;
-  ExpectClose(got, ref, std::vector<double>(ref.size(), 1.0), tol(), "soft cap");
+  for (int i = 0; i < 100; ++i) v.push_back(-2.0f + 0.04f * static_cast<float>(i));  // near 0
+  const double tight = device() == Device::kCpu ? 5e-7 : tol();
+  for (const auto& [isa, isa_name] : Isas()) {
+    cpu::SetIsaForTesting(isa);
+    Tensor x = Act(v, {4, 100});
+    const std::vector<float> s = Host(x);
+    std::vector<double> ref;
+    for (float f : s) ref.push_back(std::tanh(double{f} / 30.0) * 30.0);
+    SoftCap(30.0f, &x);
+    std::vector<float> got = Host(x);
+    EXPECT_EQ(got[5], 30.0f) << isa_name;
+    EXPECT_EQ(got[6], -30.0f) << isa_name;
+    EXPECT_TRUE(std::isnan(got[9])) << isa_name;
+    got[9] = 0;
+    ref[9] = 0;
+    ExpectClose(got, ref, {}, tight, "soft cap (" + isa_name + ")");
+  }
 }
 
 // Two experts' weighted rows added into out in turn, as a mixture of experts sums them; rows
