@@ -152,6 +152,10 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
       want.emplace_back(&l.post_attn_norm_w, kernels::Shape{s.hidden}, "post-attention norm");
       want.emplace_back(&l.post_mlp_norm_w, kernels::Shape{s.hidden}, "post-MLP norm");
     }
+    if (s.qk_norms) {
+      want.emplace_back(&l.q_norm_w, kernels::Shape{s.head_dim}, "q norm");
+      want.emplace_back(&l.k_norm_w, kernels::Shape{s.head_dim}, "k norm");
+    }
     for (const auto& [t, shape, name] : want) {
       if (auto st = CheckShape(*t, shape, p + name); !st.ok()) return st;
     }
@@ -239,9 +243,10 @@ void CausalLM::MoveTo(kernels::Device device) {
   move(&w_.final_norm_w);
   move(&w_.final_norm_b);
   for (LayerWeights& l : w_.layers) {
-    for (Tensor* t : {&l.ln1_w, &l.ln1_b, &l.ln2_w, &l.ln2_b, &l.post_attn_norm_w,
-                      &l.post_attn_norm_b, &l.post_mlp_norm_w, &l.post_mlp_norm_b, &l.qkv_b, &l.o_b,
-                      &l.up_b, &l.down_b, &l.router_w}) {
+    for (Tensor* t :
+         {&l.ln1_w, &l.ln1_b, &l.ln2_w, &l.ln2_b, &l.post_attn_norm_w, &l.post_attn_norm_b,
+          &l.post_mlp_norm_w, &l.post_mlp_norm_b, &l.q_norm_w, &l.q_norm_b, &l.k_norm_w,
+          &l.k_norm_b, &l.qkv_b, &l.o_b, &l.up_b, &l.down_b, &l.router_w}) {
       move(t);
     }
     for (Tensor* t : l.Linears()) move(t);
@@ -394,6 +399,26 @@ void CausalLM::DenseMlp(const Tensor& up_w, const Tensor& up_b, const Tensor& do
   }
 }
 
+// Each head's columns out of qkv as rows of D, normed, and back: existing ops on every device,
+// no host synchronisation (decode graphs capture it). A few copies of q and k beside the
+// projections' weights.
+void CausalLM::NormHeads(const LayerWeights& w, Tensor* qkv) const {
+  const int64_t t = qkv->dim(0), d = spec_.head_dim;
+  const int64_t hq = layout_.q_heads.size(), hk = layout_.kv_heads.size();
+  const struct {
+    int64_t first, heads;
+    const Tensor &w, &b;
+  } parts[] = {{0, hq, w.q_norm_w, w.q_norm_b}, {hq, hk, w.k_norm_w, w.k_norm_b}};
+  for (const auto& part : parts) {
+    Tensor heads = Buf({t, part.heads * d});
+    Tensor normed = Buf({t * part.heads, d});
+    kernels::CopyColumns(*qkv, part.first * d, part.heads * d, &heads, 0);
+    Norm(heads.Reshape({t * part.heads, d}), part.w, part.b, &normed);
+    kernels::CopyColumns(normed.Reshape({t, part.heads * d}), 0, part.heads * d, qkv,
+                         part.first * d);
+  }
+}
+
 void CausalLM::Rotate(const ForwardInput& in, Tensor* q, Tensor* k) const {
   const std::vector<int32_t>& starts = in.host_query_start;
   const std::vector<int32_t>& lens = in.host_context_lens;
@@ -492,6 +517,7 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
     // The attention's input: this layer's input norm in h (pre-norm), or x itself.
     kernels::Linear(post_norm ? x : h, w.qkv_w, w.qkv_b.defined() ? &w.qkv_b : nullptr, &qkv);
     if (s.clip_qkv > 0) kernels::Clamp(-s.clip_qkv, s.clip_qkv, &qkv);
+    if (s.qk_norms) NormHeads(w, &qkv);
     if (split_apart) {
       Tensor q2 = q.Reshape({t, hq * d}), k2 = k.Reshape({t, hk * d}), v2 = v.Reshape({t, hk * d});
       kernels::CopyColumns(qkv, 0, hq * d, &q2, 0);

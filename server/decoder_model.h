@@ -34,6 +34,9 @@ struct LayerWeights {
   // Residual::kSandwich: the norms of the attention's and the MLP's outputs (ln2 is the MLP's
   // input norm there).
   kernels::Tensor post_attn_norm_w, post_attn_norm_b, post_mlp_norm_w, post_mlp_norm_b;
+  // DecoderSpec::qk_norms: [D] norms of each q head and each k head (one weight for all q
+  // heads, one for all k heads), before rotary.
+  kernels::Tensor q_norm_w, q_norm_b, k_norm_w, k_norm_b;
   // A mixture of experts (DecoderSpec::num_experts > 0) in place of up_w and down_w: the
   // router [E, H] (whole, as the checkpoint holds it) and each expert's [2I, H] ([gate | up])
   // and [H, I].
@@ -136,6 +139,8 @@ class CausalLM : public Model {
   // Rotary with length-dependent frequencies on q and k: each sequence past the original
   // context gets its own (the other rotary models rotate inside QkvToCache).
   void Rotate(const ForwardInput& in, kernels::Tensor* q, kernels::Tensor* k) const;
+  // DecoderSpec::qk_norms: this rank's q and k heads in qkv [T, (Hq + 2 Hk) * D] normed in place.
+  void NormHeads(const LayerWeights& w, kernels::Tensor* qkv) const;
   void Norm(const kernels::Tensor& x, const kernels::Tensor& w, const kernels::Tensor& b,
             kernels::Tensor* out) const;
   // x += y; out = Norm(x) (fused for RMSNorm).

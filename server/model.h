@@ -65,6 +65,9 @@ struct DecoderSpec {
   int64_t embed_dim = 0;
   bool embed_norm = false;  // a norm right after the token embedding (BLOOM)
   float clip_qkv = 0;       // > 0: q, k and v clamped to [-clip_qkv, clip_qkv] (MPT)
+  // Each q head and each k head normed over its head_dim values (`norm`, norm_eps) before
+  // rotary, with LayerWeights::q_norm_w / k_norm_w (Qwen3).
+  bool qk_norms = false;
   int64_t EmbedDim() const { return embed_dim > 0 ? embed_dim : hidden; }
   int sliding_window = 0;
   // Per layer when not empty (Gemma 2: sliding_window on the even layers, 0 on the odd ones);

@@ -22,6 +22,7 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterMixtralModel(r);
     RegisterCohereModel(r);
     RegisterOlmoModel(r);
+    RegisterQwen3Model(r);
     RegisterGpt2Model(r);
     RegisterGptBigCodeModel(r);
     RegisterGptNeoxModel(r);

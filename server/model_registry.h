@@ -59,6 +59,7 @@ void RegisterStableLmModel(ModelRegistry* r);
 void RegisterMixtralModel(ModelRegistry* r);
 void RegisterCohereModel(ModelRegistry* r);
 void RegisterOlmoModel(ModelRegistry* r);
+void RegisterQwen3Model(ModelRegistry* r);
 void RegisterGpt2Model(ModelRegistry* r);
 void RegisterGptBigCodeModel(ModelRegistry* r);
 void RegisterGptNeoxModel(ModelRegistry* r);

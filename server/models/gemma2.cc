@@ -63,7 +63,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   } else {
     opt.sliding_window = 4096;
   }
-  opt.window_on_even_layers = true;
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    opt.layer_windows.push_back(l % 2 == 0 ? opt.sliding_window : 0);
   return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
 }
 

@@ -282,12 +282,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   }
   if (auto st = ReadRope(c, rotary_dim, *theta, &s); !st.ok()) return st;
   s.sliding_window = opt.sliding_window;
-  if (opt.window_on_even_layers) {
-    for (int64_t l = 0; l < s.num_layers; ++l)
-      s.layer_windows.push_back(l % 2 == 0 ? s.sliding_window : 0);
-  }
+  s.layer_windows = opt.layer_windows;
   if (opt.sandwich_norms) s.residual = Residual::kSandwich;
   s.clip_qkv = opt.clip_qkv;
+  s.qk_norms = opt.qk_norms;
   s.attn_softcap = opt.attn_softcap;
   s.final_logit_softcap = opt.final_logit_softcap;
   s.embed_scale = opt.embed_scale;
@@ -342,8 +340,12 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
         !st.ok()) {
       return st;
     }
-    std::vector<std::tuple<const char*, Tensor*, Tensor*>> norms = {
+    std::vector<std::tuple<std::string, Tensor*, Tensor*>> norms = {
         {"input_layernorm", &l.ln1_w, &l.ln1_b}};
+    if (opt.qk_norms) {
+      norms.insert(norms.end(), {{"self_attn.q_norm", &l.q_norm_w, &l.q_norm_b},
+                                 {"self_attn.k_norm", &l.k_norm_w, &l.k_norm_b}});
+    }
     if (opt.sandwich_norms) {
       norms.insert(norms.end(),
                    {{"post_attention_layernorm", &l.post_attn_norm_w, &l.post_attn_norm_b},

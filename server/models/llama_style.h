@@ -1,14 +1,15 @@
 // The Llama layout (norms, rotary, a gated or plain MLP, separate q/k/v/o projections), shared
-// by the Llama/Mistral, Qwen2, Granite, Phi-2, Phi-3, Gemma, Gemma 2, StableLM, StarCoder2,
-// Cohere, OLMo and mixture-of-experts (Mixtral, GraniteMoE, Qwen2-MoE) files, which differ in
-// biases, sliding-window settings, Granite's multipliers, Phi-2's names and lm_head bias,
-// Phi-3's fused projections, Gemma's norms and embedding scale, Gemma 2's extra norms and soft
-// caps, the LayerNorms of StableLM, StarCoder2, Cohere and OLMo, OLMo's clip_qkv, parallel
-// residuals, and the experts.
+// by the Llama/Mistral, Qwen2, Qwen3, Granite, Phi-2, Phi-3, Gemma, Gemma 2, StableLM,
+// StarCoder2, Cohere, OLMo and mixture-of-experts (Mixtral, GraniteMoE, Qwen2-MoE) files, which
+// differ in biases, sliding-window settings, Qwen3's q/k norms, Granite's multipliers, Phi-2's
+// names and lm_head bias, Phi-3's fused projections, Gemma's norms and embedding scale, Gemma
+// 2's extra norms and soft caps, the LayerNorms of StableLM, StarCoder2, Cohere and OLMo,
+// OLMo's clip_qkv, parallel residuals, and the experts.
 #pragma once
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/decoder_model.h"
@@ -63,12 +64,13 @@ struct LlamaStyleOptions {
   const char* act_key = "hidden_act";
   // Gemma 2: four norms a layer (input_layernorm and post_attention_layernorm around attention,
   // pre_feedforward_layernorm and post_feedforward_layernorm around the MLP:
-  // Residual::kSandwich); soft caps on attention and output logits (0: none);
-  // sliding_window on the even layers only.
+  // Residual::kSandwich); soft caps on attention and output logits (0: none).
   bool sandwich_norms = false;
   float attn_softcap = 0;
   float final_logit_softcap = 0;
-  bool window_on_even_layers = false;
+  // Each layer's window when not empty (DecoderSpec::layer_windows: Gemma 2's even layers,
+  // Qwen3's layer_types); else sliding_window for every layer.
+  std::vector<int> layer_windows;
   // Phi: the attention's output projection, the plain MLP's two linears and the final norm
   // under other names; a bias on the lm_head.
   const char* o_proj_name = "o_proj";
@@ -84,6 +86,9 @@ struct LlamaStyleOptions {
   // head_dim when config.json has none (Gemma 2's config class defaults it to 256, not
   // hidden / heads); 0: hidden / heads.
   int64_t head_dim_default = 0;
+  // Qwen3: self_attn.q_norm and k_norm, one [head_dim] norm for every q head and one for every
+  // k head, before rotary (DecoderSpec::qk_norms).
+  bool qk_norms = false;
 };
 
 // config.json's attention_bias (q/k/v and o biases) and, with `mlp`, mlp_bias (Llama's and

@@ -1066,6 +1066,57 @@ TEST(ModelConfigTest, Gemma2KeysTakeTheConfigClassDefaults) {
   EXPECT_TRUE(BuildFixtureWith("gemma2", [](Json& c) { c["hidden_act"] = "quick_gelu"; }).ok());
 }
 
+// Qwen3: q/k norms read per layer; each layer's window as transformers derives it (layer_types
+// when config.json has it, else the layers from max_window_layers on, and only with
+// use_sliding_window); head_dim Qwen3Config's 128 when absent.
+TEST(ModelConfigTest, Qwen3WindowsFollowLayerTypesAndHeadNormsAreRead) {
+  auto spec = FixtureSpecWith("qwen3", [](Json&) {});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(spec->qk_norms);
+  EXPECT_EQ(spec->head_dim, 24);
+  EXPECT_EQ(spec->layer_windows, (std::vector<int>{0, 8}));
+  const std::vector<std::pair<std::function<void(Json&)>, std::vector<int>>> cases = {
+      {[](Json& c) {
+         c["layer_types"] = {"sliding_attention", "full_attention"};
+       },
+       {8, 0}},
+      {[](Json& c) { c["use_sliding_window"] = false; }, {0, 0}},
+      {[](Json& c) { c["sliding_window"] = nullptr; }, {0, 0}},
+      {[](Json& c) { c.erase("layer_types"); }, {0, 8}},
+      {[](Json& c) {
+         c.erase("layer_types");
+         c["max_window_layers"] = 0;
+       },
+       {8, 8}},
+      {[](Json& c) {
+         c.erase("layer_types");
+         c.erase("max_window_layers");  // 28: no layer of 2
+       },
+       {0, 0}},
+  };
+  for (const auto& [edit, windows] : cases) {
+    auto s = FixtureSpecWith("qwen3", edit);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->layer_windows, windows);
+  }
+  ExpectBuildError(
+      BuildFixtureWith("qwen3", [](Json& c) { c["layer_types"][1] = "chunked_attention"; }),
+      "config.json: layer_types[1] = \"chunked_attention\": expected \"full_attention\" or "
+      "\"sliding_attention\"");
+  ExpectBuildError(
+      BuildFixtureWith("qwen3", [](Json& c) { c["layer_types"] = {"full_attention"}; }),
+      "config.json: layer_types: expected a list of 2 layer types");
+  ExpectBuildError(BuildFixtureWith("qwen3", [](Json& c) { c.erase("head_dim"); }),
+                   "model.layers.0.self_attn.q_proj.weight: rows [0, 512) of 96 do not exist");
+  // A Qwen2 checkpoint called qwen3 has no q/k norms.
+  ExpectBuildError(BuildFixtureWith("qwen2",
+                                    [](Json& c) {
+                                      c["model_type"] = "qwen3";
+                                      c["head_dim"] = 16;
+                                    }),
+                   "model.layers.0.self_attn.q_norm.weight");
+}
+
 // StableLM: rotary on partial_rotary_factor of each head, StableLmConfig's 0.25 when absent;
 // per-head q/k LayerNorms refused by key; with use_parallel_residual a checkpoint's
 // post_attention_layernorm is a tensor that the model does not use, an error that names it.
