@@ -92,21 +92,26 @@ absl::Status LoadExperts(const ShardedLoader& ld, const std::string& p, const De
                          ld.StackOutputRows({{x + "w1.weight", mlp}, {x + "w3.weight", mlp}}));
       loads.emplace_back(&l->expert_down[e], ld.InputColumns(x + "w2.weight", mlp));
     }
-  } else if (layout == MoeLayout::kQwen2Moe) {
+  } else if (layout == MoeLayout::kQwen2Moe || layout == MoeLayout::kQwen3Moe) {
     const std::string q = p + "mlp.";
-    auto router = ld.Whole(q + "gate.weight");
-    auto gate = ld.Whole(q + "shared_expert_gate.weight");
-    for (const auto* t : {&router, &gate}) {
-      if (!t->ok()) return t->status();
+    if (layout == MoeLayout::kQwen3Moe) {
+      loads.emplace_back(&l->router_w, ld.Whole(q + "gate.weight"));
+    } else {
+      auto router = ld.Whole(q + "gate.weight");
+      auto gate = ld.Whole(q + "shared_expert_gate.weight");
+      for (const auto* t : {&router, &gate}) {
+        if (!t->ok()) return t->status();
+      }
+      // The shared expert's gate as the router's last row: one product, one copy to the host.
+      loads.emplace_back(&l->router_w, ConcatRows({*router, *gate}, q + "gate.weight"));
     }
-    // The shared expert's gate as the router's last row: one product, one copy to the host.
-    loads.emplace_back(&l->router_w, ConcatRows({*router, *gate}, q + "gate.weight"));
     for (int64_t e = 0; e < s.num_experts; ++e) {
       const std::string x = absl::StrCat(q, "experts.", e, ".");
       loads.emplace_back(&l->expert_up[e], ld.StackOutputRows({{x + "gate_proj.weight", mlp},
                                                                {x + "up_proj.weight", mlp}}));
       loads.emplace_back(&l->expert_down[e], ld.InputColumns(x + "down_proj.weight", mlp));
     }
+    if (layout == MoeLayout::kQwen3Moe) return AssignLoads(&loads);
     const Range shared = ld.layout().shared_expert;
     const std::string x = q + "shared_expert.";
     loads.emplace_back(&l->shared_up, ld.StackOutputRows({{x + "gate_proj.weight", shared},
@@ -124,10 +129,14 @@ absl::Status LoadExperts(const ShardedLoader& ld, const std::string& p, const De
   return AssignLoads(&loads);
 }
 
-// config.json's expert counts: num_local_experts (Qwen2-MoE: num_experts) experts,
+bool IsQwenMoe(MoeLayout layout) {
+  return layout == MoeLayout::kQwen2Moe || layout == MoeLayout::kQwen3Moe;
+}
+
+// config.json's expert counts: num_local_experts (Qwen2- and Qwen3-MoE: num_experts) experts,
 // num_experts_per_tok of them a token.
 absl::Status ReadExpertCounts(const ModelConfig& c, MoeLayout layout, DecoderSpec* s) {
-  const char* count_key = layout == MoeLayout::kQwen2Moe ? "num_experts" : "num_local_experts";
+  const char* count_key = IsQwenMoe(layout) ? "num_experts" : "num_local_experts";
   auto experts = c.Get<int64_t>(count_key);
   if (!experts.ok()) return experts.status();
   auto per_token = c.Get<int64_t>("num_experts_per_tok");
@@ -142,13 +151,14 @@ absl::Status ReadExpertCounts(const ModelConfig& c, MoeLayout layout, DecoderSpe
   return absl::OkStatus();
 }
 
-// Qwen2-MoE's sizes and routing: every layer's MLP a mixture of experts of
+// Qwen2- and Qwen3-MoE's sizes and routing: every layer's MLP a mixture of experts of
 // moe_intermediate_size columns (configs that keep some layers dense, through
 // decoder_sparse_step or mlp_only_layers, are refused: intermediate_size is those layers'),
-// a shared expert of shared_expert_intermediate_size, norm_topk_prob.
-absl::Status ReadQwen2MoeKeys(const ModelConfig& c, DecoderSpec* s) {
+// Qwen2-MoE's shared expert of shared_expert_intermediate_size, norm_topk_prob.
+absl::Status ReadQwenMoeKeys(const ModelConfig& c, MoeLayout layout, DecoderSpec* s) {
   auto inter = c.Get<int64_t>("moe_intermediate_size");
-  auto shared = c.Get<int64_t>("shared_expert_intermediate_size");
+  auto shared = layout == MoeLayout::kQwen2Moe ? c.Get<int64_t>("shared_expert_intermediate_size")
+                                               : absl::StatusOr<int64_t>(int64_t{0});
   auto step = c.Get<int64_t>("decoder_sparse_step", int64_t{1});
   auto normalize = c.Get<bool>("norm_topk_prob", false);
   for (const auto* v : {&inter, &shared, &step}) {
@@ -166,9 +176,12 @@ absl::Status ReadQwen2MoeKeys(const ModelConfig& c, DecoderSpec* s) {
         absl::StrCat("config.json: mlp_only_layers = ", dense->dump(),
                      ": dense MLP layers among the mixtures of experts are not supported"));
   }
-  if (*inter <= 0 || *shared <= 0) {
+  if (*inter <= 0 || *shared < 0 || (layout == MoeLayout::kQwen2Moe && *shared == 0)) {
     return absl::InvalidArgumentError(
-        "config.json: moe_intermediate_size and shared_expert_intermediate_size must be positive");
+        layout == MoeLayout::kQwen2Moe
+            ? "config.json: moe_intermediate_size and shared_expert_intermediate_size must be "
+              "positive"
+            : "config.json: moe_intermediate_size must be positive");
   }
   s->intermediate = *inter;
   s->shared_expert_intermediate = *shared;
@@ -297,8 +310,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   }
   // Mixtral's routing is DecoderSpec's default; Qwen2-MoE's follows norm_topk_prob below.
   if (opt.moe == MoeLayout::kGraniteMoe) s.routing = ExpertRouting::kTopKSoftmax;
-  if (opt.moe == MoeLayout::kQwen2Moe) {
-    if (auto st = ReadQwen2MoeKeys(c, &s); !st.ok()) return st;
+  if (IsQwenMoe(opt.moe)) {
+    if (auto st = ReadQwenMoeKeys(c, opt.moe, &s); !st.ok()) return st;
   }
 
   auto layout = ShardLayout::Make(s, comm->rank(), comm->world_size());

@@ -1,9 +1,9 @@
 // The Llama layout (norms, rotary, a gated or plain MLP, separate q/k/v/o projections), shared
 // by the Llama/Mistral, Qwen2, Qwen3, Granite, Phi-2, Phi-3, Gemma, Gemma 2, StableLM,
-// StarCoder2, Cohere, OLMo and mixture-of-experts (Mixtral, GraniteMoE, Qwen2-MoE) files, which
-// differ in biases, sliding-window settings, Qwen3's q/k norms, Granite's multipliers, Phi-2's
-// names and lm_head bias, Phi-3's fused projections, Gemma's norms and embedding scale, Gemma
-// 2's extra norms and soft caps, the LayerNorms of StableLM, StarCoder2, Cohere and OLMo,
+// StarCoder2, Cohere, OLMo and mixture-of-experts (Mixtral, GraniteMoE, Qwen2-/Qwen3-MoE) files,
+// which differ in biases, sliding-window settings, Qwen3's q/k norms, Granite's multipliers,
+// Phi-2's names and lm_head bias, Phi-3's fused projections, Gemma's norms and embedding scale,
+// Gemma 2's extra norms and soft caps, the LayerNorms of StableLM, StarCoder2, Cohere and OLMo,
 // OLMo's clip_qkv, parallel residuals, and the experts.
 #pragma once
 
@@ -27,6 +27,8 @@ enum class MoeLayout {
   // mlp.gate, mlp.experts.{e}.gate_proj / up_proj / down_proj, and a shared expert
   // (mlp.shared_expert.*_proj) weighted by mlp.shared_expert_gate
   kQwen2Moe,
+  // Qwen3-MoE: Qwen2-MoE's router and expert names, no shared expert
+  kQwen3Moe,
 };
 
 struct LlamaStyleOptions {

@@ -6,6 +6,13 @@
 // derives them: a layer whose layer_types entry is "sliding_attention" attends to the last
 // sliding_window keys when use_sliding_window is true (else sliding_window is null for every
 // layer); without layer_types, the layers from max_window_layers (28) on are those.
+// Qwen3-MoE (qwen3_moe: Qwen3-30B-A3B, Qwen3-235B-A22B): the same attention with a mixture of
+// experts in every layer's MLP (Qwen2-MoE's names: mlp.gate, mlp.experts.{e}.*_proj; no shared
+// expert), num_experts_per_tok of num_experts weighted by their softmax probabilities
+// (renormalized with norm_topk_prob). Its window, with use_sliding_window, is on every layer:
+// transformers 4.55's Qwen3MoeConfig has no layer_types or max_window_layers (the released
+// configs carry max_window_layers; it is not read). Read only in training, so not here:
+// output_router_logits, router_aux_loss_coef.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -18,8 +25,9 @@ namespace tgis::server {
 
 namespace {
 
-// Each layer's window (0: every key), or the config key that is wrong.
-absl::StatusOr<std::vector<int>> LayerWindows(const ModelConfig& c) {
+// Each layer's window (0: every key), or the config key that is wrong; `every_layer`:
+// Qwen3-MoE's rule.
+absl::StatusOr<std::vector<int>> LayerWindows(const ModelConfig& c, bool every_layer) {
   auto use_window = c.Get<bool>("use_sliding_window", false);
   if (!use_window.ok()) return use_window.status();
   int window = 0;
@@ -32,6 +40,7 @@ absl::StatusOr<std::vector<int>> LayerWindows(const ModelConfig& c) {
     }
     window = static_cast<int>(*w);
   }
+  if (every_layer) return std::vector<int>(c.num_layers, window);
   std::vector<int> windows(c.num_layers, 0);
   auto types = c.raw.find("layer_types");
   if (types != c.raw.end() && !types->is_null()) {
@@ -59,12 +68,13 @@ absl::StatusOr<std::vector<int>> LayerWindows(const ModelConfig& c) {
 
 absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
                                                 kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm) {
+                                                std::shared_ptr<Communicator> comm, MoeLayout moe) {
   LlamaStyleOptions opt;
   if (auto st = ReadBiasKeys(c, /*mlp=*/false, &opt); !st.ok()) return st;
   opt.qk_norms = true;
   opt.head_dim_default = 128;
-  auto windows = LayerWindows(c);
+  opt.moe = moe;
+  auto windows = LayerWindows(c, /*every_layer=*/moe != MoeLayout::kNone);
   if (!windows.ok()) return windows.status();
   opt.layer_windows = *std::move(windows);
   return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
@@ -72,6 +82,15 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
 
 }  // namespace
 
-void RegisterQwen3Model(ModelRegistry* r) { r->Register("qwen3", Build); }
+void RegisterQwen3Model(ModelRegistry* r) {
+  for (const auto& entry :
+       {std::pair{"qwen3", MoeLayout::kNone}, std::pair{"qwen3_moe", MoeLayout::kQwen3Moe}}) {
+    const MoeLayout moe = entry.second;
+    r->Register(entry.first, [moe](const ModelConfig& c, const WeightStore& w, kernels::DType dtype,
+                                   std::shared_ptr<Communicator> comm) {
+      return Build(c, w, dtype, std::move(comm), moe);
+    });
+  }
+}
 
 }  // namespace tgis::server

@@ -83,7 +83,7 @@ def assert_stream_equals_unary(messages, unary):
 # greedy output through the router is what is theirs to check.
 @pytest.fixture(scope="module", params=["granite", "phi", "phi3", "gemma", "gemma2",
                                         "stablelm", "starcoder2", "cohere", "olmo", "qwen3",
-                                        "mixtral", "granitemoe", "qwen2_moe"])
+                                        "mixtral", "granitemoe", "qwen2_moe", "qwen3_moe"])
 def family(request):
     yield from serve(request.param)
 

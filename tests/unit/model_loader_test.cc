@@ -1004,6 +1004,27 @@ TEST(ModelConfigTest, MixtureOfExpertsCountsMatchTheConfigAndTheCheckpoint) {
   ExpectBuildError(
       BuildFixtureWith("qwen2_moe", [](Json& c) { c["shared_expert_intermediate_size"] = 97; }),
       "model.layers.0.mlp.shared_expert.gate_proj.weight");
+  // Qwen3-MoE: Qwen2-MoE's names and rules without a shared expert; its routing follows
+  // norm_topk_prob; a Qwen2-MoE checkpoint called qwen3_moe leaves its shared expert unread.
+  auto qwen3_moe = FixtureSpecWith("qwen3_moe", [](Json&) {});
+  ASSERT_TRUE(qwen3_moe.ok()) << qwen3_moe.status();
+  EXPECT_EQ(qwen3_moe->shared_expert_intermediate, 0);
+  EXPECT_EQ(qwen3_moe->routing, tgis::server::ExpertRouting::kSoftmaxTopKRenormalized);
+  auto plain_topk = FixtureSpecWith("qwen3_moe", [](Json& c) { c["norm_topk_prob"] = false; });
+  ASSERT_TRUE(plain_topk.ok()) << plain_topk.status();
+  EXPECT_EQ(plain_topk->routing, tgis::server::ExpertRouting::kSoftmaxTopK);
+  ExpectBuildError(BuildFixtureWith("qwen3_moe", [](Json& c) { c["num_experts_per_tok"] = 5; }),
+                   "config.json: num_experts_per_tok = 5 with num_experts = 4");
+  ExpectBuildError(BuildFixtureWith("qwen3_moe", [](Json& c) { c["decoder_sparse_step"] = 2; }),
+                   "config.json: decoder_sparse_step = 2: dense MLP layers");
+  ExpectBuildError(BuildFixtureWith("qwen3_moe", [](Json& c) { c["moe_intermediate_size"] = 0; }),
+                   "config.json: moe_intermediate_size must be positive");
+  ExpectBuildError(BuildFixtureWith("qwen2_moe",
+                                    [](Json& c) {
+                                      c["model_type"] = "qwen3_moe";
+                                      c["head_dim"] = 16;
+                                    }),
+                   "model.layers.0.self_attn.q_norm.weight");
   for (int experts : {3, 5}) {
     ExpectBuildError(
         BuildFixtureWith("granitemoe", [&](Json& c) { c["num_local_experts"] = experts; }),
@@ -1108,6 +1129,14 @@ TEST(ModelConfigTest, Qwen3WindowsFollowLayerTypesAndHeadNormsAreRead) {
       "config.json: layer_types: expected a list of 2 layer types");
   ExpectBuildError(BuildFixtureWith("qwen3", [](Json& c) { c.erase("head_dim"); }),
                    "model.layers.0.self_attn.q_proj.weight: rows [0, 512) of 96 do not exist");
+  // Qwen3-MoE: with use_sliding_window the window is on every layer (4.55's rule).
+  auto moe = FixtureSpecWith("qwen3_moe", [](Json&) {});
+  ASSERT_TRUE(moe.ok()) << moe.status();
+  EXPECT_TRUE(moe->qk_norms);
+  EXPECT_EQ(moe->layer_windows, (std::vector<int>{8, 8}));
+  auto moe_full = FixtureSpecWith("qwen3_moe", [](Json& c) { c["use_sliding_window"] = false; });
+  ASSERT_TRUE(moe_full.ok()) << moe_full.status();
+  EXPECT_EQ(moe_full->layer_windows, (std::vector<int>{0, 0}));
   // A Qwen2 checkpoint called qwen3 has no q/k norms.
   ExpectBuildError(BuildFixtureWith("qwen2",
                                     [](Json& c) {
