@@ -11,25 +11,22 @@ namespace tgis::server {
 
 namespace {
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm) {
-  LlamaStyleOptions opt;
-  if (auto st = ReadBiasKeys(c, /*mlp=*/false, &opt); !st.ok()) return st;
-  opt.layer_norm = true;
-  opt.norm_bias = false;
-  opt.layer_norm_eps_key = "layer_norm_eps";
-  opt.parallel_residual = true;
-  opt.interleaved_rotary = true;
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
+  if (auto st = ReadBiasKeys(c, /*mlp=*/false, opt); !st.ok()) return st;
+  opt->layer_norm = true;
+  opt->norm_bias = false;
+  opt->layer_norm_eps_key = "layer_norm_eps";
+  opt->parallel_residual = true;
+  opt->interleaved_rotary = true;
   if (auto st = RefuseQkNorms(c, "use_qk_norm", "Command R+"); !st.ok()) return st;
   auto scale = ReadMultiplier(c, "logit_scale", 0.0625);  // CohereConfig's default
   if (!scale.ok()) return scale.status();
-  opt.logits_scale = *scale;
-  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+  opt->logits_scale = *scale;
+  return absl::OkStatus();
 }
 
 }  // namespace
 
-void RegisterCohereModel(ModelRegistry* r) { r->Register("cohere", Build); }
+void RegisterCohereModel(ModelRegistry* r) { RegisterLlamaStyle(r, "cohere", ReadOptions); }
 
 }  // namespace tgis::server

@@ -14,17 +14,14 @@ namespace tgis::server {
 
 namespace {
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm) {
-  LlamaStyleOptions opt;
-  if (auto st = ReadBiasKeys(c, /*mlp=*/false, &opt); !st.ok()) return st;
-  if (auto st = UseGemmaLayout(c, "hidden_act", &opt); !st.ok()) return st;
-  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
+  if (auto st = ReadBiasKeys(c, /*mlp=*/false, opt); !st.ok()) return st;
+  if (auto st = UseGemmaLayout(c, "hidden_act", opt); !st.ok()) return st;
+  return absl::OkStatus();
 }
 
 }  // namespace
 
-void RegisterGemmaModel(ModelRegistry* r) { r->Register("gemma", Build); }
+void RegisterGemmaModel(ModelRegistry* r) { RegisterLlamaStyle(r, "gemma", ReadOptions); }
 
 }  // namespace tgis::server

@@ -36,20 +36,17 @@ absl::StatusOr<float> ReadSoftCap(const ModelConfig& c, const char* key, double 
   return f;
 }
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm) {
-  LlamaStyleOptions opt;
-  if (auto st = ReadBiasKeys(c, /*mlp=*/false, &opt); !st.ok()) return st;
-  if (auto st = UseGemmaLayout(c, "hidden_activation", &opt); !st.ok()) return st;
-  opt.sandwich_norms = true;
-  opt.head_dim_default = 256;
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
+  if (auto st = ReadBiasKeys(c, /*mlp=*/false, opt); !st.ok()) return st;
+  if (auto st = UseGemmaLayout(c, "hidden_activation", opt); !st.ok()) return st;
+  opt->sandwich_norms = true;
+  opt->head_dim_default = 256;
   auto attn_cap = ReadSoftCap(c, "attn_logit_softcapping", 50.0);
   if (!attn_cap.ok()) return attn_cap.status();
   auto final_cap = ReadSoftCap(c, "final_logit_softcapping", 30.0);
   if (!final_cap.ok()) return final_cap.status();
-  opt.attn_softcap = *attn_cap;
-  opt.final_logit_softcap = *final_cap;
+  opt->attn_softcap = *attn_cap;
+  opt->final_logit_softcap = *final_cap;
   auto scalar = c.Get<double>("query_pre_attn_scalar", 256.0);
   if (!scalar.ok()) return scalar.status();
   const float scale = static_cast<float>(std::pow(*scalar, -0.5));
@@ -57,19 +54,19 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
     return absl::InvalidArgumentError(absl::StrCat("config.json: query_pre_attn_scalar = ", *scalar,
                                                    ": expected a positive number"));
   }
-  opt.attn_scale = scale;
+  opt->attn_scale = scale;
   if (c.raw.contains("sliding_window")) {
-    if (auto st = ReadSlidingWindow(c, &opt); !st.ok()) return st;
+    if (auto st = ReadSlidingWindow(c, opt); !st.ok()) return st;
   } else {
-    opt.sliding_window = 4096;
+    opt->sliding_window = 4096;
   }
   for (int64_t l = 0; l < c.num_layers; ++l)
-    opt.layer_windows.push_back(l % 2 == 0 ? opt.sliding_window : 0);
-  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+    opt->layer_windows.push_back(l % 2 == 0 ? opt->sliding_window : 0);
+  return absl::OkStatus();
 }
 
 }  // namespace
 
-void RegisterGemma2Model(ModelRegistry* r) { r->Register("gemma2", Build); }
+void RegisterGemma2Model(ModelRegistry* r) { RegisterLlamaStyle(r, "gemma2", ReadOptions); }
 
 }  // namespace tgis::server

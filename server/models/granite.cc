@@ -15,13 +15,9 @@ namespace tgis::server {
 
 namespace {
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm, MoeLayout moe) {
-  LlamaStyleOptions opt;
-  opt.moe = moe;
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
   // GraniteMoE's config has attention_bias but no mlp_bias.
-  if (auto st = ReadBiasKeys(c, /*mlp=*/moe == MoeLayout::kNone, &opt); !st.ok()) return st;
+  if (auto st = ReadBiasKeys(c, /*mlp=*/opt->moe == MoeLayout::kNone, opt); !st.ok()) return st;
   auto embed = ReadMultiplier(c, "embedding_multiplier");
   auto residual = ReadMultiplier(c, "residual_multiplier");
   auto attention = ReadMultiplier(c, "attention_multiplier");
@@ -29,26 +25,19 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
   for (const auto* m : {&embed, &residual, &attention, &logits}) {
     if (!m->ok()) return m->status();
   }
-  opt.embed_scale = *embed;
-  opt.residual_scale = *residual;
-  opt.attn_scale = *attention;
+  opt->embed_scale = *embed;
+  opt->residual_scale = *residual;
+  opt->attn_scale = *attention;
   // transformers divides the logits; one multiplication by the reciprocal is within an f32
   // rounding of that.
-  opt.logits_scale = 1.0f / *logits;
-  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+  opt->logits_scale = 1.0f / *logits;
+  return absl::OkStatus();
 }
 
 }  // namespace
 
 void RegisterGraniteModel(ModelRegistry* r) {
-  for (const auto& entry :
-       {std::pair{"granite", MoeLayout::kNone}, std::pair{"granitemoe", MoeLayout::kGraniteMoe}}) {
-    const MoeLayout moe = entry.second;
-    r->Register(entry.first, [moe](const ModelConfig& c, const WeightStore& w, kernels::DType dtype,
-                                   std::shared_ptr<Communicator> comm) {
-      return Build(c, w, dtype, std::move(comm), moe);
-    });
-  }
+  RegisterLlamaStyleWithExperts(r, "granite", "granitemoe", MoeLayout::kGraniteMoe, ReadOptions);
 }
 
 }  // namespace tgis::server

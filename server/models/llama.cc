@@ -6,18 +6,15 @@
 namespace tgis::server {
 
 void RegisterLlamaModels(ModelRegistry* r) {
-  auto build = [](const ModelConfig& c, const WeightStore& w, kernels::DType dtype,
-                  std::shared_ptr<Communicator> comm) -> absl::StatusOr<std::unique_ptr<CausalLM>> {
-    LlamaStyleOptions opt;
-    if (auto st = ReadBiasKeys(c, /*mlp=*/true, &opt); !st.ok()) return st;
-    if (auto st = ReadSlidingWindow(c, &opt); !st.ok()) return st;
-    return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+  auto read = [](const ModelConfig& c, LlamaStyleOptions* opt) {
+    if (auto st = ReadBiasKeys(c, /*mlp=*/true, opt); !st.ok()) return st;
+    return ReadSlidingWindow(c, opt);
   };
   // Checkpoints saved by transformers before 4.31 hold each layer's rotary inv_freq buffer; we
   // compute the frequencies from the config (as transformers does since).
   const std::vector<std::string> ignored = {"model.layers.*.self_attn.rotary_emb.inv_freq"};
-  r->Register("llama", build, ignored);
-  r->Register("mistral", build, ignored);
+  RegisterLlamaStyle(r, "llama", read, ignored);
+  RegisterLlamaStyle(r, "mistral", read, ignored);
 }
 
 }  // namespace tgis::server

@@ -390,4 +390,34 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
                        std::move(comm));
 }
 
+void RegisterLlamaStyle(ModelRegistry* r, const std::string& model_type, LlamaStyleReader read,
+                        std::vector<std::string> ignored) {
+  r->Register(
+      model_type,
+      [read = std::move(read)](
+          const ModelConfig& c, const WeightStore& w, DType dtype,
+          std::shared_ptr<Communicator> comm) -> absl::StatusOr<std::unique_ptr<Model>> {
+        LlamaStyleOptions opt;
+        if (auto st = read(c, &opt); !st.ok()) return st;
+        return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+      },
+      std::move(ignored));
+}
+
+void RegisterLlamaStyleWithExperts(ModelRegistry* r, const std::string& dense,
+                                   const std::string& experts, MoeLayout layout,
+                                   const LlamaStyleReader& read,
+                                   const std::vector<std::string>& ignored) {
+  for (const auto& [type, moe] : {std::pair{dense, MoeLayout::kNone}, std::pair{experts, layout}}) {
+    const MoeLayout m = moe;
+    RegisterLlamaStyle(
+        r, type,
+        [m, read](const ModelConfig& c, LlamaStyleOptions* opt) {
+          opt->moe = m;
+          return read(c, opt);
+        },
+        ignored);
+  }
+}
+
 }  // namespace tgis::server

@@ -7,6 +7,7 @@
 // OLMo's clip_qkv, parallel residuals, and the experts.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "server/decoder_model.h"
 #include "server/model_config.h"
+#include "server/model_registry.h"
 #include "server/weights.h"
 
 namespace tgis::server {
@@ -114,10 +116,25 @@ absl::Status RefuseQkNorms(const ModelConfig& config, const char* key, const cha
 // config.json's sliding_window (absent: none), as Mistral, Phi-3 and StarCoder2 name it.
 absl::Status ReadSlidingWindow(const ModelConfig& config, LlamaStyleOptions* options);
 
+// What a family reads from config.json into its options; the layout's own keys (sizes,
+// rotary, rope scaling, norms' eps, the MLP's activation) are BuildLlamaStyle's.
+using LlamaStyleReader = std::function<absl::Status(const ModelConfig&, LlamaStyleOptions*)>;
+
 absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& config,
                                                           const WeightStore& weights,
                                                           kernels::DType dtype,
                                                           std::shared_ptr<Communicator> comm,
                                                           const LlamaStyleOptions& options);
+// Registers `model_type` as the Llama layout with the options `read` gives (BuildLlamaStyle);
+// `ignored` as ModelRegistry::Register takes it.
+void RegisterLlamaStyle(ModelRegistry* registry, const std::string& model_type,
+                        LlamaStyleReader read, std::vector<std::string> ignored = {});
+// A dense family and its mixture of experts (Granite and GraniteMoE, Qwen2 and Qwen2-MoE,
+// Qwen3 and Qwen3-MoE): `dense` with MoeLayout::kNone, `experts` with `layout`, set in
+// LlamaStyleOptions::moe before `read` runs.
+void RegisterLlamaStyleWithExperts(ModelRegistry* registry, const std::string& dense,
+                                   const std::string& experts, MoeLayout layout,
+                                   const LlamaStyleReader& read,
+                                   const std::vector<std::string>& ignored = {});
 
 }  // namespace tgis::server

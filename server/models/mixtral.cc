@@ -11,17 +11,14 @@ namespace tgis::server {
 
 namespace {
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm) {
-  LlamaStyleOptions opt;
-  opt.moe = MoeLayout::kMixtral;
-  if (auto st = ReadSlidingWindow(c, &opt); !st.ok()) return st;
-  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
+  opt->moe = MoeLayout::kMixtral;
+  if (auto st = ReadSlidingWindow(c, opt); !st.ok()) return st;
+  return absl::OkStatus();
 }
 
 }  // namespace
 
-void RegisterMixtralModel(ModelRegistry* r) { r->Register("mixtral", Build); }
+void RegisterMixtralModel(ModelRegistry* r) { RegisterLlamaStyle(r, "mixtral", ReadOptions); }
 
 }  // namespace tgis::server

@@ -12,26 +12,23 @@ namespace tgis::server {
 
 namespace {
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm) {
-  LlamaStyleOptions opt;
-  if (auto st = ReadBiasKeys(c, /*mlp=*/false, &opt); !st.ok()) return st;
-  opt.layer_norm = true;
-  opt.norm_weights = false;
-  opt.fixed_norm_eps = 1e-5;
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
+  if (auto st = ReadBiasKeys(c, /*mlp=*/false, opt); !st.ok()) return st;
+  opt->layer_norm = true;
+  opt->norm_weights = false;
+  opt->fixed_norm_eps = 1e-5;
   auto clip = c.Get<double>("clip_qkv", 0.0);
   if (!clip.ok()) return clip.status();
   if (*clip < 0 || !std::isfinite(static_cast<float>(*clip))) {
     return absl::InvalidArgumentError(
         absl::StrCat("config.json: clip_qkv = ", *clip, ": expected null or a positive number"));
   }
-  opt.clip_qkv = static_cast<float>(*clip);
-  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+  opt->clip_qkv = static_cast<float>(*clip);
+  return absl::OkStatus();
 }
 
 }  // namespace
 
-void RegisterOlmoModel(ModelRegistry* r) { r->Register("olmo", Build); }
+void RegisterOlmoModel(ModelRegistry* r) { RegisterLlamaStyle(r, "olmo", ReadOptions); }
 
 }  // namespace tgis::server

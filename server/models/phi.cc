@@ -12,27 +12,24 @@ namespace tgis::server {
 
 namespace {
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm) {
-  LlamaStyleOptions opt;
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
   if (auto st = RefuseQkNorms(c, "qk_layernorm", ""); !st.ok()) return st;
-  opt.layer_norm = true;
-  opt.layer_norm_eps_key = "layer_norm_eps";
-  opt.parallel_residual = true;
-  opt.plain_mlp = true;
-  opt.plain_mlp_in = "fc1";
-  opt.plain_mlp_out = "fc2";
-  opt.o_proj_name = "dense";
-  opt.final_norm_name = "model.final_layernorm";
-  opt.qkv_bias = opt.o_bias = opt.mlp_bias = opt.lm_head_bias = true;
-  opt.default_act = "gelu_new";
-  if (auto st = ReadPartialRotary(c, 0.5, &opt); !st.ok()) return st;  // PhiConfig's default
-  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+  opt->layer_norm = true;
+  opt->layer_norm_eps_key = "layer_norm_eps";
+  opt->parallel_residual = true;
+  opt->plain_mlp = true;
+  opt->plain_mlp_in = "fc1";
+  opt->plain_mlp_out = "fc2";
+  opt->o_proj_name = "dense";
+  opt->final_norm_name = "model.final_layernorm";
+  opt->qkv_bias = opt->o_bias = opt->mlp_bias = opt->lm_head_bias = true;
+  opt->default_act = "gelu_new";
+  if (auto st = ReadPartialRotary(c, 0.5, opt); !st.ok()) return st;  // PhiConfig's default
+  return absl::OkStatus();
 }
 
 }  // namespace
 
-void RegisterPhiModel(ModelRegistry* r) { r->Register("phi", Build); }
+void RegisterPhiModel(ModelRegistry* r) { RegisterLlamaStyle(r, "phi", ReadOptions); }
 
 }  // namespace tgis::server

@@ -9,18 +9,15 @@ namespace tgis::server {
 
 namespace {
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm) {
-  LlamaStyleOptions opt;
-  opt.fused_projections = true;
-  if (auto st = ReadSlidingWindow(c, &opt); !st.ok()) return st;
-  if (auto st = ReadPartialRotary(c, 1.0, &opt); !st.ok()) return st;
-  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
+  opt->fused_projections = true;
+  if (auto st = ReadSlidingWindow(c, opt); !st.ok()) return st;
+  if (auto st = ReadPartialRotary(c, 1.0, opt); !st.ok()) return st;
+  return absl::OkStatus();
 }
 
 }  // namespace
 
-void RegisterPhi3Model(ModelRegistry* r) { r->Register("phi3", Build); }
+void RegisterPhi3Model(ModelRegistry* r) { RegisterLlamaStyle(r, "phi3", ReadOptions); }
 
 }  // namespace tgis::server

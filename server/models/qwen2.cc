@@ -11,12 +11,8 @@ namespace tgis::server {
 
 namespace {
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm, MoeLayout moe) {
-  LlamaStyleOptions opt;
-  opt.qkv_bias = true;
-  opt.moe = moe;
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
+  opt->qkv_bias = true;
   auto use_window = c.Get<bool>("use_sliding_window", false);
   if (!use_window.ok()) return use_window.status();
   if (*use_window) {
@@ -26,30 +22,22 @@ absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const Weig
     auto first = c.Get<int64_t>("max_window_layers", c.num_layers);
     if (!first.ok()) return first.status();
     if (*first <= 0) {
-      opt.sliding_window = static_cast<int>(*window);
+      opt->sliding_window = static_cast<int>(*window);
     } else if (*first < c.num_layers) {
       return absl::UnimplementedError(
           "config.json: a sliding window on only some layers (max_window_layers) is not "
           "supported");
     }
   }
-  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+  return absl::OkStatus();
 }
 
 }  // namespace
 
 // Early Qwen2 conversions hold each layer's rotary inv_freq buffer; we compute the frequencies.
 void RegisterQwen2Model(ModelRegistry* r) {
-  for (const auto& entry :
-       {std::pair{"qwen2", MoeLayout::kNone}, std::pair{"qwen2_moe", MoeLayout::kQwen2Moe}}) {
-    const MoeLayout moe = entry.second;
-    r->Register(entry.first,
-                [moe](const ModelConfig& c, const WeightStore& w, kernels::DType dtype,
-                      std::shared_ptr<Communicator> comm) {
-                  return Build(c, w, dtype, std::move(comm), moe);
-                },
-                {"model.layers.*.self_attn.rotary_emb.inv_freq"});
-  }
+  RegisterLlamaStyleWithExperts(r, "qwen2", "qwen2_moe", MoeLayout::kQwen2Moe, ReadOptions,
+                                {"model.layers.*.self_attn.rotary_emb.inv_freq"});
 }
 
 }  // namespace tgis::server

@@ -66,31 +66,20 @@ absl::StatusOr<std::vector<int>> LayerWindows(const ModelConfig& c, bool every_l
   return windows;
 }
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm, MoeLayout moe) {
-  LlamaStyleOptions opt;
-  if (auto st = ReadBiasKeys(c, /*mlp=*/false, &opt); !st.ok()) return st;
-  opt.qk_norms = true;
-  opt.head_dim_default = 128;
-  opt.moe = moe;
-  auto windows = LayerWindows(c, /*every_layer=*/moe != MoeLayout::kNone);
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
+  if (auto st = ReadBiasKeys(c, /*mlp=*/false, opt); !st.ok()) return st;
+  opt->qk_norms = true;
+  opt->head_dim_default = 128;
+  auto windows = LayerWindows(c, /*every_layer=*/opt->moe != MoeLayout::kNone);
   if (!windows.ok()) return windows.status();
-  opt.layer_windows = *std::move(windows);
-  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+  opt->layer_windows = *std::move(windows);
+  return absl::OkStatus();
 }
 
 }  // namespace
 
 void RegisterQwen3Model(ModelRegistry* r) {
-  for (const auto& entry :
-       {std::pair{"qwen3", MoeLayout::kNone}, std::pair{"qwen3_moe", MoeLayout::kQwen3Moe}}) {
-    const MoeLayout moe = entry.second;
-    r->Register(entry.first, [moe](const ModelConfig& c, const WeightStore& w, kernels::DType dtype,
-                                   std::shared_ptr<Communicator> comm) {
-      return Build(c, w, dtype, std::move(comm), moe);
-    });
-  }
+  RegisterLlamaStyleWithExperts(r, "qwen3", "qwen3_moe", MoeLayout::kQwen3Moe, ReadOptions);
 }
 
 }  // namespace tgis::server

@@ -11,27 +11,24 @@ namespace tgis::server {
 
 namespace {
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm) {
-  LlamaStyleOptions opt;
-  opt.layer_norm = true;
-  opt.layer_norm_eps_key = "layer_norm_eps";
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
+  opt->layer_norm = true;
+  opt->layer_norm_eps_key = "layer_norm_eps";
   if (auto st = RefuseQkNorms(c, "qk_layernorm", "StableLM 2 12B"); !st.ok()) return st;
   auto qkv_bias = c.Get<bool>("use_qkv_bias", false);
   auto parallel = c.Get<bool>("use_parallel_residual", false);
   for (const auto* v : {&qkv_bias, &parallel}) {
     if (!v->ok()) return v->status();
   }
-  opt.qkv_bias = *qkv_bias;
-  opt.parallel_residual = *parallel;
+  opt->qkv_bias = *qkv_bias;
+  opt->parallel_residual = *parallel;
   // StableLmConfig's default
-  if (auto st = ReadPartialRotary(c, 0.25, &opt); !st.ok()) return st;
-  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+  if (auto st = ReadPartialRotary(c, 0.25, opt); !st.ok()) return st;
+  return absl::OkStatus();
 }
 
 }  // namespace
 
-void RegisterStableLmModel(ModelRegistry* r) { r->Register("stablelm", Build); }
+void RegisterStableLmModel(ModelRegistry* r) { RegisterLlamaStyle(r, "stablelm", ReadOptions); }
 
 }  // namespace tgis::server

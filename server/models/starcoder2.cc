@@ -9,22 +9,19 @@ namespace tgis::server {
 
 namespace {
 
-absl::StatusOr<std::unique_ptr<CausalLM>> Build(const ModelConfig& c, const WeightStore& w,
-                                                kernels::DType dtype,
-                                                std::shared_ptr<Communicator> comm) {
-  LlamaStyleOptions opt;
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
   auto bias = c.Get<bool>("use_bias", true);
   if (!bias.ok()) return bias.status();
-  opt.qkv_bias = opt.o_bias = opt.mlp_bias = *bias;
-  opt.layer_norm = true;
-  opt.plain_mlp = true;
-  opt.default_act = "gelu_pytorch_tanh";
-  if (auto st = ReadSlidingWindow(c, &opt); !st.ok()) return st;
-  return BuildLlamaStyle(c, w, dtype, std::move(comm), opt);
+  opt->qkv_bias = opt->o_bias = opt->mlp_bias = *bias;
+  opt->layer_norm = true;
+  opt->plain_mlp = true;
+  opt->default_act = "gelu_pytorch_tanh";
+  if (auto st = ReadSlidingWindow(c, opt); !st.ok()) return st;
+  return absl::OkStatus();
 }
 
 }  // namespace
 
-void RegisterStarcoder2Model(ModelRegistry* r) { r->Register("starcoder2", Build); }
+void RegisterStarcoder2Model(ModelRegistry* r) { RegisterLlamaStyle(r, "starcoder2", ReadOptions); }
 
 }  // namespace tgis::server
