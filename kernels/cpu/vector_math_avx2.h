@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/ops.h"
@@ -12,6 +13,14 @@
 namespace tgis::kernels::cpu {
 
 #define TGIS_VMATH_AVX2 __attribute__((target("avx2,fma"), always_inline))
+
+// c[0] x^(N-1) + c[1] x^(N-2) + ... + c[N-1] by Horner's rule, one fused multiply-add a step.
+template <size_t N>
+TGIS_VMATH_AVX2 inline __m256 Horner8(__m256 x, const float (&c)[N]) {
+  __m256 p = _mm256_set1_ps(c[0]);
+  for (size_t i = 1; i < N; ++i) p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(c[i]));
+  return p;
+}
 
 // e^x to about 1 ulp (Cephes' expf polynomial): lanes below -87.3 give 0 (their value is
 // under FLT_MIN), lanes above 88.3 give e^88.3 (3.4e38 at most, never inf); NaN stays NaN.
@@ -22,13 +31,10 @@ TGIS_VMATH_AVX2 inline __m256 Exp8(__m256 x) {
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
   r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  static constexpr float kExp[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                   4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  const __m256 y =
+      _mm256_fmadd_ps(Horner8(r, kExp), _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i pow2 =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2)));
@@ -41,12 +47,10 @@ TGIS_VMATH_AVX2 inline __m256 Tanh8(__m256 x) {
   const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
   const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
   const __m256 s = _mm256_mul_ps(x, x);
-  __m256 p = _mm256_set1_ps(-5.717200692743063e-3f);
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(2.0650768652558327e-2f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-5.3743571043014526e-2f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(1.3331492245197296e-1f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-3.333328366279602e-1f));
-  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(x, s), p, x);
+  static constexpr float kTanh[] = {-5.717200692743063e-3f, 2.0650768652558327e-2f,
+                                    -5.3743571043014526e-2f, 1.3331492245197296e-1f,
+                                    -3.333328366279602e-1f};
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(x, s), Horner8(s, kTanh), x);
   const __m256 e = Exp8(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 big =
@@ -63,20 +67,15 @@ TGIS_VMATH_AVX2 inline __m256 Erf8(__m256 x) {
   const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
   const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
   const __m256 s = _mm256_mul_ps(x, x);
-  __m256 p = _mm256_set1_ps(-6.203263183124363e-4f);
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(5.032183136790991e-3f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-2.6791464537382126e-2f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(1.1282455176115036e-1f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-3.761255145072937e-1f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(1.1283791065216064f));
-  const __m256 small = _mm256_mul_ps(x, p);
+  static constexpr float kErfSmall[] = {-6.203263183124363e-4f,  5.032183136790991e-3f,
+                                        -2.6791464537382126e-2f, 1.1282455176115036e-1f,
+                                        -3.761255145072937e-1f,  1.1283791065216064f};
+  const __m256 small = _mm256_mul_ps(x, Horner8(s, kErfSmall));
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(a, _mm256_set1_ps(0.3275911f), one));
-  __m256 q = _mm256_set1_ps(1.061405429f);
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(-1.453152027f));
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(1.421413741f));
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(-0.284496736f));
-  q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(0.254829592f));
+  static constexpr float kErfTail[] = {1.061405429f, -1.453152027f, 1.421413741f, -0.284496736f,
+                                       0.254829592f};
+  const __m256 q = Horner8(t, kErfTail);
   const __m256 e = Exp8(_mm256_xor_ps(s, _mm256_set1_ps(-0.0f)));
   const __m256 big = _mm256_or_ps(sign, _mm256_fnmadd_ps(_mm256_mul_ps(t, q), e, one));
   return _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.875f), _CMP_LT_OQ));
