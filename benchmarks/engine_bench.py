@@ -3,14 +3,18 @@
 
 Makes a ~100M-parameter Llama-shaped checkpoint (--arch mixtral: a Mixtral-shaped one of 178M
 parameters, 8 experts of which 2 run a token; --arch gemma2: the Llama shape as Gemma 2, with
-its four norms a layer, soft caps and tied embeddings) with random weights (numpy + safetensors, under
+its four norms a layer, soft caps and tied embeddings; --arch qwen3: the Llama shape as
+Qwen3, with its per-head q/k norms) with random weights (numpy + safetensors, under
 benchmarks/data/, nothing downloaded, nothing committed), runs build/benchmarks/engine_bench on
 it (prefill and decode tokens/s at batch 1 and 16; memory bandwidth measured in the same run
 and the fraction of it batch-1 decode achieves), then HF transformers on the same folder when a
 python with torch is available (Debian's python3-torch for /usr/bin/python3 works).
 
     python3 benchmarks/engine_bench.py [--build-dir build] [--dtype float32|bfloat16]
-                                       [--arch llama|mixtral|gemma2]
+                                       [--arch llama|mixtral|gemma2|qwen3]
+
+transformers >= 4.51 runs Qwen3 (a venv with PyPI's torch, as tests/fixtures/models/README.md
+makes for the qwen3 fixtures: run this script with that venv's python).
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ GEMMA2_CONFIG = {
     "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
     "query_pre_attn_scalar": 64, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
     "sliding_window": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+}
+
+# Qwen3 at the Llama shape: q/k RMSNorms over each head's 64 values.
+QWEN3_CONFIG = {
+    **CONFIG, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 64,
+    "rms_norm_eps": 1e-6, "rope_theta": 1e6, "use_sliding_window": False,
 }
 
 HF_SCRIPT = r'''
@@ -106,6 +116,9 @@ def make_checkpoint(folder: Path, config: dict | None = None) -> None:
             p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, h),
             p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
         })
+        if c["model_type"] == "qwen3":
+            tensors.update({p + "self_attn.q_norm.weight": np.ones(d, np.float32),
+                            p + "self_attn.k_norm.weight": np.ones(d, np.float32)})
         if gemma2:
             tensors.update({p + "pre_feedforward_layernorm.weight": norm(),
                             p + "post_feedforward_layernorm.weight": norm()})
@@ -140,7 +153,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--arch", choices=("llama", "mixtral", "gemma2"), default="llama")
+    ap.add_argument("--arch", choices=("llama", "mixtral", "gemma2", "qwen3"), default="llama")
     args = ap.parse_args()
     if args.arch == "mixtral":
         folder = REPO / "benchmarks" / "data" / "mixtral-180m"
@@ -148,6 +161,9 @@ def main() -> int:
     elif args.arch == "gemma2":
         folder = REPO / "benchmarks" / "data" / "gemma2-100m"
         make_checkpoint(folder, GEMMA2_CONFIG)
+    elif args.arch == "qwen3":
+        folder = REPO / "benchmarks" / "data" / "qwen3-100m"
+        make_checkpoint(folder, QWEN3_CONFIG)
     else:
         folder = REPO / "benchmarks" / "data" / "llama-100m"
         make_checkpoint(folder)
