@@ -502,7 +502,7 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
     k = Buf({t, hk, d});
     v = Buf({t, hk, d});
   }
-  const kernels::RotaryConfig* rotary = s.position == PositionKind::kRotary ? &s.rotary : nullptr;
+  const bool rotary = s.position == PositionKind::kRotary;
   Tensor attn = Buf({t, hq, d});
   Tensor o = Buf({t, s.hidden});
   Tensor m = Buf({t, s.hidden});
@@ -526,7 +526,8 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
       Rotate(in, &q, &k);
       kernels::ReshapeAndCache(k, v, in.slot_mapping, &(*cache)[l]);
     } else {
-      kernels::QkvToCache(qkv, rotary, in.positions, in.slot_mapping, &q, &(*cache)[l]);
+      kernels::QkvToCache(qkv, rotary ? &s.RotaryOf(l) : nullptr, in.positions, in.slot_mapping, &q,
+                          &(*cache)[l]);
     }
     kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.WindowOf(l),
                             attn_bias_used_ ? &attn_bias_ : nullptr, &attn);

@@ -49,6 +49,9 @@ struct DecoderSpec {
   PositionKind position = PositionKind::kRotary;
   std::vector<float> alibi_slopes;  // kAlibi: one per head; empty: kernels::AlibiSlopes
   kernels::RotaryConfig rotary;     // the frequencies within the original context
+  // Gemma 3: the frequencies of the layers with a window (rope_local_base_freq, unscaled), where
+  // the others take `rotary`; none: every layer takes `rotary`.
+  std::optional<kernels::RotaryConfig> sliding_rotary;
   // Rope types whose frequencies follow each sequence's length (dynamic NTK, LongRoPE).
   std::optional<kernels::RopeScaling> rope_by_length;
   // Positions served; 0: the config's max_position_embeddings; < 0: no limit of the model's own
@@ -75,6 +78,9 @@ struct DecoderSpec {
   std::vector<int> layer_windows;
   int WindowOf(int64_t layer) const {
     return layer_windows.empty() ? sliding_window : layer_windows[layer];
+  }
+  const kernels::RotaryConfig& RotaryOf(int64_t layer) const {
+    return sliding_rotary && WindowOf(layer) > 0 ? *sliding_rotary : rotary;
   }
   float attn_scale = 0;  // 0: 1/sqrt(head_dim)
   // Gemma 2's soft caps (0: none): each scaled attention logit and each f32 output logit

@@ -17,6 +17,7 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterPhi3Model(r);
     RegisterGemmaModel(r);
     RegisterGemma2Model(r);
+    RegisterGemma3Model(r);
     RegisterStarcoder2Model(r);
     RegisterStableLmModel(r);
     RegisterMixtralModel(r);

@@ -54,6 +54,7 @@ void RegisterPhiModel(ModelRegistry* r);
 void RegisterPhi3Model(ModelRegistry* r);
 void RegisterGemmaModel(ModelRegistry* r);
 void RegisterGemma2Model(ModelRegistry* r);
+void RegisterGemma3Model(ModelRegistry* r);  // gemma3_text
 void RegisterStarcoder2Model(ModelRegistry* r);
 void RegisterStableLmModel(ModelRegistry* r);
 void RegisterMixtralModel(ModelRegistry* r);

@@ -10,31 +10,12 @@
 // - the MLP's activation from hidden_activation (hidden_act is read only to warn).
 // Absent keys take Gemma2Config's defaults, as transformers gives them. cache_implementation
 // ("hybrid") is how transformers' generate() stores the cache; the paged cache serves it.
-#include <cmath>
-
-#include "absl/strings/str_cat.h"
 #include "server/model_registry.h"
 #include "server/models/llama_style.h"
 
 namespace tgis::server {
 
 namespace {
-
-// A soft cap: `absent` when config.json has no such key, 0 (none) for null, else a positive,
-// finite float.
-absl::StatusOr<float> ReadSoftCap(const ModelConfig& c, const char* key, double absent) {
-  auto it = c.raw.find(key);
-  if (it == c.raw.end()) return static_cast<float>(absent);
-  if (it->is_null()) return 0.0f;
-  auto v = c.Get<double>(key);
-  if (!v.ok()) return v.status();
-  const float f = static_cast<float>(*v);
-  if (!std::isfinite(f) || f <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, " = ", *v,
-                                                   ": expected null or a positive, finite number"));
-  }
-  return f;
-}
 
 absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
   if (auto st = ReadBiasKeys(c, /*mlp=*/false, opt); !st.ok()) return st;
@@ -47,14 +28,7 @@ absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
   if (!final_cap.ok()) return final_cap.status();
   opt->attn_softcap = *attn_cap;
   opt->final_logit_softcap = *final_cap;
-  auto scalar = c.Get<double>("query_pre_attn_scalar", 256.0);
-  if (!scalar.ok()) return scalar.status();
-  const float scale = static_cast<float>(std::pow(*scalar, -0.5));
-  if (!(*scalar > 0) || !std::isfinite(scale) || scale == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("config.json: query_pre_attn_scalar = ", *scalar,
-                                                   ": expected a positive number"));
-  }
-  opt->attn_scale = scale;
+  if (auto st = ReadQueryPreAttnScalar(c, opt); !st.ok()) return st;
   if (c.raw.contains("sliding_window")) {
     if (auto st = ReadSlidingWindow(c, opt); !st.ok()) return st;
   } else {

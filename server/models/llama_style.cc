@@ -256,6 +256,53 @@ absl::Status ReadSlidingWindow(const ModelConfig& c, LlamaStyleOptions* opt) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::vector<int>> ReadLayerTypes(const ModelConfig& c, int window) {
+  auto types = c.raw.find("layer_types");
+  if (types == c.raw.end() || types->is_null()) return std::vector<int>{};
+  if (!types->is_array() || static_cast<int64_t>(types->size()) != c.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: layer_types: expected a list of ",
+                                                   c.num_layers, " layer types"));
+  }
+  std::vector<int> windows(c.num_layers, 0);
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    const nlohmann::json& t = (*types)[l];
+    if (t == "sliding_attention") {
+      windows[l] = window;
+    } else if (t != "full_attention") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: layer_types[", l, "] = ", t.dump(),
+                       ": expected \"full_attention\" or \"sliding_attention\""));
+    }
+  }
+  return windows;
+}
+
+absl::StatusOr<float> ReadSoftCap(const ModelConfig& c, const char* key, double absent) {
+  auto it = c.raw.find(key);
+  if (it == c.raw.end()) return static_cast<float>(absent);
+  if (it->is_null()) return 0.0f;
+  auto v = c.Get<double>(key);
+  if (!v.ok()) return v.status();
+  const float f = static_cast<float>(*v);
+  if (!std::isfinite(f) || f <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: ", key, " = ", *v,
+                                                   ": expected null or a positive, finite number"));
+  }
+  return f;
+}
+
+absl::Status ReadQueryPreAttnScalar(const ModelConfig& c, LlamaStyleOptions* opt) {
+  auto scalar = c.Get<double>("query_pre_attn_scalar", 256.0);
+  if (!scalar.ok()) return scalar.status();
+  const float scale = static_cast<float>(std::pow(*scalar, -0.5));
+  if (!(*scalar > 0) || !std::isfinite(scale) || scale == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: query_pre_attn_scalar = ", *scalar,
+                                                   ": expected a positive number"));
+  }
+  opt->attn_scale = scale;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
                                                           const WeightStore& w, DType dtype,
                                                           std::shared_ptr<Communicator> comm,
@@ -293,7 +340,21 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     if (!dim.ok()) return dim.status();
     rotary_dim = *dim;
   }
+  const float scale_before_rope = s.attn_scale;
   if (auto st = ReadRope(c, rotary_dim, *theta, &s); !st.ok()) return st;
+  if (opt.sliding_rope_theta > 0) {
+    // One attention scale and one set of frequencies a sequence are what the rope types that
+    // scale attention (YaRN, LongRoPE) or follow the length (dynamic) give every layer; here
+    // the windowed layers would not take them.
+    if (s.rope_by_length.has_value() || s.attn_scale != scale_before_rope) {
+      return absl::UnimplementedError(
+          "config.json: rope_scaling: a rope type that scales attention or follows the "
+          "sequence's length, beside rope_local_base_freq, is not supported (linear and llama3 "
+          "are)");
+    }
+    s.sliding_rotary = s.rotary;
+    s.sliding_rotary->inv_freq = kernels::RotaryInvFreq(rotary_dim, opt.sliding_rope_theta);
+  }
   s.sliding_window = opt.sliding_window;
   s.layer_windows = opt.layer_windows;
   if (opt.sandwich_norms) s.residual = Residual::kSandwich;

@@ -1,9 +1,10 @@
 // The Llama layout (norms, rotary, a gated or plain MLP, separate q/k/v/o projections), shared
-// by the Llama/Mistral, Qwen2, Qwen3, Granite, Phi-2, Phi-3, Gemma, Gemma 2, StableLM,
+// by the Llama/Mistral, Qwen2, Qwen3, Granite, Phi-2, Phi-3, Gemma, Gemma 2, Gemma 3, StableLM,
 // StarCoder2, Cohere, OLMo and mixture-of-experts (Mixtral, GraniteMoE, Qwen2-/Qwen3-MoE) files,
-// which differ in biases, sliding-window settings, Qwen3's q/k norms, Granite's multipliers,
-// Phi-2's names and lm_head bias, Phi-3's fused projections, Gemma's norms and embedding scale,
-// Gemma 2's extra norms and soft caps, the LayerNorms of StableLM, StarCoder2, Cohere and OLMo,
+// which differ in biases, sliding-window settings, Qwen3's and Gemma 3's q/k norms, Granite's
+// multipliers, Phi-2's names and lm_head bias, Phi-3's fused projections, Gemma's norms and
+// embedding scale, Gemma 2's extra norms and soft caps, Gemma 3's second rotary base, the
+// LayerNorms of StableLM, StarCoder2, Cohere and OLMo,
 // OLMo's clip_qkv, parallel residuals, and the experts.
 #pragma once
 
@@ -73,8 +74,11 @@ struct LlamaStyleOptions {
   float attn_softcap = 0;
   float final_logit_softcap = 0;
   // Each layer's window when not empty (DecoderSpec::layer_windows: Gemma 2's even layers,
-  // Qwen3's layer_types); else sliding_window for every layer.
+  // Qwen3's and Gemma 3's layer_types); else sliding_window for every layer.
   std::vector<int> layer_windows;
+  // Gemma 3: the rotary base of the layers with a window (rope_local_base_freq), unscaled
+  // (DecoderSpec::sliding_rotary); 0: every layer takes rope_theta and rope_scaling.
+  double sliding_rope_theta = 0;
   // Phi: the attention's output projection, the plain MLP's two linears and the final norm
   // under other names; a bias on the lm_head.
   const char* o_proj_name = "o_proj";
@@ -115,6 +119,15 @@ absl::Status ReadPartialRotary(const ModelConfig& config, double absent,
 absl::Status RefuseQkNorms(const ModelConfig& config, const char* key, const char* who);
 // config.json's sliding_window (absent: none), as Mistral, Phi-3 and StarCoder2 name it.
 absl::Status ReadSlidingWindow(const ModelConfig& config, LlamaStyleOptions* options);
+// config.json's layer_types (transformers writes it for models that mix windowed and full
+// attention layers): each layer's window, `window` for "sliding_attention" and 0 for
+// "full_attention". Absent or null: an empty list (the family's own rule applies).
+absl::StatusOr<std::vector<int>> ReadLayerTypes(const ModelConfig& config, int window);
+// A soft cap (Gemma 2's and 3's attn_logit_softcapping, final_logit_softcapping): `absent` when
+// config.json has no such key, 0 (none) for null, else a positive, finite float.
+absl::StatusOr<float> ReadSoftCap(const ModelConfig& config, const char* key, double absent);
+// Gemma 2's and 3's attention scale, query_pre_attn_scalar^-0.5 (256 when absent).
+absl::Status ReadQueryPreAttnScalar(const ModelConfig& config, LlamaStyleOptions* options);
 
 // What a family reads from config.json into its options; the layout's own keys (sizes,
 // rotary, rope scaling, norms' eps, the MLP's activation) are BuildLlamaStyle's.

@@ -41,28 +41,12 @@ absl::StatusOr<std::vector<int>> LayerWindows(const ModelConfig& c, bool every_l
     window = static_cast<int>(*w);
   }
   if (every_layer) return std::vector<int>(c.num_layers, window);
-  std::vector<int> windows(c.num_layers, 0);
-  auto types = c.raw.find("layer_types");
-  if (types != c.raw.end() && !types->is_null()) {
-    if (!types->is_array() || static_cast<int64_t>(types->size()) != c.num_layers) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config.json: layer_types: expected a list of ", c.num_layers, " layer types"));
-    }
-    for (int64_t l = 0; l < c.num_layers; ++l) {
-      const nlohmann::json& t = (*types)[l];
-      if (t == "sliding_attention") {
-        windows[l] = window;
-      } else if (t != "full_attention") {
-        return absl::InvalidArgumentError(
-            absl::StrCat("config.json: layer_types[", l, "] = ", t.dump(),
-                         ": expected \"full_attention\" or \"sliding_attention\""));
-      }
-    }
-    return windows;
-  }
+  auto windows = ReadLayerTypes(c, window);
+  if (!windows.ok() || !windows->empty()) return windows;
+  windows->assign(c.num_layers, 0);
   auto first = c.Get<int64_t>("max_window_layers", int64_t{28});
   if (!first.ok()) return first.status();
-  for (int64_t l = std::max<int64_t>(0, *first); l < c.num_layers; ++l) windows[l] = window;
+  for (int64_t l = std::max<int64_t>(0, *first); l < c.num_layers; ++l) (*windows)[l] = window;
   return windows;
 }
 

@@ -1146,6 +1146,89 @@ TEST(ModelConfigTest, Qwen3WindowsFollowLayerTypesAndHeadNormsAreRead) {
                    "model.layers.0.self_attn.q_norm.weight");
 }
 
+// Gemma 3 (text): windows by layer_types, else Gemma3TextConfig's sliding_window_pattern rule;
+// the windowed layers' rotary from rope_local_base_freq unscaled, the others' from rope_theta
+// with rope_scaling; (1 + w) q/k norms; what transformers would not do is refused by key.
+TEST(ModelConfigTest, Gemma3WindowsAndRotaryBasesFollowTheLayerTypes) {
+  auto spec = FixtureSpecWith("gemma3_text", [](Json&) {});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(spec->qk_norms);
+  EXPECT_EQ(spec->residual, tgis::server::Residual::kSandwich);
+  EXPECT_EQ(spec->layer_windows, (std::vector<int>{8, 0}));
+  EXPECT_FLOAT_EQ(spec->final_logit_softcap, 8.0f);
+  EXPECT_EQ(spec->attn_softcap, 0.0f);
+  EXPECT_FLOAT_EQ(spec->attn_scale, 0.25f);  // query_pre_attn_scalar 16
+  ASSERT_TRUE(spec->sliding_rotary.has_value());
+  // Layer 0 rotates with base 10000 unscaled, layer 1 with 1e6 and linear x2.
+  EXPECT_EQ(spec->RotaryOf(0).inv_freq, tgis::kernels::RotaryInvFreq(24, 10000.0));
+  std::vector<float> global = tgis::kernels::RotaryInvFreq(24, 1e6);
+  for (float& f : global) f /= 2;
+  ASSERT_EQ(spec->RotaryOf(1).inv_freq.size(), global.size());
+  for (size_t i = 0; i < global.size(); ++i)
+    EXPECT_FLOAT_EQ(spec->RotaryOf(1).inv_freq[i], global[i]) << i;
+  const std::vector<std::pair<std::function<void(Json&)>, std::vector<int>>> cases = {
+      {[](Json& c) {
+         c["layer_types"] = {"full_attention", "sliding_attention"};
+       },
+       {0, 8}},
+      {[](Json& c) { c.erase("layer_types"); }, {8, 8}},  // the default pattern, 6
+      {[](Json& c) {
+         c.erase("layer_types");
+         c["sliding_window_pattern"] = 2;
+       },
+       {8, 0}},
+      {[](Json& c) {
+         c.erase("layer_types");
+         c["sliding_window_pattern"] = 1;
+       },
+       {0, 0}},
+      {[](Json& c) {
+         c.erase("sliding_window");  // 4096
+       },
+       {4096, 0}},
+  };
+  for (const auto& [edit, windows] : cases) {
+    auto s = FixtureSpecWith("gemma3_text", edit);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->layer_windows, windows);
+  }
+  auto local = FixtureSpecWith("gemma3_text", [](Json& c) { c["rope_local_base_freq"] = 500.0; });
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_EQ(local->RotaryOf(0).inv_freq, tgis::kernels::RotaryInvFreq(24, 500.0));
+  ExpectBuildError(BuildFixtureWith("gemma3_text", [](Json& c) { c["sliding_window"] = nullptr; }),
+                   "config.json: sliding_window = null");
+  ExpectBuildError(
+      BuildFixtureWith("gemma3_text", [](Json& c) { c["attn_logit_softcapping"] = 50.0; }),
+      "config.json: attn_logit_softcapping = 50: transformers' Gemma 3 does not apply it");
+  ExpectBuildError(
+      BuildFixtureWith("gemma3_text", [](Json& c) { c["use_bidirectional_attention"] = true; }),
+      "config.json: use_bidirectional_attention = true: an embedding model");
+  ExpectBuildError(BuildFixtureWith("gemma3_text",
+                                    [](Json& c) {
+                                      c["rope_scaling"] = {
+                                          {"rope_type", "yarn"},
+                                          {"factor", 2.0},
+                                          {"original_max_position_embeddings", 128}};
+                                    }),
+                   "config.json: rope_scaling: a rope type that scales attention");
+  ExpectBuildError(
+      BuildFixtureWith("gemma3_text", [](Json& c) { c["rope_local_base_freq"] = 0.0; }),
+      "config.json: rope_local_base_freq = 0: expected a positive number");
+  ExpectBuildError(BuildFixtureWith("gemma3_text",
+                                    [](Json& c) {
+                                      c.erase("layer_types");
+                                      c["sliding_window_pattern"] = 0;
+                                    }),
+                   "config.json: sliding_window_pattern = 0: expected a positive number");
+  // A Gemma 2 checkpoint called gemma3_text has no q/k norms.
+  ExpectBuildError(BuildFixtureWith("gemma2",
+                                    [](Json& c) {
+                                      c["model_type"] = "gemma3_text";
+                                      c["attn_logit_softcapping"] = nullptr;
+                                    }),
+                   "model.layers.0.self_attn.q_norm.weight");
+}
+
 // StableLM: rotary on partial_rotary_factor of each head, StableLmConfig's 0.25 when absent;
 // per-head q/k LayerNorms refused by key; with use_parallel_residual a checkpoint's
 // post_attention_layernorm is a tensor that the model does not use, an error that names it.

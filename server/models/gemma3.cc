@@ -1,0 +1,103 @@
+// Google Gemma 3, text only (transformers' Gemma3ForCausalLM, model_type gemma3_text: Gemma 3
+// 1B, and the language model of the larger ones as Gemma3ForCausalLM saves it): Gemma 2's
+// layer (Gemma's (1 + w) RMSNorms, sqrt(hidden) embedding scale rounded to the activations'
+// dtype, four norms a layer, query_pre_attn_scalar, the MLP's hidden_activation, tied
+// embeddings), plus
+// - q_norm and k_norm: a (1 + w) RMSNorm over each q head's and each k head's head_dim values,
+//   one weight for all q heads and one for all k heads, before rotary (Qwen3's, with Gemma's
+//   norm);
+// - windows by layer type: "sliding_attention" layers attend to the last sliding_window keys
+//   (4096 when absent; null is refused, as transformers refuses to build that mask), the
+//   others to every key. layer_types when config.json has it, else every sliding_window_pattern
+//   (6) th layer is a full one, as Gemma3TextConfig derives them;
+// - two rotary bases: the windowed layers rotate with rope_local_base_freq (10000) unscaled,
+//   the full ones with rope_theta (1e6) and rope_scaling (the 4B-27B models' linear factor 8);
+// - final_logit_softcapping (null by default) as Gemma 2's. attn_logit_softcapping is kept in
+//   the config but transformers 4.55's Gemma 3 attention never applies it: a non-null value is
+//   refused rather than applied or dropped.
+// Absent keys take Gemma3TextConfig's defaults. _sliding_window_pattern is what transformers
+// 4.55 saves of sliding_window_pattern beside layer_types, and does not read back (its
+// __init__ takes sliding_window_pattern only): not read. cache_implementation ("hybrid") is how
+// transformers' generate() stores the cache; the paged cache serves it. The multimodal
+// checkpoints (model_type gemma3: the language model under text_config, a vision tower beside)
+// are not this file's.
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/model_registry.h"
+#include "server/models/llama_style.h"
+
+namespace tgis::server {
+
+namespace {
+
+// Each layer's window: layer_types, else Gemma3TextConfig's sliding_window_pattern rule.
+absl::StatusOr<std::vector<int>> LayerWindows(const ModelConfig& c) {
+  if (c.raw.contains("sliding_window") && c.raw["sliding_window"].is_null()) {
+    return absl::InvalidArgumentError(
+        "config.json: sliding_window = null: Gemma 3's sliding_attention layers need a window");
+  }
+  auto w = c.Get<int64_t>("sliding_window", int64_t{4096});
+  if (!w.ok()) return w.status();
+  if (*w <= 0 || *w > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: sliding_window = ", *w, ": expected a positive number"));
+  }
+  const int window = static_cast<int>(*w);
+  auto windows = ReadLayerTypes(c, window);
+  if (!windows.ok() || !windows->empty()) return windows;
+  auto pattern = c.Get<int64_t>("sliding_window_pattern", int64_t{6});
+  if (!pattern.ok()) return pattern.status();
+  if (*pattern <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: sliding_window_pattern = ", *pattern, ": expected a positive number"));
+  }
+  for (int64_t l = 0; l < c.num_layers; ++l) windows->push_back((l + 1) % *pattern ? window : 0);
+  return windows;
+}
+
+absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
+  // EmbeddingGemma (transformers >= 4.56) is a gemma3_text checkpoint whose attention sees
+  // every token both ways: an encoder of sentence embeddings, not a causal LM.
+  auto bidirectional = c.Get<bool>("use_bidirectional_attention", false);
+  if (!bidirectional.ok()) return bidirectional.status();
+  if (*bidirectional) {
+    return absl::UnimplementedError(
+        "config.json: use_bidirectional_attention = true: an embedding model (EmbeddingGemma), "
+        "not a causal LM");
+  }
+  if (auto st = ReadBiasKeys(c, /*mlp=*/false, opt); !st.ok()) return st;
+  if (auto st = UseGemmaLayout(c, "hidden_activation", opt); !st.ok()) return st;
+  opt->sandwich_norms = true;
+  opt->qk_norms = true;
+  opt->head_dim_default = 256;
+  auto attn_cap = ReadSoftCap(c, "attn_logit_softcapping", 0.0);
+  if (!attn_cap.ok()) return attn_cap.status();
+  if (*attn_cap != 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "config.json: attn_logit_softcapping = ", *attn_cap,
+        ": transformers' Gemma 3 does not apply it (4.55), so what it should do is unknown"));
+  }
+  auto final_cap = ReadSoftCap(c, "final_logit_softcapping", 0.0);
+  if (!final_cap.ok()) return final_cap.status();
+  opt->final_logit_softcap = *final_cap;
+  if (auto st = ReadQueryPreAttnScalar(c, opt); !st.ok()) return st;
+  auto windows = LayerWindows(c);
+  if (!windows.ok()) return windows.status();
+  opt->layer_windows = *std::move(windows);
+  auto local_theta = c.Get<double>("rope_local_base_freq", 10000.0);
+  if (!local_theta.ok()) return local_theta.status();
+  if (!(*local_theta > 0) || !std::isfinite(*local_theta)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: rope_local_base_freq = ", *local_theta, ": expected a positive number"));
+  }
+  opt->sliding_rope_theta = *local_theta;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void RegisterGemma3Model(ModelRegistry* r) { RegisterLlamaStyle(r, "gemma3_text", ReadOptions); }
+
+}  // namespace tgis::server
