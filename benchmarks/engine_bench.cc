@@ -161,12 +161,12 @@ int main(int argc, char** argv) {
               << "\n";
   }
   const auto load_start = std::chrono::steady_clock::now();
-  auto config = tgis::server::ModelConfig::Load(dir);
+  auto config = tgis::server::ModelRegistry::Get().LoadConfig(dir);
   if (!config.ok()) {
     std::cerr << config.status() << "\n";
     return 1;
   }
-  auto weights = tgis::server::WeightStore::Open(dir);
+  auto weights = tgis::server::ModelRegistry::OpenWeights(dir, *config);
   if (!weights.ok()) {
     std::cerr << weights.status() << "\n";
     return 1;

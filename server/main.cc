@@ -230,9 +230,10 @@ int main(int argc, char** argv) {
       FLAGS_memory_fraction = 0.85;
     }
   }
-  auto config = tgis::server::ModelConfig::Load(model_dir);
+  const tgis::server::ModelRegistry& registry = tgis::server::ModelRegistry::Get();
+  auto config = registry.LoadConfig(model_dir);
   if (!config.ok()) return Fail(std::string(config.status().message()));
-  auto weights = tgis::server::WeightStore::Open(model_dir);
+  auto weights = registry.OpenWeights(model_dir, *config);
   if (!weights.ok()) return Fail(std::string(weights.status().message()));
   auto quant = tgis::server::ReadQuantConfig(
       model_dir, *config,
@@ -267,7 +268,7 @@ int main(int argc, char** argv) {
     LOG(INFO) << "shard " << FLAGS_rank << "/" << FLAGS_world_size << ": connected"
               << (cuda ? " (NCCL)" : " (Gloo)");
   }
-  auto model = tgis::server::ModelRegistry::Get().Build(*config, **weights, dtype, comm);
+  auto model = registry.Build(*config, **weights, dtype, comm);
   if (!model.ok()) return Fail(std::string(model.status().message()));
   (*model)->MoveTo(cuda ? tgis::kernels::Device::kCuda : tgis::kernels::Device::kCpu);
   if (const size_t derived = tgis::kernels::CpuDerivedLayoutBytes(); derived > 0) {

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "glog/logging.h"
 
 namespace tgis::server {
 
@@ -111,7 +112,34 @@ template absl::StatusOr<bool> ModelConfig::Get(const char*, std::optional<bool>)
 template absl::StatusOr<std::string> ModelConfig::Get(const char*,
                                                       std::optional<std::string>) const;
 
-absl::StatusOr<ModelConfig> ModelConfig::Load(const std::string& model_dir) {
+namespace {
+
+// config.json of `source`'s kind read as its language model's config.
+absl::StatusOr<nlohmann::json> LanguageModelConfig(const nlohmann::json& top,
+                                                   const LanguageModelSource& source,
+                                                   const std::string& config_file) {
+  auto text = top.find("text_config");
+  if (text == top.end() || !text->is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        config_file, ": text_config: expected the language model's config (an object)"));
+  }
+  nlohmann::json merged = source.text_defaults;
+  for (const std::string& key : source.inherited) {
+    if (top.contains(key)) merged[key] = top[key];
+  }
+  for (auto it = text->begin(); it != text->end(); ++it) merged[it.key()] = it.value();
+  if (merged.value("model_type", std::string()) != source.text_type) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        config_file, ": text_config.model_type = ", merged["model_type"].dump(), ": expected \"",
+        source.text_type, "\" in a ", source.wrapper_type, " checkpoint"));
+  }
+  return merged;
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ModelConfig::Load(const std::string& model_dir,
+                                              const std::vector<LanguageModelSource>& sources) {
   const fs::path dir(model_dir);
   const std::string config_file = (dir / "config.json").string();
   auto raw = ReadJsonObject(dir / "config.json", /*required=*/true);
@@ -124,6 +152,17 @@ absl::StatusOr<ModelConfig> ModelConfig::Load(const std::string& model_dir) {
   if (!type.ok())
     return absl::InvalidArgumentError(absl::StrCat(config_file, ": model_type: missing"));
   c.model_type = *type;
+  for (const LanguageModelSource& s : sources) {
+    if (s.wrapper_type != c.model_type) continue;
+    auto text = LanguageModelConfig(c.raw, s, config_file);
+    if (!text.ok()) return text.status();
+    c.raw = *std::move(text);
+    c.model_type = s.text_type;
+    c.source = s;
+    LOG(INFO) << config_file << ": a " << s.wrapper_type
+              << " checkpoint: serving its language model (" << s.text_type
+              << ") alone, text in and text out";
+  }
   // The names differ between architectures; builders fill in what they know better.
   auto first_int = [&c](std::initializer_list<const char*> keys) -> int64_t {
     for (const char* k : keys) {

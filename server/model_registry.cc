@@ -42,6 +42,20 @@ void ModelRegistry::Register(const std::string& model_type, ModelBuilder builder
   builders_.push_back({model_type, std::move(builder), std::move(ignored)});
 }
 
+void ModelRegistry::RegisterLanguageModelSource(LanguageModelSource source) {
+  sources_.push_back(std::move(source));
+}
+
+absl::StatusOr<ModelConfig> ModelRegistry::LoadConfig(const std::string& model_dir) const {
+  return ModelConfig::Load(model_dir, sources_);
+}
+
+absl::StatusOr<std::unique_ptr<WeightStore>> ModelRegistry::OpenWeights(
+    const std::string& model_dir, const ModelConfig& config) {
+  return WeightStore::Open(model_dir,
+                           config.source ? config.source->tensor_prefixes : TensorRenames{});
+}
+
 namespace {
 
 absl::Status CheckEveryTensorRead(const std::string& model_type, const WeightStore& weights,
@@ -84,7 +98,11 @@ absl::StatusOr<std::unique_ptr<Model>> ModelRegistry::Build(
           absl::StrCat(weights.dir(), "/config.json: a value of the wrong type: ", ex.what()));
     }
     if (!model.ok()) return model.status();
-    if (auto st = CheckEveryTensorRead(e.model_type, weights, e.ignored); !st.ok()) return st;
+    std::vector<std::string> ignored = e.ignored;
+    if (config.source) {
+      ignored.insert(ignored.end(), config.source->ignored.begin(), config.source->ignored.end());
+    }
+    if (auto st = CheckEveryTensorRead(e.model_type, weights, ignored); !st.ok()) return st;
     return model;
   }
   return absl::UnimplementedError(
@@ -95,6 +113,9 @@ absl::StatusOr<std::unique_ptr<Model>> ModelRegistry::Build(
 std::vector<std::string> ModelRegistry::SupportedTypes() const {
   std::vector<std::string> out;
   for (const Entry& e : builders_) out.push_back(e.model_type);
+  for (const LanguageModelSource& s : sources_) {
+    out.push_back(absl::StrCat(s.wrapper_type, " (its ", s.text_type, ", text only)"));
+  }
   return out;
 }
 

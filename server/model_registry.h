@@ -30,6 +30,14 @@ class ModelRegistry {
   // say). Every other tensor a builder leaves unread fails the load.
   void Register(const std::string& model_type, ModelBuilder builder,
                 std::vector<std::string> ignored = {});
+  // A multimodal checkpoint type whose language model (a registered model_type) is served
+  // alone. Load its config with LoadConfig and its weights with OpenWeights.
+  void RegisterLanguageModelSource(LanguageModelSource source);
+  // ModelConfig::Load with the registered sources.
+  absl::StatusOr<ModelConfig> LoadConfig(const std::string& model_dir) const;
+  // WeightStore::Open with the tensor names of config's source, if any.
+  static absl::StatusOr<std::unique_ptr<WeightStore>> OpenWeights(const std::string& model_dir,
+                                                                  const ModelConfig& config);
   // A null `comm` builds the whole model (world size 1). Fails, naming the tensors and their
   // files, when the checkpoint holds tensors the model did not read and does not ignore.
   absl::StatusOr<std::unique_ptr<Model>> Build(const ModelConfig& config,
@@ -44,6 +52,7 @@ class ModelRegistry {
     std::vector<std::string> ignored;
   };
   std::vector<Entry> builders_;
+  std::vector<LanguageModelSource> sources_;
 };
 
 // Each architecture file defines one of these; ModelRegistry::Get calls them all.

@@ -234,7 +234,8 @@ absl::StatusOr<std::map<std::string, Tensor>> ReadSafetensorsFile(const std::str
   return tensors;
 }
 
-absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string& model_dir) {
+absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string& model_dir,
+                                                               const TensorRenames& renames) {
   const fs::path dir(model_dir);
   std::vector<fs::path> files;
   std::map<std::string, std::string> placed;  // the index's weight_map: tensor -> file name
@@ -283,18 +284,25 @@ absl::StatusOr<std::unique_ptr<WeightStore>> WeightStore::Open(const std::string
     std::pair<void*, size_t> mapped;
     if (auto st = MapFile(f, &found, &mapped); !st.ok()) return st;
     store->mapped_.push_back(mapped);
-    for (auto& [name, t] : found) {
+    for (auto& [stored, t] : found) {
+      if (auto where = placed.find(stored);
+          where != placed.end() && where->second != f.filename().string()) {
+        return absl::InvalidArgumentError(absl::StrCat(f.string(), ": tensor ", stored,
+                                                       " is here, but ", index.string(),
+                                                       " places it in ", where->second));
+      }
+      std::string name = stored;
+      for (const auto& [from, to] : renames) {
+        if (name.compare(0, from.size(), from) != 0) continue;
+        name = to + name.substr(from.size());
+        break;
+      }
       // Which copy was meant is not for us to guess: a checkpoint holds each tensor once, in
       // the file its index names.
       if (auto had = store->tensors_.find(name); had != store->tensors_.end()) {
         return absl::InvalidArgumentError(
-            absl::StrCat("tensor ", name, " is in both ", had->second.file, " and ", f.string()));
-      }
-      if (auto where = placed.find(name);
-          where != placed.end() && where->second != f.filename().string()) {
-        return absl::InvalidArgumentError(absl::StrCat(f.string(), ": tensor ", name,
-                                                       " is here, but ", index.string(),
-                                                       " places it in ", where->second));
+            absl::StrCat("tensor ", name, name == stored ? "" : absl::StrCat(" (as ", stored, ")"),
+                         " is in both ", had->second.file, " and ", f.string()));
       }
       store->tensors_[name] = Entry{std::move(t), f.string()};
     }

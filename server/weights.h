@@ -24,10 +24,17 @@ absl::StatusOr<std::map<std::string, kernels::Tensor>> ReadSafetensorsFile(const
 absl::StatusOr<std::map<std::string, kernels::Tensor>> ParseSafetensors(
     const uint8_t* data, size_t size, const std::string& file, std::shared_ptr<void> owner);
 
+// Tensor name prefixes read under another name: (prefix in the checkpoint, the name the model
+// reads), the first that matches applies (a multimodal checkpoint's language model:
+// LanguageModelSource).
+using TensorRenames = std::vector<std::pair<std::string, std::string>>;
+
 class WeightStore {
  public:
-  // Opens every safetensors file of the folder (a bad header names the file and the tensor).
-  static absl::StatusOr<std::unique_ptr<WeightStore>> Open(const std::string& model_dir);
+  // Opens every safetensors file of the folder (a bad header names the file and the tensor),
+  // its tensors named as `renames` says.
+  static absl::StatusOr<std::unique_ptr<WeightStore>> Open(const std::string& model_dir,
+                                                           const TensorRenames& renames = {});
 
   bool Has(const std::string& name) const { return tensors_.count(name) > 0; }
   // The tensor converted to `dtype` (a view without copy when the dtype matches).

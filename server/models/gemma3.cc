@@ -13,14 +13,22 @@
 // - two rotary bases: the windowed layers rotate with rope_local_base_freq (10000) unscaled,
 //   the full ones with rope_theta (1e6) and rope_scaling (the 4B-27B models' linear factor 8);
 // - final_logit_softcapping (null by default) as Gemma 2's. attn_logit_softcapping is kept in
-//   the config but transformers 4.55's Gemma 3 attention never applies it: a non-null value is
-//   refused rather than applied or dropped.
+//   the config but transformers 4.55's Gemma 3 attention never applies it, nor does its
+//   Gemma3ForConditionalGeneration the final cap: a non-null value there is refused rather than
+//   applied or dropped.
 // Absent keys take Gemma3TextConfig's defaults. _sliding_window_pattern is what transformers
 // 4.55 saves of sliding_window_pattern beside layer_types, and does not read back (its
 // __init__ takes sliding_window_pattern only): not read. cache_implementation ("hybrid") is how
-// transformers' generate() stores the cache; the paged cache serves it. The multimodal
-// checkpoints (model_type gemma3: the language model under text_config, a vision tower beside)
-// are not this file's.
+// transformers' generate() stores the cache; the paged cache serves it.
+// The multimodal checkpoints (model_type gemma3, Gemma3ForConditionalGeneration: Gemma 3 4B,
+// 12B and 27B) are served as their language model, text in and text out
+// (LanguageModelSource): text_config over Gemma3TextConfig's defaults, the language model's
+// tensors under either release's names (language_model.model.* as 4.50 saved the released
+// checkpoints, model.language_model.* as 4.52 and later save them). Not read, as they serve
+// images only: the SigLIP vision tower and the projector (vision_config, mm_tokens_per_image,
+// their tensors), and the image token ids (image_token_index, boi_token_index,
+// eoi_token_index): in text, those tokens are embedded as any other, as transformers does
+// without pixel values.
 #include <cmath>
 #include <vector>
 
@@ -81,6 +89,12 @@ absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
   }
   auto final_cap = ReadSoftCap(c, "final_logit_softcapping", 0.0);
   if (!final_cap.ok()) return final_cap.status();
+  if (*final_cap != 0 && c.source) {
+    return absl::UnimplementedError(
+        absl::StrCat("config.json: text_config.final_logit_softcapping = ", *final_cap,
+                     ": transformers' Gemma3ForConditionalGeneration does not apply it (4.55; its "
+                     "Gemma3ForCausalLM does), so what it should do is unknown"));
+  }
   opt->final_logit_softcap = *final_cap;
   if (auto st = ReadQueryPreAttnScalar(c, opt); !st.ok()) return st;
   auto windows = LayerWindows(c);
@@ -96,8 +110,48 @@ absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
   return absl::OkStatus();
 }
 
+// Gemma3TextConfig's defaults (transformers 4.55) for what the readers take from config.json;
+// layer_types is derived from the layer count (LayerWindows), so not here.
+nlohmann::json TextDefaults() {
+  return {{"model_type", "gemma3_text"},
+          {"vocab_size", 262208},
+          {"hidden_size", 2304},
+          {"intermediate_size", 9216},
+          {"num_hidden_layers", 26},
+          {"num_attention_heads", 8},
+          {"num_key_value_heads", 4},
+          {"head_dim", 256},
+          {"hidden_activation", "gelu_pytorch_tanh"},
+          {"max_position_embeddings", 131072},
+          {"rms_norm_eps", 1e-6},
+          {"pad_token_id", 0},
+          {"eos_token_id", 1},
+          {"bos_token_id", 2},
+          {"tie_word_embeddings", true},
+          {"rope_theta", 1000000.0},
+          {"attention_bias", false},
+          {"query_pre_attn_scalar", 256},
+          {"sliding_window", 4096},
+          {"final_logit_softcapping", nullptr},
+          {"attn_logit_softcapping", nullptr},
+          {"rope_scaling", nullptr},
+          {"rope_local_base_freq", 10000.0}};
+}
+
 }  // namespace
 
-void RegisterGemma3Model(ModelRegistry* r) { RegisterLlamaStyle(r, "gemma3_text", ReadOptions); }
+void RegisterGemma3Model(ModelRegistry* r) {
+  RegisterLlamaStyle(r, "gemma3_text", ReadOptions);
+  r->RegisterLanguageModelSource(
+      {.wrapper_type = "gemma3",
+       .text_type = "gemma3_text",
+       .text_defaults = TextDefaults(),
+       .inherited = {"eos_token_id", "bos_token_id", "pad_token_id", "quantization_config"},
+       .tensor_prefixes = {{"language_model.model.", "model."},
+                           {"language_model.lm_head.", "lm_head."},
+                           {"model.language_model.", "model."}},
+       .ignored = {"vision_tower.*", "multi_modal_projector.*", "model.vision_tower.*",
+                   "model.multi_modal_projector.*"}});
+}
 
 }  // namespace tgis::server

@@ -62,14 +62,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string& folder = it->second[size % it->second.size()];
   tgis::fuzz::WriteScratch(fs::path(folder).filename().string() + "/config.json", data, size);
 
-  auto config = tgis::server::ModelConfig::Load(folder);
+  auto config = tgis::server::ModelRegistry::Get().LoadConfig(folder);
   if (!config.ok()) return 0;
   // One input in four as TGIS's --quantize bitsandbytes would serve it (int8 at load).
   const std::optional<std::string> flag =
       size % 4 == 3 ? std::optional<std::string>("bitsandbytes") : std::nullopt;
   auto quant = tgis::server::ReadQuantConfig(folder, *config, flag);
   if (!quant.ok()) return 0;
-  auto weights = tgis::server::WeightStore::Open(folder);
+  auto weights = tgis::server::ModelRegistry::OpenWeights(folder, *config);
   if (!weights.ok()) return 0;
   (*weights)->set_quantization(*quant);
   (void)tgis::server::ModelRegistry::Get().Build(*config, **weights, tgis::kernels::DType::kF32);

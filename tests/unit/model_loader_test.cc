@@ -905,23 +905,32 @@ TEST_F(LoaderTest, AnUnservableConfigNamesTheKeyAndValue) {
       << st;
 }
 
-// The fixture `name` built with its config.json edited by `edit`.
-// The spec of the fixture `name` built with its config.json edited by `edit`, or why it did
-// not build.
-absl::StatusOr<tgis::server::DecoderSpec> FixtureSpecWith(const std::string& name,
-                                                          const std::function<void(Json&)>& edit) {
+// The spec of the fixture `name` built with its config.json edited by `edit` (and, when given,
+// its safetensors header by `edit_header`: tensor names), or why it did not build.
+absl::StatusOr<tgis::server::DecoderSpec> FixtureSpecWith(
+    const std::string& name, const std::function<void(Json&)>& edit,
+    const std::function<void(Json&)>& edit_header = nullptr) {
   char tmpl[] = "/tmp/tgis-config-XXXXXX";
   if (mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp failed");
   const fs::path dir = tmpl, src = fs::path(TGIS_FIXTURES_DIR) / "models" / name;
-  fs::copy(src / "model.safetensors", dir / "model.safetensors");
+  if (edit_header) {
+    const std::string file = ReadAll(src / "model.safetensors");
+    uint64_t n = 0;
+    std::memcpy(&n, file.data(), 8);
+    Json header = Json::parse(file.substr(8, n));
+    edit_header(header);
+    WriteSafetensors(dir / "model.safetensors", header, file.substr(8 + n));
+  } else {
+    fs::copy(src / "model.safetensors", dir / "model.safetensors");
+  }
   Json c = Json::parse(ReadAll(src / "config.json"));
   edit(c);
   std::ofstream(dir / "config.json", std::ios::trunc) << c.dump();
   absl::StatusOr<tgis::server::DecoderSpec> spec =
       [&]() -> absl::StatusOr<tgis::server::DecoderSpec> {
-    auto config = tgis::server::ModelConfig::Load(dir.string());
+    auto config = tgis::server::ModelRegistry::Get().LoadConfig(dir.string());
     if (!config.ok()) return config.status();
-    auto weights = tgis::server::WeightStore::Open(dir.string());
+    auto weights = tgis::server::ModelRegistry::OpenWeights(dir.string(), *config);
     if (!weights.ok()) return weights.status();
     auto model =
         tgis::server::ModelRegistry::Get().Build(*config, **weights, tgis::kernels::DType::kF32);
@@ -1227,6 +1236,80 @@ TEST(ModelConfigTest, Gemma3WindowsAndRotaryBasesFollowTheLayerTypes) {
                                       c["attn_logit_softcapping"] = nullptr;
                                     }),
                    "model.layers.0.self_attn.q_norm.weight");
+}
+
+// Tensors whose names start with `from` renamed to start with `to` instead.
+std::function<void(Json&)> RenamePrefix(const std::string& from, const std::string& to) {
+  return [=](Json& header) {
+    Json renamed = Json::object();
+    for (auto& [name, t] : header.items()) {
+      const bool match = name.compare(0, from.size(), from) == 0;
+      renamed[match ? to + name.substr(from.size()) : name] = t;
+    }
+    header = renamed;
+  };
+}
+
+// A multimodal Gemma 3 checkpoint (model_type gemma3) is served as its language model:
+// text_config over Gemma3TextConfig's defaults (the fixture's leaves rope_theta and
+// rms_norm_eps out, as the released configs leave out what is the default), its tensors under
+// the released checkpoints' names or 4.52's, the vision tower's unread; anything else is an
+// error that names it.
+TEST(ModelConfigTest, Gemma3CheckpointsServeTheirLanguageModel) {
+  auto spec = FixtureSpecWith("gemma3", [](Json&) {});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(spec->qk_norms);
+  EXPECT_EQ(spec->layer_windows, (std::vector<int>{8, 0}));  // sliding_window_pattern 2
+  EXPECT_FLOAT_EQ(spec->norm_eps, 1e-6f);
+  EXPECT_EQ(spec->final_logit_softcap, 0.0f);
+  EXPECT_EQ(spec->RotaryOf(0).inv_freq, tgis::kernels::RotaryInvFreq(24, 10000.0));
+  std::vector<float> global = tgis::kernels::RotaryInvFreq(24, 1e6);  // the default rope_theta
+  for (float& f : global) f /= 2;
+  ASSERT_EQ(spec->RotaryOf(1).inv_freq.size(), global.size());
+  for (size_t i = 0; i < global.size(); ++i)
+    EXPECT_FLOAT_EQ(spec->RotaryOf(1).inv_freq[i], global[i]) << i;
+  // transformers >= 4.52's names.
+  auto newer = FixtureSpecWith(
+      "gemma3", [](Json&) {},
+      [](Json& h) {
+        RenamePrefix("language_model.model.", "model.language_model.")(h);
+        RenamePrefix("vision_tower.", "model.vision_tower.")(h);
+        RenamePrefix("multi_modal_projector.", "model.multi_modal_projector.")(h);
+      });
+  ASSERT_TRUE(newer.ok()) << newer.status();
+  EXPECT_EQ(newer->layer_windows, spec->layer_windows);
+  ExpectBuildError(
+      FixtureSpecWith(
+          "gemma3", [](Json&) {}, RenamePrefix("multi_modal_projector.", "audio_tower."))
+          .status(),
+      "does not use (a layout or config this server does not read): audio_tower.");
+  ExpectBuildError(BuildFixtureWith("gemma3", [](Json& c) { c.erase("text_config"); }),
+                   "config.json: text_config: expected the language model's config");
+  ExpectBuildError(
+      BuildFixtureWith("gemma3", [](Json& c) { c["text_config"]["model_type"] = "gemma2"; }),
+      "config.json: text_config.model_type = \"gemma2\": expected \"gemma3_text\" in a gemma3 "
+      "checkpoint");
+  ExpectBuildError(
+      BuildFixtureWith("gemma3",
+                       [](Json& c) { c["text_config"]["final_logit_softcapping"] = 30.0; }),
+      "config.json: text_config.final_logit_softcapping = 30: transformers' "
+      "Gemma3ForConditionalGeneration does not apply it");
+  // The top level's token ids apply where text_config has none, under text_config's.
+  char tmpl[] = "/tmp/tgis-config-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  Json c = Json::parse(ReadAll(fs::path(TGIS_FIXTURES_DIR) / "models/gemma3/config.json"));
+  c["text_config"].erase("eos_token_id");
+  c["eos_token_id"] = Json::array({2, 7});
+  c["bos_token_id"] = 5;  // text_config's 1 wins
+  std::ofstream(fs::path(tmpl) / "config.json") << c.dump();
+  auto config = tgis::server::ModelRegistry::Get().LoadConfig(tmpl);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->model_type, "gemma3_text");
+  EXPECT_EQ(config->eos_token_ids, (std::vector<int32_t>{2, 7}));
+  EXPECT_EQ(config->bos_token_id, 1);
+  EXPECT_EQ(config->vocab_size, 1500);
+  EXPECT_TRUE(config->tie_word_embeddings);  // Gemma3TextConfig's default
+  fs::remove_all(tmpl);
 }
 
 // StableLM: rotary on partial_rotary_factor of each head, StableLmConfig's 0.25 when absent;

@@ -96,9 +96,9 @@ class ParityFixture {
 
   // Runs `body` on an engine of every rank of the group at once (world size 1: here).
   void OnEveryRank(const std::function<void(Engine&)>& body, int blocks = 256) {
-    auto config = tgis::server::ModelConfig::Load(dir_);
+    auto config = tgis::server::ModelRegistry::Get().LoadConfig(dir_);
     ASSERT_TRUE(config.ok()) << config.status();
-    auto weights = tgis::server::WeightStore::Open(dir_);
+    auto weights = tgis::server::ModelRegistry::OpenWeights(dir_, *config);
     ASSERT_TRUE(weights.ok()) << weights.status();
     auto quant = tgis::server::ReadQuantConfig(dir_, *config, quantize_);
     ASSERT_TRUE(quant.ok()) << quant.status();
@@ -1199,7 +1199,7 @@ TEST_P(CpuBf16ParityTest, GoldenTokensAreOursWithinBf16Noise) {
 // same rounded keys and values, so a greedy request is the same alone and in a batch, as with
 // an f32 cache.
 TEST_P(CpuBf16ParityTest, KvCacheHoldsTheModelsBf16) {
-  auto config = tgis::server::ModelConfig::Load(dir_);
+  auto config = tgis::server::ModelRegistry::Get().LoadConfig(dir_);
   ASSERT_TRUE(config.ok()) << config.status();
   auto quant = tgis::server::ReadQuantConfig(dir_, *config, quantize_);
   ASSERT_TRUE(quant.ok()) << quant.status();
