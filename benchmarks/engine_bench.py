@@ -4,17 +4,19 @@
 Makes a ~100M-parameter Llama-shaped checkpoint (--arch mixtral: a Mixtral-shaped one of 178M
 parameters, 8 experts of which 2 run a token; --arch gemma2: the Llama shape as Gemma 2, with
 its four norms a layer, soft caps and tied embeddings; --arch qwen3: the Llama shape as
-Qwen3, with its per-head q/k norms) with random weights (numpy + safetensors, under
+Qwen3, with its per-head q/k norms; --arch gemma3: as Gemma 3, Gemma 2's layer with q/k norms,
+windows on five layers of six and their own rotary base) with random weights (numpy + safetensors, under
 benchmarks/data/, nothing downloaded, nothing committed), runs build/benchmarks/engine_bench on
 it (prefill and decode tokens/s at batch 1 and 16; memory bandwidth measured in the same run
 and the fraction of it batch-1 decode achieves), then HF transformers on the same folder when a
 python with torch is available (Debian's python3-torch for /usr/bin/python3 works).
 
     python3 benchmarks/engine_bench.py [--build-dir build] [--dtype float32|bfloat16]
-                                       [--arch llama|mixtral|gemma2|qwen3]
+                                       [--arch llama|mixtral|gemma2|qwen3|gemma3]
 
-transformers >= 4.51 runs Qwen3 (a venv with PyPI's torch, as tests/fixtures/models/README.md
-makes for the qwen3 fixtures: run this script with that venv's python).
+transformers >= 4.51 runs Qwen3 and Gemma 3 (a venv with PyPI's torch, as
+tests/fixtures/models/README.md makes for their fixtures: run this script with that venv's
+python).
 """
 
 from __future__ import annotations
@@ -60,6 +62,25 @@ QWEN3_CONFIG = {
     "rms_norm_eps": 1e-6, "rope_theta": 1e6, "use_sliding_window": False,
 }
 
+# Gemma 3 at the Llama shape: Gemma 3 1B's window (512, past the default prompt) on five layers
+# of six, rotated with base 10000 where the others take 1e6; no soft caps (as released).
+GEMMA3_CONFIG = {
+    **CONFIG, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 64,
+    "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 64, "sliding_window": 512,
+    "sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+}
+del GEMMA3_CONFIG["hidden_act"]
+
+# --arch: the checkpoint's folder under benchmarks/data and its config.
+ARCHS = {
+    "llama": ("llama-100m", CONFIG),
+    "mixtral": ("mixtral-180m", MIXTRAL_CONFIG),
+    "gemma2": ("gemma2-100m", GEMMA2_CONFIG),
+    "qwen3": ("qwen3-100m", QWEN3_CONFIG),
+    "gemma3": ("gemma3-100m", GEMMA3_CONFIG),
+}
+
 HF_SCRIPT = r'''
 import sys, time, torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -103,9 +124,10 @@ def make_checkpoint(folder: Path, config: dict | None = None) -> None:
     def w(*shape):
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
 
-    gemma2 = c["model_type"] == "gemma2"
+    gemma = c["model_type"] in ("gemma2", "gemma3_text")
     # Gemma stores its norm weights as offsets from 1: zeros scale by 1.
-    norm = (lambda: np.zeros(h, np.float32)) if gemma2 else (lambda: np.ones(h, np.float32))
+    one = 0.0 if gemma else 1.0
+    norm = lambda n=h: np.full(n, one, np.float32)  # noqa: E731
     tensors = {"model.embed_tokens.weight": w(v, h), "model.norm.weight": norm()}
     if not c["tie_word_embeddings"]:
         tensors["lm_head.weight"] = w(v, h)
@@ -116,10 +138,10 @@ def make_checkpoint(folder: Path, config: dict | None = None) -> None:
             p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, h),
             p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
         })
-        if c["model_type"] == "qwen3":
-            tensors.update({p + "self_attn.q_norm.weight": np.ones(d, np.float32),
-                            p + "self_attn.k_norm.weight": np.ones(d, np.float32)})
-        if gemma2:
+        if c["model_type"] in ("qwen3", "gemma3_text"):
+            tensors.update({p + "self_attn.q_norm.weight": norm(d),
+                            p + "self_attn.k_norm.weight": norm(d)})
+        if gemma:
             tensors.update({p + "pre_feedforward_layernorm.weight": norm(),
                             p + "post_feedforward_layernorm.weight": norm()})
         experts = c.get("num_local_experts", 0)
@@ -153,20 +175,11 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--arch", choices=("llama", "mixtral", "gemma2", "qwen3"), default="llama")
+    ap.add_argument("--arch", choices=tuple(ARCHS), default="llama")
     args = ap.parse_args()
-    if args.arch == "mixtral":
-        folder = REPO / "benchmarks" / "data" / "mixtral-180m"
-        make_checkpoint(folder, MIXTRAL_CONFIG)
-    elif args.arch == "gemma2":
-        folder = REPO / "benchmarks" / "data" / "gemma2-100m"
-        make_checkpoint(folder, GEMMA2_CONFIG)
-    elif args.arch == "qwen3":
-        folder = REPO / "benchmarks" / "data" / "qwen3-100m"
-        make_checkpoint(folder, QWEN3_CONFIG)
-    else:
-        folder = REPO / "benchmarks" / "data" / "llama-100m"
-        make_checkpoint(folder)
+    name, config = ARCHS[args.arch]
+    folder = REPO / "benchmarks" / "data" / name
+    make_checkpoint(folder, config)
     binary = REPO / args.build_dir / "benchmarks" / "engine_bench"
     print("== ours (C++ engine, CPU)", flush=True)
     subprocess.run([str(binary), str(folder), "--dtype", args.dtype, "--prompt", str(args.prompt),
