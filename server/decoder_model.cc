@@ -84,6 +84,12 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
   const int64_t inter = layout.intermediate.size(), vocab = layout.vocab.size();
   const int64_t qkv = (hq + 2 * hk) * s.head_dim;
   const int64_t up = s.mlp == MlpKind::kGated ? 2 * inter : inter;
+  if (s.qk_norms && s.qk_norms_whole && layout.kv_replicated) {
+    // The k norm spans every KV head once; ranks that share a KV head would count it twice.
+    return absl::UnimplementedError(absl::StrCat(
+        "a k norm over all KV heads (OLMo 2) with tensor parallelism over more ranks (",
+        layout.world_size, ") than KV heads (", s.num_kv_heads, ") is not supported"));
+  }
   const int64_t e = s.EmbedDim();
   if (auto st = CheckShape(w.embed, {vocab, e}, "embedding"); !st.ok()) return st;
   if (auto st = CheckShape(w.lm_head, {vocab, e}, "lm_head"); !st.ok()) return st;
@@ -120,12 +126,12 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
     const LayerWeights& l = w.layers[i];
     const std::string p = absl::StrCat("layer ", i, " ");
     std::vector<std::tuple<const Tensor*, kernels::Shape, std::string>> want = {
-        {&l.qkv_w, {qkv, s.hidden}, "qkv"},
-        {&l.o_w, {s.hidden, hq * s.head_dim}, "o_proj"},
-        {&l.ln1_w, {s.hidden}, "input norm"},
-        {&l.ln2_w,
-         {s.hidden},
-         s.residual == Residual::kSandwich ? "pre-MLP norm" : "post-attention norm"}};
+        {&l.qkv_w, {qkv, s.hidden}, "qkv"}, {&l.o_w, {s.hidden, hq * s.head_dim}, "o_proj"}};
+    if (s.residual != Residual::kOutputNorms) {
+      want.emplace_back(&l.ln1_w, kernels::Shape{s.hidden}, "input norm");
+      want.emplace_back(&l.ln2_w, kernels::Shape{s.hidden},
+                        s.residual == Residual::kSandwich ? "pre-MLP norm" : "post-attention norm");
+    }
     if (s.num_experts > 0) {
       if (static_cast<int64_t>(l.expert_up.size()) != s.num_experts ||
           static_cast<int64_t>(l.expert_down.size()) != s.num_experts) {
@@ -148,13 +154,16 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
       want.emplace_back(&l.up_w, kernels::Shape{up, s.hidden}, "mlp up");
       want.emplace_back(&l.down_w, kernels::Shape{s.hidden, inter}, "mlp down");
     }
-    if (s.residual == Residual::kSandwich) {
+    if (s.residual == Residual::kSandwich || s.residual == Residual::kOutputNorms) {
       want.emplace_back(&l.post_attn_norm_w, kernels::Shape{s.hidden}, "post-attention norm");
       want.emplace_back(&l.post_mlp_norm_w, kernels::Shape{s.hidden}, "post-MLP norm");
     }
     if (s.qk_norms) {
-      want.emplace_back(&l.q_norm_w, kernels::Shape{s.head_dim}, "q norm");
-      want.emplace_back(&l.k_norm_w, kernels::Shape{s.head_dim}, "k norm");
+      const bool whole = s.qk_norms_whole;
+      want.emplace_back(&l.q_norm_w, kernels::Shape{whole ? s.num_heads * s.head_dim : s.head_dim},
+                        "q norm");
+      want.emplace_back(&l.k_norm_w,
+                        kernels::Shape{whole ? s.num_kv_heads * s.head_dim : s.head_dim}, "k norm");
     }
     for (const auto& [t, shape, name] : want) {
       if (auto st = CheckShape(*t, shape, p + name); !st.ok()) return st;
@@ -405,6 +414,7 @@ void CausalLM::DenseMlp(const Tensor& up_w, const Tensor& up_b, const Tensor& do
 void CausalLM::NormHeads(const LayerWeights& w, Tensor* qkv) const {
   const int64_t t = qkv->dim(0), d = spec_.head_dim;
   const int64_t hq = layout_.q_heads.size(), hk = layout_.kv_heads.size();
+  if (spec_.qk_norms_whole) return NormProjections(w, qkv);
   const struct {
     int64_t first, heads;
     const Tensor &w, &b;
@@ -416,6 +426,37 @@ void CausalLM::NormHeads(const LayerWeights& w, Tensor* qkv) const {
     Norm(heads.Reshape({t * part.heads, d}), part.w, part.b, &normed);
     kernels::CopyColumns(normed.Reshape({t, part.heads * d}), 0, part.heads * d, qkv,
                          part.first * d);
+  }
+}
+
+// q and k each normed over all heads: this rank's columns, with tensor parallelism gathered
+// from every rank first (ranks hold consecutive heads in rank order, so the gathered rows are
+// the whole projection's) and taken back after. An all-gather of q and k a layer.
+void CausalLM::NormProjections(const LayerWeights& w, Tensor* qkv) const {
+  const int64_t t = qkv->dim(0), d = spec_.head_dim;
+  const int64_t hq = layout_.q_heads.size(), hk = layout_.kv_heads.size();
+  const int world = layout_.world_size;
+  const struct {
+    int64_t first, width;
+    const Tensor &w, &b;
+  } parts[] = {{0, hq * d, w.q_norm_w, w.q_norm_b}, {hq * d, hk * d, w.k_norm_w, w.k_norm_b}};
+  for (const auto& part : parts) {
+    Tensor local = Buf({t, part.width});
+    kernels::CopyColumns(*qkv, part.first, part.width, &local, 0);
+    Tensor whole = local;
+    if (world > 1) {
+      Tensor gathered = Buf({world, t, part.width});
+      comm_->AllGather(local, &gathered);
+      Tensor rows = gathered.Reshape({world * t, part.width});
+      whole = Buf({t, world * part.width});
+      for (int r = 0; r < world; ++r) {
+        kernels::CopyColumns(rows.Rows(r * t, (r + 1) * t), 0, part.width, &whole, r * part.width);
+      }
+    }
+    Tensor normed = Buf(whole.shape());
+    Norm(whole, part.w, part.b, &normed);
+    kernels::CopyColumns(normed, world > 1 ? layout_.rank * part.width : 0, part.width, qkv,
+                         part.first);
   }
 }
 
@@ -489,6 +530,8 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
   const int64_t hq = layout_.q_heads.size(), hk = layout_.kv_heads.size(), d = s.head_dim;
   const bool parallel = layout_.world_size > 1;
   const bool post_norm = s.residual == Residual::kPostNorm;
+  // The attention's input is the residual stream itself (no input norm).
+  const bool raw_input = post_norm || s.residual == Residual::kOutputNorms;
   Tensor x = InputRows(in);
   Tensor h = Buf({t, s.hidden});
   Tensor qkv = Buf({t, (hq + 2 * hk) * d});
@@ -510,12 +553,12 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
   auto residual_scaled = [&](Tensor* y) {
     if (s.residual_scale != 1.0f) kernels::Scale(s.residual_scale, y);
   };
-  if (!post_norm) Norm(x, w_.layers[0].ln1_w, w_.layers[0].ln1_b, &h);
+  if (!raw_input) Norm(x, w_.layers[0].ln1_w, w_.layers[0].ln1_b, &h);
   for (int64_t l = 0; l < s.num_layers; ++l) {
     const LayerWeights& w = w_.layers[l];
     const LayerWeights* next = l + 1 < s.num_layers ? &w_.layers[l + 1] : nullptr;
     // The attention's input: this layer's input norm in h (pre-norm), or x itself.
-    kernels::Linear(post_norm ? x : h, w.qkv_w, w.qkv_b.defined() ? &w.qkv_b : nullptr, &qkv);
+    kernels::Linear(raw_input ? x : h, w.qkv_w, w.qkv_b.defined() ? &w.qkv_b : nullptr, &qkv);
     if (s.clip_qkv > 0) kernels::Clamp(-s.clip_qkv, s.clip_qkv, &qkv);
     if (s.qk_norms) NormHeads(w, &qkv);
     if (split_apart) {
@@ -557,6 +600,15 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
       } else {
         kernels::AddInPlace(&x, o);
       }
+    } else if (s.residual == Residual::kOutputNorms) {
+      // x += post_attn_norm(attn); x += post_mlp_norm(mlp(x)).
+      comm_->AllReduceSum(&o);
+      Norm(o, w.post_attn_norm_w, w.post_attn_norm_b, &m);
+      kernels::AddInPlace(&x, m);
+      Mlp(w, x, &m);
+      comm_->AllReduceSum(&m);
+      Norm(m, w.post_mlp_norm_w, w.post_mlp_norm_b, &o);
+      kernels::AddInPlace(&x, o);
     } else if (s.residual == Residual::kParallel) {
       Norm(x, w.ln2_w, w.ln2_b, &h);
       Mlp(w, h, &m);

@@ -31,11 +31,12 @@ struct LayerWeights {
   kernels::Tensor o_w, o_b;                    // [H, Hq * D]; the bias whole (added once)
   kernels::Tensor up_w, up_b;                  // [2I, H] ([gate | up]) or [I, H]
   kernels::Tensor down_w, down_b;              // [H, I]; the bias whole (added once)
-  // Residual::kSandwich: the norms of the attention's and the MLP's outputs (ln2 is the MLP's
-  // input norm there).
+  // Residual::kSandwich and kOutputNorms: the norms of the attention's and the MLP's outputs
+  // (ln2 is the MLP's input norm in a sandwich; kOutputNorms has no ln1 or ln2).
   kernels::Tensor post_attn_norm_w, post_attn_norm_b, post_mlp_norm_w, post_mlp_norm_b;
   // DecoderSpec::qk_norms: [D] norms of each q head and each k head (one weight for all q
-  // heads, one for all k heads), before rotary.
+  // heads, one for all k heads), before rotary; qk_norms_whole: [Hq * D] and [Hk * D] of the
+  // whole model (every rank's heads, not this rank's slice).
   kernels::Tensor q_norm_w, q_norm_b, k_norm_w, k_norm_b;
   // A mixture of experts (DecoderSpec::num_experts > 0) in place of up_w and down_w: the
   // router [E, H] (whole, as the checkpoint holds it) and each expert's [2I, H] ([gate | up])
@@ -139,8 +140,10 @@ class CausalLM : public Model {
   // Rotary with length-dependent frequencies on q and k: each sequence past the original
   // context gets its own (the other rotary models rotate inside QkvToCache).
   void Rotate(const ForwardInput& in, kernels::Tensor* q, kernels::Tensor* k) const;
-  // DecoderSpec::qk_norms: this rank's q and k heads in qkv [T, (Hq + 2 Hk) * D] normed in place.
+  // DecoderSpec::qk_norms: this rank's q and k heads in qkv [T, (Hq + 2 Hk) * D] normed in place
+  // (qk_norms_whole: NormProjections).
   void NormHeads(const LayerWeights& w, kernels::Tensor* qkv) const;
+  void NormProjections(const LayerWeights& w, kernels::Tensor* qkv) const;
   void Norm(const kernels::Tensor& x, const kernels::Tensor& w, const kernels::Tensor& b,
             kernels::Tensor* out) const;
   // x += y; out = Norm(x) (fused for RMSNorm).

@@ -32,6 +32,9 @@ enum class Residual {
   kPostNorm,    // x = ln1(x + attn(x)); x = ln2(x + mlp(x)) (OPT-350m)
   // x += post_attn_norm(attn(ln1(x))); x += post_mlp_norm(mlp(ln2(x))) (Gemma 2)
   kSandwich,
+  // x += post_attn_norm(attn(x)); x += post_mlp_norm(mlp(x)) (OLMo 2: each sublayer's output
+  // is normed, not its input)
+  kOutputNorms,
 };
 
 struct DecoderSpec {
@@ -71,6 +74,9 @@ struct DecoderSpec {
   // Each q head and each k head normed over its head_dim values (`norm`, norm_eps) before
   // rotary, with LayerWeights::q_norm_w / k_norm_w (Qwen3).
   bool qk_norms = false;
+  // With qk_norms: q and k each normed over the whole projection, every head of every rank
+  // ([Hq * D] and [Hk * D] weights; OLMo 2), not head by head.
+  bool qk_norms_whole = false;
   int64_t EmbedDim() const { return embed_dim > 0 ? embed_dim : hidden; }
   int sliding_window = 0;
   // Per layer when not empty (Gemma 2: sliding_window on the even layers, 0 on the odd ones);

@@ -23,6 +23,7 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterMixtralModel(r);
     RegisterCohereModel(r);
     RegisterOlmoModel(r);
+    RegisterOlmo2Model(r);
     RegisterQwen3Model(r);
     RegisterGpt2Model(r);
     RegisterGptBigCodeModel(r);

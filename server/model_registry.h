@@ -69,6 +69,7 @@ void RegisterStableLmModel(ModelRegistry* r);
 void RegisterMixtralModel(ModelRegistry* r);
 void RegisterCohereModel(ModelRegistry* r);
 void RegisterOlmoModel(ModelRegistry* r);
+void RegisterOlmo2Model(ModelRegistry* r);
 void RegisterQwen3Model(ModelRegistry* r);
 void RegisterGpt2Model(ModelRegistry* r);
 void RegisterGptBigCodeModel(ModelRegistry* r);

@@ -316,7 +316,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   s.intermediate = *inter;
   auto eps = opt.fixed_norm_eps > 0 ? absl::StatusOr<double>(opt.fixed_norm_eps)
              : opt.layer_norm       ? c.Get<double>(opt.layer_norm_eps_key, 1e-5)
-                                    : c.Get<double>("rms_norm_eps", 1e-6);
+                                    : c.Get<double>("rms_norm_eps", opt.rms_norm_eps_default);
   if (!eps.ok()) return eps.status();
   s.norm = opt.layer_norm ? NormKind::kLayer : NormKind::kRms;
   s.norm_eps = static_cast<float>(*eps);
@@ -358,8 +358,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   s.sliding_window = opt.sliding_window;
   s.layer_windows = opt.layer_windows;
   if (opt.sandwich_norms) s.residual = Residual::kSandwich;
+  if (opt.output_norms) s.residual = Residual::kOutputNorms;
   s.clip_qkv = opt.clip_qkv;
   s.qk_norms = opt.qk_norms;
+  s.qk_norms_whole = opt.qk_norms_whole;
   s.attn_softcap = opt.attn_softcap;
   s.final_logit_softcap = opt.final_logit_softcap;
   s.embed_scale = opt.embed_scale;
@@ -414,8 +416,8 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
         !st.ok()) {
       return st;
     }
-    std::vector<std::tuple<std::string, Tensor*, Tensor*>> norms = {
-        {"input_layernorm", &l.ln1_w, &l.ln1_b}};
+    std::vector<std::tuple<std::string, Tensor*, Tensor*>> norms;
+    if (!opt.output_norms) norms.emplace_back("input_layernorm", &l.ln1_w, &l.ln1_b);
     if (opt.qk_norms) {
       norms.insert(norms.end(), {{"self_attn.q_norm", &l.q_norm_w, &l.q_norm_b},
                                  {"self_attn.k_norm", &l.k_norm_w, &l.k_norm_b}});
@@ -424,6 +426,10 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
       norms.insert(norms.end(),
                    {{"post_attention_layernorm", &l.post_attn_norm_w, &l.post_attn_norm_b},
                     {"pre_feedforward_layernorm", &l.ln2_w, &l.ln2_b},
+                    {"post_feedforward_layernorm", &l.post_mlp_norm_w, &l.post_mlp_norm_b}});
+    } else if (opt.output_norms) {
+      norms.insert(norms.end(),
+                   {{"post_attention_layernorm", &l.post_attn_norm_w, &l.post_attn_norm_b},
                     {"post_feedforward_layernorm", &l.post_mlp_norm_w, &l.post_mlp_norm_b}});
     } else {
       norms.emplace_back("post_attention_layernorm", &l.ln2_w, &l.ln2_b);

@@ -1,11 +1,11 @@
 // The Llama layout (norms, rotary, a gated or plain MLP, separate q/k/v/o projections), shared
 // by the Llama/Mistral, Qwen2, Qwen3, Granite, Phi-2, Phi-3, Gemma, Gemma 2, Gemma 3, StableLM,
-// StarCoder2, Cohere, OLMo and mixture-of-experts (Mixtral, GraniteMoE, Qwen2-/Qwen3-MoE) files,
-// which differ in biases, sliding-window settings, Qwen3's and Gemma 3's q/k norms, Granite's
-// multipliers, Phi-2's names and lm_head bias, Phi-3's fused projections, Gemma's norms and
-// embedding scale, Gemma 2's extra norms and soft caps, Gemma 3's second rotary base, the
-// LayerNorms of StableLM, StarCoder2, Cohere and OLMo,
-// OLMo's clip_qkv, parallel residuals, and the experts.
+// StarCoder2, Cohere, OLMo, OLMo 2 and mixture-of-experts (Mixtral, GraniteMoE, Qwen2-/Qwen3-MoE)
+// files, which differ in biases, sliding-window settings, Qwen3's and Gemma 3's q/k norms,
+// Granite's multipliers, Phi-2's names and lm_head bias, Phi-3's fused projections, Gemma's norms
+// and embedding scale, Gemma 2's extra norms and soft caps, Gemma 3's second rotary base, the
+// LayerNorms of StableLM, StarCoder2, Cohere and OLMo, OLMo's clip_qkv, OLMo 2's output norms
+// and whole-projection q/k norms, parallel residuals, and the experts.
 #pragma once
 
 #include <functional>
@@ -95,8 +95,15 @@ struct LlamaStyleOptions {
   // hidden / heads); 0: hidden / heads.
   int64_t head_dim_default = 0;
   // Qwen3: self_attn.q_norm and k_norm, one [head_dim] norm for every q head and one for every
-  // k head, before rotary (DecoderSpec::qk_norms).
+  // k head, before rotary (DecoderSpec::qk_norms); OLMo 2 (qk_norms_whole): each over the whole
+  // q or k projection.
   bool qk_norms = false;
+  bool qk_norms_whole = false;
+  // OLMo 2: two norms a layer, of the attention's and the MLP's outputs (post_attention_layernorm,
+  // post_feedforward_layernorm: Residual::kOutputNorms), none of their inputs.
+  bool output_norms = false;
+  // rms_norm_eps when config.json has none (the config class's default).
+  double rms_norm_eps_default = 1e-6;
 };
 
 // config.json's attention_bias (q/k/v and o biases) and, with `mlp`, mlp_bias (Llama's and

@@ -1312,6 +1312,32 @@ TEST(ModelConfigTest, Gemma3CheckpointsServeTheirLanguageModel) {
   fs::remove_all(tmpl);
 }
 
+// OLMo 2: norms on the sublayers' outputs only, q/k norms over the whole projections,
+// Olmo2Config's rms_norm_eps 1e-5 when absent; a k norm over all KV heads cannot be split
+// between ranks that share a KV head.
+TEST(ModelConfigTest, Olmo2NormsTheOutputsAndTheWholeProjections) {
+  auto spec = FixtureSpecWith("olmo2", [](Json&) {});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->residual, tgis::server::Residual::kOutputNorms);
+  EXPECT_TRUE(spec->qk_norms && spec->qk_norms_whole);
+  EXPECT_FLOAT_EQ(spec->norm_eps, 1e-6f);
+  auto defaults = FixtureSpecWith("olmo2", [](Json& c) { c.erase("rms_norm_eps"); });
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_FLOAT_EQ(defaults->norm_eps, 1e-5f);
+  // An OLMo (1) checkpoint called olmo2 has neither.
+  ExpectBuildError(BuildFixtureWith("olmo", [](Json& c) { c["model_type"] = "olmo2"; }),
+                   "model.layers.0.self_attn.q_norm.weight");
+  // 4 ranks over 2 KV heads: each KV head on two ranks.
+  tgis::server::DecoderSpec shared = *spec;
+  shared.num_layers = 0;
+  auto layout = tgis::server::ShardLayout::Make(shared, 0, 4);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  ASSERT_TRUE(layout->kv_replicated);
+  ExpectBuildError(tgis::server::ValidateWeights(shared, *layout, {}),
+                   "a k norm over all KV heads (OLMo 2) with tensor parallelism over more ranks "
+                   "(4) than KV heads (2) is not supported");
+}
+
 // StableLM: rotary on partial_rotary_factor of each head, StableLmConfig's 0.25 when absent;
 // per-head q/k LayerNorms refused by key; with use_parallel_residual a checkpoint's
 // post_attention_layernorm is a tensor that the model does not use, an error that names it.
