@@ -43,6 +43,19 @@ void ModelRegistry::Register(const std::string& model_type, ModelBuilder builder
   builders_.push_back({model_type, std::move(builder), std::move(ignored)});
 }
 
+LanguageModelSource LlavaStyleSource(std::string wrapper_type, std::string text_type,
+                                     nlohmann::json text_defaults) {
+  return {.wrapper_type = std::move(wrapper_type),
+          .text_type = std::move(text_type),
+          .text_defaults = std::move(text_defaults),
+          .inherited = {"eos_token_id", "bos_token_id", "pad_token_id", "quantization_config"},
+          .tensor_prefixes = {{"language_model.model.", "model."},
+                              {"language_model.lm_head.", "lm_head."},
+                              {"model.language_model.", "model."}},
+          .ignored = {"vision_tower.*", "multi_modal_projector.*", "model.vision_tower.*",
+                      "model.multi_modal_projector.*"}};
+}
+
 void ModelRegistry::RegisterLanguageModelSource(LanguageModelSource source) {
   sources_.push_back(std::move(source));
 }

@@ -55,15 +55,24 @@ class ModelRegistry {
   std::vector<LanguageModelSource> sources_;
 };
 
+// A multimodal checkpoint as transformers' Llava-style classes save it (Gemma 3's and Mistral 3's
+// ForConditionalGeneration): the language model under language_model.model.* and
+// language_model.lm_head.* (4.50: the released checkpoints) or model.language_model.* and
+// lm_head.* (4.52 on), beside vision_tower.* and multi_modal_projector.* (model.* from 4.52),
+// which text-only serving does not read. text_config over `text_defaults`; the token ids and
+// quantization_config of the top level apply where it has none.
+LanguageModelSource LlavaStyleSource(std::string wrapper_type, std::string text_type,
+                                     nlohmann::json text_defaults);
+
 // Each architecture file defines one of these; ModelRegistry::Get calls them all.
-void RegisterLlamaModels(ModelRegistry* r);   // llama, mistral
+void RegisterLlamaModels(ModelRegistry* r);   // llama, mistral, mistral3 (text only)
 void RegisterQwen2Model(ModelRegistry* r);    // qwen2, qwen2_moe
 void RegisterGraniteModel(ModelRegistry* r);  // granite, granitemoe
 void RegisterPhiModel(ModelRegistry* r);
 void RegisterPhi3Model(ModelRegistry* r);
 void RegisterGemmaModel(ModelRegistry* r);
 void RegisterGemma2Model(ModelRegistry* r);
-void RegisterGemma3Model(ModelRegistry* r);  // gemma3_text
+void RegisterGemma3Model(ModelRegistry* r);  // gemma3_text, gemma3 (text only)
 void RegisterStarcoder2Model(ModelRegistry* r);
 void RegisterStableLmModel(ModelRegistry* r);
 void RegisterMixtralModel(ModelRegistry* r);

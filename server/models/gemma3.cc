@@ -142,16 +142,7 @@ nlohmann::json TextDefaults() {
 
 void RegisterGemma3Model(ModelRegistry* r) {
   RegisterLlamaStyle(r, "gemma3_text", ReadOptions);
-  r->RegisterLanguageModelSource(
-      {.wrapper_type = "gemma3",
-       .text_type = "gemma3_text",
-       .text_defaults = TextDefaults(),
-       .inherited = {"eos_token_id", "bos_token_id", "pad_token_id", "quantization_config"},
-       .tensor_prefixes = {{"language_model.model.", "model."},
-                           {"language_model.lm_head.", "lm_head."},
-                           {"model.language_model.", "model."}},
-       .ignored = {"vision_tower.*", "multi_modal_projector.*", "model.vision_tower.*",
-                   "model.multi_modal_projector.*"}});
+  r->RegisterLanguageModelSource(LlavaStyleSource("gemma3", "gemma3_text", TextDefaults()));
 }
 
 }  // namespace tgis::server

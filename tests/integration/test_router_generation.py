@@ -82,7 +82,7 @@ def assert_stream_equals_unary(messages, unary):
 # Families whose other behaviour is the Llama layout's (tested above with llama): their
 # greedy output through the router is what is theirs to check.
 @pytest.fixture(scope="module", params=["granite", "phi", "phi3", "gemma", "gemma2",
-                                        "gemma3_text", "gemma3", "stablelm", "starcoder2", "cohere", "olmo", "olmo2", "qwen3",
+                                        "gemma3_text", "gemma3", "mistral3", "stablelm", "starcoder2", "cohere", "olmo", "olmo2", "qwen3",
                                         "mixtral", "granitemoe", "qwen2_moe", "qwen3_moe"])
 def family(request):
     yield from serve(request.param)
