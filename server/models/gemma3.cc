@@ -12,6 +12,7 @@
 //   (6) th layer is a full one, as Gemma3TextConfig derives them;
 // - two rotary bases: the windowed layers rotate with rope_local_base_freq (10000) unscaled,
 //   the full ones with rope_theta (1e6) and rope_scaling (the 4B-27B models' linear factor 8);
+//   max_position_embeddings (131072) is the context after that scaling, served as is;
 // - final_logit_softcapping (null by default) as Gemma 2's. attn_logit_softcapping is kept in
 //   the config but transformers 4.55's Gemma 3 attention never applies it, nor does its
 //   Gemma3ForConditionalGeneration the final cap: a non-null value there is refused rather than
@@ -107,6 +108,7 @@ absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
         "config.json: rope_local_base_freq = ", *local_theta, ": expected a positive number"));
   }
   opt->sliding_rope_theta = *local_theta;
+  opt->max_positions_scaled = true;
   return absl::OkStatus();
 }
 

@@ -355,6 +355,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     s.sliding_rotary = s.rotary;
     s.sliding_rotary->inv_freq = kernels::RotaryInvFreq(rotary_dim, opt.sliding_rope_theta);
   }
+  if (opt.max_positions_scaled) s.max_positions = 0;  // the config's max_position_embeddings
   s.sliding_window = opt.sliding_window;
   s.layer_windows = opt.layer_windows;
   if (opt.sandwich_norms) s.residual = Residual::kSandwich;

@@ -79,6 +79,10 @@ struct LlamaStyleOptions {
   // Gemma 3: the rotary base of the layers with a window (rope_local_base_freq), unscaled
   // (DecoderSpec::sliding_rotary); 0: every layer takes rope_theta and rope_scaling.
   double sliding_rope_theta = 0;
+  // Gemma 3: max_position_embeddings is already the context rope_scaling gives (131072 with
+  // linear x8), so the positions served are it, not it times the factor (vLLM serves Gemma 3
+  // so too).
+  bool max_positions_scaled = false;
   // Phi: the attention's output projection, the plain MLP's two linears and the final norm
   // under other names; a bias on the lm_head.
   const char* o_proj_name = "o_proj";

@@ -1167,6 +1167,9 @@ TEST(ModelConfigTest, Gemma3WindowsAndRotaryBasesFollowTheLayerTypes) {
   EXPECT_FLOAT_EQ(spec->final_logit_softcap, 8.0f);
   EXPECT_EQ(spec->attn_softcap, 0.0f);
   EXPECT_FLOAT_EQ(spec->attn_scale, 0.25f);  // query_pre_attn_scalar 16
+  // max_position_embeddings is the scaled context already (linear x2 here; a Llama's would
+  // serve twice it).
+  EXPECT_EQ(spec->ServedPositions(256), 256);
   ASSERT_TRUE(spec->sliding_rotary.has_value());
   // Layer 0 rotates with base 10000 unscaled, layer 1 with 1e6 and linear x2.
   EXPECT_EQ(spec->RotaryOf(0).inv_freq, tgis::kernels::RotaryInvFreq(24, 10000.0));
