@@ -414,49 +414,37 @@ void CausalLM::DenseMlp(const Tensor& up_w, const Tensor& up_b, const Tensor& do
 void CausalLM::NormHeads(const LayerWeights& w, Tensor* qkv) const {
   const int64_t t = qkv->dim(0), d = spec_.head_dim;
   const int64_t hq = layout_.q_heads.size(), hk = layout_.kv_heads.size();
-  if (spec_.qk_norms_whole) return NormProjections(w, qkv);
+  const int world = layout_.world_size;
   const struct {
     int64_t first, heads;
     const Tensor &w, &b;
   } parts[] = {{0, hq, w.q_norm_w, w.q_norm_b}, {hq, hk, w.k_norm_w, w.k_norm_b}};
   for (const auto& part : parts) {
-    Tensor heads = Buf({t, part.heads * d});
-    Tensor normed = Buf({t * part.heads, d});
-    kernels::CopyColumns(*qkv, part.first * d, part.heads * d, &heads, 0);
-    Norm(heads.Reshape({t * part.heads, d}), part.w, part.b, &normed);
-    kernels::CopyColumns(normed.Reshape({t, part.heads * d}), 0, part.heads * d, qkv,
-                         part.first * d);
-  }
-}
-
-// q and k each normed over all heads: this rank's columns, with tensor parallelism gathered
-// from every rank first (ranks hold consecutive heads in rank order, so the gathered rows are
-// the whole projection's) and taken back after. An all-gather of q and k a layer.
-void CausalLM::NormProjections(const LayerWeights& w, Tensor* qkv) const {
-  const int64_t t = qkv->dim(0), d = spec_.head_dim;
-  const int64_t hq = layout_.q_heads.size(), hk = layout_.kv_heads.size();
-  const int world = layout_.world_size;
-  const struct {
-    int64_t first, width;
-    const Tensor &w, &b;
-  } parts[] = {{0, hq * d, w.q_norm_w, w.q_norm_b}, {hq * d, hk * d, w.k_norm_w, w.k_norm_b}};
-  for (const auto& part : parts) {
-    Tensor local = Buf({t, part.width});
-    kernels::CopyColumns(*qkv, part.first, part.width, &local, 0);
-    Tensor whole = local;
-    if (world > 1) {
-      Tensor gathered = Buf({world, t, part.width});
-      comm_->AllGather(local, &gathered);
-      Tensor rows = gathered.Reshape({world * t, part.width});
-      whole = Buf({t, world * part.width});
-      for (int r = 0; r < world; ++r) {
-        kernels::CopyColumns(rows.Rows(r * t, (r + 1) * t), 0, part.width, &whole, r * part.width);
+    const int64_t width = part.heads * d;
+    Tensor heads = Buf({t, width});
+    kernels::CopyColumns(*qkv, part.first * d, width, &heads, 0);
+    // Rows of head_dim values; qk_norms_whole: rows of the whole projection, with tensor
+    // parallelism gathered from every rank (ranks hold consecutive heads in rank order, so the
+    // gathered rows are the whole projection's: an all-gather of q and of k a layer), this
+    // rank's columns taken back after.
+    Tensor rows = heads.Reshape({t * part.heads, d});
+    int64_t mine = 0;
+    if (spec_.qk_norms_whole) {
+      rows = heads;
+      if (world > 1) {
+        Tensor gathered = Buf({world, t, width});
+        comm_->AllGather(heads, &gathered);
+        const Tensor by_rank = gathered.Reshape({world * t, width});
+        rows = Buf({t, world * width});
+        for (int r = 0; r < world; ++r) {
+          kernels::CopyColumns(by_rank.Rows(r * t, (r + 1) * t), 0, width, &rows, r * width);
+        }
+        mine = layout_.rank * width;
       }
     }
-    Tensor normed = Buf(whole.shape());
-    Norm(whole, part.w, part.b, &normed);
-    kernels::CopyColumns(normed, world > 1 ? layout_.rank * part.width : 0, part.width, qkv,
-                         part.first);
+    Tensor normed = Buf(rows.shape());
+    Norm(rows, part.w, part.b, &normed);
+    kernels::CopyColumns(normed.Reshape({t, normed.numel() / t}), mine, width, qkv, part.first * d);
   }
 }
 

@@ -141,9 +141,8 @@ class CausalLM : public Model {
   // context gets its own (the other rotary models rotate inside QkvToCache).
   void Rotate(const ForwardInput& in, kernels::Tensor* q, kernels::Tensor* k) const;
   // DecoderSpec::qk_norms: this rank's q and k heads in qkv [T, (Hq + 2 Hk) * D] normed in place
-  // (qk_norms_whole: NormProjections).
+  // (qk_norms_whole: over the whole projections).
   void NormHeads(const LayerWeights& w, kernels::Tensor* qkv) const;
-  void NormProjections(const LayerWeights& w, kernels::Tensor* qkv) const;
   void Norm(const kernels::Tensor& x, const kernels::Tensor& w, const kernels::Tensor& b,
             kernels::Tensor* out) const;
   // x += y; out = Norm(x) (fused for RMSNorm).

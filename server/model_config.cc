@@ -162,6 +162,7 @@ absl::StatusOr<ModelConfig> ModelConfig::Load(const std::string& model_dir,
     LOG(INFO) << config_file << ": a " << s.wrapper_type
               << " checkpoint: serving its language model (" << s.text_type
               << ") alone, text in and text out";
+    break;
   }
   // The names differ between architectures; builders fill in what they know better.
   auto first_int = [&c](std::initializer_list<const char*> keys) -> int64_t {

@@ -47,14 +47,9 @@ absl::StatusOr<std::vector<int>> LayerWindows(const ModelConfig& c) {
     return absl::InvalidArgumentError(
         "config.json: sliding_window = null: Gemma 3's sliding_attention layers need a window");
   }
-  auto w = c.Get<int64_t>("sliding_window", int64_t{4096});
-  if (!w.ok()) return w.status();
-  if (*w <= 0 || *w > (int64_t{1} << 30)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config.json: sliding_window = ", *w, ": expected a positive number"));
-  }
-  const int window = static_cast<int>(*w);
-  auto windows = ReadLayerTypes(c, window);
+  auto window = ReadWindowSize(c, 4096);
+  if (!window.ok()) return window.status();
+  auto windows = ReadLayerTypes(c, *window);
   if (!windows.ok() || !windows->empty()) return windows;
   auto pattern = c.Get<int64_t>("sliding_window_pattern", int64_t{6});
   if (!pattern.ok()) return pattern.status();
@@ -62,7 +57,7 @@ absl::StatusOr<std::vector<int>> LayerWindows(const ModelConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.json: sliding_window_pattern = ", *pattern, ": expected a positive number"));
   }
-  for (int64_t l = 0; l < c.num_layers; ++l) windows->push_back((l + 1) % *pattern ? window : 0);
+  for (int64_t l = 0; l < c.num_layers; ++l) windows->push_back((l + 1) % *pattern ? *window : 0);
   return windows;
 }
 

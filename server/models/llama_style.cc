@@ -256,6 +256,16 @@ absl::Status ReadSlidingWindow(const ModelConfig& c, LlamaStyleOptions* opt) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<int> ReadWindowSize(const ModelConfig& c, int64_t absent) {
+  auto w = c.Get<int64_t>("sliding_window", absent);
+  if (!w.ok()) return w.status();
+  if (*w <= 0 || *w > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: sliding_window = ", *w, ": expected a positive number"));
+  }
+  return static_cast<int>(*w);
+}
+
 absl::StatusOr<std::vector<int>> ReadLayerTypes(const ModelConfig& c, int window) {
   auto types = c.raw.find("layer_types");
   if (types == c.raw.end() || types->is_null()) return std::vector<int>{};

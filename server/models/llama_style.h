@@ -130,6 +130,9 @@ absl::Status ReadPartialRotary(const ModelConfig& config, double absent,
 absl::Status RefuseQkNorms(const ModelConfig& config, const char* key, const char* who);
 // config.json's sliding_window (absent: none), as Mistral, Phi-3 and StarCoder2 name it.
 absl::Status ReadSlidingWindow(const ModelConfig& config, LlamaStyleOptions* options);
+// config.json's sliding_window as a positive key count (`absent` when the key is absent; a
+// null one is the caller's to read first: Qwen3 takes it as no window, Gemma 3 refuses it).
+absl::StatusOr<int> ReadWindowSize(const ModelConfig& config, int64_t absent);
 // config.json's layer_types (transformers writes it for models that mix windowed and full
 // attention layers): each layer's window, `window` for "sliding_attention" and 0 for
 // "full_attention". Absent or null: an empty list (the family's own rule applies).

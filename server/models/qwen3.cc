@@ -32,13 +32,9 @@ absl::StatusOr<std::vector<int>> LayerWindows(const ModelConfig& c, bool every_l
   if (!use_window.ok()) return use_window.status();
   int window = 0;
   if (*use_window && !c.raw.value("sliding_window", nlohmann::json(4096)).is_null()) {
-    auto w = c.Get<int64_t>("sliding_window", int64_t{4096});
+    auto w = ReadWindowSize(c, 4096);
     if (!w.ok()) return w.status();
-    if (*w <= 0 || *w > (int64_t{1} << 30)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("config.json: sliding_window = ", *w, ": expected a positive number"));
-    }
-    window = static_cast<int>(*w);
+    window = *w;
   }
   if (every_layer) return std::vector<int>(c.num_layers, window);
   auto windows = ReadLayerTypes(c, window);
