@@ -383,29 +383,55 @@ void CausalLM::AddNorm(Tensor* x, const Tensor& y, const Tensor& w, const Tensor
 }
 
 // This rank's part of the MLP output (before the all-reduce).
-void CausalLM::Mlp(const LayerWeights& w, const Tensor& x, Tensor* out) const {
+void CausalLM::Mlp(const ForwardInput& in, int64_t layer, const Tensor& x, Tensor* out) const {
+  const LayerWeights& w = w_.layers[layer];
   if (spec_.num_experts > 0) {
     MixtureOfExperts(w, x, out);
   } else {
-    DenseMlp(w.up_w, w.up_b, w.down_w, w.down_b, layout_.intermediate.size(), x, out);
+    DenseMlp(w.up_w, w.up_b, w.down_w, w.down_b, layout_.intermediate.size(), x, out, &in, layer);
   }
 }
 
 void CausalLM::DenseMlp(const Tensor& up_w, const Tensor& up_b, const Tensor& down_w,
-                        const Tensor& down_b, int64_t inter, const Tensor& x, Tensor* out) const {
+                        const Tensor& down_b, int64_t inter, const Tensor& x, Tensor* out,
+                        const ForwardInput* in, int64_t layer) const {
   const int64_t t = x.dim(0);
-  if (spec_.mlp == MlpKind::kGated) {
-    Tensor gate_up = Buf({t, 2 * inter});
-    kernels::Linear(x, up_w, up_b.defined() ? &up_b : nullptr, &gate_up);
-    Tensor act = Buf({t, inter});
-    kernels::GatedActivation(spec_.act, gate_up, &act);
-    kernels::Linear(act, down_w, RowParallelBias(down_b), out);
+  const bool gated = spec_.mlp == MlpKind::kGated;
+  Tensor up = Buf({t, gated ? 2 * inter : inter});
+  kernels::Linear(x, up_w, up_b.defined() ? &up_b : nullptr, &up);
+  if (in != nullptr) AddLora(*in, layer, &LoraLayer::up, x, &up);
+  Tensor act = up;
+  if (gated) {
+    act = Buf({t, inter});
+    kernels::GatedActivation(spec_.act, up, &act);
   } else {
-    Tensor h = Buf({t, inter});
-    kernels::Linear(x, up_w, up_b.defined() ? &up_b : nullptr, &h);
-    kernels::Activate(spec_.act, &h);
-    kernels::Linear(h, down_w, RowParallelBias(down_b), out);
+    kernels::Activate(spec_.act, &act);
   }
+  kernels::Linear(act, down_w, RowParallelBias(down_b), out);
+  if (in != nullptr) AddLora(*in, layer, &LoraLayer::down, act, out);
+}
+
+void CausalLM::AddLora(const ForwardInput& in, int64_t layer, LoraPair LoraLayer::*which,
+                       const Tensor& x, Tensor* y) const {
+  for (const ForwardInput::LoraRows& group : in.lora) {
+    const LoraPair& p = group.adapter->layers[layer].*which;
+    if (!p.defined()) continue;
+    // PEFT's order: lora_B(lora_A(x)) * scaling added to the base output (AddWeightedRows
+    // scales and adds, rounding as torch does in 16 bits).
+    const int64_t n = group.rows.dim(0);
+    Tensor xs = Buf({n, x.dim(1)});
+    kernels::Embedding(group.rows, x, &xs);  // a row gather
+    Tensor down = Buf({n, p.a.dim(0)});
+    kernels::Linear(xs, p.a, nullptr, &down);
+    Tensor delta = Buf({n, p.b.dim(0)});
+    kernels::Linear(down, p.b, nullptr, &delta);
+    kernels::AddWeightedRows(delta, group.rows, group.scales, y);
+  }
+}
+
+absl::StatusOr<std::shared_ptr<const LoraWeights>> CausalLM::MakeLora(
+    const LoraAdapter& adapter) const {
+  return MakeLoraWeights(adapter, spec_, layout_, act_dtype_, device_);
 }
 
 // Each head's columns out of qkv as rows of D, normed, and back: existing ops on every device,
@@ -547,6 +573,7 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
     const LayerWeights* next = l + 1 < s.num_layers ? &w_.layers[l + 1] : nullptr;
     // The attention's input: this layer's input norm in h (pre-norm), or x itself.
     kernels::Linear(raw_input ? x : h, w.qkv_w, w.qkv_b.defined() ? &w.qkv_b : nullptr, &qkv);
+    AddLora(in, l, &LoraLayer::qkv, raw_input ? x : h, &qkv);
     if (s.clip_qkv > 0) kernels::Clamp(-s.clip_qkv, s.clip_qkv, &qkv);
     if (s.qk_norms) NormHeads(w, &qkv);
     if (split_apart) {
@@ -563,6 +590,7 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
     kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.WindowOf(l),
                             attn_bias_used_ ? &attn_bias_ : nullptr, &attn);
     kernels::Linear(attn.Reshape({t, hq * d}), w.o_w, RowParallelBias(w.o_b), &o);
+    AddLora(in, l, &LoraLayer::o, attn.Reshape({t, hq * d}), &o);
     if (post_norm) {
       // x = ln1(x + attn); x = ln2(x + mlp(x)): the sums land in x, the norms in h, and the
       // two swap roles.
@@ -570,7 +598,7 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
       residual_scaled(&o);
       AddNorm(&x, o, w.ln1_w, w.ln1_b, &h);
       std::swap(x, h);
-      Mlp(w, x, &m);
+      Mlp(in, l, x, &m);
       comm_->AllReduceSum(&m);
       residual_scaled(&m);
       AddNorm(&x, m, w.ln2_w, w.ln2_b, &h);
@@ -580,7 +608,7 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
       comm_->AllReduceSum(&o);
       Norm(o, w.post_attn_norm_w, w.post_attn_norm_b, &m);
       AddNorm(&x, m, w.ln2_w, w.ln2_b, &h);
-      Mlp(w, h, &m);
+      Mlp(in, l, h, &m);
       comm_->AllReduceSum(&m);
       Norm(m, w.post_mlp_norm_w, w.post_mlp_norm_b, &o);
       if (next != nullptr) {
@@ -593,13 +621,13 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
       comm_->AllReduceSum(&o);
       Norm(o, w.post_attn_norm_w, w.post_attn_norm_b, &m);
       kernels::AddInPlace(&x, m);
-      Mlp(w, x, &m);
+      Mlp(in, l, x, &m);
       comm_->AllReduceSum(&m);
       Norm(m, w.post_mlp_norm_w, w.post_mlp_norm_b, &o);
       kernels::AddInPlace(&x, o);
     } else if (s.residual == Residual::kParallel) {
       Norm(x, w.ln2_w, w.ln2_b, &h);
-      Mlp(w, h, &m);
+      Mlp(in, l, h, &m);
       if (parallel) {
         // x + attn + mlp: one all-reduce of this rank's attn + mlp parts.
         kernels::AddInPlace(&o, m);
@@ -617,7 +645,7 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
       comm_->AllReduceSum(&o);
       residual_scaled(&o);
       AddNorm(&x, o, w.ln2_w, w.ln2_b, &h);
-      Mlp(w, h, &m);
+      Mlp(in, l, h, &m);
       comm_->AllReduceSum(&m);
       residual_scaled(&m);
       if (next != nullptr) {

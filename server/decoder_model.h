@@ -19,6 +19,7 @@
 #include "kernels/ops.h"
 #include "kernels/tensor.h"
 #include "server/communicator.h"
+#include "server/lora.h"
 #include "server/model.h"
 
 namespace tgis::server {
@@ -110,6 +111,8 @@ class CausalLM : public Model {
   // On CUDA the activations and the KV cache take the linear weights' dtype, and every other
   // tensor (norms, biases) is converted to it too.
   void MoveTo(kernels::Device device) override;
+  absl::StatusOr<std::shared_ptr<const LoraWeights>> MakeLora(
+      const LoraAdapter& adapter) const override;
   kernels::Device device() const override { return device_; }
   kernels::DType act_dtype() const override { return act_dtype_; }
   kernels::DType kv_dtype() const override;
@@ -126,12 +129,18 @@ class CausalLM : public Model {
   const kernels::Tensor* RowParallelBias(const kernels::Tensor& b) const {
     return b.defined() && layout_.rank == 0 ? &b : nullptr;
   }
-  void Mlp(const LayerWeights& w, const kernels::Tensor& x, kernels::Tensor* out) const;
+  void Mlp(const ForwardInput& in, int64_t layer, const kernels::Tensor& x,
+           kernels::Tensor* out) const;
   // A dense MLP of `inter` columns (this rank's): up (gate | up for a gated one), activation,
-  // down.
+  // down; with `in`, the step's LoRA deltas of layer `layer`'s MLP added.
   void DenseMlp(const kernels::Tensor& up_w, const kernels::Tensor& up_b,
                 const kernels::Tensor& down_w, const kernels::Tensor& down_b, int64_t inter,
-                const kernels::Tensor& x, kernels::Tensor* out) const;
+                const kernels::Tensor& x, kernels::Tensor* out, const ForwardInput* in = nullptr,
+                int64_t layer = 0) const;
+  // y += each LoRA adapter's delta of one linear (LoraLayer::*which of layer `layer`) for the
+  // step's rows that take the adapter (ForwardInput::lora); x is the linear's input.
+  void AddLora(const ForwardInput& in, int64_t layer, LoraPair LoraLayer::*which,
+               const kernels::Tensor& x, kernels::Tensor* y) const;
   // The mixture of experts: the router's scores cross to the host (one synchronisation a layer
   // on CUDA, so these models run decode steps without CUDA graphs), each expert runs over the
   // rows routed to it, and their weighted outputs are summed into *out.

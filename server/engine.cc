@@ -141,7 +141,9 @@ void Engine::FreeBlocks(Sequence* s) {
 
 void Engine::ReuseCachedPrefix(Sequence* s) {
   BlockCache& cache = cache_->blocks();
-  s->chain = cache.Root(s->prefix);
+  // A LoRA adapter's keys and values are its own: its sequences share blocks among themselves.
+  s->chain = cache.Root(s->lora ? std::shared_ptr<const void>(s->lora)
+                                : std::shared_ptr<const void>(s->prefix));
   // Prompt logprobs need every prompt row's logits: such a prompt is computed whole (its
   // blocks are still registered for others).
   if (s->input_logprobs) return;
@@ -242,6 +244,7 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
     s->id = n.id;
     s->prefix = std::move(n.prefix);
     s->prefix_len = virtual_tokens;
+    s->lora = std::move(n.lora);
     s->tokens.assign(virtual_tokens, 0);  // placeholders: their embeddings are the prefix's
     if (encoder_decoder) {
       // TGIS: the encoder prefix's vectors, then the input; the decoder prefix's, then the
@@ -627,7 +630,10 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
   Tensor hidden, logits;
   // A plain decode step (one new token and one logits row per sequence) replays its bucket's
   // captured graph where the model allows it.
-  if (graphs_ != nullptr && one_row_each) {
+  // (Graphs capture the base model alone: a step with a LoRA adapter runs eagerly.)
+  const bool any_lora =
+      std::any_of(seqs.begin(), seqs.end(), [](const Sequence* s) { return s->lora != nullptr; });
+  if (graphs_ != nullptr && one_row_each && !any_lora) {
     logits = graphs_->Step(*model_, cache_->layers(), ids, positions, slots, context_lens, tables,
                            table_cols);
   }
@@ -665,6 +671,7 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
       spans.push_back({seqs[i]->prefix.get(), seqs[i]->prefix_len, seqs[i]->cached, ends[i]});
     }
     AddPrefixRows(spans, &in);
+    if (any_lora) AddLoraRows(seqs, in.host_query_start, &in);
     std::vector<int32_t> hidden_rows = logit_rows;
     hidden_rows.insert(hidden_rows.end(), detail_rows.begin(), detail_rows.end());
     hidden = model_->ForwardHidden(in, cache_->layers(), hidden_rows);
@@ -932,6 +939,22 @@ void Engine::AddPrefixRows(const std::vector<PrefixSpan>& spans, ForwardInput* i
   }
   in->embedding_source = OnDevice(source, {t});
   in->prefix_values = std::move(values);
+}
+
+void Engine::AddLoraRows(const std::vector<Sequence*>& seqs,
+                         const std::vector<int32_t>& query_start, ForwardInput* in) const {
+  std::map<const LoraWeights*, std::vector<int32_t>> rows;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    if (seqs[i]->lora == nullptr) continue;
+    std::vector<int32_t>& r = rows[seqs[i]->lora.get()];
+    for (int32_t row = query_start[i]; row < query_start[i + 1]; ++row) r.push_back(row);
+  }
+  for (const auto& [adapter, r] : rows) {
+    const int64_t n = static_cast<int64_t>(r.size());
+    Tensor scales = Tensor::FromVector(std::vector<float>(r.size(), adapter->scale), {n});
+    if (model_->device() != kernels::Device::kCpu) scales = scales.ToDevice(model_->device());
+    in->lora.push_back({adapter, OnDevice(r, {n}), std::move(scales)});
+  }
 }
 
 void Engine::Advance(Sequence* s, int32_t token) {

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "server/decode_graphs.h"
 #include "server/kv_cache.h"
+#include "server/lora.h"
 #include "server/model.h"
 #include "server/sampling.h"
 
@@ -35,6 +36,8 @@ struct NewSequence {
   // Encoder-decoder models: a prefix before the input, in the encoder (`prefix` goes before the
   // decoder start token).
   std::shared_ptr<const kernels::Tensor> encoder_prefix;
+  // A LoRA adapter (Model::MakeLora) whose deltas this sequence's every token takes.
+  std::shared_ptr<const LoraWeights> lora;
   // Resumes the preempted sequence `id` (every other field is ignored): its tokens are
   // computed again and it gets its next token.
   bool resume = false;
@@ -172,6 +175,7 @@ class Engine {
     std::vector<int32_t> cross_blocks;
     std::shared_ptr<const kernels::Tensor> encoder_prefix;
     size_t encoder_prefix_len = 0;
+    std::shared_ptr<const LoraWeights> lora;
     // Prefix caching: the node of the last block registered in the cache (0: the sequence's
     // blocks are never shared) and how many of its blocks are registered.
     BlockCache::Node chain = 0;
@@ -250,6 +254,9 @@ class Engine {
   };
   // The prefix rows of a step's input (prompt tuning), if any span has virtual tokens.
   void AddPrefixRows(const std::vector<PrefixSpan>& spans, ForwardInput* in) const;
+  // The rows of a step (seqs[i]'s from row query_start[i]) that take each LoRA adapter.
+  void AddLoraRows(const std::vector<Sequence*>& seqs, const std::vector<int32_t>& query_start,
+                   ForwardInput* in) const;
   // What a step's logits give the host without being read whole (on CUDA they stay on the
   // device): the choices of the sequences whose next token is a plain greedy one, and, for those
   // that sample or want details from the largest values alone (Sampler::TopChoosable), those

@@ -61,8 +61,10 @@ DEFINE_int32(batch_safety_margin, 20,
              "Percent of the free memory held back when sizing the KV cache and the prefill "
              "limit, 0-100 (env BATCH_SAFETY_MARGIN)");
 DEFINE_string(prefix_store_path, "",
-              "Folder of prompt-tuning prefixes, one sub-folder per prefix id (decoder.pt or a "
-              "PEFT adapter); empty: prompt tuning off (env PREFIX_STORE_PATH)");
+              "Folder of adapters, one sub-folder per prefix/adapter id: prompt-tuning prefixes "
+              "(decoder.pt or a PEFT prompt-tuning adapter) and PEFT LoRA adapters; empty: "
+              "none (env PREFIX_STORE_PATH, else ADAPTER_CACHE as the vllm-tgis-adapter names "
+              "it)");
 DEFINE_double(prompt_cache_size_mb, 512,
               "MiB of prefixes kept loaded, least recently used evicted first "
               "(env PROMPT_CACHE_SIZE_MB)");
@@ -163,6 +165,11 @@ int main(int argc, char** argv) {
                                    {"otlp_service_name", "OTLP_SERVICE_NAME"}});
       !err.empty()) {
     return Fail(err);
+  }
+  // The vllm-tgis-adapter's name for the same folder, for deployments that set that one.
+  if (const char* cache = std::getenv("ADAPTER_CACHE");
+      FLAGS_prefix_store_path.empty() && cache != nullptr && *cache != '\0') {
+    FLAGS_prefix_store_path = cache;
   }
   if (argc != 3 || std::string(argv[1]) != "serve") {
     return Fail(

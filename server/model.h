@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -17,6 +18,9 @@
 #include "server/moe.h"
 
 namespace tgis::server {
+
+struct LoraAdapter;
+struct LoraWeights;
 
 enum class NormKind { kRms, kLayer };
 enum class MlpKind {
@@ -35,6 +39,17 @@ enum class Residual {
   // x += post_attn_norm(attn(x)); x += post_mlp_norm(mlp(x)) (OLMo 2: each sublayer's output
   // is normed, not its input)
   kOutputNorms,
+};
+
+// Where a LoRA adapter's modules (PEFT's paths: `<layers>.<i>.<module>`) go in a decoder layer:
+// the checkpoint modules that make each fused linear's output rows, in order (q, k, v; gate,
+// up). Empty `layers`: the model serves no LoRA adapters; an empty list: that linear takes none.
+struct LoraTargets {
+  std::string layers;            // "model.layers"
+  std::vector<std::string> qkv;  // "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
+  std::string o;                 // "self_attn.o_proj"
+  std::vector<std::string> up;   // "mlp.gate_proj", "mlp.up_proj" (a plain MLP: its one input)
+  std::string down;              // "mlp.down_proj"
 };
 
 struct DecoderSpec {
@@ -110,6 +125,7 @@ struct DecoderSpec {
   // Qwen2-MoE: a shared expert (a gated MLP of this many columns) that every token runs, its
   // output times sigmoid(shared gate . x) added to the experts'; 0: none.
   int64_t shared_expert_intermediate = 0;
+  LoraTargets lora_targets;
 };
 
 // A half-open range of indices [begin, end).
@@ -161,6 +177,13 @@ struct ForwardInput {
   // Encoder-decoder decoder steps: each sequence's (one) query row against its encoder's
   // cross-attention keys/values (non-causal; context_lens = input lengths).
   kernels::AttentionBatch cross_attn;
+  // LoRA adapters: the rows of the step ([n] i32) that take each adapter's deltas, and the
+  // adapter's scale for each of them ([n] f32).
+  struct LoraRows {
+    const LoraWeights* adapter = nullptr;
+    kernels::Tensor rows, scales;
+  };
+  std::vector<LoraRows> lora;
 };
 
 // Decoder-only models run Forward over the prompt, then over each generated token. Encoder-
@@ -200,6 +223,10 @@ class Model {
   // derive from them (kernels::PrepareCpuWeight: at load, before the KV cache is sized from the
   // memory left). Call once, before the first Forward.
   virtual void MoveTo(kernels::Device device) = 0;
+  // A LoRA adapter made for this rank (after MoveTo: on the model's device, in its activation
+  // dtype); an error when the model serves none or the adapter does not fit it.
+  virtual absl::StatusOr<std::shared_ptr<const LoraWeights>> MakeLora(
+      const LoraAdapter& adapter) const;
   virtual kernels::Device device() const = 0;
   // The dtype of activations: f32 on the CPU.
   virtual kernels::DType act_dtype() const = 0;

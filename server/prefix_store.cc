@@ -85,6 +85,7 @@ absl::StatusOr<Tensor> PrefixStore::Process(const Tensor& prefix,
 }
 
 int64_t Prefix::length(bool encoder_decoder) const {
+  if (lora) return 0;
   int64_t n = encoder ? encoder->dim(0) : 0;
   if (decoder) n += decoder->dim(0) + (encoder_decoder ? 1 : 0);
   return n;
@@ -120,6 +121,18 @@ absl::StatusOr<Prefix> PrefixStore::Load(const std::string& id) const {
     return Raised("Exception", absl::StrCat("Invalid prefix id ", id));
   }
   std::error_code ec;
+  if (IsLoraAdapter(dir)) {
+    if (options_.model == nullptr || options_.encoder_decoder) {
+      return absl::UnimplementedError(
+          absl::StrCat("prefix id ", id, " is a LoRA adapter; this model serves none"));
+    }
+    LOG(INFO) << "Loading LoRA adapter " << id;
+    absl::StatusOr<LoraAdapter> adapter = ReadLoraAdapter(dir, id);
+    if (!adapter.ok()) return adapter.status();
+    absl::StatusOr<std::shared_ptr<const LoraWeights>> lora = options_.model->MakeLora(*adapter);
+    if (!lora.ok()) return lora.status();
+    return Prefix{nullptr, nullptr, *std::move(lora)};
+  }
   bool peft = false;
   if (fs::is_directory(dir, ec)) {
     for (const auto& e : fs::directory_iterator(dir, ec)) {
@@ -136,12 +149,12 @@ absl::StatusOr<Prefix> PrefixStore::Load(const std::string& id) const {
       if (fs::is_regular_file(dir / "encoder.pt", ec)) {
         LOG(WARNING) << "prefix " << id << ": encoder.pt is not used by a decoder-only model";
       }
-      return Prefix{*decoder, nullptr};
+      return Prefix{*decoder, nullptr, nullptr};
     }
     auto encoder = LoadPt((dir / "encoder.pt").string());
     if (!encoder.ok()) return encoder.status();
     if (!*decoder && !*encoder) return NotFound(id);
-    return Prefix{*decoder, *encoder};
+    return Prefix{*decoder, *encoder, nullptr};
   }
   if (options_.encoder_decoder) {
     return Raised("Exception", "encoder-decoder architectures not supported for peft models");
@@ -170,7 +183,7 @@ absl::StatusOr<Prefix> PrefixStore::Load(const std::string& id) const {
   }
   auto processed = Process(loaded.first, loaded.second);
   if (!processed.ok()) return processed.status();
-  return Prefix{std::make_shared<const Tensor>(*std::move(processed)), nullptr};
+  return Prefix{std::make_shared<const Tensor>(*std::move(processed)), nullptr, nullptr};
 }
 
 absl::StatusOr<Prefix> PrefixStore::Get(const std::string& id) {
@@ -193,6 +206,7 @@ absl::StatusOr<Prefix> PrefixStore::Get(const std::string& id) {
   for (const auto& t : {loaded->decoder, loaded->encoder}) {
     if (t) mb += std::ceil(static_cast<double>(t->nbytes()) / 512.0) * 512.0 / (1 << 20);
   }
+  if (loaded->lora) mb += static_cast<double>(loaded->lora->bytes()) / (1 << 20);
   std::lock_guard<std::mutex> lock(mu_);
   if (auto it = index_.find(id); it != index_.end()) return it->second->prefix;
   if (mb > options_.cache_mb) {

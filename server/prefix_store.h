@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/tensor.h"
+#include "server/lora.h"
 
 namespace tgis::server {
 
@@ -30,6 +31,8 @@ struct PrefixStoreOptions {
   kernels::DType dtype = kernels::DType::kF32;
   kernels::Device device = kernels::Device::kCpu;
   bool encoder_decoder = false;
+  // The model LoRA adapters are made for (Model::MakeLora); null: none are served.
+  const Model* model = nullptr;
 };
 
 // A prefix's vectors [virtual tokens, hidden] in the model's dtype, on its device: before the
@@ -38,6 +41,9 @@ struct PrefixStoreOptions {
 struct Prefix {
   std::shared_ptr<const kernels::Tensor> decoder;
   std::shared_ptr<const kernels::Tensor> encoder;
+  // A LoRA adapter (lora.h) in place of virtual tokens: a folder whose adapter_config.json says
+  // peft_type "LORA" (decoder and encoder are then null, and the length 0).
+  std::shared_ptr<const LoraWeights> lora;
   // TGIS's PrefixLookup length: the rows of both, the decoder's counted with the decoder start
   // token TGIS appends to it for encoder-decoder models.
   int64_t length(bool encoder_decoder) const;

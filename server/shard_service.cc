@@ -121,7 +121,8 @@ ShardService::ShardService(ModelConfig config, std::unique_ptr<Model> model, Sha
                          .max_length = max_positions_,
                          .dtype = pending_model_->act_dtype(),
                          .device = pending_model_->device(),
-                         .encoder_decoder = pending_model_->encoder_decoder()});
+                         .encoder_decoder = pending_model_->encoder_decoder(),
+                         .model = pending_model_.get()});
 }
 
 grpc::Status ShardService::ServiceDiscovery(grpc::ServerContext*,
@@ -352,6 +353,7 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
       }
       n.prefix = prefix->decoder;
       n.encoder_prefix = prefix->encoder;
+      n.lora = prefix->lora;
     }
     n.id = r.id();
     n.input_ids.assign(r.input_ids().begin(), r.input_ids().end());

@@ -156,3 +156,85 @@ def test_prompt_load_metrics(server):
     fails = [l for l in text.splitlines() if l.startswith("tgi_prompt_load_failure ")]
     assert float(loads[0].split()[1]) >= len(GOLDEN["prefixes"])
     assert float(fails[0].split()[1]) >= 6
+
+
+# LoRA adapters (beyond TGIS, as the vllm-tgis-adapter serves them under adapter_id or
+# prefix_id): PREFIX_STORE_PATH/<id>/ holding PEFT's adapter_config.json (peft_type "LORA") and
+# adapter_model.safetensors; goldens from PEFT (tests/fixtures/prefixes/lora_golden.json, made
+# by make_lora_fixtures.py).
+LORA = json.loads((PREFIXES / "lora_golden.json").read_text())
+
+
+@pytest.mark.parametrize("adapter_id", sorted(LORA["adapters"]))
+def test_lora_adapter_matches_peft(server, adapter_id):
+    pb, stub, _, _ = server
+    prompts = LORA["adapters"][adapter_id]["prompts"]
+    n = LORA["new_tokens"]
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(FIXTURES / "models" / "llama" / "tokenizer.json"))
+    resp = stub.Generate(pb.BatchedGenerationRequest(
+        adapter_id=adapter_id, params=params(pb, n),
+        requests=[pb.GenerationRequest(text=p["text"]) for p in prompts]), timeout=60)
+    for p, r in zip(prompts, resp.responses):
+        assert r.input_token_count == len(p["input_ids"])  # no virtual tokens
+        assert r.generated_token_count == n
+        assert r.text == tok.decode(p["generated_ids"]).rstrip("\ufffd")
+        got = [t.logprob for t in r.tokens]
+        assert all(abs(a - b) < 1e-4 for a, b in zip(got, p["logprobs"])), (got, p["logprobs"])
+        # Prompt details: the adapter's logprobs of the prompt's tokens (none for the first).
+        got = [t.logprob for t in r.input_tokens][1:]
+        assert all(abs(a - b) < 1e-4 for a, b in zip(got, p["prompt_logprobs"][1:])), got
+    stream = list(stub.GenerateStream(pb.SingleGenerationRequest(
+        prefix_id=adapter_id, params=params(pb, n),
+        request=pb.GenerationRequest(text=prompts[0]["text"])), timeout=60))
+    got = [t.logprob for m in stream for t in m.tokens]
+    assert len(got) == n
+    assert all(abs(a - b) < 1e-4 for a, b in zip(got, prompts[0]["logprobs"]))
+
+
+def test_lora_adapters_and_the_base_model_run_concurrently(server):
+    """Streams with either adapter and with none, all at once (one continuous batch): each gets
+    its own golden tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+    pb, stub, _, _ = server
+    n = LORA["new_tokens"]
+    base = LORA["adapters"][sorted(LORA["adapters"])[0]]["prompts"]
+    plain = stub.Generate(pb.BatchedGenerationRequest(
+        params=params(pb, n), requests=[pb.GenerationRequest(text=p["text"]) for p in base]),
+        timeout=60)
+    jobs = [(a, p["text"], p["logprobs"]) for a in sorted(LORA["adapters"])
+            for p in LORA["adapters"][a]["prompts"]]
+    jobs += [("", p["text"], [t.logprob for t in r.tokens]) for p, r in zip(base, plain.responses)]
+    # The adapters do change the output.
+    assert jobs[-2][2] != jobs[0][2]
+
+    def run(job):
+        adapter_id, text, _ = job
+        stream = stub.GenerateStream(pb.SingleGenerationRequest(
+            adapter_id=adapter_id, params=params(pb, n), request=pb.GenerationRequest(text=text)),
+            timeout=60)
+        return [t.logprob for m in stream for t in m.tokens]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, jobs * 2))
+    for (adapter_id, _, want), got in zip(jobs * 2, results):
+        assert len(got) == n, adapter_id
+        assert all(abs(a - b) < 1e-4 for a, b in zip(got, want)), (adapter_id, got, want)
+
+
+@pytest.mark.parametrize("adapter_id,message", [
+    ("lora/bad_dora", "lora/bad_dora/adapter_config.json: use_dora is true: DoRA adapters are "
+                      "not served"),
+    ("lora/bad_lm_head", "lora/bad_lm_head: modules this model does not adapt: lm_head (LoRA is "
+                         "served on model.layers.<layer>.{self_attn.q_proj,self_attn.k_proj,"
+                         "self_attn.v_proj,self_attn.o_proj,mlp.gate_proj,mlp.up_proj,"
+                         "mlp.down_proj})"),
+])
+def test_unserved_lora_adapters_fail_naming_why(server, adapter_id, message):
+    pb, stub, _, proc = server
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.BatchedGenerationRequest(
+            adapter_id=adapter_id, requests=[pb.GenerationRequest(text="Hi")]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == f"can't retrieve prompt prefix with id '{adapter_id}': {message}"
+    assert proc.alive()

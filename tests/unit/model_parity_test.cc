@@ -28,6 +28,7 @@
 #include "server/gloo_communicator.h"
 #include "server/model_config.h"
 #include "server/model_registry.h"
+#include "server/prefix_store.h"
 #include "server/quantization.h"
 #include "server/weights.h"
 
@@ -68,6 +69,22 @@ struct Golden {
   std::vector<double> logprobs;
   std::vector<double> prompt_logprobs;  // NaN for the first token
 };
+
+// A LoRA adapter of the fixtures' store (prefixes/store, as the shard's PrefixStore reads
+// PREFIX_STORE_PATH) made for `engine`'s model; null, with a failure, when it does not load.
+std::shared_ptr<const tgis::server::LoraWeights> LoraAdapter(const Engine& engine,
+                                                             const std::string& id) {
+  tgis::server::PrefixStore store(tgis::server::PrefixStoreOptions{
+      .store_path = (FixturesDir() / "prefixes" / "store").string(),
+      .hidden = engine.model().spec().EmbedDim(),
+      .model = &engine.model()});
+  auto prefix = store.Get(id);
+  EXPECT_TRUE(prefix.ok()) << prefix.status();
+  if (!prefix.ok()) return nullptr;
+  EXPECT_EQ(prefix->length(false), 0);
+  EXPECT_EQ(prefix->decoder, nullptr);
+  return prefix->lora;
+}
 
 // A fixture model, its goldens, and engines over it on some device, dtype and world size.
 class ParityFixture {
@@ -161,13 +178,23 @@ class ParityFixture {
   // generous, and the golden token is our best. bf16: logprobs within Bf16Tolerance(), and the
   // golden token (the f32 best) within twice that of our best: each of the two moved by at most
   // the tolerance.
-  void ExpectGoldensWithinDtypeNoise() {
+  // With `adapter`, the goldens of that LoRA adapter (the base model's bf16 drift stands for
+  // its own: on the CPU the adapter runs in f32 beside bf16 weights).
+  void ExpectGoldensWithinDtypeNoise(const std::vector<Golden>* goldens = nullptr,
+                                     const std::string& adapter = "") {
     const bool f32 = dtype_ == tgis::kernels::DType::kF32;
     const double tol = f32 ? 1e-3 : Bf16Tolerance();
+    if (goldens == nullptr) goldens = &goldens_;
     OnEveryRank([&](Engine& engine) {
-      for (size_t i = 0; i < goldens_.size(); ++i) {
-        const Golden& g = goldens_[i];
+      std::shared_ptr<const tgis::server::LoraWeights> lora;
+      if (!adapter.empty()) {
+        lora = LoraAdapter(engine, adapter);
+        ASSERT_NE(lora, nullptr);
+      }
+      for (size_t i = 0; i < goldens->size(); ++i) {
+        const Golden& g = (*goldens)[i];
         NewSequence n = Seq(i, g, /*input_logprobs=*/true);
+        n.lora = lora;
         n.input_ids.insert(n.input_ids.end(), g.generated.begin(), g.generated.end() - 1);
         n.top_n = 1;
         std::vector<StepOutput> out;
@@ -1445,6 +1472,134 @@ INSTANTIATE_TEST_SUITE_P(
       return std::get<0>(info.param) + "_tp" + std::to_string(std::get<1>(info.param));
     });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(Seq2SeqParityTest);
+
+// LoRA adapters (tests/fixtures/prefixes/store/lora, made by make_lora_fixtures.py) on the
+// llama fixture, at every world size the llama cases run: each adapter's goldens are PEFT's, and
+// requests with different adapters and none share one batch.
+class LoraParityTest : public ParityFixture, public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    Load("llama");  // goldens_: the base model's own
+    world_ = GetParam();
+    std::ifstream in(FixturesDir() / "prefixes" / "lora_golden.json");
+    std::stringstream buf;
+    buf << in.rdbuf();
+    const Json j = Json::parse(buf.str());
+    for (const auto& [id, adapter] : j["adapters"].items()) {
+      for (const Json& p : adapter["prompts"]) {
+        Golden g;
+        g.input = p["input_ids"].get<std::vector<int32_t>>();
+        g.generated = p["generated_ids"].get<std::vector<int32_t>>();
+        g.logprobs = p["logprobs"].get<std::vector<double>>();
+        for (const Json& v : p["prompt_logprobs"]) {
+          g.prompt_logprobs.push_back(v.is_null() ? std::nan("") : v.get<double>());
+        }
+        lora_goldens_[id].push_back(std::move(g));
+      }
+    }
+    ASSERT_EQ(lora_goldens_.size(), 2u);
+  }
+
+  std::map<std::string, std::vector<Golden>> lora_goldens_;
+};
+
+TEST_P(LoraParityTest, EachAdapterMatchesPeft) {
+  OnEveryRank([&](Engine& engine) {
+    uint64_t id = 0;
+    for (const auto& [adapter_id, goldens] : lora_goldens_) {
+      auto lora = LoraAdapter(engine, adapter_id);
+      ASSERT_NE(lora, nullptr);
+      for (const Golden& g : goldens) {
+        NewSequence n = Seq(++id, g, /*input_logprobs=*/true);
+        n.lora = lora;
+        std::vector<StepOutput> out;
+        std::vector<SequenceError> errors;
+        engine.Prefill({n}, &out, &errors);
+        ASSERT_TRUE(errors.empty()) << errors[0].status;
+        ASSERT_EQ(out[0].input_tokens.size(), g.input.size());
+        for (size_t p = 1; p < g.input.size(); ++p) {
+          EXPECT_NEAR(out[0].input_tokens[p].logprob, g.prompt_logprobs[p], kLogprobTolerance)
+              << adapter_id << " token " << p;
+        }
+        DecodeAndCompare(engine, id, out[0], g);
+        engine.Release(id);
+      }
+    }
+  });
+}
+
+// Two adapters and the base model in one batch, each sequence its own golden; with prefix
+// caching on, a prompt the base model (or another adapter) cached is computed again.
+TEST_P(LoraParityTest, AdaptersAndTheBaseModelShareABatchButNotTheirBlocks) {
+  OnEveryRank([&](Engine& engine) {
+    auto all = LoraAdapter(engine, "lora/llama_all");
+    auto qv = LoraAdapter(engine, "lora/llama_qv_rslora");
+    ASSERT_TRUE(all && qv);
+    const Golden& base = goldens_[1];  // "Hello world!"
+    const Golden& g_all = lora_goldens_["lora/llama_all"][0];
+    const Golden& g_qv = lora_goldens_["lora/llama_qv_rslora"][1];
+    ASSERT_EQ(base.input, g_all.input);  // the same prompt, cached by the base model first
+    std::vector<StepOutput> out;
+    std::vector<SequenceError> errors;
+    engine.Prefill({Seq(1, base)}, &out, &errors);
+    ASSERT_TRUE(errors.empty()) << errors[0].status;
+    ExpectGolden(DecodeTogether(engine, out, {{1, &base}}), 1, base, "base alone");
+    NewSequence a = Seq(2, g_all), b = Seq(3, g_qv), c = Seq(4, base);
+    a.lora = all;
+    b.lora = qv;
+    out.clear();
+    engine.Prefill({a, b, c}, &out, &errors);
+    ASSERT_TRUE(errors.empty()) << errors[0].status;
+    // Only the base model's prompt took the cached blocks.
+    const size_t bs = static_cast<size_t>(engine.block_size());
+    EXPECT_EQ(engine.last_reuse().reused_tokens, (base.input.size() - 1) / bs * bs);
+    Continuations got = DecodeTogether(engine, out, {{2, &g_all}, {3, &g_qv}, {4, &base}});
+    ExpectGolden(got, 2, g_all, "llama_all in a batch");
+    ExpectGolden(got, 3, g_qv, "llama_qv_rslora in a batch");
+    ExpectGolden(got, 4, base, "base in a batch");
+    for (uint64_t id : {1, 2, 3, 4}) engine.Release(id);
+  });
+}
+
+TEST_P(LoraParityTest, UnservedAdaptersFailNamingWhy) {
+  OnEveryRank([&](Engine& engine) {
+    tgis::server::PrefixStore store(tgis::server::PrefixStoreOptions{
+        .store_path = (FixturesDir() / "prefixes" / "store").string(), .model = &engine.model()});
+    for (const auto& [id, want] : std::vector<std::pair<std::string, std::string>>{
+             {"lora/bad_dora", "use_dora is true: DoRA adapters are not served"},
+             {"lora/bad_lm_head", "modules this model does not adapt: lm_head"}}) {
+      auto prefix = store.Get(id);
+      ASSERT_FALSE(prefix.ok()) << id;
+      EXPECT_NE(prefix.status().message().find(want), std::string::npos) << prefix.status();
+    }
+  });
+}
+
+// Teacher-forced against PEFT's goldens in bf16 weights on the CPU (within the base model's bf16
+// drift) and on CUDA in f32 and bf16 (one rank: one GPU is lent).
+TEST_P(LoraParityTest, Bf16WeightsKeepTheGoldensWithinBf16Noise) {
+  dtype_ = tgis::kernels::DType::kBF16;
+  for (const auto& [adapter_id, goldens] : lora_goldens_) {
+    ExpectGoldensWithinDtypeNoise(&goldens, adapter_id);
+  }
+}
+
+TEST_P(LoraParityTest, CudaGoldensWithinDtypeNoise) {
+  if (tgis::kernels::GpuCount() == 0) GTEST_SKIP() << "CUDA not built/available";
+  if (world_ > 1) GTEST_SKIP() << "one GPU: tensor parallel LoRA runs on the CPU (Gloo) only";
+  device_ = tgis::kernels::Device::kCuda;
+  for (auto dtype : {tgis::kernels::DType::kF32, tgis::kernels::DType::kBF16}) {
+    dtype_ = dtype;
+    for (const auto& [adapter_id, goldens] : lora_goldens_) {
+      ExpectGoldensWithinDtypeNoise(&goldens, adapter_id);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Llama, LoraParityTest, ::testing::Values(1, 2, 4),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return "tp" + std::to_string(info.param);
+                         });
 
 std::string CaseName(const ::testing::TestParamInfo<std::tuple<std::string, int>>& info) {
   return std::get<0>(info.param) + "_tp" + std::to_string(std::get<1>(info.param));
