@@ -270,12 +270,19 @@ absl::StatusOr<std::shared_ptr<const LoraWeights>> MakeLoraWeights(const LoraAda
   const Range q = layout.q_rows(d), kv = layout.kv_rows(d), mlp = layout.intermediate;
   for (int64_t l = 0; l < spec.num_layers; ++l) {
     LoraLayer& out_layer = out->layers[l];
+    // A fused module's parts share its A (stacked once per part: the same products, a few more
+    // of them) and take their own rows of its B.
     std::vector<Part> qkv;
+    const int64_t q_whole = spec.num_heads * d, kv_whole = spec.num_kv_heads * d;
     if (t.qkv.size() == 3) {
-      const int64_t q_whole = spec.num_heads * d, kv_whole = spec.num_kv_heads * d;
       qkv = {{t.qkv[0], q, 0, q_whole},
              {t.qkv[1], kv, q.size(), kv_whole},
              {t.qkv[2], kv, q.size() + kv.size(), kv_whole}};
+    } else if (t.qkv.size() == 1) {
+      const int64_t whole = q_whole + 2 * kv_whole;
+      qkv = {{t.qkv[0], q, 0, whole},
+             {t.qkv[0], kv.Shifted(q_whole), q.size(), whole},
+             {t.qkv[0], kv.Shifted(q_whole + kv_whole), q.size() + kv.size(), whole}};
     }
     if (auto st = column_parallel(l, qkv, spec.hidden, q.size() + 2 * kv.size(), &out_layer.qkv);
         !st.ok()) {
@@ -286,8 +293,12 @@ absl::StatusOr<std::shared_ptr<const LoraWeights>> MakeLoraWeights(const LoraAda
       return st;
     }
     std::vector<Part> up;
-    for (size_t j = 0; j < t.up.size(); ++j) {
-      up.push_back({t.up[j], mlp, static_cast<int64_t>(j) * mlp.size(), spec.intermediate});
+    const bool fused_gate_up = spec.mlp == MlpKind::kGated && t.up.size() == 1;
+    for (size_t j = 0; j < (fused_gate_up ? 2 : t.up.size()); ++j) {
+      const int64_t k = static_cast<int64_t>(j);
+      up.push_back(fused_gate_up ? Part{t.up[0], mlp.Shifted(k * spec.intermediate), k * mlp.size(),
+                                        2 * spec.intermediate}
+                                 : Part{t.up[j], mlp, k * mlp.size(), spec.intermediate});
     }
     if (auto st = column_parallel(l, up, spec.hidden, static_cast<int64_t>(up.size()) * mlp.size(),
                                   &out_layer.up);

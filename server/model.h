@@ -43,7 +43,9 @@ enum class Residual {
 
 // Where a LoRA adapter's modules (PEFT's paths: `<layers>.<i>.<module>`) go in a decoder layer:
 // the checkpoint modules that make each fused linear's output rows, in order (q, k, v; gate,
-// up). Empty `layers`: the model serves no LoRA adapters; an empty list: that linear takes none.
+// up), or one module that makes them all (Phi-3's qkv_proj: q rows, then k, then v; a gated
+// MLP's gate_up_proj: gate rows, then up). Empty `layers`: the model serves no LoRA adapters;
+// an empty list or name: that linear takes none.
 struct LoraTargets {
   std::string layers;            // "model.layers"
   std::vector<std::string> qkv;  // "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"

@@ -378,20 +378,22 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   s.embed_scale = opt.embed_scale;
   s.residual_scale = opt.residual_scale;
   s.logits_scale = opt.logits_scale;
-  // LoRA adapters go on the separate projections (Phi-3's fused qkv_proj and gate_up_proj take
-  // none); in a mixture of experts on attention alone (the experts' linears take none).
-  if (!opt.fused_projections) {
-    LoraTargets& lt = s.lora_targets;
-    lt.layers = "model.layers";
-    lt.qkv = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"};
-    lt.o = absl::StrCat("self_attn.", opt.o_proj_name);
-    if (opt.moe == MoeLayout::kNone && opt.plain_mlp) {
-      lt.up = {absl::StrCat("mlp.", opt.plain_mlp_in)};
-      lt.down = absl::StrCat("mlp.", opt.plain_mlp_out);
-    } else if (opt.moe == MoeLayout::kNone) {
-      lt.up = {"mlp.gate_proj", "mlp.up_proj"};
-      lt.down = "mlp.down_proj";
-    }
+  // LoRA adapters go on the attention's projections and the MLP's linears (Phi-3's fused
+  // qkv_proj and gate_up_proj as one module each); in a mixture of experts on attention alone
+  // (the experts' linears take none).
+  LoraTargets& lt = s.lora_targets;
+  lt.layers = "model.layers";
+  lt.qkv = opt.fused_projections ? std::vector<std::string>{"self_attn.qkv_proj"}
+                                 : std::vector<std::string>{"self_attn.q_proj", "self_attn.k_proj",
+                                                            "self_attn.v_proj"};
+  lt.o = absl::StrCat("self_attn.", opt.o_proj_name);
+  if (opt.moe == MoeLayout::kNone && opt.plain_mlp) {
+    lt.up = {absl::StrCat("mlp.", opt.plain_mlp_in)};
+    lt.down = absl::StrCat("mlp.", opt.plain_mlp_out);
+  } else if (opt.moe == MoeLayout::kNone) {
+    lt.up = opt.fused_projections ? std::vector<std::string>{"mlp.gate_up_proj"}
+                                  : std::vector<std::string>{"mlp.gate_proj", "mlp.up_proj"};
+    lt.down = "mlp.down_proj";
   }
   s.embed_scale_in_act_dtype = opt.embed_scale_in_act_dtype;
   if (opt.moe != MoeLayout::kNone) {

@@ -1473,19 +1473,23 @@ INSTANTIATE_TEST_SUITE_P(
     });
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(Seq2SeqParityTest);
 
-// LoRA adapters (tests/fixtures/prefixes/store/lora, made by make_lora_fixtures.py) on the
-// llama fixture, at every world size the llama cases run: each adapter's goldens are PEFT's, and
-// requests with different adapters and none share one batch.
-class LoraParityTest : public ParityFixture, public ::testing::TestWithParam<int> {
+// LoRA adapters (tests/fixtures/prefixes/store/lora, made by make_lora_fixtures.py) on their
+// fixture models (llama: separate projections, GQA; phi: a plain MLP, Phi-2's names; phi3: fused
+// qkv_proj and gate_up_proj), at world sizes 1 and 2 (llama at 4 too: replicated KV heads):
+// each adapter's goldens are PEFT's, and requests with different adapters and none share one
+// batch.
+class LoraParityTest : public ParityFixture,
+                       public ::testing::TestWithParam<std::tuple<std::string, int>> {
  protected:
   void SetUp() override {
-    Load("llama");  // goldens_: the base model's own
-    world_ = GetParam();
+    Load(std::get<0>(GetParam()));  // goldens_: the base model's own
+    world_ = std::get<1>(GetParam());
     std::ifstream in(FixturesDir() / "prefixes" / "lora_golden.json");
     std::stringstream buf;
     buf << in.rdbuf();
     const Json j = Json::parse(buf.str());
     for (const auto& [id, adapter] : j["adapters"].items()) {
+      if (adapter["model"] != std::get<0>(GetParam())) continue;
       for (const Json& p : adapter["prompts"]) {
         Golden g;
         g.input = p["input_ids"].get<std::vector<int32_t>>();
@@ -1497,7 +1501,7 @@ class LoraParityTest : public ParityFixture, public ::testing::TestWithParam<int
         lora_goldens_[id].push_back(std::move(g));
       }
     }
-    ASSERT_EQ(lora_goldens_.size(), 2u);
+    ASSERT_FALSE(lora_goldens_.empty());
   }
 
   std::map<std::string, std::vector<Golden>> lora_goldens_;
@@ -1528,40 +1532,47 @@ TEST_P(LoraParityTest, EachAdapterMatchesPeft) {
   });
 }
 
-// Two adapters and the base model in one batch, each sequence its own golden; with prefix
-// caching on, a prompt the base model (or another adapter) cached is computed again.
+// The model's adapters and the base model in one batch, each sequence its own golden; with
+// prefix caching on, a prompt the base model cached is computed again under an adapter.
 TEST_P(LoraParityTest, AdaptersAndTheBaseModelShareABatchButNotTheirBlocks) {
   OnEveryRank([&](Engine& engine) {
-    auto all = LoraAdapter(engine, "lora/llama_all");
-    auto qv = LoraAdapter(engine, "lora/llama_qv_rslora");
-    ASSERT_TRUE(all && qv);
     const Golden& base = goldens_[1];  // "Hello world!"
-    const Golden& g_all = lora_goldens_["lora/llama_all"][0];
-    const Golden& g_qv = lora_goldens_["lora/llama_qv_rslora"][1];
-    ASSERT_EQ(base.input, g_all.input);  // the same prompt, cached by the base model first
     std::vector<StepOutput> out;
     std::vector<SequenceError> errors;
     engine.Prefill({Seq(1, base)}, &out, &errors);
     ASSERT_TRUE(errors.empty()) << errors[0].status;
     ExpectGolden(DecodeTogether(engine, out, {{1, &base}}), 1, base, "base alone");
-    NewSequence a = Seq(2, g_all), b = Seq(3, g_qv), c = Seq(4, base);
-    a.lora = all;
-    b.lora = qv;
+    std::vector<NewSequence> batch;
+    std::map<uint64_t, const Golden*> want;
+    std::map<uint64_t, std::string> what;
+    uint64_t id = 1;
+    for (const auto& [adapter_id, goldens] : lora_goldens_) {
+      // The first adapter takes the base model's cached prompt, the next the other prompt.
+      const Golden& g = goldens[(id - 1) % goldens.size()];
+      if (id == 1) ASSERT_EQ(g.input, base.input);
+      NewSequence n = Seq(++id, g);
+      n.lora = LoraAdapter(engine, adapter_id);
+      batch.push_back(n);
+      want[id] = &g;
+      what[id] = adapter_id + " in a batch";
+    }
+    batch.push_back(Seq(++id, base));
+    want[id] = &base;
+    what[id] = "base in a batch";
     out.clear();
-    engine.Prefill({a, b, c}, &out, &errors);
+    engine.Prefill(batch, &out, &errors);
     ASSERT_TRUE(errors.empty()) << errors[0].status;
     // Only the base model's prompt took the cached blocks.
     const size_t bs = static_cast<size_t>(engine.block_size());
     EXPECT_EQ(engine.last_reuse().reused_tokens, (base.input.size() - 1) / bs * bs);
-    Continuations got = DecodeTogether(engine, out, {{2, &g_all}, {3, &g_qv}, {4, &base}});
-    ExpectGolden(got, 2, g_all, "llama_all in a batch");
-    ExpectGolden(got, 3, g_qv, "llama_qv_rslora in a batch");
-    ExpectGolden(got, 4, base, "base in a batch");
-    for (uint64_t id : {1, 2, 3, 4}) engine.Release(id);
+    const Continuations got = DecodeTogether(engine, out, want);
+    for (const auto& [i, g] : want) ExpectGolden(got, i, *g, what[i]);
+    for (uint64_t i = 1; i <= id; ++i) engine.Release(i);
   });
 }
 
 TEST_P(LoraParityTest, UnservedAdaptersFailNamingWhy) {
+  if (std::get<0>(GetParam()) != "llama") GTEST_SKIP() << "the unserved adapters are llama's";
   OnEveryRank([&](Engine& engine) {
     tgis::server::PrefixStore store(tgis::server::PrefixStoreOptions{
         .store_path = (FixturesDir() / "prefixes" / "store").string(), .model = &engine.model()});
@@ -1596,11 +1607,6 @@ TEST_P(LoraParityTest, CudaGoldensWithinDtypeNoise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Llama, LoraParityTest, ::testing::Values(1, 2, 4),
-                         [](const ::testing::TestParamInfo<int>& info) {
-                           return "tp" + std::to_string(info.param);
-                         });
-
 std::string CaseName(const ::testing::TestParamInfo<std::tuple<std::string, int>>& info) {
   return std::get<0>(info.param) + "_tp" + std::to_string(std::get<1>(info.param));
 }
@@ -1611,6 +1617,15 @@ INSTANTIATE_TEST_SUITE_P(Models, ParityTest,
                          CaseName);
 // 4 ranks for GQA with 2 KV heads: each KV head is replicated on the two ranks whose q heads
 // share it (MQA, one KV head on every rank, is covered by gpt_bigcode at 2 ranks).
+INSTANTIATE_TEST_SUITE_P(Adapters, LoraParityTest,
+                         ::testing::Values(std::make_tuple(std::string("llama"), 1),
+                                           std::make_tuple(std::string("llama"), 2),
+                                           std::make_tuple(std::string("llama"), 4),
+                                           std::make_tuple(std::string("phi"), 1),
+                                           std::make_tuple(std::string("phi"), 2),
+                                           std::make_tuple(std::string("phi3"), 1),
+                                           std::make_tuple(std::string("phi3"), 2)),
+                         CaseName);
 INSTANTIATE_TEST_SUITE_P(FourRanks, ParityTest,
                          ::testing::Combine(::testing::Values(std::string("llama")),
                                             ::testing::Values(4)),
