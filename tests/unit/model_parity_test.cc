@@ -1549,7 +1549,9 @@ TEST_P(LoraParityTest, AdaptersAndTheBaseModelShareABatchButNotTheirBlocks) {
     for (const auto& [adapter_id, goldens] : lora_goldens_) {
       // The first adapter takes the base model's cached prompt, the next the other prompt.
       const Golden& g = goldens[(id - 1) % goldens.size()];
-      if (id == 1) ASSERT_EQ(g.input, base.input);
+      if (id == 1) {
+        ASSERT_EQ(g.input, base.input);
+      }
       NewSequence n = Seq(++id, g);
       n.lora = LoraAdapter(engine, adapter_id);
       batch.push_back(n);
