@@ -3,12 +3,14 @@
 //   engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] [--quantize METHOD]
 //                [--prompt 128] [--steps 32] [--batches 1,16] [--int8-activations true]
 //                [--device cpu|cuda] [--cuda-graphs true] [--cuda-pdl false]
-//                [--cuda-mma-gemv true]
+//                [--cuda-mma-gemv true] [--lora ADAPTER_DIR]
 // Prints prefill and decode tokens/s per batch size, the memory bandwidth measured in the
 // same run, and the fraction of it that batch-1 decode achieves (weights streamed per token),
 // after one untimed warm-up prompt.
 // --quantize is the shard's flag (bitsandbytes: int8 at load); a quantized checkpoint is
-// detected without it. cpu_bench.py runs it beside llama.cpp and CTranslate2.
+// detected without it. cpu_bench.py runs it beside llama.cpp and CTranslate2. --lora: every
+// sequence takes that PEFT LoRA adapter (the shard's per-request LoRA; engine_bench.py
+// --lora-rank makes one and compares with the base model and with PEFT).
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -22,6 +24,7 @@
 
 #include "kernels/ops.h"
 #include "server/engine.h"
+#include "server/lora.h"
 #include "server/model_config.h"
 #include "server/model_registry.h"
 #include "server/quantization.h"
@@ -96,11 +99,11 @@ int main(int argc, char** argv) {
     std::cerr << "usage: engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] "
                  "[--quantize METHOD] [--prompt N] [--steps N] [--batches 1,16] "
                  "[--int8-activations true] [--device cpu|cuda] [--cuda-graphs true] "
-                 "[--cuda-pdl false] [--cuda-mma-gemv true]\n";
+                 "[--cuda-pdl false] [--cuda-mma-gemv true] [--lora ADAPTER_DIR]\n";
     return 2;
   }
   const std::string dir = argv[1];
-  std::string dtype_name = "float32", quantize, batches_arg = "1,16";
+  std::string dtype_name = "float32", quantize, batches_arg = "1,16", lora_dir;
   int prompt = 128, steps = 32;
   bool cuda = false, graphs = false, pdl = true, mma_gemv = false;
   for (int i = 2; i + 1 < argc; i += 2) {
@@ -125,6 +128,8 @@ int main(int argc, char** argv) {
       pdl = v != "false";
     } else if (k == "--cuda-mma-gemv") {  // true: 16-bit decode GEMVs on tensor cores
       mma_gemv = v == "true";
+    } else if (k == "--lora") {
+      lora_dir = v;
     } else if (k == "--batches") {
       batches_arg = v;
     } else if (k == "--int8-activations") {  // the shard's --cpu-int8-activations
@@ -233,6 +238,21 @@ int main(int argc, char** argv) {
     std::cerr << "--cuda-graphs: this model or device runs eagerly\n";
     return 2;
   }
+  std::shared_ptr<const tgis::server::LoraWeights> lora;
+  if (!lora_dir.empty()) {
+    auto adapter = tgis::server::ReadLoraAdapter(lora_dir, lora_dir);
+    auto made =
+        adapter.ok()
+            ? engine.model().MakeLora(*adapter)
+            : absl::StatusOr<std::shared_ptr<const tgis::server::LoraWeights>>(adapter.status());
+    if (!made.ok()) {
+      std::cerr << made.status() << "\n";
+      return 1;
+    }
+    lora = *made;
+    std::cout << "LoRA adapter " << lora_dir << ": rank " << adapter->rank << ", "
+              << lora->bytes() / 1e6 << " MB, on every sequence\n";
+  }
   std::mt19937 rng(1);
   std::cout << "model: " << config->model_type << " layers " << spec.num_layers << " hidden "
             << spec.hidden << " vocab " << spec.vocab << " dtype " << dtype_name
@@ -249,6 +269,7 @@ int main(int argc, char** argv) {
     tgis::server::NewSequence s;
     s.id = 0;
     s.max_new_tokens = 2;
+    s.lora = lora;
     for (int t = 0; t < prompt; ++t) s.input_ids.push_back(static_cast<int32_t>(t % spec.vocab));
     std::vector<tgis::server::NewSequence> warm;
     warm.push_back(std::move(s));
@@ -269,6 +290,7 @@ int main(int argc, char** argv) {
       tgis::server::NewSequence s;
       s.id = b;
       s.max_new_tokens = steps;
+      s.lora = lora;
       for (int t = 0; t < prompt; ++t)
         s.input_ids.push_back(static_cast<int32_t>(rng() % spec.vocab));
       seqs.push_back(std::move(s));

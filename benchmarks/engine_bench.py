@@ -13,6 +13,12 @@ python with torch is available (Debian's python3-torch for /usr/bin/python3 work
 
     python3 benchmarks/engine_bench.py [--build-dir build] [--dtype float32|bfloat16]
                                        [--arch llama|mixtral|gemma2|qwen3|gemma3]
+                                       [--lora-rank R]
+
+--lora-rank R adds a LoRA adapter of rank R on every linear of every layer (random A and B, as
+PEFT saves them, under benchmarks/data/) and runs each engine with and without it: ours with
+the adapter on every sequence (engine_bench --lora), transformers with PEFT's unmerged LoRA
+layers (when `peft` imports), and prints each engine's ratio of adapted to base speed.
 
 transformers >= 4.51 runs Qwen3 and Gemma 3 (a venv with PyPI's torch, as
 tests/fixtures/models/README.md makes for their fixtures: run this script with that venv's
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -87,6 +94,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 path, prompt, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+if len(sys.argv) > 4:  # a LoRA adapter, unmerged (PEFT's LoRA layers, as served per request)
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(model, sys.argv[4]).eval()
 for batch in (1, 16):
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt))
     with torch.no_grad():
@@ -160,6 +170,35 @@ def make_checkpoint(folder: Path, config: dict | None = None) -> None:
     print(f"made a {params / 1e6:.0f}M-parameter checkpoint in {folder}")
 
 
+def make_lora(folder: Path, config: dict, rank: int) -> None:
+    """A PEFT LoRA adapter of `rank` on q/k/v/o and gate/up/down of every layer, random A and B
+    (scaled so the adapted model stays near the base one), as save_pretrained lays it out."""
+    if (folder / "adapter_model.safetensors").exists():
+        return
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    h, i = config["hidden_size"], config["intermediate_size"]
+    d = config.get("head_dim", h // config["num_attention_heads"])
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    shapes = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
+              "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q),
+              "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (out, inp) in shapes.items():
+            p = f"base_model.model.model.layers.{layer}.{module}."
+            tensors[p + "lora_A.weight"] = (rng.standard_normal((rank, inp)) * 0.02).astype(np.float32)
+            tensors[p + "lora_B.weight"] = (rng.standard_normal((out, rank)) * 0.02).astype(np.float32)
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+        "target_modules": sorted(m.split(".")[1] for m in shapes), "task_type": "CAUSAL_LM",
+        "lora_dropout": 0.0, "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+    }, indent=2))
+
+
 def torch_python() -> str | None:
     for py in (sys.executable, "/usr/bin/python3"):
         if shutil.which(py) or Path(py).exists():
@@ -176,20 +215,54 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--arch", choices=tuple(ARCHS), default="llama")
+    ap.add_argument("--lora-rank", type=int, default=0)
     args = ap.parse_args()
     name, config = ARCHS[args.arch]
     folder = REPO / "benchmarks" / "data" / name
     make_checkpoint(folder, config)
     binary = REPO / args.build_dir / "benchmarks" / "engine_bench"
-    print("== ours (C++ engine, CPU)", flush=True)
-    subprocess.run([str(binary), str(folder), "--dtype", args.dtype, "--prompt", str(args.prompt),
-                    "--steps", str(args.steps)], check=True)
+    lora = None
+    if args.lora_rank > 0:
+        if config is not CONFIG:
+            ap.error("--lora-rank: the llama shape only")
+        lora = folder.parent / f"{name}-lora-r{args.lora_rank}"
+        make_lora(lora, config, args.lora_rank)
+    runs = [None] if lora is None else [None, lora]
+    figures = {}  # (engine, adapter) -> {batch: (prefill, decode)}
+
+    def run(engine: str, adapter: Path | None, cmd: list[str]) -> None:
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        print(out, end="", flush=True)
+        got = figures.setdefault((engine, adapter), {})
+        for m in re.finditer(r"batch (\d+): prefill ([\d.]+) tok/s, decode ([\d.]+) tok/s", out):
+            got[int(m[1])] = (float(m[2]), float(m[3]))
+
+    for adapter in runs:
+        print("== ours (C++ engine, CPU)" + (f", LoRA {adapter.name}" if adapter else ""),
+              flush=True)
+        run("ours", adapter, [str(binary), str(folder), "--dtype", args.dtype, "--prompt",
+                              str(args.prompt), "--steps", str(args.steps)]
+            + (["--lora", str(adapter)] if adapter else []))
     py = torch_python()
     if py is None:
         print("== HF transformers: skipped (no python with torch and transformers)")
-        return 0
-    print(f"== HF transformers (float32, {py})", flush=True)
-    subprocess.run([py, "-c", HF_SCRIPT, str(folder), str(args.prompt), str(args.steps)], check=True)
+    else:
+        if lora is not None and subprocess.run([py, "-c", "import peft"],
+                                               capture_output=True).returncode != 0:
+            print("== PEFT: skipped (no peft for that python)")
+            runs = [None]
+        for adapter in runs:
+            print(f"== HF transformers (float32, {py})"
+                  + (f", PEFT LoRA {adapter.name}" if adapter else ""), flush=True)
+            run("transformers", adapter, [py, "-c", HF_SCRIPT, str(folder), str(args.prompt),
+                                          str(args.steps)] + ([str(adapter)] if adapter else []))
+    if lora is not None:
+        print("== with the adapter / without, per engine")
+        for engine in ("ours", "transformers"):
+            base, adapted = figures.get((engine, None)), figures.get((engine, lora))
+            for batch in sorted(adapted or {}):
+                (bp, bd), (ap_, ad) = base[batch], adapted[batch]
+                print(f"{engine} batch {batch}: prefill {ap_ / bp:.2f}x, decode {ad / bd:.2f}x")
     return 0
 
 

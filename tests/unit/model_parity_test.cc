@@ -1619,6 +1619,31 @@ INSTANTIATE_TEST_SUITE_P(Models, ParityTest,
                          CaseName);
 // 4 ranks for GQA with 2 KV heads: each KV head is replicated on the two ranks whose q heads
 // share it (MQA, one KV head on every rank, is covered by gpt_bigcode at 2 ranks).
+// Families outside the Llama layout (GPT-2 here) refuse LoRA adapters by name, as does T5.
+TEST(LoraAdapters, OtherFamiliesRefuseThemByName) {
+  auto adapter = tgis::server::ReadLoraAdapter(
+      FixturesDir() / "prefixes" / "store" / "lora" / "llama_all", "lora/llama_all");
+  ASSERT_TRUE(adapter.ok()) << adapter.status();
+  EXPECT_EQ(adapter->rank, 4);
+  EXPECT_FLOAT_EQ(adapter->scale, 2.0f);  // lora_alpha 8 / r 4
+  EXPECT_EQ(adapter->modules.size(), 2u * 7u);
+  for (const char* family : {"gpt2", "flan_t5"}) {
+    const std::string dir = (FixturesDir() / "models" / family).string();
+    auto config = tgis::server::ModelRegistry::Get().LoadConfig(dir);
+    ASSERT_TRUE(config.ok()) << config.status();
+    auto weights = tgis::server::ModelRegistry::OpenWeights(dir, *config);
+    ASSERT_TRUE(weights.ok()) << weights.status();
+    auto model =
+        tgis::server::ModelRegistry::Get().Build(*config, **weights, tgis::kernels::DType::kF32);
+    ASSERT_TRUE(model.ok()) << model.status();
+    auto lora = (*model)->MakeLora(*adapter);
+    ASSERT_FALSE(lora.ok()) << family;
+    EXPECT_EQ(lora.status().code(), absl::StatusCode::kUnimplemented);
+    EXPECT_NE(lora.status().message().find("LoRA adapters are not served"), std::string::npos)
+        << lora.status();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Adapters, LoraParityTest,
                          ::testing::Values(std::make_tuple(std::string("llama"), 1),
                                            std::make_tuple(std::string("llama"), 2),
