@@ -11,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "server/model_config.h"
+#include "server/torch_file.h"
 #include "server/weights.h"
 
 namespace tgis::server {
@@ -147,30 +148,40 @@ absl::StatusOr<LoraAdapter> ReadLoraAdapter(const fs::path& dir, const std::stri
                                                           ? std::sqrt(static_cast<double>(a.rank))
                                                           : static_cast<double>(a.rank)));
 
-  const fs::path path = dir / "adapter_model.safetensors";
-  const std::string file = name + "/adapter_model.safetensors";
+  // safetensors first, as PEFT loads them; a .bin (safe_serialization=False) if that is all
+  // there is, read by our unpickler, which executes nothing.
   std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) {
-    return Bad(name, fs::is_regular_file(dir / "adapter_model.bin", ec)
-                         ? "adapter_model.bin: only safetensors adapters are served (PEFT saves "
-                           "them by default; convert the .bin with safetensors' save_file)"
-                         : "no adapter_model.safetensors");
+  std::string file = name + "/adapter_model.safetensors";
+  std::map<std::string, Tensor> tensors;
+  if (fs::is_regular_file(dir / "adapter_model.safetensors", ec)) {
+    auto read = ReadSafetensorsFile((dir / "adapter_model.safetensors").string());
+    if (!read.ok()) return Bad(file, "not a readable safetensors file");
+    tensors = *std::move(read);
+  } else if (fs::is_regular_file(dir / "adapter_model.bin", ec)) {
+    file = name + "/adapter_model.bin";
+    auto read = ReadTorchFile((dir / "adapter_model.bin").string());
+    if (!read.ok()) return Bad(file, "not a readable PyTorch file");
+    for (const auto& [key, t] : *read) {
+      auto f = ToFloatTensor(t, DType::kF32, absl::StrCat(file, ": ", key));
+      if (!f.ok()) return f.status();
+      tensors.emplace(key, *std::move(f));
+    }
+  } else {
+    return Bad(name, "no adapter_model.safetensors or adapter_model.bin");
   }
-  auto tensors = ReadSafetensorsFile(path.string());
-  if (!tensors.ok()) return Bad(file, "not a readable safetensors file");
   std::map<std::string, std::pair<std::optional<Tensor>, std::optional<Tensor>>> found;
-  for (const auto& [name, t] : *tensors) {
-    std::optional<SavedName> n = ParseName(name);
+  for (const auto& [key, t] : tensors) {
+    std::optional<SavedName> n = ParseName(key);
     if (!n) {
-      return Bad(file, absl::StrCat("tensor ", name,
+      return Bad(file, absl::StrCat("tensor ", key,
                                     " is not a LoRA A or B weight (embedding adapters, DoRA "
                                     "magnitudes and saved modules are not served)"));
     }
-    if (t.rank() != 2) return Bad(file, absl::StrCat(name, ": expected 2-D"));
+    if (t.rank() != 2) return Bad(file, absl::StrCat(key, ": expected 2-D"));
     const int64_t rank_dim = n->is_a ? t.dim(0) : t.dim(1);
     if (rank_dim != a.rank) {
       return Bad(file,
-                 absl::StrCat(name, ": rank ", rank_dim, ", adapter_config.json's r is ", a.rank));
+                 absl::StrCat(key, ": rank ", rank_dim, ", adapter_config.json's r is ", a.rank));
     }
     auto& slot = n->is_a ? found[n->module].first : found[n->module].second;
     slot = t.To(DType::kF32);

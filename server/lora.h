@@ -4,7 +4,8 @@
 // are gathered, multiplied by its A and B, and added back: no merged copy of the weights).
 //
 // An adapter is a folder as PEFT's save_pretrained writes it: adapter_config.json and
-// adapter_model.safetensors (tensors `base_model.model.<module>.lora_A.weight` [r, in] and
+// adapter_model.safetensors (or adapter_model.bin, with safe_serialization=False; tensors
+// `base_model.model.<module>.lora_A.weight` [r, in] and
 // `.lora_B.weight` [out, r]). What we do not serve is refused by name when the adapter loads,
 // never ignored: DoRA, biases, modules_to_save, per-module ranks or alphas, layers_to_transform,
 // embeddings or the lm_head as targets, and modules the model does not have.

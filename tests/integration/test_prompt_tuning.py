@@ -230,6 +230,13 @@ def test_lora_adapters_and_the_base_model_run_concurrently(server):
                          "served on model.layers.<layer>.{self_attn.q_proj,self_attn.k_proj,"
                          "self_attn.v_proj,self_attn.o_proj,mlp.gate_proj,mlp.up_proj,"
                          "mlp.down_proj})"),
+    ("lora/bad_rank", "lora/bad_rank/adapter_model.safetensors: "
+                      "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: rank 8, "
+                      "adapter_config.json's r is 4"),
+    ("lora/bad_half", "lora/bad_half/adapter_model.safetensors: model.layers.0.self_attn.q_proj "
+                      "has lora_A without lora_B"),
+    ("lora/bad_shape", "lora/bad_shape: model.layers.1.self_attn.q_proj.lora_B is [32, 8], the "
+                       "model's is [64, 8]"),
 ])
 def test_unserved_lora_adapters_fail_naming_why(server, adapter_id, message):
     pb, stub, _, proc = server

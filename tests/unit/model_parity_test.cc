@@ -1580,7 +1580,11 @@ TEST_P(LoraParityTest, UnservedAdaptersFailNamingWhy) {
         .store_path = (FixturesDir() / "prefixes" / "store").string(), .model = &engine.model()});
     for (const auto& [id, want] : std::vector<std::pair<std::string, std::string>>{
              {"lora/bad_dora", "use_dora is true: DoRA adapters are not served"},
-             {"lora/bad_lm_head", "modules this model does not adapt: lm_head"}}) {
+             {"lora/bad_lm_head", "modules this model does not adapt: lm_head"},
+             {"lora/bad_rank", "q_proj.lora_A.weight: rank 8, adapter_config.json's r is 4"},
+             {"lora/bad_half", "model.layers.0.self_attn.q_proj has lora_A without lora_B"},
+             {"lora/bad_shape",
+              "model.layers.1.self_attn.q_proj.lora_B is [32, 8], the model's is [64, 8]"}}) {
       auto prefix = store.Get(id);
       ASSERT_FALSE(prefix.ok()) << id;
       EXPECT_NE(prefix.status().message().find(want), std::string::npos) << prefix.status();
