@@ -419,8 +419,11 @@ void CausalLM::AddLora(const ForwardInput& in, int64_t layer, LoraPair LoraLayer
     // PEFT's order: lora_B(lora_A(x)) * scaling added to the base output (AddWeightedRows
     // scales and adds, rounding as torch does in 16 bits).
     const int64_t n = group.rows.dim(0);
-    Tensor xs = Buf({n, x.dim(1)});
-    kernels::Embedding(group.rows, x, &xs);  // a row gather
+    Tensor xs = x;
+    if (!group.all_rows) {
+      xs = Buf({n, x.dim(1)});
+      kernels::Embedding(group.rows, x, &xs);  // a row gather
+    }
     Tensor down = Buf({n, p.a.dim(0)});
     kernels::Linear(xs, p.a, nullptr, &down);
     Tensor delta = Buf({n, p.b.dim(0)});

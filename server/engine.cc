@@ -953,7 +953,8 @@ void Engine::AddLoraRows(const std::vector<Sequence*>& seqs,
     const int64_t n = static_cast<int64_t>(r.size());
     Tensor scales = Tensor::FromVector(std::vector<float>(r.size(), adapter->scale), {n});
     if (model_->device() != kernels::Device::kCpu) scales = scales.ToDevice(model_->device());
-    in->lora.push_back({adapter, OnDevice(r, {n}), std::move(scales)});
+    const bool all_rows = rows.size() == 1 && r.size() == static_cast<size_t>(query_start.back());
+    in->lora.push_back({adapter, OnDevice(r, {n}), std::move(scales), all_rows});
   }
 }
 

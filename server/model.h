@@ -184,6 +184,7 @@ struct ForwardInput {
   struct LoraRows {
     const LoraWeights* adapter = nullptr;
     kernels::Tensor rows, scales;
+    bool all_rows = false;  // rows are 0..T-1, every row of the step in order
   };
   std::vector<LoraRows> lora;
 };

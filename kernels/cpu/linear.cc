@@ -38,6 +38,7 @@
 #include "kernels/cpu/blas.h"
 #include "kernels/cpu/common.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/linear_short_rows.h"
 #include "kernels/cpu/linear_stream.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/quantized.h"
@@ -724,6 +725,10 @@ void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {
     if (q->fp8) return Dispatch<WFmt::kF8>(a);
     if (!q->codebook.empty()) return Dispatch<WFmt::kLut4>(a);
     return q->bits == 8 ? Dispatch<WFmt::kQ8>(a) : Dispatch<WFmt::kQ4>(a);
+  }
+  if (w.dtype() == DType::kF32 && ShortRowsTake(k)) {
+    return ShortRowsLinear(
+        {x.data<float>(), t_count, k, w.data<float>(), n, bias_p, out->data<float>()});
   }
   const SmallArgs a{x.data<float>(), t_count, k, w.raw(), nullptr, n, bias_p, out->data<float>()};
   switch (w.dtype()) {

@@ -287,8 +287,11 @@ TEST_P(OpsTest, Linear) {
   };
   // Odd sizes (tails of the 8-wide vectors and the 4-row tiles), an aligned one, one that
   // spans several 512-column chunks, and one of whole 16-byte vectors past the CUDA decode
-  // GEMV's unrolled stride (32 lanes x 4 loads) with a tail.
-  const Size sizes[] = {{67, 35}, {64, 16}, {1030, 45}, {1032, 21}};
+  // GEMV's unrolled stride (32 lanes x 4 loads) with a tail. Short rows (a LoRA adapter's B,
+  // f32 rows of at most 64 values: linear_short_rows.cc): whole and partial 8x8 blocks, more
+  // rows than one chunk of 64.
+  const Size sizes[] = {{67, 35}, {64, 16}, {1030, 45}, {1032, 21},
+                        {8, 3},   {36, 70}, {48, 130},  {16, 9}};
   uint32_t seed = 10;
   for (const auto& [isa, isa_name] : Isas()) {
     cpu::SetIsaForTesting(isa);
@@ -318,20 +321,22 @@ TEST_P(OpsTest, Linear) {
 // logits; bf16 weights' prefill rounds x to bf16, which must keep it a NaN).
 TEST_P(OpsTest, LinearKeepsANaNInItsOwnRow) {
   if (device() != Device::kCpu) GTEST_SKIP() << "the CPU paths";
-  const int64_t in = 96, out_f = 40;
-  const Tensor w = Weight(Random(out_f * in, 21), {out_f, in});
-  for (const auto& [isa, isa_name] : Isas()) {
-    cpu::SetIsaForTesting(isa);
-    for (int64_t t : {3, 40}) {
-      std::vector<float> xs = Random(t * in, 22);
-      xs[1 * in + 17] = std::numeric_limits<float>::quiet_NaN();
-      Tensor out;
-      Linear(Act(xs, {t, in}), w, nullptr, &out);
-      const std::vector<float> got = Host(out);
-      for (int64_t r = 0; r < t; ++r) {
-        for (int64_t n = 0; n < out_f; ++n) {
-          EXPECT_EQ(std::isnan(got[r * out_f + n]), r == 1)
-              << isa_name << " T=" << t << " row " << r << " output " << n;
+  const int64_t out_f = 40;
+  for (const int64_t in : {96, 40}) {  // 40: short rows
+    const Tensor w = Weight(Random(out_f * in, 21), {out_f, in});
+    for (const auto& [isa, isa_name] : Isas()) {
+      cpu::SetIsaForTesting(isa);
+      for (int64_t t : {3, 40}) {
+        std::vector<float> xs = Random(t * in, 22);
+        xs[1 * in + 17] = std::numeric_limits<float>::quiet_NaN();
+        Tensor out;
+        Linear(Act(xs, {t, in}), w, nullptr, &out);
+        const std::vector<float> got = Host(out);
+        for (int64_t r = 0; r < t; ++r) {
+          for (int64_t n = 0; n < out_f; ++n) {
+            EXPECT_EQ(std::isnan(got[r * out_f + n]), r == 1)
+                << isa_name << " in=" << in << " T=" << t << " row " << r << " output " << n;
+          }
         }
       }
     }
@@ -710,6 +715,11 @@ TEST_P(OpsTest, LinearSmallBatchIsBatchInvariant) {
   const int64_t out_f = 37, t_count = 16;
   for (const auto& [isa, isa_name] : Isas()) {
     cpu::SetIsaForTesting(isa);
+    for (int64_t in : {36, 64}) {  // short rows (linear_short_rows.cc): 2 and 8 tokens a pass
+      const Tensor x = Act(Random(t_count * in, 6), {t_count, in});
+      ExpectBatchInvariant(x, Weight(Random(out_f * in, 5), {out_f, in}), out_f,
+                           isa_name + " short rows " + std::to_string(in));
+    }
     for (int64_t in : {1030, 1024}) {  // a partial last block, and none
       const Tensor x = Act(Random(t_count * in, 6), {t_count, in});
       ExpectBatchInvariant(x, Weight(Random(out_f * in, 5), {out_f, in}), out_f,
