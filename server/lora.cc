@@ -1,7 +1,9 @@
 #include "server/lora.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <optional>
 #include <set>
 
@@ -27,15 +29,7 @@ absl::Status Bad(const std::string& file, const std::string& what) {
 }
 
 // adapter_config.json keys that change what the adapter computes and that we serve only at
-// their defaults (a value other than the default is refused by name). Keys not listed here or
-// read below are bookkeeping that does not change the computation: base_model_name_or_path,
-// revision, task_type, inference_mode, peft_type (read), auto_mapping, lora_dropout (training
-// only), init_lora_weights (how training started), target_modules (the tensors say which
-// modules are adapted; read to check them), fan_in_fan_out (GPT-2's Conv1D storage; the
-// saved A and B are [r, in] and [out, r] either way), megatron_config, megatron_core,
-// loftq_config (initialisation), layer_replication (refused below), runtime_config,
-// exclude_modules, eva_config, corda_config, trainable_token_indices (refused below when
-// set), lora_bias (refused below), use_qalora and qalora_group_size (refused below).
+// their defaults (a value other than the default is refused by name).
 struct Unserved {
   const char* key;
   Json default_value;
@@ -54,6 +48,38 @@ const Unserved kUnserved[] = {
     {"trainable_token_indices", nullptr, "trainable tokens are not served"},
     {"use_qalora", false, "QA-LoRA adapters are not served"},
 };
+
+// Keys read below: peft_type, r, lora_alpha, use_rslora. Keys that do not change what a saved
+// adapter computes, accepted as they are: where it came from and how it was trained
+// (base_model_name_or_path, revision, task_type, inference_mode, auto_mapping, peft_version,
+// lora_dropout, init_lora_weights, loftq_config, eva_config, corda_config, megatron_config,
+// megatron_core, runtime_config), which modules it adapts (target_modules, exclude_modules: the
+// saved tensors say, and each is checked against the model), and fan_in_fan_out (GPT-2's
+// Conv1D storage; the saved A and B are [r, in] and [out, r] either way), qalora_group_size
+// (read only with use_qalora, refused above). Any other key (a newer PEFT's option) is accepted
+// only at a null, false or empty value.
+const char* const kBookkeeping[] = {"base_model_name_or_path",
+                                    "revision",
+                                    "task_type",
+                                    "inference_mode",
+                                    "auto_mapping",
+                                    "peft_version",
+                                    "lora_dropout",
+                                    "init_lora_weights",
+                                    "loftq_config",
+                                    "eva_config",
+                                    "corda_config",
+                                    "megatron_config",
+                                    "megatron_core",
+                                    "runtime_config",
+                                    "target_modules",
+                                    "exclude_modules",
+                                    "fan_in_fan_out",
+                                    "peft_type",
+                                    "r",
+                                    "lora_alpha",
+                                    "use_rslora",
+                                    "qalora_group_size"};
 
 bool IsDefault(const Json& v, const Json& default_value) {
   if (v.is_null()) return true;
@@ -129,6 +155,22 @@ absl::StatusOr<LoraAdapter> ReadLoraAdapter(const fs::path& dir, const std::stri
   for (const Unserved& u : kUnserved) {
     if (config->contains(u.key) && !IsDefault((*config)[u.key], u.default_value)) {
       return Bad(config_file, absl::StrCat(u.key, " is ", (*config)[u.key].dump(), ": ", u.what));
+    }
+  }
+  for (const auto& item : config->items()) {
+    const std::string& key = item.key();
+    const Json& value = item.value();
+    const bool known = std::any_of(std::begin(kBookkeeping), std::end(kBookkeeping),
+                                   [&](const char* k) { return key == k; }) ||
+                       std::any_of(std::begin(kUnserved), std::end(kUnserved),
+                                   [&](const Unserved& u) { return key == u.key; });
+    const bool unset =
+        value.is_null() || value == false ||
+        ((value.is_object() || value.is_array() || value.is_string()) && value.empty());
+    if (!known && !unset) {
+      return Bad(config_file, absl::StrCat(key, " is ", value.dump(),
+                                           ": not a LoRA option this server knows (a newer "
+                                           "PEFT's?); refused rather than ignored"));
     }
   }
   LoraAdapter a;

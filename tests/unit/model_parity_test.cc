@@ -1623,6 +1623,36 @@ INSTANTIATE_TEST_SUITE_P(Models, ParityTest,
                          CaseName);
 // 4 ranks for GQA with 2 KV heads: each KV head is replicated on the two ranks whose q heads
 // share it (MQA, one KV head on every rank, is covered by gpt_bigcode at 2 ranks).
+// adapter_config.json keys we do not know (a newer PEFT's options) are refused when set, never
+// ignored; left null or false they are accepted.
+TEST(LoraAdapters, UnknownConfigKeysAreRefusedWhenSet) {
+  const fs::path src = FixturesDir() / "prefixes" / "store" / "lora" / "llama_qv_rslora";
+  char tmpl[] = "/tmp/tgis-lora-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const fs::path dir(tmpl);
+  fs::copy_file(src / "adapter_model.safetensors", dir / "adapter_model.safetensors");
+  std::ifstream in(src / "adapter_config.json");
+  const Json config = Json::parse(in);
+  for (const auto& [key, value, refused] : std::vector<std::tuple<std::string, Json, bool>>{
+           {"target_parameters", Json::array({"mlp.experts.down_proj"}), true},
+           {"target_parameters", nullptr, false},
+           {"ensure_weight_tying", false, false},
+           {"some_new_option", 3, true}}) {
+    Json edited = config;
+    edited[key] = value;
+    std::ofstream(dir / "adapter_config.json") << edited.dump();
+    auto adapter = tgis::server::ReadLoraAdapter(dir, "edited");
+    EXPECT_EQ(!adapter.ok(), refused) << key << " " << value.dump();
+    if (!adapter.ok()) {
+      EXPECT_NE(adapter.status().message().find(key + " is "), std::string::npos)
+          << adapter.status();
+    } else {
+      EXPECT_FLOAT_EQ(adapter->scale, 16.0f / std::sqrt(8.0f));  // use_rslora
+    }
+  }
+  fs::remove_all(dir);
+}
+
 // Families outside the Llama layout (GPT-2 here) refuse LoRA adapters by name, as does T5.
 TEST(LoraAdapters, OtherFamiliesRefuseThemByName) {
   auto adapter = tgis::server::ReadLoraAdapter(
