@@ -128,7 +128,8 @@ absl::StatusOr<nlohmann::json> LanguageModelConfig(const nlohmann::json& top,
     if (top.contains(key)) merged[key] = top[key];
   }
   for (auto it = text->begin(); it != text->end(); ++it) merged[it.key()] = it.value();
-  if (merged.value("model_type", std::string()) != source.text_type) {
+  const auto type = merged.find("model_type");
+  if (type == merged.end() || !type->is_string() || *type != source.text_type) {
     return absl::InvalidArgumentError(absl::StrCat(
         config_file, ": text_config.model_type = ", merged["model_type"].dump(), ": expected \"",
         source.text_type, "\" in a ", source.wrapper_type, " checkpoint"));
