@@ -1,0 +1,45 @@
+// The parsed form of a pattern: sets of Unicode code points combined by concatenation,
+// alternation and bounded or unbounded repetition (all a regular language needs).
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace tgis::grammar {
+
+struct CodeRange {
+  char32_t lo, hi;  // inclusive
+};
+// Sorted, disjoint, non-adjacent ranges.
+using CharSet = std::vector<CodeRange>;
+
+inline constexpr char32_t kMaxCodePoint = 0x10FFFF;
+
+CharSet Normalized(CharSet set);
+// Every code point not in `set` (surrogates are dropped later: UTF-8 cannot carry them).
+CharSet Complement(const CharSet& set);
+CharSet Union(CharSet a, const CharSet& b);
+
+struct RegexNode {
+  enum Kind { kEmpty, kSet, kConcat, kAlt, kRepeat };
+  Kind kind = kEmpty;
+  CharSet set;                      // kSet
+  std::vector<RegexNode> children;  // kConcat, kAlt; kRepeat: one
+  int32_t min = 0, max = -1;        // kRepeat; max -1: unbounded
+
+  static RegexNode Set(CharSet s) {
+    RegexNode n;
+    n.kind = kSet;
+    n.set = std::move(s);
+    return n;
+  }
+  static RegexNode Literal(std::u32string_view text);
+};
+
+// Python `re` syntax (see grammar.h for what is supported).
+absl::StatusOr<RegexNode> ParseRegex(std::string_view pattern);
+
+}  // namespace tgis::grammar

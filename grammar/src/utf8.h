@@ -1,0 +1,23 @@
+// UTF-8 for the automaton compiler: strict decoding, and code point ranges as the byte ranges
+// that encode them (so that an automaton over bytes accepts exactly the valid encodings).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace tgis::grammar {
+
+// nullopt when `text` is not valid UTF-8 (overlong forms, surrogates, truncation).
+std::optional<std::u32string> DecodeUtf8(std::string_view text);
+
+// A sequence of byte ranges: one byte from each range, in order.
+using ByteRangeSeq = std::vector<std::pair<uint8_t, uint8_t>>;
+
+// The encodings of every code point in [lo, hi] (surrogates excluded) as disjoint sequences.
+std::vector<ByteRangeSeq> Utf8Sequences(char32_t lo, char32_t hi);
+
+}  // namespace tgis::grammar

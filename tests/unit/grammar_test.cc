@@ -1,0 +1,134 @@
+// Guided decoding's automata against Python's `re` (tests/fixtures/make_guided_fixtures.py):
+// every case's texts match here exactly when re.fullmatch matches them.
+#include "grammar/grammar.h"
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace {
+
+using tgis::grammar::ByteDfa;
+using tgis::grammar::CompileChoices;
+using tgis::grammar::CompileRegex;
+
+nlohmann::json Cases() {
+  std::ifstream in(std::string(TGIS_FIXTURES_DIR) + "/guided/regex_cases.json");
+  std::stringstream buf;
+  buf << in.rdbuf();
+  return nlohmann::json::parse(buf.str());
+}
+
+TEST(GuidedRegex, MatchesWhatPythonMatches) {
+  const nlohmann::json cases = Cases();
+  size_t checked = 0;
+  for (const auto& c : cases["cases"]) {
+    const std::string pattern = c["pattern"];
+    auto dfa = CompileRegex(pattern);
+    if (!c["supported"].get<bool>()) {
+      EXPECT_FALSE(dfa.ok()) << pattern;
+      continue;
+    }
+    ASSERT_TRUE(dfa.ok()) << pattern << ": " << dfa.status();
+    for (const auto& row : c["texts"]) {
+      const std::string text = row[0];
+      const bool expected = row[1];
+      EXPECT_EQ(dfa->Matches(text), expected) << "pattern " << pattern << " text '" << text << "'";
+      // A text that matches never passes through a state the automaton has cut.
+      if (expected) {
+        int32_t s = 0;
+        for (char b : text) {
+          s = dfa->Step(s, static_cast<uint8_t>(b));
+          ASSERT_NE(s, ByteDfa::kDead) << pattern << " / " << text;
+        }
+      }
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 5000u);
+}
+
+TEST(GuidedRegex, RefusesWhatPythonRefuses) {
+  for (const auto& p : Cases()["python_errors"]) {
+    auto dfa = CompileRegex(p.get<std::string>());
+    EXPECT_FALSE(dfa.ok()) << p;
+    EXPECT_NE(dfa.status().message().find("position"), std::string::npos) << dfa.status();
+  }
+}
+
+TEST(GuidedRegex, RefusesWhatIsNotRegularByName) {
+  for (const auto& p : Cases()["unsupported"]) {
+    auto dfa = CompileRegex(p.get<std::string>());
+    ASSERT_FALSE(dfa.ok()) << p;
+    EXPECT_NE(dfa.status().message().find("cannot be used in guided decoding"), std::string::npos)
+        << p << ": " << dfa.status();
+  }
+}
+
+TEST(GuidedRegex, EveryStateCanStillMatch) {
+  // A walk that has not fallen off can always be completed: states that cannot reach an
+  // accepting one are cut, so a token is never allowed into a dead end.
+  auto dfa = CompileRegex("a(b|c[^\\x00-\\U0010FFFF])d");
+  ASSERT_TRUE(dfa.ok()) << dfa.status();
+  EXPECT_EQ(dfa->Walk(0, "ac"), ByteDfa::kDead);
+  EXPECT_TRUE(dfa->Matches("abd"));
+  EXPECT_FALSE(CompileRegex("[^\\x00-\\U0010FFFF]").ok());
+}
+
+TEST(GuidedRegex, AcceptsValidUtf8Only) {
+  auto any = CompileRegex(".");
+  ASSERT_TRUE(any.ok());
+  for (const char* valid :
+       {"\x7f", "\xc2\x80", "\xdf\xbf", "\xe0\xa0\x80", "\xed\x9f\xbf", "\xee\x80\x80",
+        "\xef\xbf\xbf", "\xf0\x90\x80\x80", "\xf4\x8f\xbf\xbf"}) {
+    EXPECT_TRUE(any->Matches(valid)) << valid;
+  }
+  for (const char* invalid : {"\xc0\x80", "\xc1\xbf", "\xe0\x9f\xbf", "\xed\xa0\x80",
+                              "\xf0\x8f\xbf\xbf", "\xf4\x90\x80\x80", "\x80", "\xff", "\n"}) {
+    EXPECT_FALSE(any->Matches(invalid)) << invalid;
+  }
+}
+
+TEST(GuidedRegex, RefusesAutomataTooLargeToServe) {
+  // The n-th symbol from the end: 2^n states when determinized.
+  auto dfa = CompileRegex("(a|b)*a(a|b){20}");
+  ASSERT_FALSE(dfa.ok());
+  EXPECT_NE(dfa.status().message().find("too complex"), std::string::npos) << dfa.status();
+  EXPECT_FALSE(CompileRegex("(a{1000}){1000}").ok());
+}
+
+TEST(GuidedChoices, MatchExactlyTheChoices) {
+  auto dfa = CompileChoices({"yes", "no", "yes sir", "日本"});
+  ASSERT_TRUE(dfa.ok()) << dfa.status();
+  for (const char* t : {"yes", "no", "yes sir", "日本"}) EXPECT_TRUE(dfa->Matches(t)) << t;
+  for (const char* t : {"", "ye", "yes ", "nope", "yes sirs", "日"}) {
+    EXPECT_FALSE(dfa->Matches(t)) << t;
+  }
+  // Special characters of regular expressions are plain text in choices.
+  auto special = CompileChoices({"a.b", "(c)"});
+  ASSERT_TRUE(special.ok());
+  EXPECT_TRUE(special->Matches("a.b"));
+  EXPECT_FALSE(special->Matches("axb"));
+  EXPECT_TRUE(special->Matches("(c)"));
+  EXPECT_FALSE(CompileChoices({"\xff"}).ok());
+}
+
+TEST(GuidedDfa, ValidateCatchesBrokenTables) {
+  auto dfa = CompileRegex("ab*");
+  ASSERT_TRUE(dfa.ok());
+  EXPECT_TRUE(dfa->Validate().ok());
+  ByteDfa broken = *dfa;
+  broken.next[0] = 99;
+  EXPECT_FALSE(broken.Validate().ok());
+  broken = *dfa;
+  broken.next.pop_back();
+  EXPECT_FALSE(broken.Validate().ok());
+  broken = *dfa;
+  broken.byte_class[7] = 200;
+  EXPECT_FALSE(broken.Validate().ok());
+}
+
+}  // namespace
