@@ -61,6 +61,11 @@ class Tokenizer {
   // True when Decode may hold text back at id until a later id arrives (byte-fallback tokens
   // are decoded as a group; see IncrementalDecoder).
   virtual bool DecodesAsByteGroup(int32_t id) const = 0;
+  // The bytes token `id` adds to a decoded text in its middle (what guided decoding matches
+  // generated text against): a byte-level or byte-fallback token's raw bytes (possibly part of
+  // a character), SentencePiece's word marker as a space. nullopt for special tokens and ids
+  // outside the vocabulary (guided decoding never picks them).
+  virtual std::optional<std::string> TokenBytes(int32_t id) const = 0;
 
   const SpecialTokenIds& special_ids() const { return special_; }
 

@@ -23,6 +23,7 @@ void Exercise(const Tokenizer& tokenizer) {
         (void)tokenizer.IdToToken(id);
         (void)tokenizer.IsSpecial(id);
         (void)tokenizer.DecodesAsByteGroup(id);
+        (void)tokenizer.TokenBytes(id);
       }
       (void)stream.Flush();
     }

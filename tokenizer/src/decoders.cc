@@ -13,7 +13,16 @@ namespace {
 
 class ByteLevelDecoder : public Decoder {
  public:
+  std::string MidPiece(std::string token, bool*) const override {
+    return DecodeChain({std::move(token)}, /*lossy=*/false);
+  }
   std::vector<std::string> DecodeChain(std::vector<std::string> tokens) const override {
+    return {Utf8Lossy(DecodeChain(std::move(tokens), /*lossy=*/false))};
+  }
+
+ private:
+  // The tokens' bytes (a token holding a character outside the table as it is).
+  static std::string DecodeChain(std::vector<std::string> tokens, bool) {
     const ByteLevelTable& table = GetByteLevelTable();
     std::string bytes;
     for (const std::string& t : tokens) {
@@ -33,12 +42,16 @@ class ByteLevelDecoder : public Decoder {
         bytes.append(t);
       }
     }
-    return {Utf8Lossy(bytes)};
+    return bytes;
   }
 };
 
 class MetaspaceDecoder : public Decoder {
  public:
+  // In the middle of a text every replacement character is a space.
+  std::string MidPiece(std::string token, bool*) const override {
+    return DecodeChain({std::string(" "), std::move(token)})[1];
+  }
   MetaspaceDecoder(char32_t replacement, bool prepend)
       : replacement_(replacement), prepend_(prepend) {}
   std::vector<std::string> DecodeChain(std::vector<std::string> tokens) const override {
@@ -67,6 +80,9 @@ class MetaspaceDecoder : public Decoder {
 
 class ReplaceDecoder : public Decoder {
  public:
+  std::string MidPiece(std::string token, bool*) const override {
+    return DecodeChain({std::move(token)})[0];
+  }
   ReplaceDecoder(Pattern pattern, std::string content)
       : pattern_(std::move(pattern)), content_(std::move(content)) {}
   std::vector<std::string> DecodeChain(std::vector<std::string> tokens) const override {
@@ -91,6 +107,11 @@ class ReplaceDecoder : public Decoder {
 
 class ByteFallbackDecoder : public Decoder {
  public:
+  // A byte token is its byte, whatever the bytes around it make.
+  std::string MidPiece(std::string token, bool*) const override {
+    const int byte = ParseByteToken(token);
+    return byte >= 0 ? std::string(1, static_cast<char>(byte)) : token;
+  }
   std::vector<std::string> DecodeChain(std::vector<std::string> tokens) const override {
     std::vector<std::string> out;
     std::string pending;
@@ -132,6 +153,10 @@ class ByteFallbackDecoder : public Decoder {
 
 class FuseDecoder : public Decoder {
  public:
+  std::string MidPiece(std::string token, bool* whole_text) const override {
+    *whole_text = true;
+    return token;
+  }
   std::vector<std::string> DecodeChain(std::vector<std::string> tokens) const override {
     std::string all;
     for (const std::string& t : tokens) all += t;
@@ -141,6 +166,10 @@ class FuseDecoder : public Decoder {
 
 class StripDecoder : public Decoder {
  public:
+  // After a Fuse it strips the ends of the whole text, never the middle.
+  std::string MidPiece(std::string token, bool* whole_text) const override {
+    return *whole_text ? token : DecodeChain({std::move(token)})[0];
+  }
   StripDecoder(char32_t content, size_t start, size_t stop)
       : content_(content), start_(start), stop_(stop) {}
   std::vector<std::string> DecodeChain(std::vector<std::string> tokens) const override {
@@ -178,6 +207,12 @@ class StripDecoder : public Decoder {
 
 class WordPieceDecoder : public Decoder {
  public:
+  // In the middle of a text: the continuation prefix dropped, else a space before (cleanup's
+  // rules, which read the neighbours, are not applied).
+  std::string MidPiece(std::string token, bool*) const override {
+    if (token.compare(0, prefix_.size(), prefix_) == 0) return token.substr(prefix_.size());
+    return " " + token;
+  }
   WordPieceDecoder(std::string prefix, bool cleanup)
       : prefix_(std::move(prefix)), cleanup_(cleanup) {}
   std::vector<std::string> DecodeChain(std::vector<std::string> tokens) const override {
@@ -222,6 +257,10 @@ class WordPieceDecoder : public Decoder {
 
 class SequenceDecoder : public Decoder {
  public:
+  std::string MidPiece(std::string token, bool* whole_text) const override {
+    for (const auto& p : parts_) token = p->MidPiece(std::move(token), whole_text);
+    return token;
+  }
   explicit SequenceDecoder(std::vector<std::unique_ptr<Decoder>> parts)
       : parts_(std::move(parts)) {}
   std::vector<std::string> DecodeChain(std::vector<std::string> tokens) const override {

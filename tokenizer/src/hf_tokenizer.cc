@@ -38,6 +38,13 @@ class HfTokenizer : public Tokenizer {
     const std::string* t = TokenPtr(id);
     return t != nullptr && added_.IsSpecialContent(*t);
   }
+  std::optional<std::string> TokenBytes(int32_t id) const override {
+    const std::string* t = TokenPtr(id);
+    if (t == nullptr || IsSpecial(id)) return std::nullopt;
+    if (!decoder_) return " " + *t;  // Decode joins tokens with spaces
+    bool whole_text = false;
+    return decoder_->MidPiece(*t, &whole_text);
+  }
   bool DecodesAsByteGroup(int32_t id) const override {
     if (!byte_fallback_decoder_) return false;
     const std::string* t = TokenPtr(id);

@@ -101,6 +101,10 @@ class Decoder {
  public:
   virtual ~Decoder() = default;
   virtual std::vector<std::string> DecodeChain(std::vector<std::string> tokens) const = 0;
+  // The bytes one token adds in the middle of a text (Tokenizer::TokenBytes): no edge of the
+  // text is near, and byte tokens stay raw bytes. `whole_text`: an earlier decoder fused the
+  // pieces into one text.
+  virtual std::string MidPiece(std::string token, bool* whole_text) const = 0;
 };
 
 // Looks up token ids while building post-processors (special tokens of templates).

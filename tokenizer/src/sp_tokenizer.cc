@@ -80,6 +80,26 @@ class SpTokenizer : public Tokenizer {
   bool IsSpecial(int32_t id) const override {
     return id >= 0 && id < model_->Size() && model_->IsControl(id);
   }
+  std::optional<std::string> TokenBytes(int32_t id) const override {
+    if (id < 0 || id >= model_->Size() || model_->IsControl(id) || model_->IsUnknown(id)) {
+      return std::nullopt;
+    }
+    std::string piece = model_->IdToPiece(id);
+    if (model_->IsByte(id)) {  // <0xAB>
+      return std::string(1, static_cast<char>(std::stoi(piece.substr(3, 2), nullptr, 16)));
+    }
+    std::string out;
+    static constexpr std::string_view kWordMarker = "\xe2\x96\x81";  // U+2581
+    for (size_t i = 0; i < piece.size();) {
+      if (piece.compare(i, kWordMarker.size(), kWordMarker) == 0) {
+        out.push_back(' ');
+        i += kWordMarker.size();
+      } else {
+        out.push_back(piece[i++]);
+      }
+    }
+    return out;
+  }
   bool DecodesAsByteGroup(int32_t id) const override {
     return id >= 0 && id < model_->Size() && model_->IsByte(id);
   }
