@@ -52,7 +52,9 @@ TEST(TokenBytes, SpecialTokensAndUnknownIdsHaveNone) {
     ASSERT_TRUE(tok.ok()) << tok.status();
     const auto& special = (*tok)->special_ids();
     for (const auto& id : {special.bos, special.eos}) {
-      if (id.has_value()) EXPECT_FALSE((*tok)->TokenBytes(*id).has_value()) << name << " " << *id;
+      if (id.has_value()) {
+        EXPECT_FALSE((*tok)->TokenBytes(*id).has_value()) << name << " " << *id;
+      }
     }
     EXPECT_FALSE((*tok)->TokenBytes(-1).has_value());
     EXPECT_FALSE((*tok)->TokenBytes(static_cast<int32_t>((*tok)->VocabSize()) + 5).has_value());
