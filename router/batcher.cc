@@ -39,6 +39,14 @@ pb::Request ToShardRequest(const GenerationRequest& r) {
     s->mutable_length_penalty()->set_decay_factor(p.length_penalty->decay_factor);
   }
   s->set_min_new_tokens(p.min_new_tokens);
+  if (p.guided != nullptr) {
+    const grammar::ByteDfa& dfa = *p.guided;
+    pb::ByteAutomaton* g = out.mutable_guided();
+    g->set_byte_classes(std::string(dfa.byte_class.begin(), dfa.byte_class.end()));
+    g->set_num_classes(static_cast<uint32_t>(dfa.num_classes));
+    g->mutable_next()->Add(dfa.next.begin(), dfa.next.end());
+    for (bool a : dfa.accepting) g->add_accepting(a);
+  }
   return out;
 }
 

@@ -5,9 +5,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "grammar/grammar.h"
 
 namespace tgis::router {
 
@@ -52,6 +55,9 @@ struct GenerationParams {
 
   uint32_t truncate_input_tokens = 0;  // 0: no truncation
   ResponseOptions response;
+  // Guided decoding (DecodingParameters' regex or choice), compiled once for every input of
+  // the call; null: unconstrained.
+  std::shared_ptr<const grammar::ByteDfa> guided;
 };
 
 }  // namespace tgis::router

@@ -340,6 +340,13 @@ int main(int argc, char** argv) {
   warmup_request.set_max_input_length(max_sequence_length);
   warmup_request.set_max_batch_size(static_cast<uint32_t>(FLAGS_max_batch_size));
   warmup_request.set_max_batch_total_tokens(static_cast<uint32_t>(FLAGS_max_batch_weight));
+  // Guided decoding's automata are matched by the tokens' bytes in the shards.
+  const uint32_t vocab = info->vocab_size() > 0 ? info->vocab_size()
+                                                : static_cast<uint32_t>((*tokenizer)->VocabSize());
+  for (uint32_t id = 0; id < vocab; ++id) {
+    warmup_request.add_token_bytes(
+        (*tokenizer)->TokenBytes(static_cast<int32_t>(id)).value_or(std::string()));
+  }
   auto warmup = (*shards)->Warmup(warmup_request);
   if (!warmup.ok()) return Fail(absl::StrCat("Warmup failed: ", warmup.status().message()));
   uint64_t batch_tokens = warmup->max_supported_total_tokens();

@@ -74,6 +74,42 @@ GenerationParams Convert(const fmaas::Parameters& p, bool default_include_stop_s
   return gp;
 }
 
+// vllm-tgis-adapter's guided decoding (its get_structured_output_params): regex and choice
+// are served; json_schema, format JSON and grammar are refused by name rather than ignored.
+absl::Status CompileGuided(const fmaas::DecodingParameters& d, GenerationParams* gp) {
+  using D = fmaas::DecodingParameters;
+  absl::StatusOr<grammar::ByteDfa> dfa;
+  switch (d.guided_case()) {
+    case D::GUIDED_NOT_SET:
+      return absl::OkStatus();
+    case D::kFormat:
+      if (d.format() == D::TEXT) return absl::OkStatus();
+      return absl::UnimplementedError(
+          "guided decoding: format JSON is not supported by this server (regex and choice are)");
+    case D::kJsonSchema:
+      return absl::UnimplementedError(
+          "guided decoding: json_schema is not supported by this server (regex and choice are)");
+    case D::kGrammar:
+      return absl::UnimplementedError(
+          "guided decoding: grammar is not supported by this server (regex and choice are)");
+    case D::kRegex:
+      dfa = grammar::CompileRegex(d.regex());
+      if (!dfa.ok())
+        return Invalid(absl::StrCat("guided decoding: regex: ", dfa.status().message()));
+      break;
+    case D::kChoice: {
+      if (d.choice().choices_size() < 2) return Invalid("Must provide at least two choices");
+      dfa = grammar::CompileChoices({d.choice().choices().begin(), d.choice().choices().end()});
+      if (!dfa.ok()) {
+        return Invalid(absl::StrCat("guided decoding: choice: ", dfa.status().message()));
+      }
+      break;
+    }
+  }
+  gp->guided = std::make_shared<const grammar::ByteDfa>(*std::move(dfa));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<GenerationParams> ConvertParameters(const fmaas::Parameters* params,
@@ -120,6 +156,10 @@ absl::StatusOr<GenerationParams> ConvertParameters(const fmaas::Parameters* para
   }
   for (const std::string& s : gp.stop_sequences) {
     if (s.empty() || s.size() > kMaxStopSequenceBytes) return StopSequencesError();
+  }
+  if (params != nullptr && params->has_decoding()) {
+    absl::Status guided = CompileGuided(params->decoding(), &gp);
+    if (!guided.ok()) return guided;
   }
   return gp;
 }

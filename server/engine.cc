@@ -264,6 +264,17 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
     s->input_logprobs = n.input_logprobs;
     s->max_new = n.max_new_tokens;
     s->speculate = n.speculate;
+    if (n.guided != nullptr) {
+      if (token_bytes_ == nullptr || eos_.empty()) {
+        fail(absl::FailedPreconditionError(
+            token_bytes_ == nullptr
+                ? "guided decoding needs the vocabulary's bytes, which the router sends at warmup"
+                : "guided decoding needs the model's EOS token to end the text"));
+        continue;
+      }
+      s->sampler->SetConstraint(std::make_unique<TokenConstraint>(n.guided, token_bytes_, eos_));
+      s->speculate = 0;  // drafts would bypass the constraint
+    }
     if (prefix_caching_) ReuseCachedPrefix(s.get());
     if (!Reserve(s.get())) {
       FreeBlocks(s.get());
@@ -833,7 +844,17 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
                              c.seq->generated, c.seq->top_n, std::nullopt,
                              /*penalty_applied=*/c.top_row >= 0);
   });
+  std::vector<size_t> unanswered;  // outputs of guided sequences no token could continue
   for (size_t k = 0; k < samples.size(); ++k) {
+    if (choices[k].id < 0) {
+      const uint64_t id = samples[k].seq->id;
+      errors->push_back({id, absl::FailedPreconditionError(
+                                 "guided decoding: no token of the vocabulary continues the text "
+                                 "as the request's pattern requires")});
+      failed.push_back(id);
+      unanswered.push_back(samples[k].out_index);
+      continue;
+    }
     TokenInfo& t = (*out)[samples[k].out_index].token;
     t.id = choices[k].id;
     t.logprob = choices[k].logprob;
@@ -841,6 +862,8 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
     t.top = std::move(choices[k].top);
     Advance(samples[k].seq, t.id);
   }
+  std::sort(unanswered.rbegin(), unanswered.rend());
+  for (size_t at : unanswered) out->erase(out->begin() + static_cast<std::ptrdiff_t>(at));
   for (uint64_t id : failed) Release(id);
 }
 

@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "kernels/ops.h"
+#include "server/guided_decoding.h"
 
 namespace tgis::server {
 
@@ -199,6 +200,12 @@ int32_t Sampler::Draw(const std::vector<float>& lp, std::optional<int32_t> draft
 Sampler::Sampler(const SamplingParams& params, std::vector<int32_t> eos_ids)
     : p_(params), eos_(std::move(eos_ids)), rng_(params.seed) {}
 
+Sampler::~Sampler() = default;
+
+void Sampler::SetConstraint(std::unique_ptr<TokenConstraint> constraint) {
+  constraint_ = std::move(constraint);
+}
+
 bool Sampler::RepetitionPenalized() const {
   return p_.repetition_penalty > 0 && p_.repetition_penalty != 1.0f;
 }
@@ -229,10 +236,15 @@ TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> cont
       if (e >= 0 && e < v) logits[e] += std::abs(logits[e]) * static_cast<float>(boost);
     }
   }
-  if (generated < p_.min_new_tokens) {
+  if (generated < p_.min_new_tokens && !(constraint_ && constraint_->MustEnd())) {
     for (int32_t e : eos_) {
       if (e >= 0 && e < v) logits[e] = kNegInf;
     }
+  }
+  if (constraint_ && !constraint_->Mask(logits)) {
+    TokenChoice none;
+    none.id = -1;
+    return none;
   }
   if (p_.do_sample && p_.temperature > 0 && p_.temperature != 1.0f) {
     for (float& x : logits) x /= p_.temperature;
@@ -249,6 +261,7 @@ TokenChoice Sampler::Next(std::span<float> logits, std::span<const int32_t> cont
   }
   choice.logprob = lp[choice.id];
   RankAndTop(lp, choice.id, top_n, &choice.rank, &choice.top);
+  if (constraint_) constraint_->Advance(choice.id);
   return choice;
 }
 
@@ -259,8 +272,8 @@ Sampler::DeviceSteps Sampler::ForDevice(uint32_t generated) const {
   if (p_.do_sample && p_.temperature > 0 && p_.temperature != 1.0f) d.temperature = p_.temperature;
   const bool length = LengthPenalized(generated);
   const bool typical = p_.do_sample && p_.typical_p > 0 && p_.typical_p < 1.0f;
-  d.greedy = !p_.do_sample && !length;
-  d.from_top = !length && !typical;
+  d.greedy = !p_.do_sample && !length && !constraint_;
+  d.from_top = !length && !typical && !constraint_;
   return d;
 }
 

@@ -4,12 +4,15 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <random>
 #include <span>
 #include <vector>
 
 namespace tgis::server {
+
+class TokenConstraint;
 
 struct SamplingParams {
   bool do_sample = false;
@@ -39,6 +42,13 @@ struct TokenChoice {
 class Sampler {
  public:
   Sampler(const SamplingParams& params, std::vector<int32_t> eos_ids);
+  ~Sampler();
+  // Guided decoding: only the tokens `constraint` allows are chosen (the others' logits are
+  // -inf before the warpers, so the details describe the constrained distribution, as vLLM's
+  // guided-decoding logits processors gave them). Its choices go on the host (ForDevice says
+  // neither greedy nor from_top). A constraint that must end lifts min_new_tokens' EOS ban.
+  void SetConstraint(std::unique_ptr<TokenConstraint> constraint);
+  bool constrained() const { return constraint_ != nullptr; }
   // Chooses the next token from `logits` (modified in place). `context` is every token so far
   // (prompt and generated) for the repetition penalty; `generated` counts generated tokens.
   //
@@ -47,7 +57,8 @@ class Sampler {
   // distribution and otherwise samples from that distribution without it, renormalized: the
   // choice is distributed exactly as without a draft (rejection sampling against a point mass).
   // `penalty_applied`: the repetition penalty was applied where the logits were made (a row
-  // NextFromTop could not finish).
+  // NextFromTop could not finish). With a constraint that allows no token, the choice's id is
+  // -1 (the caller fails the request).
   TokenChoice Next(std::span<float> logits, std::span<const int32_t> context, uint32_t generated,
                    uint32_t top_n, std::optional<int32_t> draft = std::nullopt,
                    bool penalty_applied = false);
@@ -87,6 +98,7 @@ class Sampler {
   SamplingParams p_;
   std::vector<int32_t> eos_;
   std::mt19937_64 rng_;
+  std::unique_ptr<TokenConstraint> constraint_;
 };
 
 // log_softmax of `logits` at every index (used for prompt logprobs too).

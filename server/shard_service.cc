@@ -21,6 +21,23 @@ namespace pb = generate::v1;
 
 namespace {
 
+// A guided request's automaton (the router compiled it), checked before it is trusted.
+absl::StatusOr<std::shared_ptr<const grammar::ByteDfa>> GuidedFromProto(
+    const pb::ByteAutomaton& g) {
+  auto dfa = std::make_shared<grammar::ByteDfa>();
+  if (g.byte_classes().size() != dfa->byte_class.size()) {
+    return absl::InvalidArgumentError("guided decoding: the automaton's byte classes are not 256");
+  }
+  std::copy(g.byte_classes().begin(), g.byte_classes().end(), dfa->byte_class.begin());
+  dfa->num_classes = static_cast<int32_t>(std::min<uint32_t>(g.num_classes(), 1u << 16));
+  dfa->next.assign(g.next().begin(), g.next().end());
+  dfa->accepting.assign(g.accepting().begin(), g.accepting().end());
+  if (absl::Status st = dfa->Validate(); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("guided decoding: ", st.message()));
+  }
+  return std::shared_ptr<const grammar::ByteDfa>(std::move(dfa));
+}
+
 // Memory the KV cache may draw from: free GPU memory (after the weights) on CUDA, less the
 // part of the device that CUDA_PROCESS_MEMORY_FRACTION keeps from this process; else the
 // host's available memory.
@@ -224,6 +241,10 @@ grpc::Status ShardService::Warmup(grpc::ServerContext*, const pb::WarmupRequest*
         (req->max_batch_total_tokens() + options_.block_size - 1) / options_.block_size);
   }
   if (auto st = EngineForCall(); !st.ok()) return st;
+  if (req->token_bytes_size() > 0) {
+    engine_->SetTokenBytes(std::make_shared<const TokenBytesTable>(req->token_bytes().begin(),
+                                                                   req->token_bytes().end()));
+  }
   // The largest step the router will send: a prefill of its prefill limit (which it raises to
   // one request of the longest length) beside a decode row for every other request. The engine
   // refuses anything larger, so no step needs more memory than this.
@@ -362,6 +383,14 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
     n.top_n = r.top_n_tokens();
     n.input_logprobs = r.input_logprobs();
     n.speculate = r.speculate_tokens();
+    if (r.has_guided()) {
+      absl::StatusOr<std::shared_ptr<const grammar::ByteDfa>> dfa = GuidedFromProto(r.guided());
+      if (!dfa.ok()) {
+        errors.push_back({r.id(), dfa.status()});
+        continue;
+      }
+      n.guided = *std::move(dfa);
+    }
     news.push_back(std::move(n));
   }
   std::vector<StepOutput> outs;

@@ -1,0 +1,205 @@
+"""Guided decoding (vllm-tgis-adapter's DecodingParameters.regex / .choice) through the real
+launcher, router and shard, as a client of that API uses it: greedy outputs are HF
+transformers' greedy choice under an independent oracle (Python's `regex` deciding which
+tokens can still lead to a match; tests/fixtures/guided/golden.json, made by
+make_guided_golden.py), ids, logprobs, text and stop reason; sampled outputs match the pattern;
+what is not served (json_schema, format JSON, grammar, non-regular patterns) is refused by name,
+never ignored."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from procs import FIXTURES, Process, binary, free_port, need_binaries, wait_serving  # noqa: E402
+
+grpc = pytest.importorskip("grpc")
+GOLDEN = json.loads((FIXTURES / "guided" / "golden.json").read_text())
+CASES = {c["name"]: c for c in GOLDEN["cases"]}
+LAUNCHER = "launcher/text-generation-launcher"
+
+
+@pytest.fixture(scope="module")
+def server():
+    need_binaries()
+    tmp = Path(tempfile.mkdtemp(prefix="tgis-guided-"))
+    grpc_port, http_port = free_port(), free_port()
+    env = {"MODEL_NAME": str(FIXTURES / "models" / "llama"), "GRPC_PORT": str(grpc_port),
+           "PORT": str(http_port), "SHARD_UDS_PATH": str(tmp / "shard"),
+           "TERMINATION_LOG": str(tmp / "termination-log"), "KV_CACHE_BLOCKS": "128",
+           "DTYPE_STR": "float32"}
+    proc = Process([binary(LAUNCHER)], env=env)
+    try:
+        _, pb, stub = wait_serving(proc, grpc_port, timeout=120)
+        yield pb, stub
+    finally:
+        proc.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def decoding(pb, case):
+    if "regex" in case:
+        return pb.DecodingParameters(regex=case["regex"])
+    return pb.DecodingParameters(choice=pb.DecodingParameters.StringChoices(choices=case["choice"]))
+
+
+def params(pb, case, n=None, **kw):
+    return pb.Parameters(
+        stopping=pb.StoppingCriteria(max_new_tokens=n or GOLDEN["max_new_tokens"]),
+        response=pb.ResponseOptions(generated_tokens=True, token_logprobs=True),
+        decoding=decoding(pb, case), **kw)
+
+
+def check(pb, case, text, stop_reason, count, logprobs):
+    assert text == case["text"]
+    assert pb.StopReason.Name(stop_reason) == case["stop_reason"]
+    assert count == len(case["generated_ids"])
+    assert len(logprobs) == len(case["logprobs"])
+    for a, b in zip(logprobs, case["logprobs"]):
+        assert abs(a - b) < 1e-4, (logprobs, case["logprobs"])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_greedy_matches_the_oracle(server, name):
+    pb, stub = server
+    case = CASES[name]
+    r = stub.Generate(pb.BatchedGenerationRequest(
+        params=params(pb, case), requests=[pb.GenerationRequest(text=case["prompt"])]),
+        timeout=60).responses[0]
+    check(pb, case, r.text, r.stop_reason, r.generated_token_count, [t.logprob for t in r.tokens])
+
+
+def test_streamed_like_batched(server):
+    pb, stub = server
+    case = CASES["date"]
+    msgs = list(stub.GenerateStream(pb.SingleGenerationRequest(
+        params=params(pb, case), request=pb.GenerationRequest(text=case["prompt"])), timeout=60))
+    check(pb, case, "".join(m.text for m in msgs), msgs[-1].stop_reason,
+          msgs[-1].generated_token_count, [t.logprob for m in msgs for t in m.tokens])
+
+
+def test_guided_and_free_requests_share_batches(server):
+    # Every case twice and unconstrained requests, all at once: each guided one its golden.
+    pb, stub = server
+    results, errors = {}, []
+
+    def run(key, case):
+        try:
+            if case is None:
+                p = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=16))
+                stub.Generate(pb.BatchedGenerationRequest(
+                    params=p, requests=[pb.GenerationRequest(text="free text")]), timeout=120)
+                return
+            r = stub.Generate(pb.BatchedGenerationRequest(
+                params=params(pb, case), requests=[pb.GenerationRequest(text=case["prompt"])]),
+                timeout=120).responses[0]
+            results[key] = (case, r)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=((n, k), CASES[n]))
+               for n in CASES for k in range(2)]
+    threads += [threading.Thread(target=run, args=(("free", k), None)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(results) == 2 * len(CASES)
+    for case, r in results.values():
+        check(pb, case, r.text, r.stop_reason, r.generated_token_count,
+              [t.logprob for t in r.tokens])
+
+
+def test_a_batch_of_inputs_shares_the_pattern(server):
+    pb, stub = server
+    case = CASES["phone"]
+    resp = stub.Generate(pb.BatchedGenerationRequest(
+        params=params(pb, case), requests=[pb.GenerationRequest(text=case["prompt"]),
+                                           pb.GenerationRequest(text="Another prompt here")]),
+        timeout=60)
+    check(pb, case, resp.responses[0].text, resp.responses[0].stop_reason,
+          resp.responses[0].generated_token_count, [t.logprob for t in resp.responses[0].tokens])
+    assert re.fullmatch(case["regex"], resp.responses[1].text)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_sampled_outputs_follow_the_pattern(server, seed):
+    pb, stub = server
+    pattern = r"(cat|dog|bird)s? (eat|see)s? [0-9]{1,3} (apples|fish)\."
+    p = pb.Parameters(
+        method=pb.SAMPLE, sampling=pb.SamplingParameters(temperature=1.5, seed=seed, top_k=50),
+        stopping=pb.StoppingCriteria(max_new_tokens=40),
+        decoding=pb.DecodingParameters(regex=pattern, repetition_penalty=1.3))
+    r = stub.Generate(pb.BatchedGenerationRequest(
+        params=p, requests=[pb.GenerationRequest(text="Once upon a time")]), timeout=60).responses[0]
+    assert pb.StopReason.Name(r.stop_reason) == "EOS_TOKEN", r
+    assert re.fullmatch(pattern, r.text), r.text
+
+
+def test_min_new_tokens_yields_to_a_complete_choice(server):
+    # A choice that is complete can only end: min_new_tokens does not hold it open.
+    pb, stub = server
+    case = CASES["choice"]
+    p = params(pb, case)
+    p.stopping.min_new_tokens = 10
+    r = stub.Generate(pb.BatchedGenerationRequest(
+        params=p, requests=[pb.GenerationRequest(text=case["prompt"])]), timeout=60).responses[0]
+    assert r.text in case["choice"]
+    assert pb.StopReason.Name(r.stop_reason) == "EOS_TOKEN"
+
+
+def test_format_text_is_no_constraint(server):
+    pb, stub = server
+    base = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=8))
+    text = pb.Parameters(stopping=pb.StoppingCriteria(max_new_tokens=8),
+                         decoding=pb.DecodingParameters(format=pb.DecodingParameters.TEXT))
+    a, b = (stub.Generate(pb.BatchedGenerationRequest(
+        params=p, requests=[pb.GenerationRequest(text="Hello")]), timeout=60).responses[0].text
+        for p in (base, text))
+    assert a == b
+
+
+@pytest.mark.parametrize("decoding_kw, code, message", [
+    ({"regex": "a(b"}, "INVALID_ARGUMENT",
+     "guided decoding: regex: missing ), unterminated subpattern at position 1"),
+    ({"regex": r"(a)\1"}, "INVALID_ARGUMENT",
+     "guided decoding: regex: a backreference (at position 3) cannot be used in guided decoding"),
+    ({"regex": "(?=a)a"}, "INVALID_ARGUMENT",
+     "guided decoding: regex: a lookaround assertion (at position 0) cannot be used in guided "
+     "decoding"),
+    ({"regex": "(a|b)*a(a|b){20}"}, "INVALID_ARGUMENT",
+     "guided decoding: regex: the pattern is too complex for guided decoding (more than 20000 "
+     "automaton states)"),
+    ({"choice": ["only one"]}, "INVALID_ARGUMENT", "Must provide at least two choices"),
+    ({"json_schema": '{"type": "object"}'}, "UNIMPLEMENTED",
+     "guided decoding: json_schema is not supported by this server (regex and choice are)"),
+    ({"grammar": "root ::= \"a\""}, "UNIMPLEMENTED",
+     "guided decoding: grammar is not supported by this server (regex and choice are)"),
+    ({"format": 1}, "UNIMPLEMENTED",
+     "guided decoding: format JSON is not supported by this server (regex and choice are)"),
+])
+def test_what_is_not_served_is_refused_by_name(server, decoding_kw, code, message):
+    pb, stub = server
+    if "choice" in decoding_kw:
+        decoding_kw = {"choice": pb.DecodingParameters.StringChoices(choices=decoding_kw["choice"])}
+    p = pb.Parameters(decoding=pb.DecodingParameters(**decoding_kw))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(pb.BatchedGenerationRequest(
+            params=p, requests=[pb.GenerationRequest(text="x")]), timeout=60)
+    assert e.value.code().name == code
+    assert e.value.details() == message
+    # The server goes on.
+    ok = stub.Generate(pb.BatchedGenerationRequest(
+        params=params(pb, CASES["phone"]), requests=[pb.GenerationRequest(text="Call me at")]),
+        timeout=60).responses[0]
+    assert ok.text == CASES["phone"]["text"]
