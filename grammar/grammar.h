@@ -56,4 +56,22 @@ absl::StatusOr<ByteDfa> CompileRegex(std::string_view pattern);
 // The text must be exactly one of `choices` (UTF-8 strings).
 absl::StatusOr<ByteDfa> CompileChoices(const std::vector<std::string>& choices);
 
+// How deep free-form JSON (format JSON, a schema's object without properties, an array without
+// items) may nest: a regular language needs a bound; this one keeps the automaton small.
+inline constexpr int kFreeJsonDepth = 4;
+
+// A JSON value valid under `schema` (JSON Schema text), written compactly with at most one
+// space between tokens, object properties in the schema's order (outlines' construction).
+// Served: type (and lists of types), properties, required, additionalProperties, items,
+// minItems, maxItems, enum, const, anyOf, oneOf (as anyOf), allOf of one schema, local $ref
+// (not recursive), minLength, maxLength, pattern, format date / time / date-time / uuid; the
+// annotations (title, description, default, examples, $schema, $id, $comment, $defs,
+// definitions, deprecated, readOnly, writeOnly, discriminator) are skipped. Any other keyword
+// (minimum, multipleOf, uniqueItems, patternProperties, if/then/else, not, ...) is refused by
+// name (Unimplemented) rather than ignored.
+absl::StatusOr<ByteDfa> CompileJsonSchema(std::string_view schema);
+
+// Any JSON object (format JSON, as vLLM serves it: the schema {"type": "object"}).
+absl::StatusOr<ByteDfa> CompileJsonObject();
+
 }  // namespace tgis::grammar

@@ -1,8 +1,12 @@
 #include "router/validation.h"
 
 #include <algorithm>
+#include <list>
+#include <mutex>
+#include <unordered_map>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace tgis::router {
 namespace {
@@ -74,39 +78,88 @@ GenerationParams Convert(const fmaas::Parameters& p, bool default_include_stop_s
   return gp;
 }
 
-// vllm-tgis-adapter's guided decoding (its get_structured_output_params): regex and choice
-// are served; json_schema, format JSON and grammar are refused by name rather than ignored.
+// Clients send the same schema or pattern call after call: the automata of the last few are
+// kept (a JSON schema's takes milliseconds to tens of milliseconds to compile).
+class GuidedCache {
+ public:
+  using Compiled = absl::StatusOr<std::shared_ptr<const grammar::ByteDfa>>;
+  template <typename CompileFn>
+  Compiled Get(const std::string& key, CompileFn compile) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = index_.find(key); it != index_.end()) {
+        order_.splice(order_.begin(), order_, it->second);
+        return it->second->second;
+      }
+    }
+    absl::StatusOr<grammar::ByteDfa> dfa = compile();
+    if (!dfa.ok()) return dfa.status();
+    auto shared = std::make_shared<const grammar::ByteDfa>(*std::move(dfa));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (index_.count(key) == 0) {
+      order_.emplace_front(key, shared);
+      index_[key] = order_.begin();
+      if (order_.size() > kEntries) {
+        index_.erase(order_.back().first);
+        order_.pop_back();
+      }
+    }
+    return shared;
+  }
+
+ private:
+  static constexpr size_t kEntries = 64;
+  std::mutex mu_;
+  std::list<std::pair<std::string, std::shared_ptr<const grammar::ByteDfa>>> order_;
+  std::unordered_map<std::string, decltype(order_)::iterator> index_;
+};
+
+// vllm-tgis-adapter's guided decoding (its get_structured_output_params): regex, choice,
+// json_schema and format JSON are served; grammar is refused by name rather than ignored.
 absl::Status CompileGuided(const fmaas::DecodingParameters& d, GenerationParams* gp) {
   using D = fmaas::DecodingParameters;
-  absl::StatusOr<grammar::ByteDfa> dfa;
+  static GuidedCache* cache = new GuidedCache;
+  GuidedCache::Compiled dfa;
+  std::string what;
   switch (d.guided_case()) {
     case D::GUIDED_NOT_SET:
       return absl::OkStatus();
     case D::kFormat:
       if (d.format() == D::TEXT) return absl::OkStatus();
-      return absl::UnimplementedError(
-          "guided decoding: format JSON is not supported by this server (regex and choice are)");
+      what = "format JSON";
+      dfa = cache->Get("format\n", [] { return grammar::CompileJsonObject(); });
+      break;
     case D::kJsonSchema:
-      return absl::UnimplementedError(
-          "guided decoding: json_schema is not supported by this server (regex and choice are)");
+      what = "json_schema";
+      dfa = cache->Get("schema\n" + d.json_schema(),
+                       [&] { return grammar::CompileJsonSchema(d.json_schema()); });
+      break;
     case D::kGrammar:
       return absl::UnimplementedError(
-          "guided decoding: grammar is not supported by this server (regex and choice are)");
+          "guided decoding: grammar is not supported by this server (regex, choice, json_schema "
+          "and format JSON are)");
     case D::kRegex:
-      dfa = grammar::CompileRegex(d.regex());
-      if (!dfa.ok())
-        return Invalid(absl::StrCat("guided decoding: regex: ", dfa.status().message()));
+      what = "regex";
+      dfa = cache->Get("regex\n" + d.regex(), [&] { return grammar::CompileRegex(d.regex()); });
       break;
     case D::kChoice: {
       if (d.choice().choices_size() < 2) return Invalid("Must provide at least two choices");
-      dfa = grammar::CompileChoices({d.choice().choices().begin(), d.choice().choices().end()});
-      if (!dfa.ok()) {
-        return Invalid(absl::StrCat("guided decoding: choice: ", dfa.status().message()));
-      }
+      what = "choice";
+      std::vector<std::string> choices(d.choice().choices().begin(), d.choice().choices().end());
+      dfa = cache->Get("choice\n" + absl::StrJoin(choices, absl::string_view("\0", 1)),
+                       [&] { return grammar::CompileChoices(choices); });
       break;
     }
   }
-  gp->guided = std::make_shared<const grammar::ByteDfa>(*std::move(dfa));
+  if (!dfa.ok()) {
+    // json_schema's messages name the keyword path themselves.
+    const std::string message =
+        what == "json_schema"
+            ? absl::StrCat("guided decoding: ", dfa.status().message())
+            : absl::StrCat("guided decoding: ", what, ": ", dfa.status().message());
+    return absl::Status(dfa.status().code(), message);
+  }
+  gp->guided = *std::move(dfa);
   return absl::OkStatus();
 }
 

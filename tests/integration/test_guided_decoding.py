@@ -3,8 +3,9 @@ launcher, router and shard, as a client of that API uses it: greedy outputs are 
 transformers' greedy choice under an independent oracle (Python's `regex` deciding which
 tokens can still lead to a match; tests/fixtures/guided/golden.json, made by
 make_guided_golden.py), ids, logprobs, text and stop reason; sampled outputs match the pattern;
-what is not served (json_schema, format JSON, grammar, non-regular patterns) is refused by name,
-never ignored."""
+json_schema and format JSON outputs parse as JSON and satisfy the schema; what is not served
+(grammar, non-regular patterns, schema keywords not enforced) is refused by name, never
+ignored."""
 
 from __future__ import annotations
 
@@ -169,6 +170,50 @@ def test_format_text_is_no_constraint(server):
     assert a == b
 
 
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
+                         "n": {"enum": [1, 2, 3]},
+                         "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2}},
+          "required": ["name", "ok", "n"]}
+
+
+def check_person(obj):
+    assert list(obj)[:3] == ["name", "ok", "n"] and set(obj) <= set(PERSON["properties"])
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 6
+    assert isinstance(obj["ok"], bool) and obj["n"] in (1, 2, 3)
+    assert all(t in ("x", "y") for t in obj.get("tags", [])) and len(obj.get("tags", [])) <= 2
+
+
+@pytest.mark.parametrize("method, seed", [("GREEDY", None), ("SAMPLE", 1), ("SAMPLE", 2),
+                                          ("SAMPLE", 3)])
+def test_json_schema_outputs_satisfy_the_schema(server, method, seed):
+    pb, stub = server
+    p = pb.Parameters(method=getattr(pb, method),
+                      stopping=pb.StoppingCriteria(max_new_tokens=80),
+                      decoding=pb.DecodingParameters(json_schema=json.dumps(PERSON)))
+    if seed is not None:
+        p.sampling.seed = seed
+        p.sampling.temperature = 1.2
+    r = stub.Generate(pb.BatchedGenerationRequest(
+        params=p, requests=[pb.GenerationRequest(text="Describe a person as JSON:")]),
+        timeout=60).responses[0]
+    assert pb.StopReason.Name(r.stop_reason) == "EOS_TOKEN", r
+    check_person(json.loads(r.text))
+
+
+def test_format_json_outputs_an_object(server):
+    pb, stub = server
+    for seed in (1, 2, 3, 4, 5, 6):
+        p = pb.Parameters(method=pb.SAMPLE, sampling=pb.SamplingParameters(seed=seed),
+                          stopping=pb.StoppingCriteria(max_new_tokens=60),
+                          decoding=pb.DecodingParameters(format=pb.DecodingParameters.JSON))
+        r = stub.Generate(pb.BatchedGenerationRequest(
+            params=p, requests=[pb.GenerationRequest(text="JSON:")]), timeout=60).responses[0]
+        assert r.text.startswith("{"), r.text
+        if pb.StopReason.Name(r.stop_reason) == "EOS_TOKEN":
+            assert isinstance(json.loads(r.text), dict), r.text
+
+
 @pytest.mark.parametrize("decoding_kw, code, message", [
     ({"regex": "a(b"}, "INVALID_ARGUMENT",
      "guided decoding: regex: missing ), unterminated subpattern at position 1"),
@@ -181,12 +226,17 @@ def test_format_text_is_no_constraint(server):
      "guided decoding: regex: the pattern is too complex for guided decoding (more than 20000 "
      "automaton states)"),
     ({"choice": ["only one"]}, "INVALID_ARGUMENT", "Must provide at least two choices"),
-    ({"json_schema": '{"type": "object"}'}, "UNIMPLEMENTED",
-     "guided decoding: json_schema is not supported by this server (regex and choice are)"),
+    ({"json_schema": '{"type": "integer", "minimum": 3}'}, "UNIMPLEMENTED",
+     "guided decoding: json_schema at #: the keyword \"minimum\" is not supported by this "
+     "server's guided decoding"),
+    ({"json_schema": '{"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}}'},
+     "INVALID_ARGUMENT", "guided decoding: json_schema at #/properties/a: $ref #/$defs/x is not "
+     "found"),
+    ({"json_schema": '{"type": '}, "INVALID_ARGUMENT",
+     "guided decoding: json_schema is not valid JSON"),
     ({"grammar": "root ::= \"a\""}, "UNIMPLEMENTED",
-     "guided decoding: grammar is not supported by this server (regex and choice are)"),
-    ({"format": 1}, "UNIMPLEMENTED",
-     "guided decoding: format JSON is not supported by this server (regex and choice are)"),
+     "guided decoding: grammar is not supported by this server (regex, choice, json_schema and "
+     "format JSON are)"),
 ])
 def test_what_is_not_served_is_refused_by_name(server, decoding_kw, code, message):
     pb, stub = server

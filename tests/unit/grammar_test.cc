@@ -132,3 +132,70 @@ TEST(GuidedDfa, ValidateCatchesBrokenTables) {
 }
 
 }  // namespace
+
+namespace {
+
+// Ordered: a schema's properties keep the order they were written in.
+nlohmann::ordered_json JsonCases() {
+  std::ifstream in(std::string(TGIS_FIXTURES_DIR) + "/guided/json_schema_cases.json");
+  std::stringstream buf;
+  buf << in.rdbuf();
+  return nlohmann::ordered_json::parse(buf.str());
+}
+
+TEST(GuidedJsonSchema, AcceptsWhatJsonschemaValidates) {
+  size_t checked = 0;
+  const nlohmann::ordered_json cases = JsonCases();
+  for (const auto& c : cases["cases"]) {
+    const std::string schema = c["schema"].dump();
+    auto dfa = tgis::grammar::CompileJsonSchema(schema);
+    ASSERT_TRUE(dfa.ok()) << schema << ": " << dfa.status();
+    for (const auto& row : c["texts"]) {
+      EXPECT_EQ(dfa->Matches(row[0].get<std::string>()), row[1].get<bool>())
+          << "schema " << schema << " text " << row[0];
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 1000u);
+}
+
+TEST(GuidedJsonSchema, KeepsThePropertiesOrder) {
+  // nlohmann's default object sorts keys; the schema's order is what is generated.
+  auto dfa = tgis::grammar::CompileJsonSchema(
+      R"({"type":"object","properties":{"z":{"type":"integer"},"a":{"type":"integer"}},)"
+      R"("required":["z","a"]})");
+  ASSERT_TRUE(dfa.ok()) << dfa.status();
+  EXPECT_TRUE(dfa->Matches(R"({"z":1,"a":2})"));
+  EXPECT_FALSE(dfa->Matches(R"({"a":2,"z":1})"));
+}
+
+TEST(GuidedJsonSchema, RefusesWhatItDoesNotEnforceByName) {
+  const auto cases = JsonCases();
+  for (const auto& schema : cases["refused"]) {
+    auto dfa = tgis::grammar::CompileJsonSchema(schema.dump());
+    ASSERT_FALSE(dfa.ok()) << schema;
+    EXPECT_EQ(dfa.status().code(), absl::StatusCode::kUnimplemented) << dfa.status();
+    EXPECT_NE(dfa.status().message().find("json_schema at #"), std::string::npos) << dfa.status();
+  }
+  for (const auto& schema : cases["invalid"]) {
+    const std::string text = schema.is_string() ? schema.get<std::string>() : schema.dump();
+    auto dfa = tgis::grammar::CompileJsonSchema(text);
+    ASSERT_FALSE(dfa.ok()) << text;
+    EXPECT_EQ(dfa.status().code(), absl::StatusCode::kInvalidArgument) << dfa.status();
+  }
+}
+
+TEST(GuidedJsonSchema, FormatJsonIsAnyObjectNestedAFewLevels) {
+  auto dfa = tgis::grammar::CompileJsonObject();
+  ASSERT_TRUE(dfa.ok()) << dfa.status();
+  for (const char* t : {"{}", R"({"a":1})", R"({ "a": [1, {"b": null}], "c": "d\n" })",
+                        R"({"a":{"b":{"c":{}}}})"}) {
+    EXPECT_TRUE(dfa->Matches(t)) << t;
+  }
+  for (const char* t : {"[]", "1", R"("a")", R"({"a":})", R"({"a":1,})", R"({a:1})",
+                        R"({"a":{"b":{"c":{"d":{}}}}})"}) {
+    EXPECT_FALSE(dfa->Matches(t)) << t;
+  }
+}
+
+}  // namespace
