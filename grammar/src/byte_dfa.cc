@@ -15,6 +15,12 @@ namespace {
 
 // A repetition's copies multiply a pattern's states: past this many the pattern is refused.
 constexpr size_t kMaxNfaStates = 400000;
+// Subset construction's work (NFA states visited): a pattern that needs more is refused as too
+// complex, so no request holds the router for long (about a second at this bound).
+constexpr size_t kMaxDeterminizeWork = 100'000'000;
+// Moore's refinement costs rounds x states x classes; past this the automaton is served
+// unminimized (the same language, more states) rather than delaying the request.
+constexpr size_t kMaxMinimizeWork = 10'000'000;
 
 struct NfaState {
   std::vector<std::tuple<uint8_t, uint8_t, int32_t>> edges;  // [lo, hi] -> state
@@ -163,9 +169,11 @@ absl::StatusOr<ByteDfa> Determinize(const std::vector<NfaState>& nfa, int32_t st
   index[first] = 0;
   sets.push_back(first);
   std::vector<std::vector<int32_t>> buckets(classes);
+  size_t work = 0;
   for (size_t d = 0; d < sets.size(); ++d) {
     for (auto& b : buckets) b.clear();
     for (int32_t s : sets[d]) {
+      work += 1 + nfa[s].edges.size();
       for (const auto& [lo, hi, to] : nfa[s].edges) {
         for (int32_t c = dfa.byte_class[lo]; c <= dfa.byte_class[hi]; ++c) buckets[c].push_back(to);
       }
@@ -179,6 +187,12 @@ absl::StatusOr<ByteDfa> Determinize(const std::vector<NfaState>& nfa, int32_t st
       std::sort(b.begin(), b.end());
       b.erase(std::unique(b.begin(), b.end()), b.end());
       Closure(nfa, &b, &seen);
+      work += b.size();
+      if (work > kMaxDeterminizeWork) {
+        return absl::InvalidArgumentError(
+            "the pattern is too complex for guided decoding (its automaton takes too long to "
+            "build)");
+      }
       auto [it, added] = index.emplace(b, static_cast<int32_t>(sets.size()));
       if (added) {
         if (static_cast<int32_t>(sets.size()) >= kMaxDfaStates) {
@@ -230,7 +244,15 @@ absl::StatusOr<ByteDfa> PruneAndMinimize(const ByteDfa& in) {
   std::vector<int32_t> block(n);
   for (int32_t s = 0; s < n; ++s) block[s] = live[s] ? (in.accepting[s] ? 1 : 0) : -1;
   int32_t blocks = 0;
+  size_t work = 0;
   while (true) {
+    work += static_cast<size_t>(n) * static_cast<size_t>(k + 1);
+    if (work > kMaxMinimizeWork) {
+      // Every live state its own block: pruned, not minimized.
+      blocks = 0;
+      for (int32_t s = 0; s < n; ++s) block[s] = live[s] ? blocks++ : -1;
+      break;
+    }
     std::map<std::vector<int32_t>, int32_t> signature;
     std::vector<int32_t> next_block(n, -1);
     for (int32_t s = 0; s < n; ++s) {

@@ -48,20 +48,41 @@ std::string Escape(std::string_view text) {
 
 // A const or enum value, with the spacing generated everywhere else (objects' keys in the
 // value's order).
-std::string Literal(const Json& v) {
+// Deeper values are refused before this recursion could exhaust the stack.
+constexpr int kMaxLiteralDepth = 64;
+
+std::string Literal(const Json& v, int depth = 0) {
+  if (depth > kMaxLiteralDepth) return "";
   std::vector<std::string> items;
   if (v.is_object()) {
     for (const auto& [key, value] : v.items()) {
-      items.push_back(absl::StrCat(kWs, Escape(Json(key).dump()), kWs, ":", kWs, Literal(value)));
+      items.push_back(
+          absl::StrCat(kWs, Escape(Json(key).dump()), kWs, ":", kWs, Literal(value, depth + 1)));
     }
     return absl::StrCat(R"(\{)", absl::StrJoin(items, absl::StrCat(kWs, ",")), kWs, R"(\})");
   }
   if (v.is_array()) {
-    for (const Json& item : v) items.push_back(Literal(item));
+    for (const Json& item : v) items.push_back(Literal(item, depth + 1));
     return absl::StrCat(R"(\[)", kWs, absl::StrJoin(items, absl::StrCat(kWs, ",", kWs)), kWs,
                         R"(\])");
   }
   return Escape(v.dump());
+}
+
+// How deep a value nests, without recursion.
+int Depth(const Json& v) {
+  int deepest = 0;
+  std::vector<std::pair<const Json*, int>> stack = {{&v, 0}};
+  while (!stack.empty()) {
+    auto [at, depth] = stack.back();
+    stack.pop_back();
+    deepest = std::max(deepest, depth);
+    if (depth > kMaxLiteralDepth) break;
+    if (at->is_structured()) {
+      for (const Json& child : *at) stack.push_back({&child, depth + 1});
+    }
+  }
+  return deepest;
 }
 
 class SchemaToRegex {
@@ -143,13 +164,19 @@ class SchemaToRegex {
       }
     }
     if (s.contains("$ref")) return Ref(s, path);
-    if (s.contains("const")) return Literal(s["const"]);
+    if (s.contains("const")) {
+      if (Depth(s["const"]) > kMaxLiteralDepth) return Unserved(path, "a const nested this deep");
+      return Literal(s["const"]);
+    }
     if (s.contains("enum")) {
       if (!s["enum"].is_array() || s["enum"].empty()) {
         return Bad(path, "enum must be a non-empty array");
       }
       std::vector<std::string> alts;
-      for (const Json& v : s["enum"]) alts.push_back(Literal(v));
+      for (const Json& v : s["enum"]) {
+        if (Depth(v) > kMaxLiteralDepth) return Unserved(path, "an enum value nested this deep");
+        alts.push_back(Literal(v));
+      }
       return "(" + absl::StrJoin(alts, "|") + ")";
     }
     for (const char* key : {"anyOf", "oneOf"}) {

@@ -234,6 +234,16 @@ class Parser {
 
   absl::StatusOr<RegexNode> ParseGroup() {
     const size_t open = pos_;
+    // Python's own limit is its recursion limit; ours keeps the parser's stack small.
+    constexpr int kMaxNesting = 200;
+    if (++nesting_ > kMaxNesting) return ErrorAt("groups nested too deeply", open);
+    absl::StatusOr<RegexNode> group = ParseGroupBody();
+    --nesting_;
+    return group;
+  }
+
+  absl::StatusOr<RegexNode> ParseGroupBody() {
+    const size_t open = pos_;
     ++pos_;  // '('
     if (Peek() == '?') {
       const char32_t kind = Peek(1);
@@ -409,6 +419,7 @@ class Parser {
 
   std::u32string s_;
   size_t pos_ = 0;
+  int nesting_ = 0;
 };
 
 }  // namespace

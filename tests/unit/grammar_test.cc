@@ -100,6 +100,21 @@ TEST(GuidedRegex, RefusesAutomataTooLargeToServe) {
   EXPECT_FALSE(CompileRegex("(a{1000}){1000}").ok());
 }
 
+TEST(GuidedRegex, BoundsWhatOneRequestCanCost) {
+  // Nesting past the parser's bound is refused (not a stack overflow).
+  auto deep = CompileRegex(std::string(100000, '(') + "a" + std::string(100000, ')'));
+  ASSERT_FALSE(deep.ok());
+  EXPECT_NE(deep.status().message().find("nested too deeply"), std::string::npos);
+  // A long chain takes Moore's refinement as many rounds as states: past its budget the
+  // automaton is served unminimized, the same language.
+  auto chain = CompileRegex("a{10000}");
+  ASSERT_TRUE(chain.ok()) << chain.status();
+  EXPECT_TRUE(chain->Matches(std::string(10000, 'a')));
+  EXPECT_FALSE(chain->Matches(std::string(9999, 'a')));
+  EXPECT_FALSE(chain->Matches(std::string(10001, 'a')));
+  EXPECT_FALSE(CompileRegex("((a{100}){100}){100}").ok());
+}
+
 TEST(GuidedChoices, MatchExactlyTheChoices) {
   auto dfa = CompileChoices({"yes", "no", "yes sir", "日本"});
   ASSERT_TRUE(dfa.ok()) << dfa.status();
@@ -183,6 +198,17 @@ TEST(GuidedJsonSchema, RefusesWhatItDoesNotEnforceByName) {
     ASSERT_FALSE(dfa.ok()) << text;
     EXPECT_EQ(dfa.status().code(), absl::StatusCode::kInvalidArgument) << dfa.status();
   }
+}
+
+TEST(GuidedJsonSchema, DeepConstantsAreRefusedNotRecursedInto) {
+  std::string deep = std::string(10000, '[') + std::string(10000, ']');
+  auto dfa = tgis::grammar::CompileJsonSchema(R"({"const":)" + deep + "}");
+  ASSERT_FALSE(dfa.ok());
+  EXPECT_EQ(dfa.status().code(), absl::StatusCode::kUnimplemented) << dfa.status();
+  std::string nested;
+  for (int i = 0; i < 1000; ++i) nested += R"({"type":"array","items":)";
+  nested += "{}" + std::string(1000, '}');
+  EXPECT_FALSE(tgis::grammar::CompileJsonSchema(nested).ok());
 }
 
 TEST(GuidedJsonSchema, FormatJsonIsAnyObjectNestedAFewLevels) {
