@@ -265,14 +265,12 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
     s->max_new = n.max_new_tokens;
     s->speculate = n.speculate;
     if (n.guided != nullptr) {
-      if (token_bytes_ == nullptr || eos_.empty()) {
+      if (eos_.empty()) {
         fail(absl::FailedPreconditionError(
-            token_bytes_ == nullptr
-                ? "guided decoding needs the vocabulary's bytes, which the router sends at warmup"
-                : "guided decoding needs the model's EOS token to end the text"));
+            "guided decoding needs the model's EOS token to end the text"));
         continue;
       }
-      s->sampler->SetConstraint(std::make_unique<TokenConstraint>(n.guided, token_bytes_, eos_));
+      s->sampler->SetConstraint(std::make_unique<TokenConstraint>(n.guided, eos_));
       s->speculate = 0;  // drafts would bypass the constraint
     }
     if (prefix_caching_) ReuseCachedPrefix(s.get());

@@ -39,9 +39,9 @@ struct NewSequence {
   std::shared_ptr<const kernels::Tensor> encoder_prefix;
   // A LoRA adapter (Model::MakeLora) whose deltas this sequence's every token takes.
   std::shared_ptr<const LoraWeights> lora;
-  // Guided decoding: the generated text must follow this automaton (guided_decoding.h); needs
-  // SetTokenBytes. Such a sequence does not speculate.
-  std::shared_ptr<const grammar::ByteDfa> guided;
+  // Guided decoding: the generated text must follow this automaton (guided_decoding.h). Such a
+  // sequence does not speculate.
+  std::shared_ptr<GuidedAutomaton> guided;
   // Resumes the preempted sequence `id` (every other field is ignored): its tokens are
   // computed again and it gets its next token.
   bool resume = false;
@@ -98,12 +98,6 @@ class Engine {
   // and computes only the rest (see PrefixCachingApplies for the models it leaves out).
   Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64_t max_positions,
          int num_blocks, int block_size, bool prefix_caching = false);
-
-  // Each token id's bytes in generated text (the router's tokenizer's, sent at warmup): what
-  // guided sequences match tokens by.
-  void SetTokenBytes(std::shared_ptr<const TokenBytesTable> table) {
-    token_bytes_ = std::move(table);
-  }
 
   // Adds sequences and runs their prompts; each surviving one gets its first token (a resumed
   // one its next). Bad or unservable sequences come back as errors and are not kept; a resumed
@@ -288,7 +282,6 @@ class Engine {
   std::unique_ptr<Model> model_;
   std::unique_ptr<DecodeGraphs> graphs_;  // null: every step runs eagerly
   std::vector<int32_t> eos_;
-  std::shared_ptr<const TokenBytesTable> token_bytes_;
   int64_t max_positions_;
   std::unique_ptr<KvCache> cache_;
   std::map<uint64_t, std::unique_ptr<Sequence>> seqs_;

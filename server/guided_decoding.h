@@ -1,13 +1,15 @@
 // Guided decoding in the shard: a request's byte automaton (compiled by the router from its
-// regex or choices, grammar/grammar.h) decides which tokens may come next. A token may come
-// when its bytes (the router's Tokenizer::TokenBytes, sent at warmup) walk the automaton from
-// the text so far without falling off; the EOS tokens may come when the text so far is
-// complete. The mask of each automaton state is computed once per request, when the state is
-// first reached.
+// regex, choices or JSON schema, grammar/grammar.h) decides which tokens may come next. A
+// token may come when its bytes (the router's Tokenizer::TokenBytes, sent at warmup) walk the
+// automaton from the text so far without falling off; the EOS tokens may come when the text
+// so far is complete. The mask of each automaton state is computed once, the first time any
+// request reaches it, and shared by every request with the same automaton.
 #pragma once
 
 #include <cstdint>
+#include <list>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -21,28 +23,80 @@ namespace tgis::server {
 // (special tokens, ids the tokenizer does not have).
 using TokenBytesTable = std::vector<std::string>;
 
+// An automaton over a vocabulary, with the masks of the states reached so far. Thread-safe:
+// the sequences of a step choose their tokens side by side.
+class GuidedAutomaton {
+ public:
+  GuidedAutomaton(std::shared_ptr<const grammar::ByteDfa> dfa,
+                  std::shared_ptr<const TokenBytesTable> vocabulary);
+  const grammar::ByteDfa& dfa() const { return *dfa_; }
+  const TokenBytesTable& vocabulary() const { return *vocabulary_; }
+  // The tokens whose bytes continue the text from `state`, one bit per id.
+  std::shared_ptr<const std::vector<uint64_t>> Allowed(int32_t state);
+
+ private:
+  std::shared_ptr<const grammar::ByteDfa> dfa_;
+  std::shared_ptr<const TokenBytesTable> vocabulary_;
+  std::mutex mu_;
+  std::unordered_map<int32_t, std::shared_ptr<const std::vector<uint64_t>>> masks_;
+};
+
+// The automata of the last few distinct constraints (clients repeat their schemas), by the
+// router's encoding of each; a new vocabulary empties it.
+class GuidedAutomatonCache {
+ public:
+  explicit GuidedAutomatonCache(size_t entries = 16) : entries_(entries) {}
+  void SetVocabulary(std::shared_ptr<const TokenBytesTable> vocabulary);
+  bool has_vocabulary() const { return vocabulary_ != nullptr; }
+  // The automaton `key` stands for; `make` builds its ByteDfa when it is not cached.
+  template <typename MakeDfa>
+  std::shared_ptr<GuidedAutomaton> Get(const std::string& key, MakeDfa make);
+
+ private:
+  size_t entries_;
+  std::shared_ptr<const TokenBytesTable> vocabulary_;
+  std::list<std::pair<std::string, std::shared_ptr<GuidedAutomaton>>> order_;  // newest first
+  std::unordered_map<std::string, decltype(order_)::iterator> index_;
+};
+
+// One sequence's place in its automaton.
 class TokenConstraint {
  public:
-  TokenConstraint(std::shared_ptr<const grammar::ByteDfa> dfa,
-                  std::shared_ptr<const TokenBytesTable> vocabulary, std::vector<int32_t> eos);
+  TokenConstraint(std::shared_ptr<GuidedAutomaton> automaton, std::vector<int32_t> eos);
 
   // Sets every entry of `logits` (one per token id) that may not come next to -inf. False when
   // no token at all may come (the vocabulary has none that continues the text).
   bool Mask(std::span<float> logits);
-  // Whether the text so far is complete and nothing may follow it but an EOS token.
+  // Whether the text so far is complete and nothing may follow it but an EOS token (the
+  // pattern allows nothing more, or no token of the vocabulary continues it).
   bool MustEnd() const;
   // The text goes on with `token` (one Mask allowed).
   void Advance(int32_t token);
+  int32_t state() const { return state_; }
 
  private:
-  const std::vector<uint64_t>& Allowed();
-
-  std::shared_ptr<const grammar::ByteDfa> dfa_;
-  std::shared_ptr<const TokenBytesTable> vocabulary_;
+  std::shared_ptr<GuidedAutomaton> automaton_;
   std::vector<int32_t> eos_;
   int32_t state_ = 0;
-  bool ended_ = false;                                        // an EOS was chosen
-  std::unordered_map<int32_t, std::vector<uint64_t>> masks_;  // state -> allowed token bits
+  bool ended_ = false;  // an EOS was chosen
 };
+
+template <typename MakeDfa>
+std::shared_ptr<GuidedAutomaton> GuidedAutomatonCache::Get(const std::string& key, MakeDfa make) {
+  if (auto it = index_.find(key); it != index_.end()) {
+    order_.splice(order_.begin(), order_, it->second);
+    return it->second->second;
+  }
+  std::shared_ptr<const grammar::ByteDfa> dfa = make();
+  if (dfa == nullptr) return nullptr;
+  auto automaton = std::make_shared<GuidedAutomaton>(std::move(dfa), vocabulary_);
+  order_.emplace_front(key, automaton);
+  index_[key] = order_.begin();
+  if (order_.size() > entries_) {
+    index_.erase(order_.back().first);
+    order_.pop_back();
+  }
+  return automaton;
+}
 
 }  // namespace tgis::server

@@ -242,8 +242,8 @@ grpc::Status ShardService::Warmup(grpc::ServerContext*, const pb::WarmupRequest*
   }
   if (auto st = EngineForCall(); !st.ok()) return st;
   if (req->token_bytes_size() > 0) {
-    engine_->SetTokenBytes(std::make_shared<const TokenBytesTable>(req->token_bytes().begin(),
-                                                                   req->token_bytes().end()));
+    guided_.SetVocabulary(std::make_shared<const TokenBytesTable>(req->token_bytes().begin(),
+                                                                  req->token_bytes().end()));
   }
   // The largest step the router will send: a prefill of its prefill limit (which it raises to
   // one request of the longest length) beside a decode row for every other request. The engine
@@ -384,12 +384,26 @@ grpc::Status ShardService::Prefill(grpc::ServerContext*, const pb::PrefillReques
     n.input_logprobs = r.input_logprobs();
     n.speculate = r.speculate_tokens();
     if (r.has_guided()) {
-      absl::StatusOr<std::shared_ptr<const grammar::ByteDfa>> dfa = GuidedFromProto(r.guided());
-      if (!dfa.ok()) {
-        errors.push_back({r.id(), dfa.status()});
+      if (!guided_.has_vocabulary()) {
+        errors.push_back({r.id(), absl::FailedPreconditionError(
+                                      "guided decoding needs the vocabulary's bytes, which the "
+                                      "router sends at warmup")});
         continue;
       }
-      n.guided = *std::move(dfa);
+      absl::Status bad;
+      n.guided = guided_.Get(r.guided().SerializeAsString(),
+                             [&]() -> std::shared_ptr<const grammar::ByteDfa> {
+                               auto dfa = GuidedFromProto(r.guided());
+                               if (!dfa.ok()) {
+                                 bad = dfa.status();
+                                 return nullptr;
+                               }
+                               return *std::move(dfa);
+                             });
+      if (n.guided == nullptr) {
+        errors.push_back({r.id(), bad});
+        continue;
+      }
     }
     news.push_back(std::move(n));
   }

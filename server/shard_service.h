@@ -10,6 +10,7 @@
 
 #include "proto/generate.grpc.pb.h"
 #include "server/engine.h"
+#include "server/guided_decoding.h"
 #include "server/model_config.h"
 #include "server/prefix_store.h"
 #include "server/step_ahead.h"
@@ -91,6 +92,7 @@ class ShardService final : public generate::v1::TextGenerationService::Service {
   std::map<uint64_t, std::vector<uint64_t>> batches_;  // batch id -> request ids
   uint32_t max_prefill_tokens_ = 0;                    // sized with the KV cache
   std::unique_ptr<PrefixStore> prefixes_;              // thread-safe itself
+  GuidedAutomatonCache guided_;                        // under mu_
 };
 
 }  // namespace tgis::server

@@ -29,8 +29,10 @@ std::shared_ptr<const TokenBytesTable> Vocabulary() {
 std::unique_ptr<TokenConstraint> Constraint(const char* pattern) {
   auto dfa = tgis::grammar::CompileRegex(pattern);
   EXPECT_TRUE(dfa.ok()) << dfa.status();
-  return std::make_unique<TokenConstraint>(std::make_shared<const tgis::grammar::ByteDfa>(*dfa),
-                                           Vocabulary(), std::vector<int32_t>{kEos});
+  return std::make_unique<TokenConstraint>(
+      std::make_shared<tgis::server::GuidedAutomaton>(
+          std::make_shared<const tgis::grammar::ByteDfa>(*dfa), Vocabulary()),
+      std::vector<int32_t>{kEos});
 }
 
 std::vector<int> Allowed(TokenConstraint* c) {
