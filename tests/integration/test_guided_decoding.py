@@ -29,15 +29,14 @@ CASES = {c["name"]: c for c in GOLDEN["cases"]}
 LAUNCHER = "launcher/text-generation-launcher"
 
 
-@pytest.fixture(scope="module")
-def server():
+def launch(num_shard):
     need_binaries()
     tmp = Path(tempfile.mkdtemp(prefix="tgis-guided-"))
     grpc_port, http_port = free_port(), free_port()
     env = {"MODEL_NAME": str(FIXTURES / "models" / "llama"), "GRPC_PORT": str(grpc_port),
            "PORT": str(http_port), "SHARD_UDS_PATH": str(tmp / "shard"),
            "TERMINATION_LOG": str(tmp / "termination-log"), "KV_CACHE_BLOCKS": "128",
-           "DTYPE_STR": "float32"}
+           "DTYPE_STR": "float32", "NUM_SHARD": str(num_shard)}
     proc = Process([binary(LAUNCHER)], env=env)
     try:
         _, pb, stub = wait_serving(proc, grpc_port, timeout=120)
@@ -45,6 +44,23 @@ def server():
     finally:
         proc.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from launch(1)
+
+
+def test_tensor_parallel_shards_follow_the_same_pattern():
+    # Two shards each mask and choose (the same tokens: every rank samples the same logits).
+    for pb, stub in launch(2):
+        for name in ("phone", "choice", "date"):
+            case = CASES[name]
+            r = stub.Generate(pb.BatchedGenerationRequest(
+                params=params(pb, case), requests=[pb.GenerationRequest(text=case["prompt"])]),
+                timeout=60).responses[0]
+            check(pb, case, r.text, r.stop_reason, r.generated_token_count,
+                  [t.logprob for t in r.tokens])
 
 
 def decoding(pb, case):
