@@ -138,17 +138,24 @@ size_t LoraWeights::bytes() const {
   return n;
 }
 
-bool IsLoraAdapter(const fs::path& dir) {
+std::optional<Json> LoraAdapterConfig(const fs::path& dir) {
   std::error_code ec;
-  if (!fs::is_regular_file(dir / "adapter_config.json", ec)) return false;
+  if (!fs::is_regular_file(dir / "adapter_config.json", ec)) return std::nullopt;
   auto config = ReadJsonObject(dir / "adapter_config.json", /*required=*/true);
-  return config.ok() && config->value("peft_type", Json()) == "LORA";
+  if (!config.ok() || config->value("peft_type", Json()) != "LORA") return std::nullopt;
+  return *std::move(config);
 }
 
 absl::StatusOr<LoraAdapter> ReadLoraAdapter(const fs::path& dir, const std::string& name) {
-  const std::string config_file = name + "/adapter_config.json";
   auto config = ReadJsonObject(dir / "adapter_config.json", /*required=*/true);
-  if (!config.ok()) return Bad(config_file, "not a JSON object");
+  if (!config.ok()) return Bad(name + "/adapter_config.json", "not a JSON object");
+  return ReadLoraAdapter(dir, name, *config);
+}
+
+absl::StatusOr<LoraAdapter> ReadLoraAdapter(const fs::path& dir, const std::string& name,
+                                            const Json& config_json) {
+  const std::string config_file = name + "/adapter_config.json";
+  const Json* config = &config_json;
   if (config->value("peft_type", Json()) != "LORA") {
     return Bad(config_file, "peft_type is not \"LORA\"");
   }

@@ -14,6 +14,8 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,12 +54,15 @@ struct LoraAdapter {
   std::map<std::string, std::pair<kernels::Tensor, kernels::Tensor>> modules;
 };
 
-// Whether `dir` holds a LoRA adapter (adapter_config.json with peft_type "LORA").
-bool IsLoraAdapter(const std::filesystem::path& dir);
+// adapter_config.json of `dir` when it says peft_type "LORA"; nullopt when the folder holds no
+// LoRA adapter (a prompt-tuning prefix, or nothing).
+std::optional<nlohmann::json> LoraAdapterConfig(const std::filesystem::path& dir);
 // `name` stands for `dir` in error messages (a request's adapter id: no server path reaches
-// a client).
+// a client). `config`: LoraAdapterConfig's, when already read.
 absl::StatusOr<LoraAdapter> ReadLoraAdapter(const std::filesystem::path& dir,
                                             const std::string& name);
+absl::StatusOr<LoraAdapter> ReadLoraAdapter(const std::filesystem::path& dir,
+                                            const std::string& name, const nlohmann::json& config);
 
 // The adapter's deltas for the part of the model `layout` gives this rank; an adapter whose
 // modules, ranks or shapes do not fit the model (spec.lora_targets) fails naming them.

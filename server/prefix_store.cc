@@ -85,7 +85,6 @@ absl::StatusOr<Tensor> PrefixStore::Process(const Tensor& prefix,
 }
 
 int64_t Prefix::length(bool encoder_decoder) const {
-  if (lora) return 0;
   int64_t n = encoder ? encoder->dim(0) : 0;
   if (decoder) n += decoder->dim(0) + (encoder_decoder ? 1 : 0);
   return n;
@@ -121,13 +120,13 @@ absl::StatusOr<Prefix> PrefixStore::Load(const std::string& id) const {
     return Raised("Exception", absl::StrCat("Invalid prefix id ", id));
   }
   std::error_code ec;
-  if (IsLoraAdapter(dir)) {
+  if (std::optional<nlohmann::json> config = LoraAdapterConfig(dir)) {
     if (options_.model == nullptr || options_.encoder_decoder) {
       return absl::UnimplementedError(
           absl::StrCat("prefix id ", id, " is a LoRA adapter; this model serves none"));
     }
     LOG(INFO) << "Loading LoRA adapter " << id;
-    absl::StatusOr<LoraAdapter> adapter = ReadLoraAdapter(dir, id);
+    absl::StatusOr<LoraAdapter> adapter = ReadLoraAdapter(dir, id, *config);
     if (!adapter.ok()) return adapter.status();
     absl::StatusOr<std::shared_ptr<const LoraWeights>> lora = options_.model->MakeLora(*adapter);
     if (!lora.ok()) return lora.status();

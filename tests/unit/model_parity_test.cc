@@ -98,17 +98,20 @@ class ParityFixture {
     rope_stepwise_ = j.value("rope_stepwise", false);
     // A dense checkpoint whose goldens are of it quantized at load (--quantize).
     if (j.contains("quantize")) quantize_ = j["quantize"].get<std::string>();
-    for (const Json& p : j["prompts"]) {
-      Golden g;
-      g.input = p["input_ids"].get<std::vector<int32_t>>();
-      g.generated = p["generated_ids"].get<std::vector<int32_t>>();
-      g.logprobs = p["logprobs"].get<std::vector<double>>();
-      for (const Json& v : p.value("prompt_logprobs", Json::array())) {
-        g.prompt_logprobs.push_back(v.is_null() ? std::nan("") : v.get<double>());
-      }
-      goldens_.push_back(std::move(g));
-    }
+    for (const Json& p : j["prompts"]) goldens_.push_back(GoldenFromJson(p));
     ASSERT_FALSE(goldens_.empty());
+  }
+
+  // One prompt of a golden file (the fixture scripts' golden_for).
+  static Golden GoldenFromJson(const Json& p) {
+    Golden g;
+    g.input = p["input_ids"].get<std::vector<int32_t>>();
+    g.generated = p["generated_ids"].get<std::vector<int32_t>>();
+    g.logprobs = p["logprobs"].get<std::vector<double>>();
+    for (const Json& v : p.value("prompt_logprobs", Json::array())) {
+      g.prompt_logprobs.push_back(v.is_null() ? std::nan("") : v.get<double>());
+    }
+    return g;
   }
 
   // Runs `body` on an engine of every rank of the group at once (world size 1: here).
@@ -1490,16 +1493,7 @@ class LoraParityTest : public ParityFixture,
     const Json j = Json::parse(buf.str());
     for (const auto& [id, adapter] : j["adapters"].items()) {
       if (adapter["model"] != std::get<0>(GetParam())) continue;
-      for (const Json& p : adapter["prompts"]) {
-        Golden g;
-        g.input = p["input_ids"].get<std::vector<int32_t>>();
-        g.generated = p["generated_ids"].get<std::vector<int32_t>>();
-        g.logprobs = p["logprobs"].get<std::vector<double>>();
-        for (const Json& v : p["prompt_logprobs"]) {
-          g.prompt_logprobs.push_back(v.is_null() ? std::nan("") : v.get<double>());
-        }
-        lora_goldens_[id].push_back(std::move(g));
-      }
+      for (const Json& p : adapter["prompts"]) lora_goldens_[id].push_back(GoldenFromJson(p));
     }
     ASSERT_FALSE(lora_goldens_.empty());
   }
