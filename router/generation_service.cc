@@ -376,6 +376,10 @@ absl::StatusOr<fmaas::BatchedTokenizeResponse> GenerationService::TokenizeAll(
     m->tokenize_request_count->Add(1);
     m->tokenize_request_input_count->Add(request.requests_size());
   }
+  if (std::optional<std::string> prefix_id = SelectedPrefix(request)) {
+    absl::StatusOr<uint32_t> length = PrefixLength(*prefix_id);
+    if (!length.ok()) return PromptPrefixError(*prefix_id, length.status());
+  }
   fmaas::BatchedTokenizeResponse response;
   uint64_t total_tokens = 0;
   for (const fmaas::TokenizeRequest& r : request.requests()) {

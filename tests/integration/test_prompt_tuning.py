@@ -240,3 +240,24 @@ def test_lora_adapters_and_the_base_model_run_concurrently(server):
     for (adapter_id, _, want), got in zip(jobs * 2, results):
         assert len(got) == n, adapter_id
         assert all(abs(a - b) < 1e-4 for a, b in zip(got, want)), (adapter_id, got, want)
+
+
+def test_tokenize_looks_the_adapter_up_as_generate_does(server):
+    # vllm-tgis-adapter's Tokenize takes adapter_id / prefix_id: a good one tokenizes as the
+    # model does, a bad one fails with Generate's message (never ignored).
+    pb, stub, _, proc = server
+    texts = [pb.TokenizeRequest(text="Hello world, adapters!")]
+    plain = stub.Tokenize(pb.BatchedTokenizeRequest(requests=texts, return_tokens=True), timeout=30)
+    for kw in ({"adapter_id": LLAMA_ADAPTERS[0]}, {"prefix_id": sorted(GOLDEN["prefixes"])[0]}):
+        got = stub.Tokenize(pb.BatchedTokenizeRequest(requests=texts, return_tokens=True, **kw),
+                            timeout=30)
+        assert got == plain
+    for kw in ({"adapter_id": "lora/bad_dora"}, {"prefix_id": "lora/bad_dora"},
+               {"adapter_id": "lora/bad_dora", "prefix_id": LLAMA_ADAPTERS[0]}):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Tokenize(pb.BatchedTokenizeRequest(requests=texts, **kw), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details() == (
+            "can't retrieve prompt prefix with id 'lora/bad_dora': lora/bad_dora/"
+            "adapter_config.json: use_dora is true: DoRA adapters are not served")
+    assert proc.alive()
