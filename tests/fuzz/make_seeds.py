@@ -161,6 +161,23 @@ def request_seeds():
     (d / "greedy_defaults").write_bytes(
         b"\x00" + pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="x")])
         .SerializeToString())
+    guided_request_seeds(pb, d)
+
+
+def guided_request_seeds(pb, d: Path):
+    """Guided decoding's DecodingParameters (regex, choice, json_schema, format JSON)."""
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 4},
+                                               "b": {"enum": [1, "x", None]}},
+              "required": ["a"]}
+    decodings = [pb.DecodingParameters(regex=r"[0-9]{3}-(a|b)+\.?"),
+                 pb.DecodingParameters(choice=pb.DecodingParameters.StringChoices(
+                     choices=["yes", "no", "\u65e5\u672c"])),
+                 pb.DecodingParameters(json_schema=json.dumps(schema)),
+                 pb.DecodingParameters(format=pb.DecodingParameters.JSON)]
+    for i, dec in enumerate(decodings):
+        req = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="x")],
+                                          params=pb.Parameters(decoding=dec))
+        (d / f"guided_{i}").write_bytes(b"\x00" + req.SerializeToString())
 
 
 def pem_seeds():
