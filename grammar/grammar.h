@@ -74,4 +74,9 @@ absl::StatusOr<ByteDfa> CompileJsonSchema(std::string_view schema);
 // Any JSON object (format JSON, as vLLM serves it: the schema {"type": "object"}).
 absl::StatusOr<ByteDfa> CompileJsonObject();
 
+// A GBNF grammar (llama.cpp's EBNF, as xgrammar reads vLLM's `grammar`) whose language is
+// regular: rules are inlined from `root`; a recursive rule is refused by name (Unimplemented).
+// Literals, character classes, `.`, grouping, alternation, * + ? {m} {m,} {m,n}, comments.
+absl::StatusOr<ByteDfa> CompileGbnf(std::string_view grammar);
+
 }  // namespace tgis::grammar

@@ -115,7 +115,7 @@ class GuidedCache {
 };
 
 // vllm-tgis-adapter's guided decoding (its get_structured_output_params): regex, choice,
-// json_schema and format JSON are served; grammar is refused by name rather than ignored.
+// json_schema, format JSON and (regular) GBNF grammars.
 absl::Status CompileGuided(const fmaas::DecodingParameters& d, GenerationParams* gp) {
   using D = fmaas::DecodingParameters;
   static GuidedCache* cache = new GuidedCache;
@@ -135,9 +135,10 @@ absl::Status CompileGuided(const fmaas::DecodingParameters& d, GenerationParams*
                        [&] { return grammar::CompileJsonSchema(d.json_schema()); });
       break;
     case D::kGrammar:
-      return absl::UnimplementedError(
-          "guided decoding: grammar is not supported by this server (regex, choice, json_schema "
-          "and format JSON are)");
+      what = "grammar";
+      dfa =
+          cache->Get("grammar\n" + d.grammar(), [&] { return grammar::CompileGbnf(d.grammar()); });
+      break;
     case D::kRegex:
       what = "regex";
       dfa = cache->Get("regex\n" + d.regex(), [&] { return grammar::CompileRegex(d.regex()); });
@@ -152,9 +153,9 @@ absl::Status CompileGuided(const fmaas::DecodingParameters& d, GenerationParams*
     }
   }
   if (!dfa.ok()) {
-    // json_schema's messages name the keyword path themselves.
+    // json_schema's and grammar's messages name what they are about themselves.
     const std::string message =
-        what == "json_schema"
+        what == "json_schema" || what == "grammar"
             ? absl::StrCat("guided decoding: ", dfa.status().message())
             : absl::StrCat("guided decoding: ", what, ": ", dfa.status().message());
     return absl::Status(dfa.status().code(), message);

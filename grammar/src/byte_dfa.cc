@@ -302,7 +302,9 @@ absl::StatusOr<ByteDfa> PruneAndMinimize(const ByteDfa& in) {
   return out;
 }
 
-absl::StatusOr<ByteDfa> Compile(const RegexNode& root) {
+}  // namespace
+
+absl::StatusOr<ByteDfa> CompileNode(const RegexNode& root) {
   NfaBuilder builder;
   absl::StatusOr<NfaBuilder::Fragment> f = builder.Build(root);
   if (!f.ok()) return f.status();
@@ -310,8 +312,6 @@ absl::StatusOr<ByteDfa> Compile(const RegexNode& root) {
   if (!dfa.ok()) return dfa;
   return PruneAndMinimize(*dfa);
 }
-
-}  // namespace
 
 int32_t ByteDfa::Walk(int32_t state, std::string_view bytes) const {
   for (char b : bytes) {
@@ -355,7 +355,7 @@ absl::Status ByteDfa::Validate() const {
 absl::StatusOr<ByteDfa> CompileRegex(std::string_view pattern) {
   absl::StatusOr<RegexNode> root = ParseRegex(pattern);
   if (!root.ok()) return root.status();
-  return Compile(*root);
+  return CompileNode(*root);
 }
 
 absl::StatusOr<ByteDfa> CompileChoices(const std::vector<std::string>& choices) {
@@ -367,7 +367,7 @@ absl::StatusOr<ByteDfa> CompileChoices(const std::vector<std::string>& choices) 
     if (!text) return absl::InvalidArgumentError("a choice is not valid UTF-8");
     alt.children.push_back(RegexNode::Literal(*text));
   }
-  return Compile(alt);
+  return CompileNode(alt);
 }
 
 }  // namespace tgis::grammar

@@ -42,4 +42,8 @@ struct RegexNode {
 // Python `re` syntax (see grammar.h for what is supported).
 absl::StatusOr<RegexNode> ParseRegex(std::string_view pattern);
 
+struct ByteDfa;
+// The minimal automaton of a parsed language (byte_dfa.cc).
+absl::StatusOr<ByteDfa> CompileNode(const RegexNode& root);
+
 }  // namespace tgis::grammar

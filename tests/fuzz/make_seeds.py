@@ -173,7 +173,8 @@ def guided_request_seeds(pb, d: Path):
                  pb.DecodingParameters(choice=pb.DecodingParameters.StringChoices(
                      choices=["yes", "no", "\u65e5\u672c"])),
                  pb.DecodingParameters(json_schema=json.dumps(schema)),
-                 pb.DecodingParameters(format=pb.DecodingParameters.JSON)]
+                 pb.DecodingParameters(format=pb.DecodingParameters.JSON),
+                 pb.DecodingParameters(grammar='root ::= "yes" | [0-9]{1,3}\nws ::= [ ]*')]
     for i, dec in enumerate(decodings):
         req = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="x")],
                                           params=pb.Parameters(decoding=dec))

@@ -3,9 +3,9 @@ launcher, router and shard, as a client of that API uses it: greedy outputs are 
 transformers' greedy choice under an independent oracle (Python's `regex` deciding which
 tokens can still lead to a match; tests/fixtures/guided/golden.json, made by
 make_guided_golden.py), ids, logprobs, text and stop reason; sampled outputs match the pattern;
-json_schema and format JSON outputs parse as JSON and satisfy the schema; what is not served
-(grammar, non-regular patterns, schema keywords not enforced) is refused by name, never
-ignored."""
+json_schema and format JSON outputs parse as JSON and satisfy the schema; a GBNF grammar gives
+its regex's output; what is not served (recursive grammars, non-regular patterns, schema
+keywords not enforced) is refused by name, never ignored."""
 
 from __future__ import annotations
 
@@ -217,6 +217,17 @@ def test_json_schema_outputs_satisfy_the_schema(server, method, seed):
     check_person(json.loads(r.text))
 
 
+def test_a_grammar_is_the_same_language_as_its_regex(server):
+    # A GBNF grammar of the phone case's language: the same automaton, so the same output.
+    pb, stub = server
+    case = CASES["phone"]
+    p = params(pb, case)
+    p.decoding.grammar = 'root ::= digit{3} "-" digit{4}  # as [0-9]{3}-[0-9]{4}\ndigit ::= [0-9]'
+    r = stub.Generate(pb.BatchedGenerationRequest(
+        params=p, requests=[pb.GenerationRequest(text=case["prompt"])]), timeout=60).responses[0]
+    check(pb, case, r.text, r.stop_reason, r.generated_token_count, [t.logprob for t in r.tokens])
+
+
 def test_format_json_outputs_an_object(server):
     pb, stub = server
     for seed in (1, 2, 3, 4, 5, 6):
@@ -250,9 +261,11 @@ def test_format_json_outputs_an_object(server):
      "found"),
     ({"json_schema": '{"type": '}, "INVALID_ARGUMENT",
      "guided decoding: json_schema is not valid JSON"),
-    ({"grammar": "root ::= \"a\""}, "UNIMPLEMENTED",
-     "guided decoding: grammar is not supported by this server (regex, choice, json_schema and "
-     "format JSON are)"),
+    ({"grammar": 'root ::= "(" root ")" | "x"'}, "UNIMPLEMENTED",
+     "guided decoding: grammar: rule root is recursive; only grammars without recursion "
+     "(regular languages) are served"),
+    ({"grammar": 'root ::= digit\ndigit ::= [0-9'}, "INVALID_ARGUMENT",
+     "guided decoding: grammar: unterminated character class at line 2 column 11"),
 ])
 def test_what_is_not_served_is_refused_by_name(server, decoding_kw, code, message):
     pb, stub = server

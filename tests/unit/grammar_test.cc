@@ -225,3 +225,45 @@ TEST(GuidedJsonSchema, FormatJsonIsAnyObjectNestedAFewLevels) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(GuidedGbnf, MatchesWhatPythonMatchesForTheSameLanguage) {
+  std::ifstream in(std::string(TGIS_FIXTURES_DIR) + "/guided/gbnf_cases.json");
+  std::stringstream buf;
+  buf << in.rdbuf();
+  const nlohmann::json cases = nlohmann::json::parse(buf.str());
+  size_t checked = 0;
+  for (const auto& c : cases["cases"]) {
+    const std::string grammar = c["grammar"];
+    auto dfa = tgis::grammar::CompileGbnf(grammar);
+    ASSERT_TRUE(dfa.ok()) << grammar << ": " << dfa.status();
+    for (const auto& row : c["texts"]) {
+      EXPECT_EQ(dfa->Matches(row[0].get<std::string>()), row[1].get<bool>())
+          << "grammar " << grammar << " text " << row[0];
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 1000u);
+  for (const auto& r : cases["refused"]) {
+    auto dfa = tgis::grammar::CompileGbnf(r[1].get<std::string>());
+    ASSERT_FALSE(dfa.ok()) << r[1];
+    EXPECT_EQ(dfa.status().code(), r[0] == "recursive" ? absl::StatusCode::kUnimplemented
+                                                       : absl::StatusCode::kInvalidArgument)
+        << dfa.status();
+    EXPECT_EQ(dfa.status().message().rfind("grammar: ", 0), 0u) << dfa.status();
+  }
+}
+
+TEST(GuidedGbnf, ErrorsNameTheLineAndColumn) {
+  auto dfa = tgis::grammar::CompileGbnf("root ::= a\na ::= \"x\" )");
+  ASSERT_FALSE(dfa.ok());
+  EXPECT_EQ(std::string(dfa.status().message()),
+            "grammar: expected the end of the rule at line 2 column 11");
+  auto recursive = tgis::grammar::CompileGbnf("root ::= \"(\" root \")\" | \"x\"");
+  EXPECT_EQ(std::string(recursive.status().message()),
+            "grammar: rule root is recursive; only grammars without recursion (regular "
+            "languages) are served");
+}
+
+}  // namespace

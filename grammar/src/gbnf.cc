@@ -1,0 +1,381 @@
+// GBNF grammars (llama.cpp's EBNF dialect, which xgrammar reads too: vLLM's `grammar`) served
+// when their language is regular: every rule reference is inlined from `root`, and a rule
+// that reaches itself (recursion: a context-free language, such as JSON's) is refused by name.
+//
+//   root ::= answer ("," ws answer)*        # a comment
+//   answer ::= "yes" | "no" | [0-9]{1,3}
+//   ws ::= [ \t\n]*
+//
+// Terminals: "literals" and [character classes] (ranges, ^, escapes \n \t \r \\ \" \] \xHH
+// \uHHHH \UHHHHHHHH), `.` (any character); grouping, alternation, postfix * + ? {m} {m,}
+// {m,n}. A rule runs to the end of its line, or on while parentheses are open.
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "grammar/grammar.h"
+#include "grammar/src/regex_ast.h"
+#include "grammar/src/utf8.h"
+
+namespace tgis::grammar {
+namespace {
+
+// A rule body: RegexNode's kinds, plus references to rules (kind kEmpty with `ref` set).
+struct Expr {
+  RegexNode node;              // sets, and the structure of the children below
+  std::vector<Expr> children;  // kConcat, kAlt, kRepeat
+  std::string ref;             // a rule reference when not empty
+};
+
+class GbnfParser {
+ public:
+  explicit GbnfParser(std::u32string text) : s_(std::move(text)) {}
+
+  absl::Status Parse(std::map<std::string, Expr>* rules) {
+    while (true) {
+      SkipSpace(/*newlines=*/true);
+      if (AtEnd()) break;
+      const size_t at = pos_;
+      std::string name = Name();
+      if (name.empty()) return Error("expected a rule name", at);
+      SkipSpace(false);
+      if (!Take(U"::=")) return Error(absl::StrCat("expected ::= after ", name), pos_);
+      SkipSpace(true);
+      absl::StatusOr<Expr> body = Alternatives(/*nested=*/false);
+      if (!body.ok()) return body.status();
+      if (rules->count(name)) return Error(absl::StrCat("rule ", name, " is defined twice"), at);
+      (*rules)[name] = *std::move(body);
+      SkipSpace(false);
+      if (!AtEnd() && Peek() != '\n' && Peek() != '\r') {
+        return Error("expected the end of the rule", pos_);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  bool AtEnd() const { return pos_ >= s_.size(); }
+  char32_t Peek(size_t ahead = 0) const {
+    return pos_ + ahead < s_.size() ? s_[pos_ + ahead] : char32_t{0};
+  }
+  bool Take(std::u32string_view word) {
+    if (s_.compare(pos_, word.size(), word) != 0) return false;
+    pos_ += word.size();
+    return true;
+  }
+  absl::Status Error(absl::string_view what, size_t at) const {
+    size_t line = 1, column = 1;
+    for (size_t i = 0; i < at && i < s_.size(); ++i) {
+      if (s_[i] == '\n') {
+        ++line;
+        column = 1;
+      } else {
+        ++column;
+      }
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("grammar: ", what, " at line ", line, " column ", column));
+  }
+  static bool NameChar(char32_t c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+           c == '_';
+  }
+  std::string Name() {
+    std::string name;
+    while (!AtEnd() && NameChar(Peek())) name.push_back(static_cast<char>(s_[pos_++]));
+    return name;
+  }
+  // Spaces, tabs and comments; newlines too when `newlines` (inside parentheses, after ::=).
+  void SkipSpace(bool newlines) {
+    while (!AtEnd()) {
+      const char32_t c = Peek();
+      if (c == '#') {
+        while (!AtEnd() && Peek() != '\n') ++pos_;
+      } else if (c == ' ' || c == '\t' || (newlines && (c == '\n' || c == '\r'))) {
+        ++pos_;
+      } else {
+        break;
+      }
+    }
+  }
+
+  absl::StatusOr<Expr> Alternatives(bool nested) {
+    Expr alt;
+    alt.node.kind = RegexNode::kAlt;
+    while (true) {
+      absl::StatusOr<Expr> seq = Sequence(nested);
+      if (!seq.ok()) return seq;
+      alt.children.push_back(*std::move(seq));
+      SkipSpace(nested);
+      if (Peek() != '|' || AtEnd()) break;
+      ++pos_;
+      SkipSpace(true);
+    }
+    if (alt.children.size() == 1) return std::move(alt.children[0]);
+    return alt;
+  }
+
+  absl::StatusOr<Expr> Sequence(bool nested) {
+    Expr seq;
+    seq.node.kind = RegexNode::kConcat;
+    while (true) {
+      SkipSpace(nested);
+      const char32_t c = Peek();
+      if (AtEnd() || c == '|' || c == ')' || c == '\n' || c == '\r') break;
+      // The next rule's definition starts a line: `name ::=` (seen when not nested).
+      if (!nested && NameChar(c)) {
+        size_t p = pos_;
+        while (p < s_.size() && NameChar(s_[p])) ++p;
+        while (p < s_.size() && (s_[p] == ' ' || s_[p] == '\t')) ++p;
+        if (s_.compare(p, 3, U"::=") == 0) break;
+      }
+      absl::StatusOr<Expr> atom = Atom();
+      if (!atom.ok()) return atom;
+      absl::StatusOr<Expr> repeated = Postfix(*std::move(atom));
+      if (!repeated.ok()) return repeated;
+      seq.children.push_back(*std::move(repeated));
+    }
+    if (seq.children.empty()) return Error("expected an expression", pos_);
+    if (seq.children.size() == 1) return std::move(seq.children[0]);
+    return seq;
+  }
+
+  absl::StatusOr<Expr> Postfix(Expr atom) {
+    while (!AtEnd()) {
+      int64_t lo = 0, hi = -1;
+      const char32_t c = Peek();
+      if (c == '*') {
+        ++pos_;
+      } else if (c == '+') {
+        lo = 1;
+        ++pos_;
+      } else if (c == '?') {
+        hi = 1;
+        ++pos_;
+      } else if (c == '{') {
+        const size_t at = pos_++;
+        auto number = [&](int64_t* v) {
+          const size_t start = pos_;
+          *v = 0;
+          while (!AtEnd() && Peek() >= '0' && Peek() <= '9') {
+            *v = std::min<int64_t>(*v * 10 + (Peek() - '0'), int64_t{1} << 40);
+            ++pos_;
+          }
+          return pos_ > start;
+        };
+        SkipSpace(false);
+        if (!number(&lo)) return Error("expected a count in {}", at);
+        SkipSpace(false);
+        hi = lo;
+        if (Peek() == ',') {
+          ++pos_;
+          SkipSpace(false);
+          hi = -1;
+          int64_t upper = 0;
+          if (number(&upper)) hi = upper;
+          SkipSpace(false);
+        }
+        if (Peek() != '}') return Error("expected } after a count", pos_);
+        ++pos_;
+        if (hi >= 0 && hi < lo) return Error("a repetition's maximum is below its minimum", at);
+        if (lo > 10000 || hi > 10000) return Error("a repetition count above 10000", at);
+      } else {
+        break;
+      }
+      Expr r;
+      r.node.kind = RegexNode::kRepeat;
+      r.node.min = static_cast<int32_t>(lo);
+      r.node.max = static_cast<int32_t>(hi);
+      r.children.push_back(std::move(atom));
+      atom = std::move(r);
+    }
+    return atom;
+  }
+
+  absl::StatusOr<Expr> Atom() {
+    const size_t at = pos_;
+    const char32_t c = Peek();
+    Expr e;
+    if (c == '"') {
+      ++pos_;
+      e.node.kind = RegexNode::kConcat;
+      while (true) {
+        if (AtEnd() || Peek() == '\n') return Error("unterminated string", at);
+        if (Peek() == '"') {
+          ++pos_;
+          break;
+        }
+        absl::StatusOr<char32_t> ch = Char();
+        if (!ch.ok()) return ch.status();
+        Expr one;
+        one.node = RegexNode::Set({{*ch, *ch}});
+        e.children.push_back(std::move(one));
+      }
+      if (e.children.empty()) e.node.kind = RegexNode::kEmpty;
+      return e;
+    }
+    if (c == '[') {
+      ++pos_;
+      const bool negated = Peek() == '^';
+      if (negated) ++pos_;
+      CharSet set;
+      while (true) {
+        if (AtEnd()) return Error("unterminated character class", at);
+        if (Peek() == ']') {
+          ++pos_;
+          break;
+        }
+        absl::StatusOr<char32_t> lo = Char();
+        if (!lo.ok()) return lo.status();
+        char32_t hi = *lo;
+        if (Peek() == '-' && Peek(1) != ']' && pos_ + 1 < s_.size()) {
+          ++pos_;
+          absl::StatusOr<char32_t> h = Char();
+          if (!h.ok()) return h.status();
+          hi = *h;
+          if (hi < *lo) return Error("a character range's end is before its start", at);
+        }
+        set.push_back({*lo, hi});
+      }
+      set = Normalized(std::move(set));
+      e.node = RegexNode::Set(negated ? Complement(set) : set);
+      return e;
+    }
+    if (c == '.') {
+      ++pos_;
+      e.node = RegexNode::Set(Complement({}));
+      return e;
+    }
+    if (c == '(') {
+      ++pos_;
+      SkipSpace(true);
+      absl::StatusOr<Expr> inner = Alternatives(/*nested=*/true);
+      if (!inner.ok()) return inner;
+      SkipSpace(true);
+      if (Peek() != ')' || AtEnd()) return Error("expected )", pos_);
+      ++pos_;
+      return inner;
+    }
+    if (NameChar(c)) {
+      e.ref = Name();
+      return e;
+    }
+    return Error("unexpected character", at);
+  }
+
+  // One character of a literal or class, escapes decoded.
+  absl::StatusOr<char32_t> Char() {
+    const size_t at = pos_;
+    char32_t c = s_[pos_++];
+    if (c != '\\') return c;
+    if (AtEnd()) return Error("an escape at the end", at);
+    c = s_[pos_++];
+    auto hex = [&](int digits) -> absl::StatusOr<char32_t> {
+      char32_t v = 0;
+      for (int i = 0; i < digits; ++i) {
+        const char32_t h = Peek();
+        int d = -1;
+        if (h >= '0' && h <= '9') d = static_cast<int>(h - '0');
+        if (h >= 'a' && h <= 'f') d = static_cast<int>(h - 'a' + 10);
+        if (h >= 'A' && h <= 'F') d = static_cast<int>(h - 'A' + 10);
+        if (d < 0 || AtEnd()) return Error("an incomplete escape", at);
+        v = v * 16 + static_cast<char32_t>(d);
+        ++pos_;
+      }
+      if (v > kMaxCodePoint) return Error("an escape beyond Unicode", at);
+      return v;
+    };
+    switch (c) {
+      case 'n':
+        return U'\n';
+      case 't':
+        return U'\t';
+      case 'r':
+        return U'\r';
+      case 'x':
+        return hex(2);
+      case 'u':
+        return hex(4);
+      case 'U':
+        return hex(8);
+      case '\\':
+      case '"':
+      case '[':
+      case ']':
+      case '-':
+      case '^':
+        return c;
+      default:
+        return Error("an unknown escape", at);
+    }
+  }
+
+  std::u32string s_;
+  size_t pos_ = 0;
+};
+
+// Rule references replaced by their bodies, from `root`; recursion refused.
+class Inliner {
+ public:
+  explicit Inliner(const std::map<std::string, Expr>& rules) : rules_(rules) {}
+
+  absl::StatusOr<RegexNode> Expand(const Expr& e) {
+    // Copies multiply (a rule used twice by a rule used twice...): bounded, as the regex
+    // compiler bounds its own states.
+    constexpr size_t kMaxNodes = 2'000'000;
+    if (++nodes_ > kMaxNodes) {
+      return absl::InvalidArgumentError("grammar: too large once its rules are expanded");
+    }
+    if (!e.ref.empty()) {
+      auto it = rules_.find(e.ref);
+      if (it == rules_.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("grammar: rule ", e.ref, " is not defined"));
+      }
+      if (active_.count(e.ref)) {
+        return absl::UnimplementedError(absl::StrCat(
+            "grammar: rule ", e.ref,
+            " is recursive; only grammars without recursion (regular languages) are served"));
+      }
+      active_.insert(e.ref);
+      absl::StatusOr<RegexNode> body = Expand(it->second);
+      active_.erase(e.ref);
+      return body;
+    }
+    RegexNode n = e.node;
+    for (const Expr& c : e.children) {
+      absl::StatusOr<RegexNode> child = Expand(c);
+      if (!child.ok()) return child;
+      n.children.push_back(*std::move(child));
+    }
+    return n;
+  }
+
+ private:
+  const std::map<std::string, Expr>& rules_;
+  std::set<std::string> active_;
+  size_t nodes_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<ByteDfa> CompileGbnf(std::string_view grammar) {
+  std::optional<std::u32string> text = DecodeUtf8(grammar);
+  if (!text) return absl::InvalidArgumentError("grammar: not valid UTF-8");
+  std::map<std::string, Expr> rules;
+  if (absl::Status st = GbnfParser(*std::move(text)).Parse(&rules); !st.ok()) return st;
+  if (rules.count("root") == 0) return absl::InvalidArgumentError("grammar: no root rule");
+  Expr root;
+  root.ref = "root";
+  absl::StatusOr<RegexNode> node = Inliner(rules).Expand(root);
+  if (!node.ok()) return node.status();
+  absl::StatusOr<ByteDfa> dfa = CompileNode(*node);
+  if (!dfa.ok()) {
+    return absl::Status(dfa.status().code(), absl::StrCat("grammar: ", dfa.status().message()));
+  }
+  return dfa;
+}
+
+}  // namespace tgis::grammar
