@@ -75,7 +75,9 @@ absl::StatusOr<ByteDfa> CompileJsonSchema(std::string_view schema);
 absl::StatusOr<ByteDfa> CompileJsonObject();
 
 // A GBNF grammar (llama.cpp's EBNF, as xgrammar reads vLLM's `grammar`) whose language is
-// regular: rules are inlined from `root`; a recursive rule is refused by name (Unimplemented).
+// regular: rules are inlined from `root`, a reference in the tail of a rule being expanded
+// loops back to its start (right recursion), any other recursion is refused by name
+// (Unimplemented).
 // Literals, character classes, `.`, grouping, alternation, * + ? {m} {m,} {m,n}, comments.
 absl::StatusOr<ByteDfa> CompileGbnf(std::string_view grammar);
 

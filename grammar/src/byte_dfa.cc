@@ -108,6 +108,23 @@ class NfaBuilder {
         states_[at].epsilon.push_back(end);
         return Fragment{start, end};
       }
+      case RegexNode::kRule: {
+        // The instance's start, where its tail references jump back to (while it is built;
+        // each copy a repetition makes registers its own).
+        const int32_t start = New();
+        rule_start_[n.rule] = start;
+        absl::StatusOr<Fragment> body = Build(n.children[0]);
+        if (!body.ok()) return body;
+        states_[start].epsilon.push_back(body->start);
+        return Fragment{start, body->end};
+      }
+      case RegexNode::kJump: {
+        auto it = rule_start_.find(n.rule);
+        if (it == rule_start_.end()) return absl::InternalError("a jump outside its rule");
+        const int32_t from = New();
+        states_[from].epsilon.push_back(it->second);
+        return Fragment{from, New()};  // nothing continues after a tail reference itself
+      }
     }
     return absl::InternalError("unknown regex node");
   }
@@ -120,6 +137,7 @@ class NfaBuilder {
     return static_cast<int32_t>(states_.size() - 1);
   }
   std::vector<NfaState> states_;
+  std::map<int32_t, int32_t> rule_start_;  // rule instance -> its start state
 };
 
 void Closure(const std::vector<NfaState>& nfa, std::vector<int32_t>* set, std::vector<char>* seen) {

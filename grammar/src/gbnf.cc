@@ -1,6 +1,7 @@
 // GBNF grammars (llama.cpp's EBNF dialect, which xgrammar reads too: vLLM's `grammar`) served
-// when their language is regular: every rule reference is inlined from `root`, and a rule
-// that reaches itself (recursion: a context-free language, such as JSON's) is refused by name.
+// when their language is regular: every rule reference is inlined from `root`, right recursion
+// becomes a loop, and any other recursion (a context-free language, such as JSON's) is refused
+// by name.
 //
 //   root ::= answer ("," ws answer)*        # a comment
 //   answer ::= "yes" | "no" | [0-9]{1,3}
@@ -138,7 +139,7 @@ class GbnfParser {
       if (!repeated.ok()) return repeated;
       seq.children.push_back(*std::move(repeated));
     }
-    if (seq.children.empty()) return Error("expected an expression", pos_);
+    if (seq.children.empty()) seq.node.kind = RegexNode::kEmpty;  // an empty alternative
     if (seq.children.size() == 1) return std::move(seq.children[0]);
     return seq;
   }
@@ -317,36 +318,29 @@ class GbnfParser {
   size_t pos_ = 0;
 };
 
-// Rule references replaced by their bodies, from `root`; recursion refused.
+// Rule references replaced by their bodies, from `root`. A reference to a rule being expanded
+// is served where it is the last thing that rule (and every rule expanded between them) does:
+// a loop back to the rule's start (right recursion: `ws ::= ([ \t] ws)?`, `list ::= item (","
+// list)?`). Any other recursion makes the language context-free: refused by name.
 class Inliner {
  public:
   explicit Inliner(const std::map<std::string, Expr>& rules) : rules_(rules) {}
 
-  absl::StatusOr<RegexNode> Expand(const Expr& e) {
+  absl::StatusOr<RegexNode> Expand(const Expr& e, bool tail) {
     // Copies multiply (a rule used twice by a rule used twice...): bounded, as the regex
     // compiler bounds its own states.
-    constexpr size_t kMaxNodes = 2'000'000;
+    constexpr size_t kMaxNodes = 500'000;
     if (++nodes_ > kMaxNodes) {
       return absl::InvalidArgumentError("grammar: too large once its rules are expanded");
     }
-    if (!e.ref.empty()) {
-      auto it = rules_.find(e.ref);
-      if (it == rules_.end()) {
-        return absl::InvalidArgumentError(absl::StrCat("grammar: rule ", e.ref, " is not defined"));
-      }
-      if (active_.count(e.ref)) {
-        return absl::UnimplementedError(absl::StrCat(
-            "grammar: rule ", e.ref,
-            " is recursive; only grammars without recursion (regular languages) are served"));
-      }
-      active_.insert(e.ref);
-      absl::StatusOr<RegexNode> body = Expand(it->second);
-      active_.erase(e.ref);
-      return body;
-    }
+    if (!e.ref.empty()) return Reference(e.ref, tail);
     RegexNode n = e.node;
-    for (const Expr& c : e.children) {
-      absl::StatusOr<RegexNode> child = Expand(c);
+    for (size_t i = 0; i < e.children.size(); ++i) {
+      // The last of a sequence, any alternative, and an optional part keep the tail position.
+      bool child_tail = tail;
+      if (n.kind == RegexNode::kConcat) child_tail = tail && i + 1 == e.children.size();
+      if (n.kind == RegexNode::kRepeat) child_tail = tail && n.max == 1;
+      absl::StatusOr<RegexNode> child = Expand(e.children[i], child_tail);
       if (!child.ok()) return child;
       n.children.push_back(*std::move(child));
     }
@@ -354,8 +348,43 @@ class Inliner {
   }
 
  private:
+  absl::StatusOr<RegexNode> Reference(const std::string& name, bool tail) {
+    auto it = rules_.find(name);
+    if (it == rules_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("grammar: rule ", name, " is not defined"));
+    }
+    for (size_t i = 0; i < active_.size(); ++i) {
+      if (active_[i].first != name) continue;
+      if (tail && i >= tail_from_) {
+        RegexNode jump;
+        jump.kind = RegexNode::kJump;
+        jump.rule = active_[i].second;
+        return jump;
+      }
+      return absl::UnimplementedError(absl::StrCat(
+          "grammar: rule ", name,
+          " is recursive other than at its end; only grammars of regular languages are served"));
+    }
+    const size_t saved_tail_from = tail_from_;
+    if (!tail) tail_from_ = active_.size();
+    active_.emplace_back(name, next_instance_++);
+    absl::StatusOr<RegexNode> body = Expand(it->second, /*tail=*/true);
+    RegexNode rule;
+    rule.kind = RegexNode::kRule;
+    rule.rule = active_.back().second;
+    active_.pop_back();
+    tail_from_ = saved_tail_from;
+    if (!body.ok()) return body;
+    rule.children.push_back(*std::move(body));
+    return rule;
+  }
+
   const std::map<std::string, Expr>& rules_;
-  std::set<std::string> active_;
+  // The rules being expanded, outermost first, with their instance numbers; a reference at the
+  // tail of the innermost is at the tail of those from tail_from_ on.
+  std::vector<std::pair<std::string, int32_t>> active_;
+  size_t tail_from_ = 0;
+  int32_t next_instance_ = 0;
   size_t nodes_ = 0;
 };
 
@@ -369,7 +398,7 @@ absl::StatusOr<ByteDfa> CompileGbnf(std::string_view grammar) {
   if (rules.count("root") == 0) return absl::InvalidArgumentError("grammar: no root rule");
   Expr root;
   root.ref = "root";
-  absl::StatusOr<RegexNode> node = Inliner(rules).Expand(root);
+  absl::StatusOr<RegexNode> node = Inliner(rules).Expand(root, /*tail=*/true);
   if (!node.ok()) return node.status();
   absl::StatusOr<ByteDfa> dfa = CompileNode(*node);
   if (!dfa.ok()) {

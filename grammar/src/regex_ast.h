@@ -24,11 +24,15 @@ CharSet Complement(const CharSet& set);
 CharSet Union(CharSet a, const CharSet& b);
 
 struct RegexNode {
-  enum Kind { kEmpty, kSet, kConcat, kAlt, kRepeat };
+  // kRule and kJump come from grammars: a rule's instance (its one child), and a reference to
+  // the instance of an enclosing rule `rule` in the position where nothing follows it in that
+  // rule (tail recursion, a loop back to the rule's start: still a regular language).
+  enum Kind { kEmpty, kSet, kConcat, kAlt, kRepeat, kRule, kJump };
   Kind kind = kEmpty;
   CharSet set;                      // kSet
-  std::vector<RegexNode> children;  // kConcat, kAlt; kRepeat: one
+  std::vector<RegexNode> children;  // kConcat, kAlt; kRepeat, kRule: one
   int32_t min = 0, max = -1;        // kRepeat; max -1: unbounded
+  int32_t rule = -1;                // kRule, kJump
 
   static RegexNode Set(CharSet s) {
     RegexNode n;

@@ -262,8 +262,8 @@ def test_format_json_outputs_an_object(server):
     ({"json_schema": '{"type": '}, "INVALID_ARGUMENT",
      "guided decoding: json_schema is not valid JSON"),
     ({"grammar": 'root ::= "(" root ")" | "x"'}, "UNIMPLEMENTED",
-     "guided decoding: grammar: rule root is recursive; only grammars without recursion "
-     "(regular languages) are served"),
+     "guided decoding: grammar: rule root is recursive other than at its end; only grammars of "
+     "regular languages are served"),
     ({"grammar": 'root ::= digit\ndigit ::= [0-9'}, "INVALID_ARGUMENT",
      "guided decoding: grammar: unterminated character class at line 2 column 11"),
 ])

@@ -262,8 +262,8 @@ TEST(GuidedGbnf, ErrorsNameTheLineAndColumn) {
             "grammar: expected the end of the rule at line 2 column 11");
   auto recursive = tgis::grammar::CompileGbnf("root ::= \"(\" root \")\" | \"x\"");
   EXPECT_EQ(std::string(recursive.status().message()),
-            "grammar: rule root is recursive; only grammars without recursion (regular "
-            "languages) are served");
+            "grammar: rule root is recursive other than at its end; only grammars of regular "
+            "languages are served");
 }
 
 }  // namespace
