@@ -92,25 +92,28 @@ class GuidedCache {
         return it->second->second;
       }
     }
+    // A refusal is kept too: a client retrying a pattern too complex to compile pays for it
+    // once.
     absl::StatusOr<grammar::ByteDfa> dfa = compile();
-    if (!dfa.ok()) return dfa.status();
-    auto shared = std::make_shared<const grammar::ByteDfa>(*std::move(dfa));
+    Compiled compiled = dfa.ok()
+                            ? Compiled(std::make_shared<const grammar::ByteDfa>(*std::move(dfa)))
+                            : Compiled(dfa.status());
     std::lock_guard<std::mutex> lock(mu_);
     if (index_.count(key) == 0) {
-      order_.emplace_front(key, shared);
+      order_.emplace_front(key, compiled);
       index_[key] = order_.begin();
       if (order_.size() > kEntries) {
         index_.erase(order_.back().first);
         order_.pop_back();
       }
     }
-    return shared;
+    return compiled;
   }
 
  private:
   static constexpr size_t kEntries = 64;
   std::mutex mu_;
-  std::list<std::pair<std::string, std::shared_ptr<const grammar::ByteDfa>>> order_;
+  std::list<std::pair<std::string, Compiled>> order_;
   std::unordered_map<std::string, decltype(order_)::iterator> index_;
 };
 

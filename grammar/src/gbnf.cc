@@ -275,19 +275,9 @@ class GbnfParser {
     if (AtEnd()) return Error("an escape at the end", at);
     c = s_[pos_++];
     auto hex = [&](int digits) -> absl::StatusOr<char32_t> {
-      char32_t v = 0;
-      for (int i = 0; i < digits; ++i) {
-        const char32_t h = Peek();
-        int d = -1;
-        if (h >= '0' && h <= '9') d = static_cast<int>(h - '0');
-        if (h >= 'a' && h <= 'f') d = static_cast<int>(h - 'a' + 10);
-        if (h >= 'A' && h <= 'F') d = static_cast<int>(h - 'A' + 10);
-        if (d < 0 || AtEnd()) return Error("an incomplete escape", at);
-        v = v * 16 + static_cast<char32_t>(d);
-        ++pos_;
-      }
-      if (v > kMaxCodePoint) return Error("an escape beyond Unicode", at);
-      return v;
+      std::optional<char32_t> value = ReadHexEscape(s_, &pos_, digits);
+      if (!value) return Error("an incomplete escape or one beyond Unicode", at);
+      return *value;
     };
     switch (c) {
       case 'n':

@@ -335,22 +335,13 @@ class Parser {
     ++pos_;
     auto one = [](char32_t x) { return CharSet{{x, x}}; };
     auto hex = [&](int digits) -> absl::StatusOr<CharSet> {
-      char32_t value = 0;
-      for (int i = 0; i < digits; ++i) {
-        const char32_t h = Peek();
-        int d = -1;
-        if (h >= '0' && h <= '9') d = static_cast<int>(h - '0');
-        if (h >= 'a' && h <= 'f') d = static_cast<int>(h - 'a' + 10);
-        if (h >= 'A' && h <= 'F') d = static_cast<int>(h - 'A' + 10);
-        if (d < 0 || AtEnd()) {
-          return ErrorAt(absl::StrCat("incomplete escape \\", std::string(1, static_cast<char>(c))),
-                         at);
-        }
-        value = value * 16 + static_cast<char32_t>(d);
-        ++pos_;
+      std::optional<char32_t> value = ReadHexEscape(s_, &pos_, digits);
+      if (!value) {
+        return ErrorAt(absl::StrCat("incomplete or out-of-range escape \\",
+                                    std::string(1, static_cast<char>(c))),
+                       at);
       }
-      if (value > kMaxCodePoint) return ErrorAt("bad escape (code point out of range)", at);
-      return one(value);
+      return one(*value);
     };
     switch (c) {
       case 'd':

@@ -103,6 +103,23 @@ std::optional<std::u32string> DecodeUtf8(std::string_view text) {
   return out;
 }
 
+std::optional<char32_t> ReadHexEscape(std::u32string_view text, size_t* pos, int digits) {
+  char32_t value = 0;
+  for (int i = 0; i < digits; ++i) {
+    if (*pos >= text.size()) return std::nullopt;
+    const char32_t h = text[*pos];
+    int d = -1;
+    if (h >= '0' && h <= '9') d = static_cast<int>(h - '0');
+    if (h >= 'a' && h <= 'f') d = static_cast<int>(h - 'a' + 10);
+    if (h >= 'A' && h <= 'F') d = static_cast<int>(h - 'A' + 10);
+    if (d < 0) return std::nullopt;
+    value = value * 16 + static_cast<char32_t>(d);
+    ++*pos;
+  }
+  if (value > 0x10FFFF) return std::nullopt;
+  return value;
+}
+
 std::vector<ByteRangeSeq> Utf8Sequences(char32_t lo, char32_t hi) {
   std::vector<ByteRangeSeq> out;
   if (hi > 0x10FFFF) hi = 0x10FFFF;

@@ -15,15 +15,19 @@ using tgis::grammar::ByteDfa;
 using tgis::grammar::CompileChoices;
 using tgis::grammar::CompileRegex;
 
-nlohmann::json Cases() {
-  std::ifstream in(std::string(TGIS_FIXTURES_DIR) + "/guided/regex_cases.json");
+// tests/fixtures/guided/<name>, made by make_guided_fixtures.py (ordered: a schema's
+// properties keep the order they were written in).
+nlohmann::ordered_json Fixture(const std::string& name) {
+  std::ifstream in(std::string(TGIS_FIXTURES_DIR) + "/guided/" + name);
   std::stringstream buf;
   buf << in.rdbuf();
-  return nlohmann::json::parse(buf.str());
+  return nlohmann::ordered_json::parse(buf.str());
 }
 
+nlohmann::ordered_json Cases() { return Fixture("regex_cases.json"); }
+
 TEST(GuidedRegex, MatchesWhatPythonMatches) {
-  const nlohmann::json cases = Cases();
+  const nlohmann::ordered_json cases = Cases();
   size_t checked = 0;
   for (const auto& c : cases["cases"]) {
     const std::string pattern = c["pattern"];
@@ -150,13 +154,7 @@ TEST(GuidedDfa, ValidateCatchesBrokenTables) {
 
 namespace {
 
-// Ordered: a schema's properties keep the order they were written in.
-nlohmann::ordered_json JsonCases() {
-  std::ifstream in(std::string(TGIS_FIXTURES_DIR) + "/guided/json_schema_cases.json");
-  std::stringstream buf;
-  buf << in.rdbuf();
-  return nlohmann::ordered_json::parse(buf.str());
-}
+nlohmann::ordered_json JsonCases() { return Fixture("json_schema_cases.json"); }
 
 TEST(GuidedJsonSchema, AcceptsWhatJsonschemaValidates) {
   size_t checked = 0;
@@ -229,10 +227,7 @@ TEST(GuidedJsonSchema, FormatJsonIsAnyObjectNestedAFewLevels) {
 namespace {
 
 TEST(GuidedGbnf, MatchesWhatPythonMatchesForTheSameLanguage) {
-  std::ifstream in(std::string(TGIS_FIXTURES_DIR) + "/guided/gbnf_cases.json");
-  std::stringstream buf;
-  buf << in.rdbuf();
-  const nlohmann::json cases = nlohmann::json::parse(buf.str());
+  const nlohmann::ordered_json cases = Fixture("gbnf_cases.json");
   size_t checked = 0;
   for (const auto& c : cases["cases"]) {
     const std::string grammar = c["grammar"];
