@@ -251,9 +251,13 @@ class GbnfParser {
       return e;
     }
     if (c == '(') {
+      // The parser's stack stays small whatever the client sends.
+      constexpr int kMaxNesting = 200;
+      if (++nesting_ > kMaxNesting) return Error("parentheses nested too deeply", at);
       ++pos_;
       SkipSpace(true);
       absl::StatusOr<Expr> inner = Alternatives(/*nested=*/true);
+      --nesting_;
       if (!inner.ok()) return inner;
       SkipSpace(true);
       if (Peek() != ')' || AtEnd()) return Error("expected )", pos_);
@@ -306,6 +310,7 @@ class GbnfParser {
 
   std::u32string s_;
   size_t pos_ = 0;
+  int nesting_ = 0;
 };
 
 // Rule references replaced by their bodies, from `root`. A reference to a rule being expanded
@@ -354,6 +359,12 @@ class Inliner {
       return absl::UnimplementedError(absl::StrCat(
           "grammar: rule ", name,
           " is recursive other than at its end; only grammars of regular languages are served"));
+    }
+    // A chain of rules each naming the next is expanded recursively: bounded like nesting.
+    constexpr size_t kMaxChain = 500;
+    if (active_.size() >= kMaxChain) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("grammar: rules reference each other more than ", kMaxChain, " deep"));
     }
     const size_t saved_tail_from = tail_from_;
     if (!tail) tail_from_ = active_.size();

@@ -69,15 +69,15 @@ std::string Literal(const Json& v, int depth = 0) {
   return Escape(v.dump());
 }
 
-// How deep a value nests, without recursion.
-int Depth(const Json& v) {
+// How deep a value nests (counted up to just past `limit`), without recursion.
+int Depth(const Json& v, int limit = kMaxLiteralDepth) {
   int deepest = 0;
   std::vector<std::pair<const Json*, int>> stack = {{&v, 0}};
   while (!stack.empty()) {
     auto [at, depth] = stack.back();
     stack.pop_back();
     deepest = std::max(deepest, depth);
-    if (depth > kMaxLiteralDepth) break;
+    if (depth > limit) break;
     if (at->is_structured()) {
       for (const Json& child : *at) stack.push_back({&child, depth + 1});
     }
@@ -379,6 +379,13 @@ class SchemaToRegex {
 absl::StatusOr<ByteDfa> CompileJsonSchema(std::string_view schema_text) {
   Json schema = Json::parse(schema_text, nullptr, /*allow_exceptions=*/false);
   if (schema.is_discarded()) return absl::InvalidArgumentError("json_schema is not valid JSON");
+  // Copies of a schema's parts (and their conversion) recurse: a document nested deeper than
+  // any real schema is refused before either could exhaust the stack.
+  constexpr int kMaxSchemaDepth = 128;
+  if (Depth(schema, kMaxSchemaDepth) > kMaxSchemaDepth) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("json_schema nests deeper than ", kMaxSchemaDepth, " levels"));
+  }
   SchemaToRegex convert(schema, kFreeJsonDepth);
   absl::StatusOr<std::string> pattern;
   try {

@@ -198,9 +198,19 @@ TEST(GuidedJsonSchema, RefusesWhatItDoesNotEnforceByName) {
   }
 }
 
-TEST(GuidedJsonSchema, DeepConstantsAreRefusedNotRecursedInto) {
-  std::string deep = std::string(10000, '[') + std::string(10000, ']');
-  auto dfa = tgis::grammar::CompileJsonSchema(R"({"const":)" + deep + "}");
+TEST(GuidedJsonSchema, DeepDocumentsAreRefusedNotRecursedInto) {
+  // Deeper than any schema: refused before any part is copied or converted (a recursion).
+  for (const std::string& deep :
+       {R"({"const":)" + std::string(100000, '[') + std::string(100000, ']') + "}",
+        R"({"type":"object","properties":{"a":)" + std::string(100000, '[') +
+            std::string(100000, ']') + "}}"}) {
+    auto dfa = tgis::grammar::CompileJsonSchema(deep);
+    ASSERT_FALSE(dfa.ok());
+    EXPECT_EQ(dfa.status().code(), absl::StatusCode::kInvalidArgument) << dfa.status();
+  }
+  // A constant deeper than its own bound in a document that is not.
+  auto dfa = tgis::grammar::CompileJsonSchema(R"({"const":)" + std::string(100, '[') +
+                                              std::string(100, ']') + "}");
   ASSERT_FALSE(dfa.ok());
   EXPECT_EQ(dfa.status().code(), absl::StatusCode::kUnimplemented) << dfa.status();
   std::string nested;
@@ -248,6 +258,29 @@ TEST(GuidedGbnf, MatchesWhatPythonMatchesForTheSameLanguage) {
         << dfa.status();
     EXPECT_EQ(dfa.status().message().rfind("grammar: ", 0), 0u) << dfa.status();
   }
+}
+
+TEST(GuidedGbnf, BoundsWhatOneRequestCanCost) {
+  // Deep parentheses and long chains of rules are refused, not a stack overflow.
+  auto deep = tgis::grammar::CompileGbnf("root ::= " + std::string(100000, '(') + "\"a\"" +
+                                         std::string(100000, ')'));
+  ASSERT_FALSE(deep.ok());
+  EXPECT_NE(deep.status().message().find("nested too deeply"), std::string::npos);
+  std::string chain = "root ::= r0\n";
+  for (int i = 0; i < 100000; ++i)
+    chain += "r" + std::to_string(i) + " ::= r" + std::to_string(i + 1) + "\n";
+  chain += "r100000 ::= \"x\"\n";
+  auto long_chain = tgis::grammar::CompileGbnf(chain);
+  ASSERT_FALSE(long_chain.ok());
+  EXPECT_NE(long_chain.status().message().find("more than 500 deep"), std::string::npos);
+  // Copies that double at every rule stop at the expansion's bound.
+  std::string doubling = "root ::= d0\n";
+  for (int i = 0; i < 40; ++i) {
+    doubling += "d" + std::to_string(i) + " ::= d" + std::to_string(i + 1) + " d" +
+                std::to_string(i + 1) + "\n";
+  }
+  doubling += "d40 ::= \"x\"\n";
+  EXPECT_FALSE(tgis::grammar::CompileGbnf(doubling).ok());
 }
 
 TEST(GuidedGbnf, ErrorsNameTheLineAndColumn) {
