@@ -329,6 +329,22 @@ class Inliner {
       return absl::InvalidArgumentError("grammar: too large once its rules are expanded");
     }
     if (!e.ref.empty()) return Reference(e.ref, tail);
+    // Nesting adds up across rules (each rule's parentheses inside the last's): the expanded
+    // tree's depth is what this recursion, the automaton's construction and the tree's
+    // destruction take in stack.
+    constexpr int kMaxDepth = 1000;
+    if (depth_ >= kMaxDepth) {
+      return absl::InvalidArgumentError(absl::StrCat("grammar: nested more than ", kMaxDepth,
+                                                     " deep once its rules are expanded"));
+    }
+    ++depth_;
+    absl::StatusOr<RegexNode> out = ExpandChildren(e, tail);
+    --depth_;
+    return out;
+  }
+
+ private:
+  absl::StatusOr<RegexNode> ExpandChildren(const Expr& e, bool tail) {
     RegexNode n = e.node;
     for (size_t i = 0; i < e.children.size(); ++i) {
       // The last of a sequence, any alternative, and an optional part keep the tail position.
@@ -342,7 +358,6 @@ class Inliner {
     return n;
   }
 
- private:
   absl::StatusOr<RegexNode> Reference(const std::string& name, bool tail) {
     auto it = rules_.find(name);
     if (it == rules_.end()) {
@@ -387,6 +402,7 @@ class Inliner {
   size_t tail_from_ = 0;
   int32_t next_instance_ = 0;
   size_t nodes_ = 0;
+  int depth_ = 0;
 };
 
 }  // namespace

@@ -273,6 +273,20 @@ TEST(GuidedGbnf, BoundsWhatOneRequestCanCost) {
   auto long_chain = tgis::grammar::CompileGbnf(chain);
   ASSERT_FALSE(long_chain.ok());
   EXPECT_NE(long_chain.status().message().find("more than 500 deep"), std::string::npos);
+  // Parentheses within their bound in each of a chain of rules within its bound: the depth
+  // they add up to is bounded too.
+  std::string stacked = "root ::= p0\n";
+  for (int i = 0; i < 400; ++i) {
+    std::string open;
+    for (int k = 0; k < 150; ++k) open += "(\"a\" ";
+    stacked += "p" + std::to_string(i) + " ::= " + open + "p" + std::to_string(i + 1) +
+               std::string(150, ')') + "\n";
+  }
+  stacked += "p400 ::= \"x\"\n";
+  auto stacked_dfa = tgis::grammar::CompileGbnf(stacked);
+  ASSERT_FALSE(stacked_dfa.ok());
+  EXPECT_NE(stacked_dfa.status().message().find("nested more than 1000"), std::string::npos)
+      << stacked_dfa.status();
   // Copies that double at every rule stop at the expansion's bound.
   std::string doubling = "root ::= d0\n";
   for (int i = 0; i < 40; ++i) {
