@@ -56,7 +56,8 @@ TEST(GuidedRegex, MatchesWhatPythonMatches) {
 }
 
 TEST(GuidedRegex, RefusesWhatPythonRefuses) {
-  for (const auto& p : Cases()["python_errors"]) {
+  const nlohmann::ordered_json cases = Cases();  // alive for the loop (not a temporary's member)
+  for (const auto& p : cases["python_errors"]) {
     auto dfa = CompileRegex(p.get<std::string>());
     EXPECT_FALSE(dfa.ok()) << p;
     EXPECT_NE(dfa.status().message().find("position"), std::string::npos) << dfa.status();
@@ -64,7 +65,8 @@ TEST(GuidedRegex, RefusesWhatPythonRefuses) {
 }
 
 TEST(GuidedRegex, RefusesWhatIsNotRegularByName) {
-  for (const auto& p : Cases()["unsupported"]) {
+  const nlohmann::ordered_json cases = Cases();
+  for (const auto& p : cases["unsupported"]) {
     auto dfa = CompileRegex(p.get<std::string>());
     ASSERT_FALSE(dfa.ok()) << p;
     EXPECT_NE(dfa.status().message().find("cannot be used in guided decoding"), std::string::npos)
