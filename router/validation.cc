@@ -1,12 +1,11 @@
 #include "router/validation.h"
 
 #include <algorithm>
-#include <list>
 #include <mutex>
-#include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/lru_cache.h"
 
 namespace tgis::router {
 namespace {
@@ -87,10 +86,7 @@ class GuidedCache {
   Compiled Get(const std::string& key, CompileFn compile) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (auto it = index_.find(key); it != index_.end()) {
-        order_.splice(order_.begin(), order_, it->second);
-        return it->second->second;
-      }
+      if (Compiled* cached = cache_.Find(key)) return *cached;
     }
     // A refusal is kept too: a client retrying a pattern too complex to compile pays for it
     // once.
@@ -99,22 +95,13 @@ class GuidedCache {
                             ? Compiled(std::make_shared<const grammar::ByteDfa>(*std::move(dfa)))
                             : Compiled(dfa.status());
     std::lock_guard<std::mutex> lock(mu_);
-    if (index_.count(key) == 0) {
-      order_.emplace_front(key, compiled);
-      index_[key] = order_.begin();
-      if (order_.size() > kEntries) {
-        index_.erase(order_.back().first);
-        order_.pop_back();
-      }
-    }
+    if (cache_.Find(key) == nullptr) cache_.Insert(key, compiled);
     return compiled;
   }
 
  private:
-  static constexpr size_t kEntries = 64;
   std::mutex mu_;
-  std::list<std::pair<std::string, Compiled>> order_;
-  std::unordered_map<std::string, decltype(order_)::iterator> index_;
+  LruCache<Compiled> cache_{64};
 };
 
 // vllm-tgis-adapter's guided decoding (its get_structured_output_params): regex, choice,

@@ -30,8 +30,7 @@ std::shared_ptr<const std::vector<uint64_t>> GuidedAutomaton::Allowed(int32_t st
 
 void GuidedAutomatonCache::SetVocabulary(std::shared_ptr<const TokenBytesTable> vocabulary) {
   vocabulary_ = std::move(vocabulary);
-  order_.clear();
-  index_.clear();
+  cache_.Clear();
 }
 
 TokenConstraint::TokenConstraint(std::shared_ptr<GuidedAutomaton> automaton,

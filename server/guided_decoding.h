@@ -7,7 +7,6 @@
 #pragma once
 
 #include <cstdint>
-#include <list>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -15,6 +14,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/lru_cache.h"
 #include "grammar/grammar.h"
 
 namespace tgis::server {
@@ -45,7 +45,7 @@ class GuidedAutomaton {
 // router's encoding of each; a new vocabulary empties it.
 class GuidedAutomatonCache {
  public:
-  explicit GuidedAutomatonCache(size_t entries = 16) : entries_(entries) {}
+  explicit GuidedAutomatonCache(size_t entries = 16) : cache_(static_cast<double>(entries)) {}
   void SetVocabulary(std::shared_ptr<const TokenBytesTable> vocabulary);
   bool has_vocabulary() const { return vocabulary_ != nullptr; }
   // The automaton `key` stands for; `make` builds its ByteDfa when it is not cached.
@@ -53,10 +53,8 @@ class GuidedAutomatonCache {
   std::shared_ptr<GuidedAutomaton> Get(const std::string& key, MakeDfa make);
 
  private:
-  size_t entries_;
   std::shared_ptr<const TokenBytesTable> vocabulary_;
-  std::list<std::pair<std::string, std::shared_ptr<GuidedAutomaton>>> order_;  // newest first
-  std::unordered_map<std::string, decltype(order_)::iterator> index_;
+  LruCache<std::shared_ptr<GuidedAutomaton>> cache_;
 };
 
 // One sequence's place in its automaton.
@@ -83,20 +81,10 @@ class TokenConstraint {
 
 template <typename MakeDfa>
 std::shared_ptr<GuidedAutomaton> GuidedAutomatonCache::Get(const std::string& key, MakeDfa make) {
-  if (auto it = index_.find(key); it != index_.end()) {
-    order_.splice(order_.begin(), order_, it->second);
-    return it->second->second;
-  }
+  if (auto* cached = cache_.Find(key)) return *cached;
   std::shared_ptr<const grammar::ByteDfa> dfa = make();
   if (dfa == nullptr) return nullptr;
-  auto automaton = std::make_shared<GuidedAutomaton>(std::move(dfa), vocabulary_);
-  order_.emplace_front(key, automaton);
-  index_[key] = order_.begin();
-  if (order_.size() > entries_) {
-    index_.erase(order_.back().first);
-    order_.pop_back();
-  }
-  return automaton;
+  return cache_.Insert(key, std::make_shared<GuidedAutomaton>(std::move(dfa), vocabulary_));
 }
 
 }  // namespace tgis::server

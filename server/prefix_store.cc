@@ -193,10 +193,7 @@ absl::StatusOr<Prefix> PrefixStore::Get(const std::string& id) {
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (auto it = index_.find(id); it != index_.end()) {
-      lru_.splice(lru_.begin(), lru_, it->second);
-      return it->second->prefix;
-    }
+    if (const Prefix* cached = cache_.Find(id)) return *cached;
   }
   // Loaded outside the lock, as TGIS does: a slow disk does not hold up cached prefixes.
   absl::StatusOr<Prefix> loaded = Load(id);
@@ -207,29 +204,24 @@ absl::StatusOr<Prefix> PrefixStore::Get(const std::string& id) {
   }
   if (loaded->lora) mb += static_cast<double>(loaded->lora->bytes()) / (1 << 20);
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto it = index_.find(id); it != index_.end()) return it->second->prefix;
+  if (const Prefix* cached = cache_.Find(id)) return *cached;
   if (mb > options_.cache_mb) {
     return Raised("ValueError",
                   absl::StrCat("Prefix ID object ", id, " exceeds the allowed cache size"));
   }
-  while (cached_mb_ + mb > options_.cache_mb && !lru_.empty()) {
-    LOG(INFO) << "Deleted prefix " << lru_.back().id << " from the prompt cache";
-    cached_mb_ -= lru_.back().mb;
-    index_.erase(lru_.back().id);
-    lru_.pop_back();
-  }
-  lru_.push_front(Entry{id, *std::move(loaded), mb});
-  index_[id] = lru_.begin();
-  cached_mb_ += mb;
+  const Prefix& added = cache_.Insert(
+      id, *std::move(loaded), mb, [](const std::string& evicted, const Prefix&, double) {
+        LOG(INFO) << "Deleted prefix " << evicted << " from the prompt cache";
+      });
   LOG(INFO) << "Added prefix " << id << " to the prompt cache, has "
-            << lru_.front().prefix.length(options_.encoder_decoder)
-            << " virtual tokens, total cache size is now " << cached_mb_ << "MiB";
-  return lru_.front().prefix;
+            << added.length(options_.encoder_decoder) << " virtual tokens, total cache size is now "
+            << cache_.total_cost() << "MiB";
+  return added;
 }
 
 size_t PrefixStore::size() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return index_.size();
+  return cache_.size();
 }
 
 }  // namespace tgis::server

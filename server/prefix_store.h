@@ -11,13 +11,12 @@
 #pragma once
 
 #include <cstdint>
-#include <list>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/lru_cache.h"
 #include "kernels/tensor.h"
 #include "server/lora.h"
 
@@ -51,7 +50,8 @@ struct Prefix {
 
 class PrefixStore {
  public:
-  explicit PrefixStore(PrefixStoreOptions options) : options_(std::move(options)) {}
+  explicit PrefixStore(PrefixStoreOptions options)
+      : options_(std::move(options)), cache_(options_.cache_mb) {}
 
   // The prefix: from the cache, else loaded (and cached, evicting the least recently used ones
   // to stay in budget).
@@ -66,16 +66,9 @@ class PrefixStore {
   absl::StatusOr<kernels::Tensor> Process(const kernels::Tensor& prefix,
                                           const std::string& source_dtype) const;
 
-  struct Entry {
-    std::string id;
-    Prefix prefix;
-    double mb = 0;
-  };
   const PrefixStoreOptions options_;
   mutable std::mutex mu_;
-  std::list<Entry> lru_;  // most recently used first
-  std::map<std::string, std::list<Entry>::iterator> index_;
-  double cached_mb_ = 0;
+  LruCache<Prefix> cache_;  // each prefix's cost: its MiB
 };
 
 }  // namespace tgis::server

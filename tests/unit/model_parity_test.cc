@@ -86,6 +86,46 @@ std::shared_ptr<const tgis::server::LoraWeights> LoraAdapter(const Engine& engin
   return prefix->lora;
 }
 
+// The prompt cache (PROMPT_CACHE_SIZE_MB) keeps the most recently used prefixes within its
+// budget, and refuses one larger than all of it with TGIS's message.
+TEST(PromptCache, EvictsTheLeastRecentlyUsedPrefixToStayInBudget) {
+  auto options = [](double cache_mb) {
+    return tgis::server::PrefixStoreOptions{
+        .store_path = (FixturesDir() / "prefixes" / "store").string(),
+        .cache_mb = cache_mb,
+        .hidden = 64};  // the llama fixture's width
+  };
+  tgis::server::PrefixStore unbounded(options(512));
+  auto one = unbounded.Get("llama_pt");
+  auto other = unbounded.Get("llama_bf16");
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(unbounded.size(), 2u);
+  // Each costs its bytes rounded up to 512, in MiB.
+  auto mb = [](const tgis::server::Prefix& p) {
+    return static_cast<double>((p.decoder->nbytes() + 511) / 512 * 512) / (1 << 20);
+  };
+  const double room = std::max(mb(*one), mb(*other)) * 1.5;
+  ASSERT_LT(room, mb(*one) + mb(*other));
+
+  tgis::server::PrefixStore store(options(room));
+  ASSERT_TRUE(store.Get("llama_pt").ok());
+  ASSERT_TRUE(store.Get("llama_bf16").ok());
+  EXPECT_EQ(store.size(), 1u);
+  auto again = store.Get("llama_pt");  // loaded again, evicting llama_bf16
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->decoder->shape(), one->decoder->shape());
+  EXPECT_EQ(store.size(), 1u);
+
+  tgis::server::PrefixStore tiny(options(mb(*one) / 2));
+  auto refused = tiny.Get("llama_pt");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(std::string(refused.status().message()),
+            "Unexpected <class 'ValueError'>: Prefix ID object llama_pt exceeds the allowed cache "
+            "size");
+  EXPECT_EQ(tiny.size(), 0u);
+}
+
 // A fixture model, its goldens, and engines over it on some device, dtype and world size.
 class ParityFixture {
  protected:
