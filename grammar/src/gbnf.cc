@@ -158,17 +158,8 @@ class GbnfParser {
         ++pos_;
       } else if (c == '{') {
         const size_t at = pos_++;
-        auto number = [&](int64_t* v) {
-          const size_t start = pos_;
-          *v = 0;
-          while (!AtEnd() && Peek() >= '0' && Peek() <= '9') {
-            *v = std::min<int64_t>(*v * 10 + (Peek() - '0'), int64_t{1} << 40);
-            ++pos_;
-          }
-          return pos_ > start;
-        };
         SkipSpace(false);
-        if (!number(&lo)) return Error("expected a count in {}", at);
+        if (!ReadCount(s_, &pos_, &lo)) return Error("expected a count in {}", at);
         SkipSpace(false);
         hi = lo;
         if (Peek() == ',') {
@@ -176,13 +167,15 @@ class GbnfParser {
           SkipSpace(false);
           hi = -1;
           int64_t upper = 0;
-          if (number(&upper)) hi = upper;
+          if (ReadCount(s_, &pos_, &upper)) hi = upper;
           SkipSpace(false);
         }
         if (Peek() != '}') return Error("expected } after a count", pos_);
         ++pos_;
         if (hi >= 0 && hi < lo) return Error("a repetition's maximum is below its minimum", at);
-        if (lo > 10000 || hi > 10000) return Error("a repetition count above 10000", at);
+        if (lo > kMaxRepeatCount || hi > kMaxRepeatCount) {
+          return Error(absl::StrCat("a repetition count above ", kMaxRepeatCount), at);
+        }
       } else {
         break;
       }

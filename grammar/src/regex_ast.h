@@ -43,6 +43,12 @@ struct RegexNode {
   static RegexNode Literal(std::u32string_view text);
 };
 
+// The most a {m,n} counts (each copy of its operand is expanded).
+inline constexpr int64_t kMaxRepeatCount = 10000;
+// A repetition count's decimal digits at text[*pos] (*pos moves past them; the value saturates
+// at 2^40); false when there is no digit there.
+bool ReadCount(std::u32string_view text, size_t* pos, int64_t* value);
+
 // Python `re` syntax (see grammar.h for what is supported).
 absl::StatusOr<RegexNode> ParseRegex(std::string_view pattern);
 

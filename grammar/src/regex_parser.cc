@@ -40,6 +40,15 @@ CharSet Union(CharSet a, const CharSet& b) {
   return Normalized(std::move(a));
 }
 
+bool ReadCount(std::u32string_view text, size_t* pos, int64_t* value) {
+  const size_t start = *pos;
+  *value = 0;
+  for (; *pos < text.size() && text[*pos] >= '0' && text[*pos] <= '9'; ++*pos) {
+    *value = std::min<int64_t>(*value * 10 + (text[*pos] - '0'), int64_t{1} << 40);
+  }
+  return *pos > start;
+}
+
 RegexNode RegexNode::Literal(std::u32string_view text) {
   RegexNode n;
   n.kind = kConcat;
@@ -130,17 +139,8 @@ class Parser {
   // then reads the '{' as a literal).
   std::optional<std::pair<int64_t, int64_t>> Braces(size_t* end) const {
     size_t p = pos_ + 1;
-    auto number = [&](int64_t* value) {
-      const size_t start = p;
-      *value = 0;
-      while (p < s_.size() && s_[p] >= '0' && s_[p] <= '9') {
-        *value = std::min<int64_t>(*value * 10 + (s_[p] - '0'), int64_t{1} << 40);
-        ++p;
-      }
-      return p > start;
-    };
     int64_t lo = 0, hi = -1;
-    const bool has_lo = number(&lo);
+    const bool has_lo = ReadCount(s_, &p, &lo);
     if (p < s_.size() && s_[p] == '}') {
       if (!has_lo) return std::nullopt;
       *end = p + 1;
@@ -149,7 +149,7 @@ class Parser {
     if (p >= s_.size() || s_[p] != ',') return std::nullopt;
     ++p;
     int64_t upper = 0;
-    if (number(&upper)) hi = upper;
+    if (ReadCount(s_, &p, &upper)) hi = upper;
     if (p >= s_.size() || s_[p] != '}') return std::nullopt;
     *end = p + 1;
     return std::pair{lo, hi};
@@ -175,9 +175,8 @@ class Parser {
         lo = braces->first;
         hi = braces->second;
         if (hi >= 0 && lo > hi) return ErrorAt("min repeat greater than max repeat", at + 1);
-        constexpr int64_t kMaxCount = 10000;
-        if (lo > kMaxCount || hi > kMaxCount) {
-          return ErrorAt(absl::StrCat("a repeat count above ", kMaxCount), at + 1);
+        if (lo > kMaxRepeatCount || hi > kMaxRepeatCount) {
+          return ErrorAt(absl::StrCat("a repeat count above ", kMaxRepeatCount), at + 1);
         }
       } else {
         break;
