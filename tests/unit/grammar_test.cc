@@ -119,6 +119,13 @@ TEST(GuidedRegex, BoundsWhatOneRequestCanCost) {
   EXPECT_FALSE(chain->Matches(std::string(9999, 'a')));
   EXPECT_FALSE(chain->Matches(std::string(10001, 'a')));
   EXPECT_FALSE(CompileRegex("((a{100}){100}){100}").ok());
+  // Counts past 10000 (each copy is expanded) are refused where they are written.
+  auto count = CompileRegex("ab{10001}");
+  ASSERT_FALSE(count.ok());
+  EXPECT_NE(count.status().message().find("a repeat count above 10000 at position 3"),
+            std::string::npos)
+      << count.status();
+  EXPECT_FALSE(CompileRegex("a{2,99999999999999999999}").ok());  // saturates, then refused
 }
 
 TEST(GuidedChoices, MatchExactlyTheChoices) {
@@ -297,6 +304,11 @@ TEST(GuidedGbnf, BoundsWhatOneRequestCanCost) {
   }
   doubling += "d40 ::= \"x\"\n";
   EXPECT_FALSE(tgis::grammar::CompileGbnf(doubling).ok());
+  auto count = tgis::grammar::CompileGbnf("root ::= \"a\"{ 3 , 10001 }");
+  ASSERT_FALSE(count.ok());
+  EXPECT_NE(count.status().message().find("a repetition count above 10000"), std::string::npos)
+      << count.status();
+  EXPECT_TRUE(tgis::grammar::CompileGbnf("root ::= \"a\"{ 3 , 10000 }").ok());
 }
 
 TEST(GuidedGbnf, ErrorsNameTheLineAndColumn) {
