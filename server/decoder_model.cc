@@ -138,7 +138,8 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
         return absl::InvalidArgumentError(absl::StrCat(p, "experts: ", s.num_experts, " expected"));
       }
       const int64_t shared = layout.shared_expert.size();
-      want.emplace_back(&l.router_w, kernels::Shape{s.num_experts + (shared > 0 ? 1 : 0), s.hidden},
+      const bool gate_row = shared > 0 && s.shared_expert_gated;
+      want.emplace_back(&l.router_w, kernels::Shape{s.num_experts + (gate_row ? 1 : 0), s.hidden},
                         "router");
       if (shared > 0) {
         want.emplace_back(&l.shared_up, kernels::Shape{2 * shared, s.hidden}, "shared expert up");

@@ -28,8 +28,9 @@ enum class MlpKind {
   kPlain,  // proj(act(fc(x)))
 };
 // Position schemes: rotary on q and k; learned absolute embeddings added to the input
-// (pos_embed); ALiBi slopes added to the attention logits.
-enum class PositionKind { kRotary, kLearned, kAlibi, kRelative /* T5 buckets */ };
+// (pos_embed); ALiBi slopes added to the attention logits; none (NoPE: Granite 4.0-H's
+// attention layers, which learn order from the causal mask alone).
+enum class PositionKind { kRotary, kLearned, kAlibi, kRelative /* T5 buckets */, kNone };
 enum class Residual {
   kSequential,  // x += attn(ln1(x)); x += mlp(ln2(x))
   kParallel,    // x += attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX, Falcon; ln2 may be ln1's tensors)
@@ -124,9 +125,11 @@ struct DecoderSpec {
   int64_t num_experts = 0;
   int64_t experts_per_token = 0;
   ExpertRouting routing = ExpertRouting::kSoftmaxTopKRenormalized;
-  // Qwen2-MoE: a shared expert (a gated MLP of this many columns) that every token runs, its
-  // output times sigmoid(shared gate . x) added to the experts'; 0: none.
+  // Qwen2-MoE, GraniteMoeShared: a shared expert (a gated MLP of this many columns) that every
+  // token runs, its output added to the experts'; 0: none. Gated (Qwen2-MoE): times
+  // sigmoid(shared gate . x), the gate being the router's last row; else (Granite) times 1.
   int64_t shared_expert_intermediate = 0;
+  bool shared_expert_gated = true;
   LoraTargets lora_targets;
 };
 

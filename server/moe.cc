@@ -69,21 +69,23 @@ std::vector<ExpertRows> RouteTokens(std::span<const float> scores, int64_t token
 void CausalLM::MixtureOfExperts(const LayerWeights& w, const Tensor& x, Tensor* out) const {
   const int64_t t = x.dim(0), experts = spec_.num_experts;
   const bool shared = w.shared_up.defined();
-  const int64_t columns = experts + (shared ? 1 : 0);  // the shared expert's gate last
+  const bool gated = shared && spec_.shared_expert_gated;
+  const int64_t columns = experts + (gated ? 1 : 0);  // the shared expert's gate last
   Tensor scores = Buf({t, columns});
   kernels::Linear(x, w.router_w, nullptr, &scores);
   Tensor host = device_ == Device::kCpu ? scores : scores.ToDevice(Device::kCpu);
   if (host.dtype() != DType::kF32) host = host.To(DType::kF32);
   const float* s = host.data<float>();
   std::vector<float> router;  // [t, experts]
-  // The shared expert takes every row, weighted by sigmoid(its gate's score), after the
+  // The shared expert takes every row, weighted by sigmoid(its gate's score) or 1, after the
   // others, as transformers adds it.
   ExpertRows shared_rows;
   for (int64_t i = 0; i < t; ++i) {
     router.insert(router.end(), s + i * columns, s + i * columns + experts);
     if (!shared) continue;
     shared_rows.rows.push_back(static_cast<int32_t>(i));
-    shared_rows.weights.push_back(1.0f / (1.0f + std::exp(-s[i * columns + experts])));
+    shared_rows.weights.push_back(gated ? 1.0f / (1.0f + std::exp(-s[i * columns + experts]))
+                                        : 1.0f);
   }
   std::vector<ExpertRows> routes =
       RouteTokens(router, t, experts, spec_.experts_per_token, spec_.routing);

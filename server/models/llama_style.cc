@@ -51,6 +51,13 @@ absl::Status LoadMlp(const ShardedLoader& ld, const std::string& p, int64_t inte
   const Range mlp = ld.mlp_rows();
   const std::string m = p + "mlp.";
   TensorLoads loads;
+  if (opt.granite_shared_mlp) {
+    const std::string g = p + "shared_mlp.";
+    loads.emplace_back(&l->up_w,
+                       ld.OutputRows(g + "input_linear.weight", {mlp, mlp.Shifted(intermediate)}));
+    loads.emplace_back(&l->down_w, ld.InputColumns(g + "output_linear.weight", mlp));
+    return AssignLoads(&loads);
+  }
   if (opt.plain_mlp) {
     const std::string in = m + opt.plain_mlp_in, out = m + opt.plain_mlp_out;
     loads.emplace_back(&l->up_w, ld.OutputRows(in + ".weight", {mlp}));
@@ -124,6 +131,14 @@ absl::Status LoadExperts(const ShardedLoader& ld, const std::string& p, const De
       loads.emplace_back(&l->expert_up[e], expert.OutputRows(m + "input_linear.weight",
                                                              {mlp, mlp.Shifted(s.intermediate)}));
       loads.emplace_back(&l->expert_down[e], expert.InputColumns(m + "output_linear.weight", mlp));
+    }
+    if (layout == MoeLayout::kGraniteMoeShared && s.shared_expert_intermediate > 0) {
+      const Range shared = ld.layout().shared_expert;
+      const std::string g = p + "shared_mlp.";
+      loads.emplace_back(&l->shared_up,
+                         ld.OutputRows(g + "input_linear.weight",
+                                       {shared, shared.Shifted(s.shared_expert_intermediate)}));
+      loads.emplace_back(&l->shared_down, ld.InputColumns(g + "output_linear.weight", shared));
     }
   }
   return AssignLoads(&loads);
@@ -321,7 +336,7 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   s.num_kv_heads = c.num_kv_heads;  // GQA
   s.head_dim = c.head_dim;          // head_dim may differ from hidden / heads
   if (opt.head_dim_default > 0 && !c.raw.contains("head_dim")) s.head_dim = opt.head_dim_default;
-  auto inter = c.Get<int64_t>("intermediate_size");
+  auto inter = c.Get<int64_t>(opt.intermediate_key);
   if (!inter.ok()) return inter.status();
   s.intermediate = *inter;
   auto eps = opt.fixed_norm_eps > 0 ? absl::StatusOr<double>(opt.fixed_norm_eps)
@@ -351,7 +366,13 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     rotary_dim = *dim;
   }
   const float scale_before_rope = s.attn_scale;
-  if (auto st = ReadRope(c, rotary_dim, *theta, &s); !st.ok()) return st;
+  if (opt.no_positions) {
+    // transformers reads neither rope_theta nor rope_scaling then; the context served is
+    // max_position_embeddings.
+    s.position = PositionKind::kNone;
+  } else if (auto st = ReadRope(c, rotary_dim, *theta, &s); !st.ok()) {
+    return st;
+  }
   if (opt.sliding_rope_theta > 0) {
     // One attention scale and one set of frequencies a sequence are what the rope types that
     // scale attention (YaRN, LongRoPE) or follow the length (dynamic) give every layer; here
@@ -390,6 +411,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   if (opt.moe == MoeLayout::kNone && opt.plain_mlp) {
     lt.up = {absl::StrCat("mlp.", opt.plain_mlp_in)};
     lt.down = absl::StrCat("mlp.", opt.plain_mlp_out);
+  } else if (opt.moe == MoeLayout::kNone && opt.granite_shared_mlp) {
+    lt.up = {"shared_mlp.input_linear"};
+    lt.down = "shared_mlp.output_linear";
   } else if (opt.moe == MoeLayout::kNone) {
     lt.up = opt.fused_projections ? std::vector<std::string>{"mlp.gate_up_proj"}
                                   : std::vector<std::string>{"mlp.gate_proj", "mlp.up_proj"};
@@ -400,7 +424,13 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     if (auto st = ReadExpertCounts(c, opt.moe, &s); !st.ok()) return st;
   }
   // Mixtral's routing is DecoderSpec's default; Qwen2-MoE's follows norm_topk_prob below.
-  if (opt.moe == MoeLayout::kGraniteMoe) s.routing = ExpertRouting::kTopKSoftmax;
+  if (opt.moe == MoeLayout::kGraniteMoe || opt.moe == MoeLayout::kGraniteMoeShared) {
+    s.routing = ExpertRouting::kTopKSoftmax;
+  }
+  if (opt.moe == MoeLayout::kGraniteMoeShared) {
+    s.shared_expert_intermediate = opt.shared_expert_intermediate;
+    s.shared_expert_gated = false;
+  }
   if (IsQwenMoe(opt.moe)) {
     if (auto st = ReadQwenMoeKeys(c, opt.moe, &s); !st.ok()) return st;
   }

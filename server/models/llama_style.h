@@ -27,6 +27,9 @@ enum class MoeLayout {
   kNone,        // a dense MLP
   kMixtral,     // block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2
   kGraniteMoe,  // block_sparse_moe.router.layer, input_linear [E, 2I, H], output_linear [E, H, I]
+  // GraniteMoE's experts and an ungated shared expert (shared_mlp.input_linear [2S, H] holding
+  // gate | up, shared_mlp.output_linear [H, S]; LlamaStyleOptions::shared_expert_intermediate)
+  kGraniteMoeShared,
   // mlp.gate, mlp.experts.{e}.gate_proj / up_proj / down_proj, and a shared expert
   // (mlp.shared_expert.*_proj) weighted by mlp.shared_expert_gate
   kQwen2Moe,
@@ -108,6 +111,15 @@ struct LlamaStyleOptions {
   bool output_norms = false;
   // rms_norm_eps when config.json has none (the config class's default).
   double rms_norm_eps_default = 1e-6;
+  // GraniteMoeShared's and GraniteMoeHybrid's shared expert's columns (kGraniteMoeShared).
+  int64_t shared_expert_intermediate = 0;
+  // GraniteMoeHybrid without experts (Granite 4.0 Micro): the dense MLP is the shared one,
+  // shared_mlp.input_linear (gate | up) and shared_mlp.output_linear, `intermediate_key`
+  // columns wide.
+  bool granite_shared_mlp = false;
+  const char* intermediate_key = "intermediate_size";
+  // NoPE: no positions at all (GraniteMoeHybrid's position_embedding_type other than "rope").
+  bool no_positions = false;
 };
 
 // config.json's attention_bias (q/k/v and o biases) and, with `mlp`, mlp_bias (Llama's and

@@ -83,7 +83,8 @@ def assert_stream_equals_unary(messages, unary):
 # greedy output through the router is what is theirs to check.
 @pytest.fixture(scope="module", params=["granite", "phi", "phi3", "gemma", "gemma2",
                                         "gemma3_text", "gemma3", "mistral3", "stablelm", "starcoder2", "cohere", "olmo", "olmo2", "qwen3",
-                                        "mixtral", "granitemoe", "qwen2_moe", "qwen3_moe"])
+                                        "mixtral", "granitemoe", "granitemoeshared", "granite4_micro",
+                                        "granite4_nope", "qwen2_moe", "qwen3_moe"])
 def family(request):
     yield from serve(request.param)
 
@@ -93,8 +94,9 @@ def test_greedy_matches_transformers(setup):
 
 
 def test_greedy_of_other_llama_layout_families_matches_transformers(family):
-    """Granite, Phi-2, Phi-3, Gemma, Gemma 2, StableLM, StarCoder2, Cohere, OLMo and the
-    mixtures of experts (Mixtral, GraniteMoE, Qwen2-MoE)."""
+    """Granite, Phi-2, Phi-3, Gemma, Gemma 2, StableLM, StarCoder2, Cohere, OLMo, Granite 4.0's
+    attention-only layouts and the mixtures of experts (Mixtral, GraniteMoE, GraniteMoeShared,
+    Qwen2-MoE)."""
     check_greedy(*family)
 
 

@@ -987,6 +987,61 @@ TEST(ModelConfigTest, GraniteMultipliersMustBeFiniteNonZeroNumbers) {
                    "embedding_multiplier");
 }
 
+// GraniteMoeHybrid (Granite 4.0): attention layers only (Mamba-2 mixers refused by name, also
+// when layer_types is absent, where transformers makes every layer one); rotary or no
+// positions; the dense shared MLP without experts, GraniteMoeShared's layout with them.
+TEST(ModelConfigTest, GraniteHybridServesAttentionLayersAndRefusesMambaByName) {
+  auto micro = FixtureSpecWith("granite4_micro", [](Json&) {});
+  ASSERT_TRUE(micro.ok()) << micro.status();
+  EXPECT_EQ(micro->position, tgis::server::PositionKind::kRotary);
+  EXPECT_EQ(micro->num_experts, 0);
+  EXPECT_EQ(micro->intermediate, 96);  // shared_intermediate_size, not intermediate_size
+  auto nope = FixtureSpecWith("granite4_nope", [](Json&) {});
+  ASSERT_TRUE(nope.ok()) << nope.status();
+  EXPECT_EQ(nope->position, tgis::server::PositionKind::kNone);
+  EXPECT_EQ(nope->num_experts, 4);
+  EXPECT_EQ(nope->shared_expert_intermediate, 96);
+  EXPECT_FALSE(nope->shared_expert_gated);
+  for (const char* key : {"layer_types", "layers_block_type"}) {
+    ExpectBuildError(BuildFixtureWith("granite4_micro",
+                                      [&](Json& c) {
+                                        c.erase("layer_types");
+                                        c[key] = {"mamba", "attention"};
+                                      }),
+                     "config.json: 1 of the 2 layers are Mamba-2 mixers");
+  }
+  ExpectBuildError(BuildFixtureWith("granite4_micro", [](Json& c) { c.erase("layer_types"); }),
+                   "2 of the 2 layers are Mamba-2 mixers");
+  ExpectBuildError(
+      BuildFixtureWith("granite4_micro", [](Json& c) { c["layer_types"] = {"attention"}; }),
+      "expected one entry per layer (2)");
+  ExpectBuildError(BuildFixtureWith("granite4_micro",
+                                    [](Json& c) {
+                                      c["layer_types"] = {"attention", "conv"};
+                                    }),
+                   "config.json: layer_types holds \"conv\"");
+  ExpectBuildError(
+      BuildFixtureWith("granite4_micro", [](Json& c) { c["position_embedding_type"] = "alibi"; }),
+      "config.json: position_embedding_type = \"alibi\": expected \"rope\", \"nope\" or null");
+  auto null_positions =
+      FixtureSpecWith("granite4_micro", [](Json& c) { c["position_embedding_type"] = nullptr; });
+  ASSERT_TRUE(null_positions.ok()) << null_positions.status();
+  EXPECT_EQ(null_positions->position, tgis::server::PositionKind::kNone);
+  ExpectBuildError(
+      BuildFixtureWith("granite4_nope", [](Json& c) { c["shared_intermediate_size"] = -1; }),
+      "config.json: shared_intermediate_size = -1: expected 0 or more");
+  // Without shared_intermediate_size (0), GraniteMoeShared is GraniteMoE.
+  EXPECT_TRUE(
+      BuildFixtureWith("granitemoe", [](Json& c) { c["model_type"] = "granitemoeshared"; }).ok());
+  // A shared expert the config announces must be in the checkpoint.
+  ExpectBuildError(BuildFixtureWith("granitemoe",
+                                    [](Json& c) {
+                                      c["model_type"] = "granitemoeshared";
+                                      c["shared_intermediate_size"] = 32;
+                                    }),
+                   "shared_mlp.input_linear.weight");
+}
+
 // Expert counts: num_experts_per_tok within num_local_experts, and the checkpoint holding
 // exactly the config's experts (Mixtral's per-expert tensors, GraniteMoE's 3-D ones) and
 // shared expert (Qwen2-MoE).
