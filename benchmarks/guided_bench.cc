@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--vocab")) vocab_size = std::strtoul(argv[i + 1], nullptr, 10);
     if (!std::strcmp(argv[i], "--steps")) steps = std::strtoul(argv[i + 1], nullptr, 10);
   }
-  auto vocab = std::make_shared<const tgis::server::TokenBytesTable>(
+  auto vocab = std::make_shared<const tgis::server::GuidedVocabulary>(
       SyntheticVocabulary(vocab_size, 20261129));
   const std::string person =
       R"({"type":"object","properties":{"name":{"type":"string","maxLength":20},)"

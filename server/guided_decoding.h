@@ -23,20 +23,41 @@ namespace tgis::server {
 // (special tokens, ids the tokenizer does not have).
 using TokenBytesTable = std::vector<std::string>;
 
+// A vocabulary's token bytes, also as a trie (the tokens sorted by their bytes, each shared
+// prefix a node once), so that a state's mask steps the automaton once per prefix instead of
+// once per token byte, and a prefix the automaton rejects rejects every token under it unread.
+class GuidedVocabulary {
+ public:
+  explicit GuidedVocabulary(TokenBytesTable bytes);
+  const TokenBytesTable& bytes() const { return bytes_; }
+  size_t size() const { return bytes_.size(); }
+  // The tokens whose bytes walk `dfa` from `state` without falling off, one bit per id.
+  std::vector<uint64_t> Allowed(const grammar::ByteDfa& dfa, int32_t state) const;
+
+ private:
+  TokenBytesTable bytes_;
+  // The trie's nodes in preorder (the root left out): node i adds byte_[i] at depth_[i] (1:
+  // a first byte), its subtree ends before node skip_[i], and the tokens whose bytes end there
+  // are ids_[first_id_[i] .. first_id_[i + 1]).
+  std::vector<uint8_t> byte_;
+  std::vector<int32_t> depth_, skip_, first_id_, ids_;
+  int32_t max_depth_ = 0;
+};
+
 // An automaton over a vocabulary, with the masks of the states reached so far. Thread-safe:
 // the sequences of a step choose their tokens side by side.
 class GuidedAutomaton {
  public:
   GuidedAutomaton(std::shared_ptr<const grammar::ByteDfa> dfa,
-                  std::shared_ptr<const TokenBytesTable> vocabulary);
+                  std::shared_ptr<const GuidedVocabulary> vocabulary);
   const grammar::ByteDfa& dfa() const { return *dfa_; }
-  const TokenBytesTable& vocabulary() const { return *vocabulary_; }
+  const GuidedVocabulary& vocabulary() const { return *vocabulary_; }
   // The tokens whose bytes continue the text from `state`, one bit per id.
   std::shared_ptr<const std::vector<uint64_t>> Allowed(int32_t state);
 
  private:
   std::shared_ptr<const grammar::ByteDfa> dfa_;
-  std::shared_ptr<const TokenBytesTable> vocabulary_;
+  std::shared_ptr<const GuidedVocabulary> vocabulary_;
   std::mutex mu_;
   std::unordered_map<int32_t, std::shared_ptr<const std::vector<uint64_t>>> masks_;
 };
@@ -46,14 +67,14 @@ class GuidedAutomaton {
 class GuidedAutomatonCache {
  public:
   explicit GuidedAutomatonCache(size_t entries = 16) : cache_(static_cast<double>(entries)) {}
-  void SetVocabulary(std::shared_ptr<const TokenBytesTable> vocabulary);
+  void SetVocabulary(std::shared_ptr<const GuidedVocabulary> vocabulary);
   bool has_vocabulary() const { return vocabulary_ != nullptr; }
   // The automaton `key` stands for; `make` builds its ByteDfa when it is not cached.
   template <typename MakeDfa>
   std::shared_ptr<GuidedAutomaton> Get(const std::string& key, MakeDfa make);
 
  private:
-  std::shared_ptr<const TokenBytesTable> vocabulary_;
+  std::shared_ptr<const GuidedVocabulary> vocabulary_;
   LruCache<std::shared_ptr<GuidedAutomaton>> cache_;
 };
 

@@ -242,8 +242,8 @@ grpc::Status ShardService::Warmup(grpc::ServerContext*, const pb::WarmupRequest*
   }
   if (auto st = EngineForCall(); !st.ok()) return st;
   if (req->token_bytes_size() > 0) {
-    guided_.SetVocabulary(std::make_shared<const TokenBytesTable>(req->token_bytes().begin(),
-                                                                  req->token_bytes().end()));
+    guided_.SetVocabulary(std::make_shared<const GuidedVocabulary>(
+        TokenBytesTable(req->token_bytes().begin(), req->token_bytes().end())));
   }
   // The largest step the router will send: a prefill of its prefill limit (which it raises to
   // one request of the longest length) beside a decode row for every other request. The engine

@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <memory>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "server/sampling.h"
@@ -20,9 +22,9 @@ using tgis::server::TokenConstraint;
 
 constexpr int32_t kEos = 5;
 
-std::shared_ptr<const TokenBytesTable> Vocabulary() {
+std::shared_ptr<const tgis::server::GuidedVocabulary> Vocabulary() {
   // 4: a special token (no bytes); 5: EOS.
-  return std::make_shared<const TokenBytesTable>(
+  return std::make_shared<const tgis::server::GuidedVocabulary>(
       TokenBytesTable{"a", "b", "ab", "c", "", "", "bc", "x"});
 }
 
@@ -43,6 +45,61 @@ std::vector<int> Allowed(TokenConstraint* c) {
     if (std::isfinite(logits[i])) ids.push_back(i);
   }
   return ids;
+}
+
+// The vocabulary's trie walk (shared prefixes stepped once, rejected prefixes skipped) against
+// the definition: each token's own walk of the automaton, for every state of several automata
+// over a vocabulary of shared prefixes, duplicates, special tokens and multi-byte characters;
+// and the word-at-a-time masking against the mask bit by bit, over a row whose last word is
+// partial.
+TEST(GuidedVocabulary, TrieMasksAreEachTokensOwnWalk) {
+  std::mt19937 rng(7);
+  const std::vector<std::string> pieces = {"a", "b", "c", "\"", " ", "{", "1", "\xc3\xa9", "}"};
+  TokenBytesTable table;
+  for (int i = 0; i < 3001; ++i) {
+    std::string t;
+    const int length = static_cast<int>(rng() % 7);  // 0: a special token
+    for (int k = 0; k < length; ++k) t += pieces[rng() % pieces.size()];
+    table.push_back(t);
+  }
+  table[17] = table[16];  // the same bytes twice
+  const auto vocabulary = std::make_shared<const tgis::server::GuidedVocabulary>(table);
+  for (const char* pattern :
+       {"a+b?c*", "(ab|ba)*c", "[^a]{2,5}", "\\{\"a\": ?[0-9]+\\}", ".*é", "\"[a-c ]*\""}) {
+    auto dfa = tgis::grammar::CompileRegex(pattern);
+    ASSERT_TRUE(dfa.ok()) << pattern << ": " << dfa.status();
+    auto shared = std::make_shared<const tgis::grammar::ByteDfa>(*dfa);
+    for (int32_t state = 0; state < dfa->num_states(); ++state) {
+      const std::vector<uint64_t> bits = vocabulary->Allowed(*dfa, state);
+      ASSERT_EQ(bits.size(), (table.size() + 63) / 64);
+      for (size_t id = 0; id < table.size(); ++id) {
+        const bool want =
+            !table[id].empty() && dfa->Walk(state, table[id]) != tgis::grammar::ByteDfa::kDead;
+        ASSERT_EQ(((bits[id / 64] >> (id % 64)) & 1) == 1, want)
+            << pattern << " state " << state << " token " << id;
+      }
+    }
+    // Masking a row as the sampler does, from the start state after a few advances.
+    TokenConstraint c(std::make_shared<tgis::server::GuidedAutomaton>(shared, vocabulary), {});
+    for (int step = 0; step < 4; ++step) {
+      std::vector<float> logits(table.size());
+      for (float& x : logits) x = static_cast<float>(rng() % 1000) / 100.0f;
+      const std::vector<float> before = logits;
+      const std::vector<uint64_t> bits = vocabulary->Allowed(*dfa, c.state());
+      const bool any = c.Mask(logits);
+      bool want_any = false;
+      for (size_t id = 0; id < table.size(); ++id) {
+        const bool allowed = (bits[id / 64] >> (id % 64)) & 1;
+        want_any = want_any || allowed;
+        ASSERT_EQ(logits[id], allowed ? before[id] : -INFINITY) << pattern << " id " << id;
+      }
+      EXPECT_EQ(any, want_any);
+      if (!any) break;
+      int32_t pick = 0;
+      while (!std::isfinite(logits[pick])) ++pick;
+      c.Advance(pick);
+    }
+  }
 }
 
 TEST(TokenConstraint, AllowsTheTokensThatCanStillMatch) {
