@@ -145,6 +145,19 @@ void AddWeightedRows(const Tensor& src, const Tensor& rows, const Tensor& weight
   TGIS_DISPATCH(AddWeightedRows, TGIS_TENSORS(&src, &rows, &weights, out), src, rows, weights, out);
 }
 
+void SelectiveScan(const SsmConfig& cfg, const Tensor& proj, const Tensor& conv_w,
+                   const Tensor& conv_b, const Tensor& dt_bias, const Tensor& a_log,
+                   const Tensor& d, const std::vector<int32_t>& query_start,
+                   const std::vector<Tensor*>& conv_states, const std::vector<Tensor*>& ssm_states,
+                   const std::vector<uint8_t>& fresh, Tensor* out) {
+  // Mamba-2 models refuse CUDA at load (models/granite.cc): this is never reached there.
+  TGIS_CHECK(DeviceOf("SelectiveScan", {&proj, &conv_w, &conv_b, &dt_bias, &a_log, &d, out}) ==
+                 Device::kCpu,
+             "SelectiveScan: no CUDA kernel yet (Mamba-2 layers run on the CPU)");
+  cpu::SelectiveScan(cfg, proj, conv_w, conv_b, dt_bias, a_log, d, query_start, conv_states,
+                     ssm_states, fresh, out);
+}
+
 void Softmax(Tensor* x) { TGIS_DISPATCH(Softmax, TGIS_TENSORS(x), x); }
 
 void LogSoftmax(Tensor* x) { TGIS_DISPATCH(LogSoftmax, TGIS_TENSORS(x), x); }

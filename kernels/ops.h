@@ -113,6 +113,29 @@ void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out);
 // In place: GELU (erf: exact "gelu"; tanh: "gelu_new" / "gelu_pytorch_tanh" / "gelu_fast"),
 // ReLU, SiLU.
 void Activate(Activation kind, Tensor* x);
+// Mamba-2's selective state-space mixer (GraniteMoeHybrid's "mamba" layers), the part between
+// its in_proj and its gated norm, computed as its recurrence token by token. Per sequence s
+// (rows [query_start[s], query_start[s + 1]) of `proj`, in order) and token:
+//   xBC = silu(causal depthwise conv of xBC over the sequence (kernel K, conv_w [C, K],
+//         conv_b [C] or undefined), the previous K - 1 inputs from conv_states[s] [C, K - 1]),
+//   x, B, C = xBC's [I], [G, N], [G, N] parts (I = heads * head_dim, C = I + 2 G N),
+//   dt = softplus(dt + dt_bias) per head, A = -exp(a_log),
+//   ssm[h] = ssm[h] * exp(dt A) + dt B[g] x[h]^T (ssm_states[s] [heads, head_dim, N]; head h
+//            in group g = h / (heads / G)),
+//   y[h] = ssm[h] C[g] + d[h] x[h].
+// proj: [T, I + C + heads] (z | xBC | dt); out: [T, 2 I] = z | y, so that
+// GatedActivation(kSilu) gives the gated norm's input silu(z) * y. A sequence with fresh[s]
+// starts from zero states; its states after its last row are left in conv_states and
+// ssm_states. All f32, on the CPU (no CUDA kernel yet).
+struct SsmConfig {
+  int64_t heads = 0, head_dim = 0, groups = 0, state_size = 0, conv_kernel = 0;
+};
+void SelectiveScan(const SsmConfig& cfg, const Tensor& proj, const Tensor& conv_w,
+                   const Tensor& conv_b, const Tensor& dt_bias, const Tensor& a_log,
+                   const Tensor& d, const std::vector<int32_t>& query_start,
+                   const std::vector<Tensor*>& conv_states, const std::vector<Tensor*>& ssm_states,
+                   const std::vector<uint8_t>& fresh, Tensor* out);
+
 // In place: x = min(max(x, lo), hi) (clip_qkv of MPT and OLMo).
 void Clamp(float lo, float hi, Tensor* x);
 // In place: x = x * factor, in f32, rounded to x's dtype (Granite's embedding and residual

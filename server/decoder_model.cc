@@ -1,5 +1,6 @@
 #include "server/decoder_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -125,8 +126,25 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
   for (int64_t i = 0; i < s.num_layers; ++i) {
     const LayerWeights& l = w.layers[i];
     const std::string p = absl::StrCat("layer ", i, " ");
-    std::vector<std::tuple<const Tensor*, kernels::Shape, std::string>> want = {
-        {&l.qkv_w, {qkv, s.hidden}, "qkv"}, {&l.o_w, {s.hidden, hq * s.head_dim}, "o_proj"}};
+    std::vector<std::tuple<const Tensor*, kernels::Shape, std::string>> want;
+    if (s.IsMamba(i)) {
+      const MambaSpec& m = s.mamba;
+      const int64_t c = m.conv_channels(), heads = m.ssm.heads;
+      want = {{&l.mamba_in_w, {m.projection(), s.hidden}, "mamba in_proj"},
+              {&l.conv_w, {c, m.ssm.conv_kernel}, "mamba conv1d"},
+              {&l.dt_bias, {heads}, "mamba dt_bias"},
+              {&l.a_log, {heads}, "mamba A_log"},
+              {&l.ssm_d, {heads}, "mamba D"},
+              {&l.mamba_norm_w, {m.inner()}, "mamba norm"},
+              {&l.mamba_out_w, {s.hidden, m.inner()}, "mamba out_proj"}};
+      if (m.conv_bias) want.emplace_back(&l.conv_b, kernels::Shape{c}, "mamba conv1d bias");
+      if (m.proj_bias) {
+        want.emplace_back(&l.mamba_in_b, kernels::Shape{m.projection()}, "mamba in_proj bias");
+        want.emplace_back(&l.mamba_out_b, kernels::Shape{s.hidden}, "mamba out_proj bias");
+      }
+    } else {
+      want = {{&l.qkv_w, {qkv, s.hidden}, "qkv"}, {&l.o_w, {s.hidden, hq * s.head_dim}, "o_proj"}};
+    }
     if (s.residual != Residual::kOutputNorms) {
       want.emplace_back(&l.ln1_w, kernels::Shape{s.hidden}, "input norm");
       want.emplace_back(&l.ln2_w, kernels::Shape{s.hidden},
@@ -206,7 +224,10 @@ CausalLM::CausalLM(DecoderSpec spec, DecoderWeights weights, std::shared_ptr<Com
 }
 
 size_t CausalLM::KvBytesPerToken() const {
-  return static_cast<size_t>(2 * spec_.num_layers * layout_.kv_heads.size() * spec_.head_dim) *
+  // Mamba-2 layers keep no keys or values (their per-sequence states are apart).
+  const auto mamba = std::count(spec_.mamba_layers.begin(), spec_.mamba_layers.end(), true);
+  const int64_t layers = spec_.num_layers - static_cast<int64_t>(mamba);
+  return static_cast<size_t>(2 * layers * layout_.kv_heads.size() * spec_.head_dim) *
          kernels::DTypeSize(kv_dtype());
 }
 
@@ -541,6 +562,42 @@ Tensor CausalLM::InputRows(const ForwardInput& in) const {
   return x;
 }
 
+std::vector<kernels::Shape> DecoderSpec::RecurrentStateShapes() const {
+  std::vector<kernels::Shape> shapes;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    if (!IsMamba(l)) continue;
+    shapes.push_back({mamba.conv_channels(), mamba.ssm.conv_kernel - 1});
+    shapes.push_back({mamba.ssm.heads, mamba.ssm.head_dim, mamba.ssm.state_size});
+  }
+  return shapes;
+}
+
+void CausalLM::MambaMixer(const ForwardInput& in, int64_t layer, const Tensor& x,
+                          Tensor* out) const {
+  const MambaSpec& m = spec_.mamba;
+  const LayerWeights& w = w_.layers[layer];
+  const int64_t t = x.dim(0);
+  // This layer's two states in each sequence's slot: the Mamba-2 layers before it took two each.
+  size_t first = 0;
+  for (int64_t l = 0; l < layer; ++l) first += spec_.IsMamba(l) ? 2 : 0;
+  std::vector<Tensor*> conv, ssm;
+  for (std::vector<Tensor>* states : in.recurrent) {
+    conv.push_back(&(*states)[first]);
+    ssm.push_back(&(*states)[first + 1]);
+  }
+  Tensor proj = Buf({t, m.projection()});
+  kernels::Linear(x, w.mamba_in_w, w.mamba_in_b.defined() ? &w.mamba_in_b : nullptr, &proj);
+  Tensor zy = Buf({t, 2 * m.inner()});
+  kernels::SelectiveScan(m.ssm, proj, w.conv_w, w.conv_b, w.dt_bias, w.a_log, w.ssm_d,
+                         in.host_query_start, conv, ssm, in.recurrent_fresh, &zy);
+  // transformers' gated RMSNorm: norm(y * silu(z)) over the whole inner width.
+  Tensor gated = Buf({t, m.inner()});
+  kernels::GatedActivation(kernels::Activation::kSilu, zy, &gated);
+  Tensor normed = Buf({t, m.inner()});
+  kernels::RmsNorm(gated, w.mamba_norm_w, spec_.norm_eps, &normed);
+  kernels::Linear(normed, w.mamba_out_w, w.mamba_out_b.defined() ? &w.mamba_out_b : nullptr, out);
+}
+
 Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,
                                const std::vector<int32_t>& logit_rows) const {
   const DecoderSpec& s = spec_;
@@ -575,26 +632,32 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
   for (int64_t l = 0; l < s.num_layers; ++l) {
     const LayerWeights& w = w_.layers[l];
     const LayerWeights* next = l + 1 < s.num_layers ? &w_.layers[l + 1] : nullptr;
-    // The attention's input: this layer's input norm in h (pre-norm), or x itself.
-    kernels::Linear(raw_input ? x : h, w.qkv_w, w.qkv_b.defined() ? &w.qkv_b : nullptr, &qkv);
-    AddLora(in, l, &LoraLayer::qkv, raw_input ? x : h, &qkv);
-    if (s.clip_qkv > 0) kernels::Clamp(-s.clip_qkv, s.clip_qkv, &qkv);
-    if (s.qk_norms) NormHeads(w, &qkv);
-    if (split_apart) {
-      Tensor q2 = q.Reshape({t, hq * d}), k2 = k.Reshape({t, hk * d}), v2 = v.Reshape({t, hk * d});
-      kernels::CopyColumns(qkv, 0, hq * d, &q2, 0);
-      kernels::CopyColumns(qkv, hq * d, hk * d, &k2, 0);
-      kernels::CopyColumns(qkv, (hq + hk) * d, hk * d, &v2, 0);
-      Rotate(in, &q, &k);
-      kernels::ReshapeAndCache(k, v, in.slot_mapping, &(*cache)[l]);
+    if (s.IsMamba(l)) {
+      // A Mamba-2 mixer in place of attention (sequential residual: its input is h).
+      MambaMixer(in, l, h, &o);
     } else {
-      kernels::QkvToCache(qkv, rotary ? &s.RotaryOf(l) : nullptr, in.positions, in.slot_mapping, &q,
-                          &(*cache)[l]);
+      // The attention's input: this layer's input norm in h (pre-norm), or x itself.
+      kernels::Linear(raw_input ? x : h, w.qkv_w, w.qkv_b.defined() ? &w.qkv_b : nullptr, &qkv);
+      AddLora(in, l, &LoraLayer::qkv, raw_input ? x : h, &qkv);
+      if (s.clip_qkv > 0) kernels::Clamp(-s.clip_qkv, s.clip_qkv, &qkv);
+      if (s.qk_norms) NormHeads(w, &qkv);
+      if (split_apart) {
+        Tensor q2 = q.Reshape({t, hq * d}), k2 = k.Reshape({t, hk * d}),
+               v2 = v.Reshape({t, hk * d});
+        kernels::CopyColumns(qkv, 0, hq * d, &q2, 0);
+        kernels::CopyColumns(qkv, hq * d, hk * d, &k2, 0);
+        kernels::CopyColumns(qkv, (hq + hk) * d, hk * d, &v2, 0);
+        Rotate(in, &q, &k);
+        kernels::ReshapeAndCache(k, v, in.slot_mapping, &(*cache)[l]);
+      } else {
+        kernels::QkvToCache(qkv, rotary ? &s.RotaryOf(l) : nullptr, in.positions, in.slot_mapping,
+                            &q, &(*cache)[l]);
+      }
+      kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.WindowOf(l),
+                              attn_bias_used_ ? &attn_bias_ : nullptr, &attn);
+      kernels::Linear(attn.Reshape({t, hq * d}), w.o_w, RowParallelBias(w.o_b), &o);
+      AddLora(in, l, &LoraLayer::o, attn.Reshape({t, hq * d}), &o);
     }
-    kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.WindowOf(l),
-                            attn_bias_used_ ? &attn_bias_ : nullptr, &attn);
-    kernels::Linear(attn.Reshape({t, hq * d}), w.o_w, RowParallelBias(w.o_b), &o);
-    AddLora(in, l, &LoraLayer::o, attn.Reshape({t, hq * d}), &o);
     if (post_norm) {
       // x = ln1(x + attn); x = ln2(x + mlp(x)): the sums land in x, the norms in h, and the
       // two swap roles.

@@ -46,12 +46,19 @@ struct LayerWeights {
   kernels::Tensor router_w;
   std::vector<kernels::Tensor> expert_up, expert_down;
   kernels::Tensor shared_up, shared_down;  // [2S, H] and [H, S] (S: this rank's shared columns)
+  // A Mamba-2 mixer (DecoderSpec::mamba_layers) in place of attention (qkv_w and o_w
+  // undefined): in_proj [I + C + heads, H] (z | xBC | dt) and its bias, the depthwise
+  // convolution [C, K] and its bias, dt_bias, a_log and d [heads], the gated norm [I], out_proj
+  // [H, I] and its bias. All but the two projections in f32.
+  kernels::Tensor mamba_in_w, mamba_in_b, conv_w, conv_b, dt_bias, a_log, ssm_d, mamba_norm_w;
+  kernels::Tensor mamba_out_w, mamba_out_b;
 
   // The linear weights (undefined ones included), for what every linear gets alike.
   template <typename Self>
   static auto LinearsOf(Self& l) {
-    std::vector<decltype(&l.qkv_w)> all = {&l.qkv_w,  &l.o_w,       &l.up_w,
-                                           &l.down_w, &l.shared_up, &l.shared_down};
+    std::vector<decltype(&l.qkv_w)> all = {&l.qkv_w,      &l.o_w,        &l.up_w,
+                                           &l.down_w,     &l.shared_up,  &l.shared_down,
+                                           &l.mamba_in_w, &l.mamba_out_w};
     for (auto* experts : {&l.expert_up, &l.expert_down}) {
       for (auto& t : *experts) all.push_back(&t);
     }
@@ -129,6 +136,10 @@ class CausalLM : public Model {
   const kernels::Tensor* RowParallelBias(const kernels::Tensor& b) const {
     return b.defined() && layout_.rank == 0 ? &b : nullptr;
   }
+  // A Mamba-2 layer's mixer (DecoderSpec::mamba_layers) of x (the layer's normed input) into
+  // out [T, H].
+  void MambaMixer(const ForwardInput& in, int64_t layer, const kernels::Tensor& x,
+                  kernels::Tensor* out) const;
   void Mlp(const ForwardInput& in, int64_t layer, const kernels::Tensor& x,
            kernels::Tensor* out) const;
   // A dense MLP of `inter` columns (this rank's): up (gate | up for a gated one), activation,

@@ -62,7 +62,9 @@ int32_t DetailRowsPerChunk(int64_t vocab) {
 // another length computes), which leave both off. Encoder-decoder models leave prefix caching
 // off too (the decoder's prompt is one start token; the encoder's output is per input).
 bool PrefixCachingApplies(const Model& model) {
-  return !model.encoder_decoder() && KeysIndependentOfLength(model);
+  // A recurrent layer's state after a prefix is not in the prefix's blocks.
+  return !model.encoder_decoder() && KeysIndependentOfLength(model) &&
+         model.spec().RecurrentStateShapes().empty();
 }
 
 }  // namespace
@@ -80,6 +82,7 @@ Engine::Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64
   prefix_caching_ = prefix_caching && PrefixCachingApplies(*model_);
   keys_independent_of_length_ = KeysIndependentOfLength(*model_);
   const DecoderSpec& s = model_->spec();
+  state_shapes_ = s.RecurrentStateShapes();
   max_positions_ = s.ServedPositions(max_positions);
   // No limit of the model's own (ALiBi models without one in the config, relative positions):
   // the router's MAX_SEQUENCE_LENGTH is the limit.
@@ -88,7 +91,7 @@ Engine::Engine(std::unique_ptr<Model> model, std::vector<int32_t> eos_ids, int64
   cache_ = std::make_unique<KvCache>(static_cast<int>(s.num_layers), num_blocks, block_size,
                                      static_cast<int>(model_->shard().kv_heads.size()),
                                      static_cast<int>(s.head_dim), model_->kv_dtype(),
-                                     model_->device(), prefix_caching_);
+                                     model_->device(), prefix_caching_, s.mamba_layers);
 }
 
 size_t Engine::CachedTokens(uint64_t id) const {
@@ -176,12 +179,37 @@ void Engine::Release(uint64_t id) {
   auto it = seqs_.find(id);
   if (it == seqs_.end()) return;
   FreeBlocks(it->second.get());
+  ReleaseState(it->second.get());
   seqs_.erase(it);
 }
 
 void Engine::ReleaseAll() {
-  for (auto& [id, s] : seqs_) FreeBlocks(s.get());
+  for (auto& [id, s] : seqs_) {
+    FreeBlocks(s.get());
+    ReleaseState(s.get());
+  }
   seqs_.clear();
+}
+
+void Engine::AcquireState(Sequence* s) {
+  if (state_shapes_.empty() || s->state_slot >= 0) return;
+  if (!free_states_.empty()) {
+    s->state_slot = free_states_.back();
+    free_states_.pop_back();
+    return;
+  }
+  std::vector<kernels::Tensor> slot;
+  for (const kernels::Shape& shape : state_shapes_) {
+    slot.push_back(kernels::Tensor::Zeros(shape, kernels::DType::kF32, model_->device()));
+  }
+  s->state_slot = static_cast<int32_t>(states_.size());
+  states_.push_back(std::move(slot));
+}
+
+void Engine::ReleaseState(Sequence* s) {
+  if (s->state_slot < 0) return;
+  free_states_.push_back(s->state_slot);
+  s->state_slot = -1;
 }
 
 void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out,
@@ -280,6 +308,11 @@ void Engine::Prefill(std::vector<NewSequence> news, std::vector<StepOutput>* out
       continue;
     }
     CountReuse(*s);
+    if (!state_shapes_.empty()) {
+      // Rejected draft tokens would have advanced the recurrent states.
+      s->speculate = 0;
+      AcquireState(s.get());
+    }
     batch.push_back(s.get());
     seqs_[n.id] = std::move(s);
   }
@@ -681,6 +714,12 @@ void Engine::Run(const std::vector<Sequence*>& seqs, const std::vector<size_t>& 
     }
     AddPrefixRows(spans, &in);
     if (any_lora) AddLoraRows(seqs, in.host_query_start, &in);
+    if (!state_shapes_.empty()) {
+      for (Sequence* s : seqs) {
+        in.recurrent.push_back(&states_[static_cast<size_t>(s->state_slot)]);
+        in.recurrent_fresh.push_back(s->cached == 0 ? 1 : 0);
+      }
+    }
     std::vector<int32_t> hidden_rows = logit_rows;
     hidden_rows.insert(hidden_rows.end(), detail_rows.begin(), detail_rows.end());
     hidden = model_->ForwardHidden(in, cache_->layers(), hidden_rows);

@@ -194,7 +194,12 @@ class Engine {
     uint32_t speculate = 0;
     // This step's draft tokens (appended to `tokens` while the step runs).
     std::vector<int32_t> draft;
+    // Models with recurrent states: the slot of states_ this sequence's are in (-1: none).
+    int32_t state_slot = -1;
   };
+  // A slot of recurrent states for s (reusing a released one, else a new one).
+  void AcquireState(Sequence* s);
+  void ReleaseState(Sequence* s);
 
   // Blocks s lacks for the keys of all its tokens (cross-attention's are reserved at prefill).
   size_t MissingBlocks(const Sequence& s) const;
@@ -290,6 +295,12 @@ class Engine {
   bool prefix_caching_ = false;
   // KeysIndependentOfLength(model): preemption, chunking and speculation all rely on it.
   bool keys_independent_of_length_ = false;
+  // Models with recurrent layers (DecoderSpec::RecurrentStateShapes): one slot of states per
+  // live sequence, kept for reuse once released (their number follows the most sequences
+  // alive at once).
+  std::vector<kernels::Shape> state_shapes_;
+  std::vector<std::vector<kernels::Tensor>> states_;
+  std::vector<int32_t> free_states_;
   PrefillReuse last_reuse_;
   DraftStats last_drafts_;
   uint64_t next_order_ = 0;

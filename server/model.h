@@ -55,6 +55,18 @@ struct LoraTargets {
   std::string down;              // "mlp.down_proj"
 };
 
+// Mamba-2 mixers in place of attention (GraniteMoeHybrid's "mamba" layers). Each sequence keeps,
+// per such layer, a convolution state [conv_channels, conv_kernel - 1] and an SSM state
+// [heads, head_dim, state_size] (f32) from one step to the next (Engine's recurrent slots).
+struct MambaSpec {
+  kernels::SsmConfig ssm;
+  bool proj_bias = false;  // in_proj and out_proj biases (mamba_proj_bias)
+  bool conv_bias = true;   // mamba_conv_bias
+  int64_t inner() const { return ssm.heads * ssm.head_dim; }
+  int64_t conv_channels() const { return inner() + 2 * ssm.groups * ssm.state_size; }
+  int64_t projection() const { return inner() + conv_channels() + ssm.heads; }
+};
+
 struct DecoderSpec {
   int64_t hidden = 0;
   int64_t num_layers = 0;
@@ -130,6 +142,15 @@ struct DecoderSpec {
   // sigmoid(shared gate . x), the gate being the router's last row; else (Granite) times 1.
   int64_t shared_expert_intermediate = 0;
   bool shared_expert_gated = true;
+  // Per layer: true where a Mamba-2 mixer (`mamba`) stands in place of attention; empty: none.
+  std::vector<bool> mamba_layers;
+  MambaSpec mamba;
+  bool IsMamba(int64_t layer) const {
+    return !mamba_layers.empty() && mamba_layers[static_cast<size_t>(layer)];
+  }
+  // The shapes of one sequence's recurrent states: per Mamba-2 layer in order, its convolution
+  // state then its SSM state; empty: the model keeps none.
+  std::vector<kernels::Shape> RecurrentStateShapes() const;
   LoraTargets lora_targets;
 };
 
@@ -190,6 +211,11 @@ struct ForwardInput {
     bool all_rows = false;  // rows are 0..T-1, every row of the step in order
   };
   std::vector<LoraRows> lora;
+  // Models with recurrent states (DecoderSpec::RecurrentStateShapes): each sequence's (the
+  // engine's slot for it, one tensor per shape), and whether its rows in this step start at
+  // position 0 (its states start from zero).
+  std::vector<std::vector<kernels::Tensor>*> recurrent;
+  std::vector<uint8_t> recurrent_fresh;
 };
 
 // Decoder-only models run Forward over the prompt, then over each generated token. Encoder-

@@ -12,13 +12,17 @@
 // GraniteMoeHybrid (granitemoehybrid: Granite 4.0) makes each layer attention or a Mamba-2
 // mixer (layer_types); its MLP is GraniteMoeShared's, or with num_local_experts 0 the shared
 // MLP alone (Granite 4.0 Micro); attention rotates q and k when position_embedding_type is
-// "rope" and takes no positions at all otherwise (Granite 4.0-H). Mamba-2 layers are not
-// served: a config with any is refused, by name.
-// Read only in training, so not here: output_router_logits and router_aux_loss_coef. Read only
-// by Mamba-2 layers, which a served GraniteMoeHybrid has none of: mamba_n_heads, mamba_d_head,
-// mamba_n_groups, mamba_d_state, mamba_d_conv, mamba_expand, mamba_chunk_size,
-// mamba_conv_bias, mamba_proj_bias. GraniteMoeHybrid without experts reads neither
+// "rope" and takes no positions at all otherwise (Granite 4.0-H). A Mamba-2 layer
+// (mamba.in_proj, conv1d, dt_bias, A_log, D, norm, out_proj; sizes from mamba_n_heads,
+// mamba_d_head, mamba_n_groups, mamba_d_state, mamba_d_conv, mamba_expand, mamba_conv_bias,
+// mamba_proj_bias) keeps each sequence's convolution and SSM states between steps
+// (kernels::SelectiveScan; on the CPU, at world size 1 for now).
+// Read only in training, so not here: output_router_logits and router_aux_loss_coef;
+// mamba_chunk_size is how transformers splits a prompt for its parallel scan (the recurrence
+// here gives the same states token by token). GraniteMoeHybrid without experts reads neither
 // intermediate_size nor num_experts_per_tok (nor does transformers).
+
+#include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "server/model_registry.h"
@@ -66,39 +70,75 @@ absl::Status ReadSharedOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
   return ReadOptions(c, opt);
 }
 
-// Every layer attention (layer_types, or layers_block_type as older configs name it; absent:
-// transformers makes every layer a Mamba-2 mixer).
-absl::Status RequireAttentionLayers(const ModelConfig& c) {
+// Which layers are Mamba-2 mixers (layer_types, or layers_block_type as older configs name it;
+// absent: transformers makes every layer one), and their sizes from the mamba_* keys.
+absl::Status ReadLayerTypes(const ModelConfig& c, LlamaStyleOptions* opt) {
   auto it = c.raw.find("layer_types");
   if (it == c.raw.end()) it = c.raw.find("layers_block_type");
-  int64_t mamba = c.num_layers;
+  std::vector<bool> mamba(static_cast<size_t>(c.num_layers), true);
   if (it != c.raw.end() && !it->is_null()) {
     if (!it->is_array() || static_cast<int64_t>(it->size()) != c.num_layers) {
       return absl::InvalidArgumentError(absl::StrCat(
           "config.json: layer_types = ", it->dump(), ": expected one entry per layer (",
           c.num_layers, "), each \"attention\" or \"mamba\""));
     }
-    mamba = 0;
-    for (const auto& type : *it) {
-      if (type == "mamba") {
-        ++mamba;
-      } else if (type != "attention") {
+    for (size_t i = 0; i < mamba.size(); ++i) {
+      const auto& type = (*it)[i];
+      if (type != "mamba" && type != "attention") {
         return absl::InvalidArgumentError(absl::StrCat("config.json: layer_types holds ",
                                                        type.dump(),
                                                        ": expected \"attention\" or \"mamba\""));
       }
+      mamba[i] = type == "mamba";
     }
   }
-  if (mamba == 0) return absl::OkStatus();
-  return absl::UnimplementedError(absl::StrCat(
-      "config.json: ", mamba, " of the ", c.num_layers,
-      " layers are Mamba-2 mixers (layer_types \"mamba\", Granite 4.0-H's hybrid layout): "
-      "state-space layers are not supported; attention-only GraniteMoeHybrid checkpoints "
-      "(Granite 4.0 Micro) are"));
+  if (std::none_of(mamba.begin(), mamba.end(), [](bool m) { return m; })) return absl::OkStatus();
+  auto heads = c.Get<int64_t>("mamba_n_heads", 128);
+  auto groups = c.Get<int64_t>("mamba_n_groups", 1);
+  auto state = c.Get<int64_t>("mamba_d_state", 256);
+  auto kernel = c.Get<int64_t>("mamba_d_conv", 4);
+  auto expand = c.Get<double>("mamba_expand", 2.0);
+  auto conv_bias = c.Get<bool>("mamba_conv_bias", true);
+  auto proj_bias = c.Get<bool>("mamba_proj_bias", false);
+  auto act = c.Get<std::string>("hidden_act", std::string("silu"));
+  for (const auto* v : {&heads, &groups, &state, &kernel}) {
+    if (!v->ok()) return v->status();
+  }
+  if (!expand.ok()) return expand.status();
+  if (!conv_bias.ok()) return conv_bias.status();
+  if (!proj_bias.ok()) return proj_bias.status();
+  if (!act.ok()) return act.status();
+  // transformers: int(mamba_expand * hidden_size) split into mamba_n_heads heads of
+  // mamba_d_head ("auto": whatever that gives).
+  const auto inner = static_cast<int64_t>(*expand * static_cast<double>(c.hidden_size));
+  int64_t head_dim = *heads > 0 ? inner / *heads : 0;
+  if (auto d = c.raw.find("mamba_d_head"); d != c.raw.end() && *d != "auto") {
+    auto given = c.Get<int64_t>("mamba_d_head");
+    if (!given.ok()) return given.status();
+    head_dim = *given;
+  }
+  if (*heads <= 0 || *groups <= 0 || *heads % *groups != 0 || *state <= 0 || *kernel < 1 ||
+      head_dim <= 0 || head_dim * *heads != inner) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: the Mamba-2 sizes (mamba_n_heads ", *heads, ", mamba_d_head ", head_dim,
+        ", mamba_n_groups ", *groups, ", mamba_d_state ", *state, ", mamba_d_conv ", *kernel,
+        ", mamba_expand x hidden_size ", inner,
+        ") must be positive, the heads a multiple of the groups, and heads x head_dim the "
+        "expanded width"));
+  }
+  if (*act != "silu") {
+    return absl::UnimplementedError(absl::StrCat("config.json: hidden_act = \"", *act,
+                                                 "\": Mamba-2 layers are served with silu only"));
+  }
+  opt->mamba_layers = std::move(mamba);
+  opt->mamba.ssm = {*heads, head_dim, *groups, *state, *kernel};
+  opt->mamba.conv_bias = *conv_bias;
+  opt->mamba.proj_bias = *proj_bias;
+  return absl::OkStatus();
 }
 
 absl::Status ReadHybridOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
-  if (auto st = RequireAttentionLayers(c); !st.ok()) return st;
+  if (auto st = ReadLayerTypes(c, opt); !st.ok()) return st;
   auto positions = c.raw.find("position_embedding_type");
   if (positions == c.raw.end() || positions->is_null() || *positions == "nope") {
     opt->no_positions = true;

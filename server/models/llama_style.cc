@@ -144,6 +144,31 @@ absl::Status LoadExperts(const ShardedLoader& ld, const std::string& p, const De
   return AssignLoads(&loads);
 }
 
+// A Mamba-2 mixer's weights (GraniteMoeHybrid's `mamba.` modules), at world size 1: the two
+// projections in the run dtype, the rest in f32.
+absl::Status LoadMamba(const ShardedLoader& ld, const std::string& m, const MambaSpec& spec,
+                       LayerWeights* l) {
+  TensorLoads loads;
+  loads.emplace_back(&l->mamba_in_w,
+                     ld.OutputRows(m + "in_proj.weight", {Range{0, spec.projection()}}));
+  loads.emplace_back(&l->mamba_out_w, ld.InputColumns(m + "out_proj.weight", {0, spec.inner()}));
+  if (spec.proj_bias) {
+    loads.emplace_back(&l->mamba_in_b, ld.Whole(m + "in_proj.bias"));
+    loads.emplace_back(&l->mamba_out_b, ld.Whole(m + "out_proj.bias"));
+  }
+  // transformers' Conv1d keeps [C, 1, K].
+  loads.emplace_back(&l->conv_w, ld.WholeShaped(m + "conv1d.weight",
+                                                {spec.conv_channels(), 1, spec.ssm.conv_kernel}));
+  if (spec.conv_bias) loads.emplace_back(&l->conv_b, ld.Whole(m + "conv1d.bias"));
+  loads.emplace_back(&l->dt_bias, ld.Whole(m + "dt_bias"));
+  loads.emplace_back(&l->a_log, ld.Whole(m + "A_log"));
+  loads.emplace_back(&l->ssm_d, ld.Whole(m + "D"));
+  loads.emplace_back(&l->mamba_norm_w, ld.Whole(m + "norm.weight"));
+  if (auto st = AssignLoads(&loads); !st.ok()) return st;
+  l->conv_w = l->conv_w.Reshape({spec.conv_channels(), spec.ssm.conv_kernel});
+  return absl::OkStatus();
+}
+
 bool IsQwenMoe(MoeLayout layout) {
   return layout == MoeLayout::kQwen2Moe || layout == MoeLayout::kQwen3Moe;
 }
@@ -420,6 +445,12 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     lt.down = "mlp.down_proj";
   }
   s.embed_scale_in_act_dtype = opt.embed_scale_in_act_dtype;
+  s.mamba_layers = opt.mamba_layers;
+  s.mamba = opt.mamba;
+  if (!s.mamba_layers.empty() && comm->world_size() > 1) {
+    return absl::UnimplementedError(
+        "tensor parallel: Mamba-2 layers are served by one shard only (set NUM_SHARDS=1)");
+  }
   if (opt.moe != MoeLayout::kNone) {
     if (auto st = ReadExpertCounts(c, opt.moe, &s); !st.ok()) return st;
   }
@@ -447,27 +478,30 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     const std::string p = absl::StrCat("model.layers.", i, ".");
     const std::string a = p + "self_attn.";
     LayerWeights l;
-    auto qkv =
-        opt.fused_projections
-            ? ld.FusedQkv(a + "qkv_proj.weight", QkvLayout::kConcat)
-            : ld.StackOutputRows(
-                  {{a + "q_proj.weight", q}, {a + "k_proj.weight", kv}, {a + "v_proj.weight", kv}});
-    if (!qkv.ok()) return qkv.status();
-    l.qkv_w = *qkv;
-    if (opt.qkv_bias) {
-      auto b = ld.StackOutputRows(
-          {{a + "q_proj.bias", q}, {a + "k_proj.bias", kv}, {a + "v_proj.bias", kv}});
-      if (!b.ok()) return b.status();
-      l.qkv_b = *b;
-    }
-    const std::string o_proj = a + opt.o_proj_name;
-    auto o = ld.InputColumns(o_proj + ".weight", q);
-    if (!o.ok()) return o.status();
-    l.o_w = *o;
-    if (opt.o_bias) {
-      auto b = ld.Whole(o_proj + ".bias");
-      if (!b.ok()) return b.status();
-      l.o_b = *b;
+    if (s.IsMamba(i)) {
+      if (auto st = LoadMamba(ld, p + "mamba.", s.mamba, &l); !st.ok()) return st;
+    } else {
+      auto qkv = opt.fused_projections ? ld.FusedQkv(a + "qkv_proj.weight", QkvLayout::kConcat)
+                                       : ld.StackOutputRows({{a + "q_proj.weight", q},
+                                                             {a + "k_proj.weight", kv},
+                                                             {a + "v_proj.weight", kv}});
+      if (!qkv.ok()) return qkv.status();
+      l.qkv_w = *qkv;
+      if (opt.qkv_bias) {
+        auto b = ld.StackOutputRows(
+            {{a + "q_proj.bias", q}, {a + "k_proj.bias", kv}, {a + "v_proj.bias", kv}});
+        if (!b.ok()) return b.status();
+        l.qkv_b = *b;
+      }
+      const std::string o_proj = a + opt.o_proj_name;
+      auto o = ld.InputColumns(o_proj + ".weight", q);
+      if (!o.ok()) return o.status();
+      l.o_w = *o;
+      if (opt.o_bias) {
+        auto b = ld.Whole(o_proj + ".bias");
+        if (!b.ok()) return b.status();
+        l.o_b = *b;
+      }
     }
     if (auto st = opt.moe == MoeLayout::kNone ? LoadMlp(ld, p, s.intermediate, opt, &l)
                                               : LoadExperts(ld, p, s, opt.moe, &l);

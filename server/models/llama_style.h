@@ -120,6 +120,10 @@ struct LlamaStyleOptions {
   const char* intermediate_key = "intermediate_size";
   // NoPE: no positions at all (GraniteMoeHybrid's position_embedding_type other than "rope").
   bool no_positions = false;
+  // GraniteMoeHybrid: the layers that are Mamba-2 mixers in place of attention (empty: none),
+  // and their sizes (DecoderSpec::mamba_layers, mamba).
+  std::vector<bool> mamba_layers;
+  MambaSpec mamba;
 };
 
 // config.json's attention_bias (q/k/v and o biases) and, with `mlp`, mlp_bias (Llama's and

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "glog/logging.h"
 #include "kernels/quantized.h"
 
@@ -266,6 +267,18 @@ absl::StatusOr<Tensor> ShardedLoader::Whole(const std::string& name, bool conv1d
   auto t = Raw(name);
   if (!t.ok()) return t.status();
   return Select(*t, 0, {{0, t->dim(0)}}, conv1d, DType::kF32);
+}
+
+absl::StatusOr<Tensor> ShardedLoader::WholeShaped(const std::string& name,
+                                                  const kernels::Shape& shape) const {
+  auto t = w_.View(name);
+  if (!t.ok()) return t.status();
+  if (t->shape() != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": expected [", absl::StrJoin(shape, ", "),
+                                                   "], found [", absl::StrJoin(t->shape(), ", "),
+                                                   "]"));
+  }
+  return t->dtype() == DType::kF32 ? *t : t->To(DType::kF32);
 }
 
 absl::StatusOr<Tensor> ShardedLoader::OutputRows(const std::string& name,

@@ -72,6 +72,10 @@ class ShardedLoader {
 
   // Replicated tensors, whole, f32: norms, biases of row-parallel linears, learned positions.
   absl::StatusOr<kernels::Tensor> Whole(const std::string& name, bool conv1d = false) const;
+  // A replicated tensor of any rank, whole, f32, that must have `shape` (transformers'
+  // depthwise Conv1d weights, [channels, 1, kernel]).
+  absl::StatusOr<kernels::Tensor> WholeShaped(const std::string& name,
+                                              const kernels::Shape& shape) const;
   // Column-parallel: rows `ranges` of the output dimension, concatenated in order.
   absl::StatusOr<kernels::Tensor> OutputRows(const std::string& name,
                                              const std::vector<Range>& ranges,

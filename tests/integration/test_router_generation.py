@@ -84,7 +84,7 @@ def assert_stream_equals_unary(messages, unary):
 @pytest.fixture(scope="module", params=["granite", "phi", "phi3", "gemma", "gemma2",
                                         "gemma3_text", "gemma3", "mistral3", "stablelm", "starcoder2", "cohere", "olmo", "olmo2", "qwen3",
                                         "mixtral", "granitemoe", "granitemoeshared", "granite4_micro",
-                                        "granite4_nope", "qwen2_moe", "qwen3_moe"])
+                                        "granite4_nope", "granite4_h", "qwen2_moe", "qwen3_moe"])
 def family(request):
     yield from serve(request.param)
 

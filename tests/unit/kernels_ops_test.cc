@@ -2673,3 +2673,88 @@ INSTANTIATE_TEST_SUITE_P(
 
 }  // namespace
 }  // namespace tgis::kernels
+
+namespace tgis::kernels {
+namespace {
+
+std::vector<float> RandomFloats(size_t n, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// Mamba-2's scan (ops.h): a one-channel case in closed form, and a sequence computed in chunks
+// (its states carried between calls, as chunked prefill and decode steps do) equal to one
+// call, beside another sequence in the same batch whose fresh state is zeroed.
+TEST(SelectiveScan, MatchesTheRecurrenceAndCarriesStatesAcrossCalls) {
+  {
+    // 1 head, head_dim 1, 1 group, N 1, kernel 2: xBC = silu(w0 * prev + w1 * cur + b).
+    const SsmConfig cfg{1, 1, 1, 1, 2};
+    // proj per token: z | x, B, C | dt (width 1 + 3 + 1).
+    const std::vector<float> proj = {0.5f, 1.0f, 2.0f, -1.0f, 0.3f,
+                                     -0.2f, 0.5f, -1.0f, 0.5f, -0.4f};
+    const std::vector<float> w = {0.5f, 1.5f, -1.0f, 0.25f, 2.0f, -0.5f};  // [C 3, K 2]
+    const std::vector<float> b = {0.1f, 0.0f, -0.1f};
+    Tensor conv_state = Tensor::Zeros({3, 1}, DType::kF32);
+    Tensor ssm_state = Tensor::Zeros({1, 1, 1}, DType::kF32);
+    Tensor out = Tensor::Zeros({2, 2}, DType::kF32);
+    SelectiveScan(cfg, Tensor::FromVector(proj, {2, 5}), Tensor::FromVector(w, {3, 2}),
+                  Tensor::FromVector(b, {3}), Tensor::FromVector(std::vector<float>{0.2f}, {1}),
+                  Tensor::FromVector(std::vector<float>{0.1f}, {1}),
+                  Tensor::FromVector(std::vector<float>{0.7f}, {1}), {0, 2}, {&conv_state},
+                  {&ssm_state}, {1}, &out);
+    auto silu = [](double v) { return v / (1 + std::exp(-v)); };
+    double state = 0, prev[3] = {0, 0, 0};
+    const double a = -std::exp(0.1);
+    for (int t = 0; t < 2; ++t) {
+      double xbc[3];
+      for (int c = 0; c < 3; ++c) {
+        xbc[c] = silu(w[2 * c] * prev[c] + w[2 * c + 1] * proj[5 * t + 1 + c] + b[c]);
+        prev[c] = proj[5 * t + 1 + c];
+      }
+      const double dt = std::log1p(std::exp(proj[5 * t + 4] + 0.2));
+      state = state * std::exp(dt * a) + dt * xbc[1] * xbc[0];
+      const double y = state * xbc[2] + 0.7 * xbc[0];
+      EXPECT_EQ(out.data<float>()[2 * t], proj[5 * t]);  // z passes through
+      EXPECT_NEAR(out.data<float>()[2 * t + 1], y, 1e-6) << "token " << t;
+    }
+    EXPECT_NEAR(ssm_state.data<float>()[0], state, 1e-6);
+  }
+  // 4 heads of 3 in 2 groups, N 5, kernel 4; sequence 0 (7 tokens) whole, or in chunks of 3, 1
+  // and 3 beside sequence 1 (2 tokens, fresh every call).
+  const SsmConfig cfg{4, 3, 2, 5, 4};
+  const int64_t inner = 12, channels = inner + 2 * 2 * 5, width = inner + channels + 4;
+  const std::vector<float> proj0 = RandomFloats(7 * width, 1, 1.0f);
+  const std::vector<float> proj1 = RandomFloats(2 * width, 2, 1.0f);
+  const Tensor w = Tensor::FromVector(RandomFloats(channels * 4, 3, 0.5f), {channels, 4});
+  const Tensor b = Tensor::FromVector(RandomFloats(channels, 4, 0.1f), {channels});
+  const Tensor dtb = Tensor::FromVector(RandomFloats(4, 5, 0.5f), {4});
+  const Tensor alog = Tensor::FromVector(RandomFloats(4, 6, 0.5f), {4});
+  const Tensor dd = Tensor::FromVector(RandomFloats(4, 7, 1.0f), {4});
+  auto run = [&](const std::vector<int>& chunks) {
+    Tensor conv[2] = {Tensor::Zeros({channels, 3}, DType::kF32),
+                      Tensor::Zeros({channels, 3}, DType::kF32)};
+    Tensor ssm[2] = {Tensor::Zeros({4, 3, 5}, DType::kF32), Tensor::Zeros({4, 3, 5}, DType::kF32)};
+    std::vector<float> ys;
+    int done = 0;
+    for (int n : chunks) {
+      std::vector<float> rows(proj0.begin() + done * width, proj0.begin() + (done + n) * width);
+      rows.insert(rows.end(), proj1.begin(), proj1.end());
+      Tensor out = Tensor::Zeros({n + 2, 2 * inner}, DType::kF32);
+      SelectiveScan(cfg, Tensor::FromVector(rows, {n + 2, width}), w, b, dtb, alog, dd,
+                    {0, n, n + 2}, {&conv[0], &conv[1]}, {&ssm[0], &ssm[1]},
+                    {static_cast<uint8_t>(done == 0), 1}, &out);
+      ys.insert(ys.end(), out.data<float>(), out.data<float>() + n * 2 * inner);
+      done += n;
+    }
+    return ys;
+  };
+  const std::vector<float> whole = run({7});
+  EXPECT_EQ(run({3, 1, 3}), whole);
+  EXPECT_EQ(run({1, 1, 1, 1, 1, 1, 1}), whole);
+}
+
+}  // namespace
+}  // namespace tgis::kernels

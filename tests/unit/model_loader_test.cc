@@ -987,31 +987,68 @@ TEST(ModelConfigTest, GraniteMultipliersMustBeFiniteNonZeroNumbers) {
                    "embedding_multiplier");
 }
 
-// GraniteMoeHybrid (Granite 4.0): attention layers only (Mamba-2 mixers refused by name, also
-// when layer_types is absent, where transformers makes every layer one); rotary or no
-// positions; the dense shared MLP without experts, GraniteMoeShared's layout with them.
-TEST(ModelConfigTest, GraniteHybridServesAttentionLayersAndRefusesMambaByName) {
+// GraniteMoeHybrid (Granite 4.0): attention and Mamba-2 layers as layer_types says (absent:
+// every layer Mamba-2, as transformers makes it); rotary or no positions; the dense shared MLP
+// without experts, GraniteMoeShared's layout with them; Mamba-2 sizes checked, served at one
+// rank.
+TEST(ModelConfigTest, GraniteHybridReadsLayerTypesAndMambaSizes) {
   auto micro = FixtureSpecWith("granite4_micro", [](Json&) {});
   ASSERT_TRUE(micro.ok()) << micro.status();
   EXPECT_EQ(micro->position, tgis::server::PositionKind::kRotary);
   EXPECT_EQ(micro->num_experts, 0);
   EXPECT_EQ(micro->intermediate, 96);  // shared_intermediate_size, not intermediate_size
+  EXPECT_TRUE(micro->RecurrentStateShapes().empty());
   auto nope = FixtureSpecWith("granite4_nope", [](Json&) {});
   ASSERT_TRUE(nope.ok()) << nope.status();
   EXPECT_EQ(nope->position, tgis::server::PositionKind::kNone);
   EXPECT_EQ(nope->num_experts, 4);
   EXPECT_EQ(nope->shared_expert_intermediate, 96);
   EXPECT_FALSE(nope->shared_expert_gated);
-  for (const char* key : {"layer_types", "layers_block_type"}) {
-    ExpectBuildError(BuildFixtureWith("granite4_micro",
-                                      [&](Json& c) {
-                                        c.erase("layer_types");
-                                        c[key] = {"mamba", "attention"};
-                                      }),
-                     "config.json: 1 of the 2 layers are Mamba-2 mixers");
-  }
+  auto hybrid = FixtureSpecWith("granite4_h", [](Json&) {});
+  ASSERT_TRUE(hybrid.ok()) << hybrid.status();
+  EXPECT_EQ(hybrid->mamba_layers, (std::vector<bool>{true, false}));
+  EXPECT_EQ(hybrid->RecurrentStateShapes(),
+            (std::vector<tgis::kernels::Shape>{{128 + 2 * 2 * 16, 3}, {8, 16, 16}}));
+  // layers_block_type is layer_types' older name; without either every layer is Mamba-2.
+  ExpectBuildError(BuildFixtureWith("granite4_micro",
+                                    [](Json& c) {
+                                      c.erase("layer_types");
+                                      c["layers_block_type"] = {"mamba", "attention"};
+                                    }),
+                   "model.layers.0.mamba.in_proj.weight");
   ExpectBuildError(BuildFixtureWith("granite4_micro", [](Json& c) { c.erase("layer_types"); }),
-                   "2 of the 2 layers are Mamba-2 mixers");
+                   "model.layers.0.mamba.in_proj.weight");
+  ExpectBuildError(BuildFixtureWith("granite4_h", [](Json& c) { c["mamba_n_groups"] = 3; }),
+                   "config.json: the Mamba-2 sizes (mamba_n_heads 8, mamba_d_head 16, "
+                   "mamba_n_groups 3");
+  ExpectBuildError(BuildFixtureWith("granite4_h", [](Json& c) { c["mamba_d_head"] = 8; }),
+                   "heads x head_dim the expanded width");
+  ExpectBuildError(BuildFixtureWith("granite4_h", [](Json& c) { c["hidden_act"] = "gelu"; }),
+                   "config.json: hidden_act = \"gelu\": Mamba-2 layers are served with silu only");
+  ExpectBuildError(BuildFixtureWith("granite4_h", [](Json& c) { c["mamba_d_conv"] = 3; }),
+                   "model.layers.0.mamba.conv1d.weight: expected [192, 1, 3], found [192, 1, 4]");
+  // Tensor parallelism is refused by name before any weight is sliced.
+  struct TwoRanks : tgis::server::Communicator {
+    int rank() const override { return 0; }
+    int world_size() const override { return 2; }
+    void AllReduceSum(tgis::kernels::Tensor*) override { ADD_FAILURE() << "no collective"; }
+    void AllReduceMin(std::span<int64_t>) override { ADD_FAILURE() << "no collective"; }
+    void AllGather(const tgis::kernels::Tensor&, tgis::kernels::Tensor*) override {
+      ADD_FAILURE() << "no collective";
+    }
+    void Broadcast(tgis::kernels::Tensor*, int) override { ADD_FAILURE() << "no collective"; }
+    void Barrier() override { ADD_FAILURE() << "no collective"; }
+  };
+  const std::string dir = (fs::path(TGIS_FIXTURES_DIR) / "models" / "granite4_h").string();
+  auto config = tgis::server::ModelRegistry::Get().LoadConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto weights = tgis::server::ModelRegistry::OpenWeights(dir, *config);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  ExpectBuildError(
+      tgis::server::ModelRegistry::Get()
+          .Build(*config, **weights, tgis::kernels::DType::kF32, std::make_shared<TwoRanks>())
+          .status(),
+      "tensor parallel: Mamba-2 layers are served by one shard only");
   ExpectBuildError(
       BuildFixtureWith("granite4_micro", [](Json& c) { c["layer_types"] = {"attention"}; }),
       "expected one entry per layer (2)");

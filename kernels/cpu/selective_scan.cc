@@ -1,0 +1,112 @@
+// Mamba-2's selective scan on the CPU (ops.h's contract): the recurrence token by token, the
+// sequences and, within one, the heads side by side (each head's state is its own; the
+// convolution's channels are done for a token before its heads read them).
+#include <cmath>
+#include <cstring>
+
+#include "kernels/check.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace tgis::kernels::cpu {
+
+namespace {
+
+// torch.nn.functional.softplus (beta 1, threshold 20).
+float Softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+float Silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+}  // namespace
+
+void SelectiveScan(const SsmConfig& cfg, const Tensor& proj, const Tensor& conv_w,
+                   const Tensor& conv_b, const Tensor& dt_bias, const Tensor& a_log,
+                   const Tensor& d, const std::vector<int32_t>& query_start,
+                   const std::vector<Tensor*>& conv_states, const std::vector<Tensor*>& ssm_states,
+                   const std::vector<uint8_t>& fresh, Tensor* out) {
+  const int64_t heads = cfg.heads, p = cfg.head_dim, groups = cfg.groups, n = cfg.state_size;
+  const int64_t k = cfg.conv_kernel, inner = heads * p, channels = inner + 2 * groups * n;
+  const int64_t width = inner + channels + heads;
+  const size_t seqs = query_start.empty() ? 0 : query_start.size() - 1;
+  TGIS_CHECK(heads > 0 && p > 0 && groups > 0 && n > 0 && k > 0 && heads % groups == 0,
+             "SelectiveScan: bad sizes");
+  TGIS_CHECK(proj.dtype() == DType::kF32 && out->dtype() == DType::kF32 && proj.rank() == 2 &&
+                 proj.dim(1) == width && out->rank() == 2 && out->dim(1) == 2 * inner &&
+                 out->dim(0) == proj.dim(0),
+             "SelectiveScan: proj [T, %lld] and out [T, %lld] f32 expected",
+             static_cast<long long>(width), static_cast<long long>(2 * inner));
+  TGIS_CHECK(conv_w.dtype() == DType::kF32 && conv_w.numel() == channels * k &&
+                 (!conv_b.defined() || conv_b.numel() == channels) && dt_bias.numel() == heads &&
+                 a_log.numel() == heads && d.numel() == heads,
+             "SelectiveScan: parameter shapes");
+  TGIS_CHECK(conv_states.size() == seqs && ssm_states.size() == seqs && fresh.size() == seqs,
+             "SelectiveScan: one state per sequence");
+  for (size_t s = 0; s < seqs; ++s) {
+    TGIS_CHECK(conv_states[s]->numel() == channels * (k - 1) &&
+                   ssm_states[s]->numel() == heads * p * n &&
+                   conv_states[s]->dtype() == DType::kF32 && ssm_states[s]->dtype() == DType::kF32,
+               "SelectiveScan: state shapes");
+  }
+  const float* w = conv_w.data<float>();
+  const float* bias = conv_b.defined() ? conv_b.data<float>() : nullptr;
+  const float* dtb = dt_bias.data<float>();
+  const float* alog = a_log.data<float>();
+  const float* dd = d.data<float>();
+  const float* in = proj.data<float>();
+  float* y_out = out->data<float>();
+  const int64_t heads_per_group = heads / groups;
+  ParallelFor(static_cast<int64_t>(seqs), 1, [&](int64_t sb, int64_t se) {
+    std::vector<float> xbc(channels);
+    for (int64_t s = sb; s < se; ++s) {
+      float* conv = conv_states[s]->data<float>();  // [C, K - 1], oldest first
+      float* ssm = ssm_states[s]->data<float>();    // [heads, P, N]
+      if (fresh[s]) {
+        std::memset(conv, 0, sizeof(float) * channels * (k - 1));
+        std::memset(ssm, 0, sizeof(float) * heads * p * n);
+      }
+      for (int32_t t = query_start[s]; t < query_start[s + 1]; ++t) {
+        const float* row = in + t * width;
+        const float* z = row;
+        const float* raw = row + inner;
+        const float* dt_raw = row + inner + channels;
+        for (int64_t c = 0; c < channels; ++c) {
+          float* past = conv + c * (k - 1);
+          const float* wc = w + c * k;
+          float acc = 0;
+          for (int64_t j = 0; j < k - 1; ++j) acc += wc[j] * past[j];
+          acc += wc[k - 1] * raw[c];
+          if (bias != nullptr) acc += bias[c];
+          xbc[c] = Silu(acc);
+          if (k > 1) {
+            std::memmove(past, past + 1, sizeof(float) * (k - 2));
+            past[k - 2] = raw[c];
+          }
+        }
+        const float* x = xbc.data();
+        const float* b_all = x + inner;
+        const float* c_all = b_all + groups * n;
+        float* y = y_out + t * 2 * inner;
+        std::memcpy(y, z, sizeof(float) * inner);  // z | y
+        y += inner;
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t g = h / heads_per_group;
+          const float* bg = b_all + g * n;
+          const float* cg = c_all + g * n;
+          const float dt = Softplus(dt_raw[h] + dtb[h]);
+          const float decay = std::exp(dt * -std::exp(alog[h]));
+          for (int64_t i = 0; i < p; ++i) {
+            const float xi = x[h * p + i];
+            float* state = ssm + (h * p + i) * n;
+            float acc = 0;
+            for (int64_t j = 0; j < n; ++j) {
+              state[j] = state[j] * decay + dt * bg[j] * xi;
+              acc += state[j] * cg[j];
+            }
+            y[h * p + i] = acc + dd[h] * xi;
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace tgis::kernels::cpu
