@@ -109,13 +109,33 @@ absl::Status ReadLayerTypes(const ModelConfig& c, LlamaStyleOptions* opt) {
   if (!proj_bias.ok()) return proj_bias.status();
   if (!act.ok()) return act.status();
   // transformers: int(mamba_expand * hidden_size) split into mamba_n_heads heads of
-  // mamba_d_head ("auto": whatever that gives).
-  const auto inner = static_cast<int64_t>(*expand * static_cast<double>(c.hidden_size));
+  // mamba_d_head ("auto": whatever that gives). Every size is bounded (2^20; the expanded width
+  // 2^31) so that no product of them overflows.
+  constexpr int64_t kMaxSize = int64_t{1} << 20;
+  const double width = *expand * static_cast<double>(c.hidden_size);
+  if (!(width >= 1 && width <= static_cast<double>(int64_t{1} << 31))) {
+    return absl::InvalidArgumentError(absl::StrCat("config.json: mamba_expand = ", *expand,
+                                                   ": the expanded width must be in [1, 2^31]"));
+  }
+  for (const auto& [key, v] : {std::pair{"mamba_n_heads", *heads},
+                               {"mamba_n_groups", *groups},
+                               {"mamba_d_state", *state},
+                               {"mamba_d_conv", *kernel}}) {
+    if (v > kMaxSize) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: ", key, " = ", v, ": at most ", kMaxSize));
+    }
+  }
+  const auto inner = static_cast<int64_t>(width);
   int64_t head_dim = *heads > 0 ? inner / *heads : 0;
   if (auto d = c.raw.find("mamba_d_head"); d != c.raw.end() && *d != "auto") {
     auto given = c.Get<int64_t>("mamba_d_head");
     if (!given.ok()) return given.status();
     head_dim = *given;
+    if (head_dim > kMaxSize) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: mamba_d_head = ", head_dim, ": at most ", kMaxSize));
+    }
   }
   if (*heads <= 0 || *groups <= 0 || *heads % *groups != 0 || *state <= 0 || *kernel < 1 ||
       head_dim <= 0 || head_dim * *heads != inner) {

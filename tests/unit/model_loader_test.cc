@@ -1021,6 +1021,15 @@ TEST(ModelConfigTest, GraniteHybridReadsLayerTypesAndMambaSizes) {
   ExpectBuildError(BuildFixtureWith("granite4_h", [](Json& c) { c["mamba_n_groups"] = 3; }),
                    "config.json: the Mamba-2 sizes (mamba_n_heads 8, mamba_d_head 16, "
                    "mamba_n_groups 3");
+  // Sizes whose products could overflow are refused before any is multiplied.
+  ExpectBuildError(BuildFixtureWith("granite4_h", [](Json& c) { c["mamba_expand"] = 1e300; }),
+                   "config.json: mamba_expand = 1e+300: the expanded width must be in [1, 2^31]");
+  ExpectBuildError(
+      BuildFixtureWith("granite4_h", [](Json& c) { c["mamba_d_state"] = int64_t{1} << 40; }),
+      "config.json: mamba_d_state = 1099511627776: at most 1048576");
+  ExpectBuildError(
+      BuildFixtureWith("granite4_h", [](Json& c) { c["mamba_d_head"] = int64_t{1} << 62; }),
+      "config.json: mamba_d_head = 4611686018427387904: at most 1048576");
   ExpectBuildError(BuildFixtureWith("granite4_h", [](Json& c) { c["mamba_d_head"] = 8; }),
                    "heads x head_dim the expanded width");
   ExpectBuildError(BuildFixtureWith("granite4_h", [](Json& c) { c["hidden_act"] = "gelu"; }),
