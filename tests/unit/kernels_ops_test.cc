@@ -2693,8 +2693,8 @@ TEST(SelectiveScan, MatchesTheRecurrenceAndCarriesStatesAcrossCalls) {
     // 1 head, head_dim 1, 1 group, N 1, kernel 2: xBC = silu(w0 * prev + w1 * cur + b).
     const SsmConfig cfg{1, 1, 1, 1, 2};
     // proj per token: z | x, B, C | dt (width 1 + 3 + 1).
-    const std::vector<float> proj = {0.5f, 1.0f, 2.0f, -1.0f, 0.3f,
-                                     -0.2f, 0.5f, -1.0f, 0.5f, -0.4f};
+    const std::vector<float> proj = {0.5f,  1.0f, 2.0f,  -1.0f, 0.3f,
+                                     -0.2f, 0.5f, -1.0f, 0.5f,  -0.4f};
     const std::vector<float> w = {0.5f, 1.5f, -1.0f, 0.25f, 2.0f, -0.5f};  // [C 3, K 2]
     const std::vector<float> b = {0.1f, 0.0f, -0.1f};
     Tensor conv_state = Tensor::Zeros({3, 1}, DType::kF32);
