@@ -45,7 +45,8 @@ bool DecodeGraphs::Supports(const Model& model) {
 #ifdef TGIS_WITH_CUDA
   return model.device() == Device::kCuda && !model.encoder_decoder() &&
          model.shard().world_size == 1 && !model.spec().rope_by_length.has_value() &&
-         model.spec().num_experts == 0;  // the router's scores cross to the host
+         model.spec().num_experts == 0 &&              // the router's scores cross to the host
+         model.spec().RecurrentStateShapes().empty();  // per-sequence states, not in a graph
 #else
   (void)model;
   return false;
