@@ -1,6 +1,6 @@
-// Mamba-2's selective scan on the CPU (ops.h's contract): the recurrence token by token, the
-// sequences and, within one, the heads side by side (each head's state is its own; the
-// convolution's channels are done for a token before its heads read them).
+// Mamba-2's selective scan on the CPU (ops.h's contract): the recurrence token by token. The
+// convolution reads inputs only, so it runs first over every token; then each (sequence, head)
+// pair, whose state is its own, runs over its tokens side by side with the others.
 #include <cmath>
 #include <cstring>
 
@@ -54,20 +54,20 @@ void SelectiveScan(const SsmConfig& cfg, const Tensor& proj, const Tensor& conv_
   const float* in = proj.data<float>();
   float* y_out = out->data<float>();
   const int64_t heads_per_group = heads / groups;
+  const int64_t t_total = proj.dim(0);
+  // The convolution first, every sequence's tokens in order (it reads inputs, not states):
+  // xBC for every row. Then the heads, each on its own over its sequence's tokens, side by side.
+  std::vector<float> xbc_all(static_cast<size_t>(t_total * channels));
   ParallelFor(static_cast<int64_t>(seqs), 1, [&](int64_t sb, int64_t se) {
-    std::vector<float> xbc(channels);
     for (int64_t s = sb; s < se; ++s) {
       float* conv = conv_states[s]->data<float>();  // [C, K - 1], oldest first
-      float* ssm = ssm_states[s]->data<float>();    // [heads, P, N]
       if (fresh[s]) {
         std::memset(conv, 0, sizeof(float) * channels * (k - 1));
-        std::memset(ssm, 0, sizeof(float) * heads * p * n);
+        std::memset(ssm_states[s]->data<float>(), 0, sizeof(float) * heads * p * n);
       }
       for (int32_t t = query_start[s]; t < query_start[s + 1]; ++t) {
-        const float* row = in + t * width;
-        const float* z = row;
-        const float* raw = row + inner;
-        const float* dt_raw = row + inner + channels;
+        const float* raw = in + t * width + inner;
+        float* xbc = xbc_all.data() + t * channels;
         for (int64_t c = 0; c < channels; ++c) {
           float* past = conv + c * (k - 1);
           const float* wc = w + c * k;
@@ -81,28 +81,37 @@ void SelectiveScan(const SsmConfig& cfg, const Tensor& proj, const Tensor& conv_
             past[k - 2] = raw[c];
           }
         }
-        const float* x = xbc.data();
-        const float* b_all = x + inner;
-        const float* c_all = b_all + groups * n;
-        float* y = y_out + t * 2 * inner;
-        std::memcpy(y, z, sizeof(float) * inner);  // z | y
-        y += inner;
-        for (int64_t h = 0; h < heads; ++h) {
-          const int64_t g = h / heads_per_group;
-          const float* bg = b_all + g * n;
-          const float* cg = c_all + g * n;
-          const float dt = Softplus(dt_raw[h] + dtb[h]);
-          const float decay = std::exp(dt * -std::exp(alog[h]));
-          for (int64_t i = 0; i < p; ++i) {
-            const float xi = x[h * p + i];
-            float* state = ssm + (h * p + i) * n;
-            float acc = 0;
-            for (int64_t j = 0; j < n; ++j) {
-              state[j] = state[j] * decay + dt * bg[j] * xi;
-              acc += state[j] * cg[j];
-            }
-            y[h * p + i] = acc + dd[h] * xi;
+        std::memcpy(y_out + t * 2 * inner, in + t * width, sizeof(float) * inner);  // z | y
+      }
+    }
+  });
+  ParallelFor(static_cast<int64_t>(seqs) * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / heads, h = task % heads, g = h / heads_per_group;
+      float* ssm = ssm_states[s]->data<float>() + h * p * n;  // [P, N] of [heads, P, N]
+      for (int32_t t = query_start[s]; t < query_start[s + 1]; ++t) {
+        const float* x = xbc_all.data() + t * channels;
+        const float* bg = x + inner + g * n;
+        const float* cg = x + inner + groups * n + g * n;
+        const float dt = Softplus(in[t * width + inner + channels + h] + dtb[h]);
+        const float decay = std::exp(dt * -std::exp(alog[h]));
+        float* y = y_out + t * 2 * inner + inner + h * p;
+        for (int64_t i = 0; i < p; ++i) {
+          const float xi = x[h * p + i];
+          float* state = ssm + i * n;
+          // The update, then the read-out, each a loop the compiler vectorizes: the read-out
+          // sums in 8 interleaved partial sums, added in a fixed order (the same bits whatever
+          // the batch, the chunks or the threads).
+          for (int64_t j = 0; j < n; ++j) state[j] = state[j] * decay + dt * bg[j] * xi;
+          float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          int64_t j = 0;
+          for (; j + 8 <= n; j += 8) {
+            for (int l = 0; l < 8; ++l) part[l] += state[j + l] * cg[j + l];
           }
+          for (; j < n; ++j) part[0] += state[j] * cg[j];
+          const float acc = ((part[0] + part[1]) + (part[2] + part[3])) +
+                            ((part[4] + part[5]) + (part[6] + part[7]));
+          y[i] = acc + dd[h] * xi;
         }
       }
     }
