@@ -62,7 +62,7 @@ void SelectiveScan(const SsmConfig& cfg, const Tensor& proj, const Tensor& conv_
     for (int64_t s = sb; s < se; ++s) {
       float* conv = conv_states[s]->data<float>();  // [C, K - 1], oldest first
       if (fresh[s]) {
-        std::memset(conv, 0, sizeof(float) * channels * (k - 1));
+        if (k > 1) std::memset(conv, 0, sizeof(float) * channels * (k - 1));  // K 1: none
         std::memset(ssm_states[s]->data<float>(), 0, sizeof(float) * heads * p * n);
       }
       for (int32_t t = query_start[s]; t < query_start[s + 1]; ++t) {
