@@ -133,6 +133,10 @@ void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
   TGIS_DISPATCH(GatedActivation, TGIS_TENSORS(&gate_up, out), kind, gate_up, out);
 }
 
+void ClampedSwiGlu(const Tensor& gate_up, float alpha, float limit, Tensor* out) {
+  TGIS_DISPATCH(ClampedSwiGlu, TGIS_TENSORS(&gate_up, out), gate_up, alpha, limit, out);
+}
+
 void Activate(Activation kind, Tensor* x) { TGIS_DISPATCH(Activate, TGIS_TENSORS(x), kind, x); }
 void Clamp(float lo, float hi, Tensor* x) { TGIS_DISPATCH(Clamp, TGIS_TENSORS(x), lo, hi, x); }
 void Scale(float factor, Tensor* x) { TGIS_DISPATCH(Scale, TGIS_TENSORS(x), factor, x); }

@@ -110,6 +110,10 @@ enum class Activation { kGeluErf, kGeluTanh, kRelu, kSilu };
 // gate_up: [T, 2I] laid out [gate | up]; out: [T, I] = act(gate) * up (SwiGLU: kSilu; T5's
 // gated-gelu: kGeluTanh).
 void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out);
+// GPT-OSS's clamped SwiGLU: gate_up [T, 2I] laid out [gate | up]; out [T, I] =
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit). A NaN
+// stays NaN, as torch's clamp keeps it.
+void ClampedSwiGlu(const Tensor& gate_up, float alpha, float limit, Tensor* out);
 // In place: GELU (erf: exact "gelu"; tanh: "gelu_new" / "gelu_pytorch_tanh" / "gelu_fast"),
 // ReLU, SiLU.
 void Activate(Activation kind, Tensor* x);
@@ -242,6 +246,10 @@ struct AttentionBias {
   int num_buckets = 0;
   int max_distance = 0;
   bool bidirectional = false;
+  // Attention sinks (GPT-OSS): sinks[h] is one more logit in head h's softmax, over no value:
+  // it takes its share of the denominator only. [Hq], on the host; empty: none. CUDA has no
+  // kernel for them yet (the shard refuses such models there).
+  std::vector<float> sinks;
 };
 void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,
                     float scale, int sliding_window, const AttentionBias* bias, Tensor* out);

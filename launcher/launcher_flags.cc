@@ -94,10 +94,10 @@ const std::vector<FlagSpec>& Specs() {
        .env = "QUANTIZE",
        .group = Group::kModel,
        .field = &L::quantize,
-       .help = "Quantization: gptq, awq, fp8, compressed-tensors, auto-round or bitsandbytes (a "
-               "checkpoint "
-               "quantized so; detected without the flag), bitsandbytes (int8 weights quantized "
-               "at load), bitsandbytes-nf4 or bitsandbytes-fp4 (4-bit weights quantized at load, "
+       .help = "Quantization: gptq, awq, fp8, compressed-tensors, auto-round, mxfp4 or "
+               "bitsandbytes (a checkpoint quantized so; detected without the flag), "
+               "bitsandbytes (int8 weights quantized at load), bitsandbytes-nf4 or "
+               "bitsandbytes-fp4 (4-bit weights quantized at load, "
                "as TGI)"},
       {.name = "num_shard",
        .env = "NUM_SHARD",
@@ -652,7 +652,8 @@ absl::StatusOr<LaunchSettings> CheckLauncherFlags(const LauncherFlags& flags,
   // (server/quantization.h).
   static const std::vector<std::string> kQuantize = {
       "gptq", "bitsandbytes", "bitsandbytes-nf4",   "bitsandbytes-fp4",
-      "awq",  "fp8",          "compressed-tensors", "auto-round"};
+      "awq",  "fp8",          "compressed-tensors", "auto-round",
+      "mxfp4"};
   if (flags.quantize) {
     if (std::find(kQuantize.begin(), kQuantize.end(), *flags.quantize) == kQuantize.end()) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -277,8 +277,11 @@ void CausalLM::MoveTo(kernels::Device device) {
     for (Tensor* t :
          {&l.ln1_w, &l.ln1_b, &l.ln2_w, &l.ln2_b, &l.post_attn_norm_w, &l.post_attn_norm_b,
           &l.post_mlp_norm_w, &l.post_mlp_norm_b, &l.q_norm_w, &l.q_norm_b, &l.k_norm_w,
-          &l.k_norm_b, &l.qkv_b, &l.o_b, &l.up_b, &l.down_b, &l.router_w}) {
+          &l.k_norm_b, &l.qkv_b, &l.o_b, &l.up_b, &l.down_b, &l.router_w, &l.router_b}) {
       move(t);
+    }
+    for (auto* biases : {&l.expert_up_b, &l.expert_down_b}) {
+      for (Tensor& t : *biases) move(&t);
     }
     for (Tensor* t : l.Linears()) move(t);
   }
@@ -423,7 +426,10 @@ void CausalLM::DenseMlp(const Tensor& up_w, const Tensor& up_b, const Tensor& do
   kernels::Linear(x, up_w, up_b.defined() ? &up_b : nullptr, &up);
   if (in != nullptr) AddLora(*in, layer, &LoraLayer::up, x, &up);
   Tensor act = up;
-  if (gated) {
+  if (gated && spec_.glu_limit > 0) {
+    act = Buf({t, inter});
+    kernels::ClampedSwiGlu(up, spec_.glu_alpha, spec_.glu_limit, &act);
+  } else if (gated) {
     act = Buf({t, inter});
     kernels::GatedActivation(spec_.act, up, &act);
   } else {
@@ -653,8 +659,14 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
         kernels::QkvToCache(qkv, rotary ? &s.RotaryOf(l) : nullptr, in.positions, in.slot_mapping,
                             &q, &(*cache)[l]);
       }
-      kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.WindowOf(l),
-                              attn_bias_used_ ? &attn_bias_ : nullptr, &attn);
+      const kernels::AttentionBias* bias = attn_bias_used_ ? &attn_bias_ : nullptr;
+      kernels::AttentionBias with_sinks;
+      if (!w.attn_sinks.empty()) {  // a layer's own (GPT-OSS): a copy of Hq floats a step
+        with_sinks = attn_bias_;
+        with_sinks.sinks = w.attn_sinks;
+        bias = &with_sinks;
+      }
+      kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.WindowOf(l), bias, &attn);
       kernels::Linear(attn.Reshape({t, hq * d}), w.o_w, RowParallelBias(w.o_b), &o);
       AddLora(in, l, &LoraLayer::o, attn.Reshape({t, hq * d}), &o);
     }

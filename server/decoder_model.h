@@ -45,6 +45,13 @@ struct LayerWeights {
   // With a shared expert, router_w's last row is its gate: [E + 1, H].
   kernels::Tensor router_w;
   std::vector<kernels::Tensor> expert_up, expert_down;
+  // GPT-OSS: the router's bias [E] and each expert's gate|up bias [2I] (this rank's columns,
+  // as expert_up's rows) and down bias [H] (whole, added once); empty / undefined: none.
+  kernels::Tensor router_b;
+  std::vector<kernels::Tensor> expert_up_b, expert_down_b;
+  // GPT-OSS's attention sinks of this rank's heads (kernels::AttentionBias::sinks), f32 on
+  // the host; empty: none.
+  std::vector<float> attn_sinks;
   kernels::Tensor shared_up, shared_down;  // [2S, H] and [H, S] (S: this rank's shared columns)
   // A Mamba-2 mixer (DecoderSpec::mamba_layers) in place of attention (qkv_w and o_w
   // undefined): in_proj [I + C + heads, H] (z | xBC | dt) and its bias, the depthwise

@@ -142,6 +142,12 @@ struct DecoderSpec {
   // sigmoid(shared gate . x), the gate being the router's last row; else (Granite) times 1.
   int64_t shared_expert_intermediate = 0;
   bool shared_expert_gated = true;
+  // GPT-OSS: each expert's gate|up goes through kernels::ClampedSwiGlu(glu_alpha, glu_limit)
+  // in place of act(gate) * up; 0: the plain gated activation.
+  float glu_limit = 0;
+  float glu_alpha = 0;
+  // Per-head attention sinks in every attention layer (LayerWeights::attn_sinks; GPT-OSS).
+  bool attention_sinks = false;
   // Per layer: true where a Mamba-2 mixer (`mamba`) stands in place of attention; empty: none.
   std::vector<bool> mamba_layers;
   MambaSpec mamba;

@@ -13,6 +13,7 @@ ModelRegistry& ModelRegistry::Get() {
     RegisterLlamaModels(r);
     RegisterQwen2Model(r);
     RegisterGraniteModel(r);
+    RegisterGptOssModel(r);
     RegisterPhiModel(r);
     RegisterPhi3Model(r);
     RegisterGemmaModel(r);

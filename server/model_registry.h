@@ -68,6 +68,7 @@ LanguageModelSource LlavaStyleSource(std::string wrapper_type, std::string text_
 void RegisterLlamaModels(ModelRegistry* r);   // llama, mistral, mistral3 (text only)
 void RegisterQwen2Model(ModelRegistry* r);    // qwen2, qwen2_moe
 void RegisterGraniteModel(ModelRegistry* r);  // granite, granitemoe(shared), granitemoehybrid
+void RegisterGptOssModel(ModelRegistry* r);   // gpt_oss
 void RegisterPhiModel(ModelRegistry* r);
 void RegisterPhi3Model(ModelRegistry* r);
 void RegisterGemmaModel(ModelRegistry* r);

@@ -72,7 +72,7 @@ void CausalLM::MixtureOfExperts(const LayerWeights& w, const Tensor& x, Tensor* 
   const bool gated = shared && spec_.shared_expert_gated;
   const int64_t columns = experts + (gated ? 1 : 0);  // the shared expert's gate last
   Tensor scores = Buf({t, columns});
-  kernels::Linear(x, w.router_w, nullptr, &scores);
+  kernels::Linear(x, w.router_w, w.router_b.defined() ? &w.router_b : nullptr, &scores);
   Tensor host = device_ == Device::kCpu ? scores : scores.ToDevice(Device::kCpu);
   if (host.dtype() != DType::kF32) host = host.To(DType::kF32);
   const float* s = host.data<float>();
@@ -121,8 +121,9 @@ void CausalLM::MixtureOfExperts(const LayerWeights& w, const Tensor& x, Tensor* 
       DenseMlp(w.shared_up, Tensor(), w.shared_down, Tensor(), layout_.shared_expert.size(), xe,
                &ye);
     } else {
-      DenseMlp(w.expert_up[e], Tensor(), w.expert_down[e], Tensor(), layout_.intermediate.size(),
-               xe, &ye);
+      const bool biased = !w.expert_up_b.empty();
+      DenseMlp(w.expert_up[e], biased ? w.expert_up_b[e] : Tensor(), w.expert_down[e],
+               biased ? w.expert_down_b[e] : Tensor(), layout_.intermediate.size(), xe, &ye);
     }
     kernels::AddWeightedRows(ye, expert_rows, weights.Rows(begin, begin + n), out);
     begin += n;

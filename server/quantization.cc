@@ -351,6 +351,21 @@ absl::StatusOr<Tensor> Tensor2D(const WeightStore& w, const std::string& name, D
   return w.Get(name, want);
 }
 
+// transformers' Mxfp4Config as the gpt-oss checkpoints carry it. modules_to_not_convert: dense
+// modules, read as dense by their tensors (only experts hold *_blocks); dequantize: whether
+// transformers dequantizes at load, a choice of its runtime (we always do).
+absl::StatusOr<QuantConfig> ParseMxfp4(const Json& j, const std::string& where) {
+  if (auto st = CheckKeys(j, where, {}, {"quant_method", "modules_to_not_convert", "dequantize"});
+      !st.ok()) {
+    return st;
+  }
+  QuantConfig q;
+  q.method = QuantMethod::kMxfp4;
+  q.bits = 4;
+  q.group_size = 32;
+  return q;
+}
+
 // A config by its quant_method (AutoGPTQ's quantize_config.json may leave it out: gptq).
 absl::StatusOr<QuantConfig> ParseQuantization(const Json& j, const std::string& where) {
   auto method = StringKey(j, where, "quant_method", "gptq");
@@ -362,12 +377,13 @@ absl::StatusOr<QuantConfig> ParseQuantization(const Json& j, const std::string& 
       : *method == "fbgemm_fp8"         ? ParseFbgemmFp8(j, where)
       : *method == "fp8"                ? ParseFineGrainedFp8(j, where)
       : *method == "bitsandbytes"       ? ParseBitsandbytes(j, where)
+      : *method == "mxfp4"              ? ParseMxfp4(j, where)
       : *method == "auto-round" || *method == "intel/auto-round"
           ? ParseAutoRound(j, where)
           : absl::UnimplementedError(
                 absl::StrCat(where, ": quant_method '", *method,
                              "' is not supported (gptq, awq, compressed-tensors, fbgemm_fp8, fp8, "
-                             "bitsandbytes and auto-round are)"));
+                             "bitsandbytes, mxfp4 and auto-round are)"));
   if (q.ok()) q->quant_method = *method;
   return q;
 }
@@ -397,7 +413,8 @@ absl::Status ReadDynamic(const fs::path& file, const std::string& object_key,
 const std::vector<std::string>& QuantizeFlagValues() {
   static const std::vector<std::string> v = {
       "gptq", "bitsandbytes", "bitsandbytes-nf4",   "bitsandbytes-fp4",
-      "awq",  "fp8",          "compressed-tensors", "auto-round"};
+      "awq",  "fp8",          "compressed-tensors", "auto-round",
+      "mxfp4"};
   return v;
 }
 
@@ -461,6 +478,7 @@ absl::StatusOr<QuantConfig> ReadQuantConfig(const std::string& model_dir, const 
   const bool matches = *flag == "gptq"         ? found.method == QuantMethod::kGptq
                        : *flag == "awq"        ? found.method == QuantMethod::kAwq
                        : *flag == "fp8"        ? found.method == QuantMethod::kFp8
+                       : *flag == "mxfp4"      ? found.method == QuantMethod::kMxfp4
                        : *flag == "auto-round" ? found.quant_method == "auto-round" ||
                                                      found.quant_method == "intel/auto-round"
                                                : found.quant_method == "compressed-tensors";

@@ -30,6 +30,12 @@
 //    per linear `weight` int8 [out, in], `SCB` f32 [out] (the rows' absmax: w = weight * SCB
 //    / 127, bitsandbytes multiplying by 1/127 as an f32), `weight_format` u8 (0: row-major,
 //    the only layout bitsandbytes writes). Run as the load-time int8 above, activations f32.
+//  - MXFP4 (OCP microscaling; the gpt-oss checkpoints' mixture-of-experts weights, the only
+//    modules transformers' Mxfp4 quantizer converts): per expert tensor `X` of [E, out, in],
+//    `X_blocks` u8 [E, out, in / 32, 16] (two E2M1 codes a byte, the element of even index in
+//    the low nibble) and `X_scales` u8 [E, out, in / 32] (E8M0: a block's factor is
+//    2^(scale - 127)). Dequantized at load to the run dtype, as transformers' `dequantize`
+//    does on machines without its Triton kernels: the experts then run as dense weights.
 #pragma once
 
 #include <cstdint>
@@ -55,8 +61,9 @@ enum class QuantMethod {
   kCompressedInt,
   kInt8AtLoad,
   kBnbInt8,
-  kBnb4,       // bitsandbytes' nf4 and fp4 checkpoints
-  kBnb4AtLoad  // --quantize bitsandbytes-nf4 / -fp4 (TGI's): dense weights to 4 bits at load
+  kBnb4,        // bitsandbytes' nf4 and fp4 checkpoints
+  kBnb4AtLoad,  // --quantize bitsandbytes-nf4 / -fp4 (TGI's): dense weights to 4 bits at load
+  kMxfp4,       // the gpt-oss checkpoints' experts (ShardedLoader reads them dense)
 };
 
 struct QuantConfig {

@@ -225,8 +225,9 @@ void PromptKvF32(const KvCacheLayer& cache, const AttentionBatch& batch, int64_t
 template <typename Logit>
 void AttendRowScalar(const float* qrow, const float* const* key_rows,
                      const float* const* value_rows, int64_t first, int64_t lo, int64_t hi,
-                     int64_t d, const Logit& logit, float* scores, float* orow) {
-  float mx = -std::numeric_limits<float>::infinity();
+                     int64_t d, const Logit& logit, float sink, float* scores, float* orow) {
+  // The attention sink (-inf: none) takes its share of the sum, never of the output.
+  float mx = sink;
   for (int64_t j = lo; j <= hi; ++j) {
     const float* kr = key_rows[j - first];
     float dot = 0.f;
@@ -235,7 +236,7 @@ void AttendRowScalar(const float* qrow, const float* const* key_rows,
     scores[j - first] = sc;
     mx = std::max(mx, sc);
   }
-  float sum = 0.f;
+  float sum = std::isinf(sink) && sink < 0 ? 0.f : std::exp(sink - mx);
   std::fill(orow, orow + d, 0.f);
   for (int64_t j = lo; j <= hi; ++j) {
     const float p = std::exp(scores[j - first] - mx);
@@ -379,6 +380,9 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
                "%s: relative_table must be [Hq, num_buckets]", op);
     relative = bias->relative_table.data<float>();
   }
+  TGIS_CHECK(
+      bias == nullptr || bias->sinks.empty() || static_cast<int64_t>(bias->sinks.size()) == hq,
+      "%s: %zu attention sinks for %lld heads", op, bias->sinks.size(), static_cast<long long>(hq));
   TGIS_CHECK(batch.causal || sliding_window <= 0, "%s: a sliding window needs causal attention",
              op);
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -480,7 +484,7 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
         AttendRowScalar(
             r.q, key_rows, value_rows, first, r.lo, r.hi, d,
             [&](int64_t j, float dot) { return logit_bias.Add(r.h, r.qpos, j, dot * scale); },
-            scores.data(), r.out);
+            logit_bias.Sink(r.h), scores.data(), r.out);
       }
       return;
     }

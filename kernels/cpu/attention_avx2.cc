@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -151,7 +152,11 @@ float RowSoftmax(float* s, int64_t base, int64_t hi_all, int64_t lo, int64_t hi,
   if (positional.any()) {
     for (int64_t j = lo; j <= hi; ++j) s[j - base] = positional.Add(h, qpos, j, s[j - base]);
   }
-  return ExpRow(s, base, hi_all, lo, hi, RowMax(s + (lo - base), hi - lo + 1));
+  // A sink joins the maximum and the sum, never the p * v sums.
+  const float sink = bias.Sink(h);
+  const float mx = std::max(RowMax(s + (lo - base), hi - lo + 1), sink);
+  const float sum = ExpRow(s, base, hi_all, lo, hi, mx);
+  return std::isinf(sink) && sink < 0 ? sum : sum + std::exp(sink - mx);
 }
 
 // Keys a pass takes at a time: chunks at absolute positions [32 i, 32 i + 31].

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "kernels/ops.h"
@@ -36,6 +37,12 @@ struct LogitBias {
                                             bias->num_buckets, bias->max_distance)];
     }
     return sc;
+  }
+  // Head h's attention sink (AttentionBias::sinks): one more logit in its softmax's
+  // denominator; -inf (no share) for none.
+  float Sink(int64_t h) const {
+    return bias != nullptr && !bias->sinks.empty() ? bias->sinks[h]
+                                                   : -std::numeric_limits<float>::infinity();
   }
 };
 

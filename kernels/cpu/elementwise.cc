@@ -184,6 +184,33 @@ void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
   });
 }
 
+void ClampedSwiGlu(const Tensor& gate_up, float alpha, float limit, Tensor* out) {
+  const char* op = "ClampedSwiGlu";
+  CheckF32(gate_up, op, "gate_up");
+  const int64_t two_i = LastDim(gate_up);
+  TGIS_CHECK(two_i % 2 == 0, "%s: last dim %lld is odd", op, static_cast<long long>(two_i));
+  const int64_t inter = two_i / 2;
+  const int64_t rows = gate_up.numel() / std::max<int64_t>(1, two_i);
+  Shape shape = gate_up.shape();
+  shape.back() = inter;
+  PrepareOut(out, shape, op);
+  const float* g = gate_up.data<float>();
+  float* o = out->data<float>();
+  ParallelFor(rows, RowGrain(two_i), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* gr = g + r * two_i;
+      const float* ur = gr + inter;
+      float* orow = o + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        // std::min(x, limit) and std::clamp keep a NaN x, as torch.clamp does.
+        const float gate = std::min(gr[i], limit);
+        const float up = std::clamp(ur[i], -limit, limit);
+        orow[i] = (up + 1.0f) * (gate / (1.0f + std::exp(-alpha * gate)));
+      }
+    }
+  });
+}
+
 void Activate(Activation kind, Tensor* x) {
   CheckF32(*x, "Activate", "x");
   float* p = x->data<float>();

@@ -391,6 +391,8 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   }
   TGIS_CHECK(batch.causal || sliding_window <= 0, "%s: a sliding window needs causal attention",
              op);
+  TGIS_CHECK(bias == nullptr || bias->sinks.empty(),
+             "%s: attention sinks have no CUDA kernel yet (serve the model on the CPU)", op);
   TGIS_CHECK(!alibi || static_cast<int64_t>(alibi_slopes->size()) == hq,
              "%s: %zu ALiBi slopes for %lld heads", op, alibi ? alibi_slopes->size() : 0,
              static_cast<long long>(hq));

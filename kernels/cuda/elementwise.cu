@@ -153,6 +153,27 @@ __global__ void GatedActivationKernel(Activation kind, const T* gate_up, int64_t
 }
 
 template <typename T>
+__global__ void ClampedSwiGluKernel(const T* gate_up, float alpha, float limit, int64_t inter,
+                                    int64_t rows, T* out) {
+  PriorGridsDone();
+  const int64_t n = rows * inter;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / inter, c = i % inter;
+    const float g0 = ToF32(gate_up[r * 2 * inter + c]);
+    const float u0 = ToF32(gate_up[r * 2 * inter + inter + c]);
+    // NaN stays NaN (torch.clamp), which fminf/fmaxf would drop.
+    const float g = g0 > limit ? limit : g0;
+    const float u = u0 > limit ? limit : (u0 < -limit ? -limit : u0);
+    // transformers' order, each step a dtype tensor: sigmoid(g * alpha), g * it, (up + 1) * it.
+    const float ga = ToF32(FromF32<T>(g * alpha));
+    const float sig = ToF32(FromF32<T>(1.0f / (1.0f + expf(-ga))));
+    const float glu = ToF32(FromF32<T>(g * sig));
+    out[i] = FromF32<T>(ToF32(FromF32<T>(u + 1.0f)) * glu);
+  }
+}
+
+template <typename T>
 __global__ void ActivateKernel(Activation kind, T* x, int64_t n) {
   PriorGridsDone();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -328,6 +349,18 @@ void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
   TGIS_DISPATCH_FLOAT(gate_up.dtype(), op,
                       Launch(GatedActivationKernel<T>, StrideBlocks(rows * inter), 256, kind,
                              gate_up.data<T>(), inter, rows, out->data<T>()));
+}
+
+void ClampedSwiGlu(const Tensor& gate_up, float alpha, float limit, Tensor* out) {
+  const char* op = "ClampedSwiGlu";
+  CheckCudaFloat(gate_up, op, "gate_up");
+  TGIS_CHECK(gate_up.rank() == 2 && gate_up.dim(1) % 2 == 0, "%s: gate_up must be [T, 2I]", op);
+  const int64_t rows = gate_up.dim(0), inter = gate_up.dim(1) / 2;
+  PrepareOut(out, {rows, inter}, gate_up.dtype(), op);
+  if (rows * inter == 0) return;
+  TGIS_DISPATCH_FLOAT(gate_up.dtype(), op,
+                      Launch(ClampedSwiGluKernel<T>, StrideBlocks(rows * inter), 256,
+                             gate_up.data<T>(), alpha, limit, inter, rows, out->data<T>()));
 }
 
 void Activate(Activation kind, Tensor* x) {

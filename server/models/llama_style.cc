@@ -124,6 +124,27 @@ absl::Status LoadExperts(const ShardedLoader& ld, const std::string& p, const De
     loads.emplace_back(&l->shared_up, ld.StackOutputRows({{x + "gate_proj.weight", shared},
                                                           {x + "up_proj.weight", shared}}));
     loads.emplace_back(&l->shared_down, ld.InputColumns(x + "down_proj.weight", shared));
+  } else if (layout == MoeLayout::kGptOss) {
+    const std::string x = p + "mlp.";
+    loads.emplace_back(&l->router_w, ld.Whole(x + "router.weight"));
+    loads.emplace_back(&l->router_b, ld.Whole(x + "router.bias"));
+    // This rank's gate columns (2j) then up columns (2j + 1), j in its MLP columns: the
+    // [gate | up] rows every gated MLP here takes.
+    std::vector<Range> gate_up;
+    for (int64_t j = mlp.begin; j < mlp.end; ++j) gate_up.push_back({2 * j, 2 * j + 1});
+    for (int64_t j = mlp.begin; j < mlp.end; ++j) gate_up.push_back({2 * j + 1, 2 * j + 2});
+    l->expert_up_b.resize(s.num_experts);
+    l->expert_down_b.resize(s.num_experts);
+    const std::string up = x + "experts.gate_up_proj", down = x + "experts.down_proj";
+    // Dense checkpoints store the experts [in, out] (as conv1d), MXFP4 ones [out, in].
+    const bool up_dense = !ld.StoresMxfp4(up), down_dense = !ld.StoresMxfp4(down);
+    for (int64_t e = 0; e < s.num_experts; ++e) {
+      const ShardedLoader expert = ld.Expert(e);
+      loads.emplace_back(&l->expert_up[e], expert.OutputRows(up, gate_up, up_dense));
+      loads.emplace_back(&l->expert_up_b[e], expert.OutputRows(up + "_bias", gate_up));
+      loads.emplace_back(&l->expert_down[e], expert.InputColumns(down, mlp, down_dense));
+      loads.emplace_back(&l->expert_down_b[e], expert.Whole(down + "_bias"));
+    }
   } else {
     loads.emplace_back(&l->router_w, ld.Whole(m + "router.layer.weight"));
     for (int64_t e = 0; e < s.num_experts; ++e) {
@@ -455,9 +476,13 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
     if (auto st = ReadExpertCounts(c, opt.moe, &s); !st.ok()) return st;
   }
   // Mixtral's routing is DecoderSpec's default; Qwen2-MoE's follows norm_topk_prob below.
-  if (opt.moe == MoeLayout::kGraniteMoe || opt.moe == MoeLayout::kGraniteMoeShared) {
+  if (opt.moe == MoeLayout::kGraniteMoe || opt.moe == MoeLayout::kGraniteMoeShared ||
+      opt.moe == MoeLayout::kGptOss) {
     s.routing = ExpertRouting::kTopKSoftmax;
   }
+  s.attention_sinks = opt.attention_sinks;
+  s.glu_alpha = opt.glu_alpha;
+  s.glu_limit = opt.glu_limit;
   if (opt.moe == MoeLayout::kGraniteMoeShared) {
     s.shared_expert_intermediate = opt.shared_expert_intermediate;
     s.shared_expert_gated = false;
@@ -501,6 +526,16 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
         auto b = ld.Whole(o_proj + ".bias");
         if (!b.ok()) return b.status();
         l.o_b = *b;
+      }
+      if (opt.attention_sinks) {
+        auto sinks = ld.Whole(a + "sinks");
+        if (!sinks.ok()) return sinks.status();
+        if (sinks->shape() != kernels::Shape{s.num_heads}) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(a, "sinks: expected [", s.num_heads, "], found ", sinks->DebugString()));
+        }
+        const float* all = sinks->data<float>();
+        l.attn_sinks.assign(all + ld.layout().q_heads.begin, all + ld.layout().q_heads.end);
       }
     }
     if (auto st = opt.moe == MoeLayout::kNone ? LoadMlp(ld, p, s.intermediate, opt, &l)

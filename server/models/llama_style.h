@@ -35,6 +35,10 @@ enum class MoeLayout {
   kQwen2Moe,
   // Qwen3-MoE: Qwen2-MoE's router and expert names, no shared expert
   kQwen3Moe,
+  // GPT-OSS: mlp.router (weight [E, H] and bias), mlp.experts.gate_up_proj [E, H, 2I] (input
+  // by output, gate and up columns interleaved) with gate_up_proj_bias [E, 2I], down_proj
+  // [E, I, H] with down_proj_bias [E, H]; or MXFP4 blocks and scales for the two weights
+  kGptOss,
 };
 
 struct LlamaStyleOptions {
@@ -124,6 +128,11 @@ struct LlamaStyleOptions {
   // and their sizes (DecoderSpec::mamba_layers, mamba).
   std::vector<bool> mamba_layers;
   MambaSpec mamba;
+  // GPT-OSS: self_attn.sinks [heads] (kernels::AttentionBias::sinks), and the experts'
+  // clamped SwiGLU (DecoderSpec::glu_alpha, glu_limit; 0: plain).
+  bool attention_sinks = false;
+  float glu_alpha = 0;
+  float glu_limit = 0;
 };
 
 // config.json's attention_bias (q/k/v and o biases) and, with `mlp`, mlp_bias (Llama's and

@@ -84,7 +84,8 @@ def assert_stream_equals_unary(messages, unary):
 @pytest.fixture(scope="module", params=["granite", "phi", "phi3", "gemma", "gemma2",
                                         "gemma3_text", "gemma3", "mistral3", "stablelm", "starcoder2", "cohere", "olmo", "olmo2", "qwen3",
                                         "mixtral", "granitemoe", "granitemoeshared", "granite4_micro",
-                                        "granite4_nope", "granite4_h", "qwen2_moe", "qwen3_moe"])
+                                        "granite4_nope", "granite4_h", "qwen2_moe", "qwen3_moe",
+                                        "gpt_oss", "gpt_oss_mxfp4"])
 def family(request):
     yield from serve(request.param)
 
@@ -96,7 +97,7 @@ def test_greedy_matches_transformers(setup):
 def test_greedy_of_other_llama_layout_families_matches_transformers(family):
     """Granite, Phi-2, Phi-3, Gemma, Gemma 2, StableLM, StarCoder2, Cohere, OLMo, Granite 4.0's
     attention-only layouts and the mixtures of experts (Mixtral, GraniteMoE, GraniteMoeShared,
-    Qwen2-MoE)."""
+    Qwen2-MoE, gpt-oss dense and with MXFP4 experts)."""
     check_greedy(*family)
 
 

@@ -38,7 +38,8 @@ def test_invalid_utf8_line_is_an_error_and_later_lines_still_work(cli, family):
     assert out[3]["offsets"] == ref.encode("after 😀 the error")["offsets"]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama2", "llama3", "t5", "t5_spm", "llama_spm"])
+@pytest.mark.parametrize("family", ["gpt2", "llama2", "llama3", "t5", "t5_spm", "llama_spm",
+                                    "gpt_oss"])
 def test_empty_inputs(cli, family):
     d = FIXTURES / family
     ref = load_reference(d)

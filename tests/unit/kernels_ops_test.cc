@@ -1173,6 +1173,35 @@ TEST_P(OpsTest, GatedActivation) {
   }
 }
 
+// GPT-OSS's SwiGLU with its clamps (limit 7, alpha 1.702) on values from -12 to 12, so that
+// both clamps bite, and a NaN, which stays NaN.
+TEST_P(OpsTest, ClampedSwiGlu) {
+  const int64_t t_count = 3, inter = 37;
+  const float alpha = 1.702f, limit = 7.0f;
+  std::vector<float> v = Random(t_count * 2 * inter, 15, -12, 12);
+  Tensor gu = Act(v, {t_count, 2 * inter});
+  const std::vector<float> s = Host(gu);
+  std::vector<double> ref, scale;
+  for (int64_t t = 0; t < t_count; ++t) {
+    for (int64_t i = 0; i < inter; ++i) {
+      const double g = std::min<double>(s[t * 2 * inter + i], limit);
+      const double u = std::clamp<double>(s[t * 2 * inter + inter + i], -limit, limit);
+      ref.push_back((u + 1) * g / (1 + std::exp(-alpha * g)));
+      scale.push_back(1e-6 + std::fabs(u + 1) * std::min(1.0, std::fabs(g)));
+    }
+  }
+  Tensor out;
+  ClampedSwiGlu(gu, alpha, limit, &out);
+  ASSERT_EQ(out.shape(), (Shape{t_count, inter}));
+  ExpectClose(Host(out), ref, scale, tol(), "clamped SwiGLU");
+  v[0] = std::numeric_limits<float>::quiet_NaN();
+  v[inter + 1] = std::numeric_limits<float>::quiet_NaN();
+  ClampedSwiGlu(Act(v, {t_count, 2 * inter}), alpha, limit, &out);
+  const std::vector<float> got = Host(out);
+  EXPECT_TRUE(std::isnan(got[0]));
+  EXPECT_TRUE(std::isnan(got[1]));
+}
+
 double ActivationReference(Activation kind, double d) {
   switch (kind) {
     case Activation::kRelu:
@@ -1770,6 +1799,8 @@ struct AttnCase {
   int64_t long_prefill = 0;
   // > 0: Gemma 2's soft cap on the scaled logits (AttentionBias::softcap).
   float softcap = 0;
+  // GPT-OSS's attention sinks, one logit per head in the softmax's denominator.
+  bool sinks = false;
 };
 
 void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device device, double tol) {
@@ -1886,6 +1917,10 @@ void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device de
   AttentionBias bias;
   bias.softcap = c.softcap;
   if (c.alibi) bias.alibi_slopes = slopes;
+  // Sinks from well below to well above these logits (~0.33 rms), so they take from a little
+  // to most of the weight.
+  const std::vector<float> sinks = Random(c.hq, 31, -2, 3);
+  if (c.sinks) bias.sinks = sinks;
   const int buckets = 32, max_distance = c.long_context ? 1000 : 128;
   const std::vector<float> table = Random(c.hq * buckets, 23, -2, 2);
   if (c.relative) {
@@ -1923,8 +1958,9 @@ void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device de
           logits.push_back(l);
           keys_seen.push_back(j);
         }
-        const double mx = *std::max_element(logits.begin(), logits.end());
-        double sum = 0;
+        double mx = *std::max_element(logits.begin(), logits.end());
+        if (c.sinks) mx = std::max(mx, double{sinks[h]});
+        double sum = c.sinks ? std::exp(sinks[h] - mx) : 0;
         for (double& l : logits) sum += (l = std::exp(l - mx));
         for (int64_t x = 0; x < d; ++x) {
           double o = 0, m = 0;
@@ -1943,7 +1979,7 @@ void RunAttention(OpsTest* test, const AttnCase& c, DType cache_dtype, Device de
     cpu::SetIsaForTesting(isa);
     Tensor out;
     PagedAttention(q, cache, batch, scale, c.window,
-                   c.alibi || c.relative || c.softcap > 0 ? &bias : nullptr, &out);
+                   c.alibi || c.relative || c.softcap > 0 || c.sinks ? &bias : nullptr, &out);
     ASSERT_EQ(out.shape(), (Shape{t_count, c.hq, d}));
     ExpectClose(OpsTest::Host(out), ref, mag, tol, "paged attention " + isa_name);
   }
@@ -1993,6 +2029,29 @@ TEST_P(OpsTest, PagedAttentionSoftCap) {
     l.softcap = 0.2f;
     RunAttention(this, l, dtype(), device(), tol());
   }
+}
+// GPT-OSS's attention sinks: alone with GQA, with its sliding window over a 70-token prefill,
+// at long contexts, and on the scalar path's head size.
+TEST_P(OpsTest, PagedAttentionSinks) {
+  if (device() != Device::kCpu) {
+    GTEST_SKIP() << "PagedAttentionSinks: attention sinks have no CUDA kernel yet";
+  }
+  AttnCase c{8, 2, 0, false};
+  c.sinks = true;
+  RunAttention(this, c, dtype(), device(), tol());
+  AttnCase w{16, 2, 24, false};
+  w.d = 64;
+  w.long_prefill = 70;
+  w.sinks = true;
+  RunAttention(this, w, dtype(), device(), tol());
+  AttnCase l{8, 4, 128, false, /*long_context=*/true};
+  l.d = 64;
+  l.sinks = true;
+  RunAttention(this, l, dtype(), device(), tol());
+  AttnCase odd{4, 4, 0, false};
+  odd.d = 20;
+  odd.sinks = true;
+  RunAttention(this, odd, dtype(), device(), tol());
 }
 // The head sizes models use (the CPU's vector path takes multiples of 8, others the scalar
 // path), GQA ratios up to 8, and a 70-token prefill (query rows over several tasks).

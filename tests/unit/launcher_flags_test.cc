@@ -215,7 +215,7 @@ TEST(LauncherFlagsTest, TgisChecks) {
   EXPECT_HAS(CheckError({"--quantize", "gptq-v9"}),
              "--quantize (env QUANTIZE) 'gptq-v9' is not a quantization method; accepted "
              "values: gptq, bitsandbytes, bitsandbytes-nf4, bitsandbytes-fp4, awq, fp8, "
-             "compressed-tensors, auto-round");
+             "compressed-tensors, auto-round, mxfp4");
   EXPECT_HAS(CheckError({}, {{"QUANTIZE", "fp4"}}), "(env QUANTIZE)");
   EXPECT_HAS(CheckError({"--deployment-framework", "vllm"}),
              "--deployment-framework (env DEPLOYMENT_FRAMEWORK) 'vllm' is not one of "

@@ -242,7 +242,7 @@ TEST_F(LoaderTest, QuantizationConfigsAreCheckedAgainstTheFlag) {
   expect_error("gptq", "has no quantization config");
   expect_error("nf4",
                "--quantize 'nf4': expected one of gptq, bitsandbytes, bitsandbytes-nf4, "
-               "bitsandbytes-fp4, awq, fp8, compressed-tensors, auto-round");
+               "bitsandbytes-fp4, awq, fp8, compressed-tensors, auto-round, mxfp4");
   const Json gptq = {{"quant_method", "gptq"},
                      {"bits", 4},
                      {"group_size", 128},
@@ -932,6 +932,9 @@ absl::StatusOr<tgis::server::DecoderSpec> FixtureSpecWith(
     if (!config.ok()) return config.status();
     auto weights = tgis::server::ModelRegistry::OpenWeights(dir.string(), *config);
     if (!weights.ok()) return weights.status();
+    auto quant = tgis::server::ReadQuantConfig(dir.string(), *config, std::nullopt);
+    if (!quant.ok()) return quant.status();
+    (*weights)->set_quantization(*quant);
     auto model =
         tgis::server::ModelRegistry::Get().Build(*config, **weights, tgis::kernels::DType::kF32);
     if (!model.ok()) return model.status();
@@ -991,6 +994,58 @@ TEST(ModelConfigTest, GraniteMultipliersMustBeFiniteNonZeroNumbers) {
 // every layer Mamba-2, as transformers makes it); rotary or no positions; the dense shared MLP
 // without experts, GraniteMoeShared's layout with them; Mamba-2 sizes checked, served at one
 // rank.
+// GPT-OSS: biases everywhere, sinks, windows on the even layers (layer_types, or GptOssConfig's
+// rule without it), YaRN, the clamped SwiGLU's limit, top-k-then-softmax routing; MXFP4
+// experts read through their blocks and scales, and each misfit named.
+TEST(ModelConfigTest, GptOssReadsItsLayoutAndMxfp4Experts) {
+  for (const char* name : {"gpt_oss", "gpt_oss_mxfp4"}) {
+    SCOPED_TRACE(name);
+    auto spec = FixtureSpecWith(name, [](Json&) {});
+    ASSERT_TRUE(spec.ok()) << spec.status();
+    EXPECT_TRUE(spec->attention_sinks);
+    EXPECT_EQ(spec->layer_windows, (std::vector<int>{8, 0}));
+    EXPECT_EQ(spec->num_experts, 4);
+    EXPECT_EQ(spec->experts_per_token, 2);
+    EXPECT_EQ(spec->routing, tgis::server::ExpertRouting::kTopKSoftmax);
+    EXPECT_FLOAT_EQ(spec->glu_limit, 7.0f);
+    EXPECT_FLOAT_EQ(spec->glu_alpha, 1.702f);
+    // YaRN's attention factor (0.1 ln(256 / 64) + 1, squared) folded into the scale.
+    EXPECT_NEAR(spec->attn_scale, 0.25 * std::pow(0.1 * std::log(4.0) + 1, 2), 1e-6);
+  }
+  auto derived = FixtureSpecWith("gpt_oss", [](Json& c) { c.erase("layer_types"); });
+  ASSERT_TRUE(derived.ok()) << derived.status();
+  EXPECT_EQ(derived->layer_windows, (std::vector<int>{8, 0}));
+  auto limit = FixtureSpecWith("gpt_oss", [](Json& c) { c["swiglu_limit"] = 3.5; });
+  ASSERT_TRUE(limit.ok()) << limit.status();
+  EXPECT_FLOAT_EQ(limit->glu_limit, 3.5f);
+  ExpectBuildError(BuildFixtureWith("gpt_oss", [](Json& c) { c["swiglu_limit"] = 0; }),
+                   "config.json: swiglu_limit = 0: expected a positive, finite number");
+  ExpectBuildError(FixtureSpecWith(
+                       "gpt_oss", [](Json&) {},
+                       [](Json& h) {
+                         h["model.layers.1.self_attn.sinkz"] = h["model.layers.1.self_attn.sinks"];
+                         h.erase("model.layers.1.self_attn.sinks");
+                       })
+                       .status(),
+                   "model.layers.1.self_attn.sinks");
+  ExpectBuildError(BuildFixtureWith("gpt_oss_mxfp4",
+                                    [](Json& c) { c["quantization_config"]["group_size"] = 64; }),
+                   "key 'group_size' is not understood");
+  ExpectBuildError(FixtureSpecWith(
+                       "gpt_oss_mxfp4", [](Json&) {},
+                       [](Json& h) {
+                         const std::string scales = "model.layers.0.mlp.experts.down_proj_scales";
+                         h[scales + "_"] = h[scales];
+                         h.erase(scales);
+                       })
+                       .status(),
+                   "model.layers.0.mlp.experts.down_proj_scales");
+  // Without its quantization_config the blocks are not read as MXFP4: named, never ignored.
+  ExpectBuildError(
+      BuildFixtureWith("gpt_oss_mxfp4", [](Json& c) { c.erase("quantization_config"); }),
+      "model.layers.0.mlp.experts.gate_up_proj");
+}
+
 TEST(ModelConfigTest, GraniteHybridReadsLayerTypesAndMambaSizes) {
   auto micro = FixtureSpecWith("granite4_micro", [](Json&) {});
   ASSERT_TRUE(micro.ok()) << micro.status();
@@ -1139,7 +1194,7 @@ TEST(ModelConfigTest, MixtureOfExpertsCountsMatchTheConfigAndTheCheckpoint) {
     ExpectBuildError(
         BuildFixtureWith("granitemoe", [&](Json& c) { c["num_local_experts"] = experts; }),
         "model.layers.0.block_sparse_moe.input_linear.weight: expected a 3-D tensor [experts, "
-        "rows, columns] of the config's " +
+        "rows, columns] (biases: [experts, n]) of the config's " +
             std::to_string(experts) + " experts");
   }
 }

@@ -63,8 +63,9 @@ TEST(RouterInputEncoding, LongInputIsJudgedFromAPrefixThatUndercountsIt) {
                          "e  aus K\xC3\xB6ln,\n"
                        : "the quick brown fox 1234 ";
   }
-  for (const char* dir : {"models/llama", "tokenizers/gpt2", "tokenizers/t5", "tokenizers/bloom",
-                          "tokenizers/llama3", "tokenizers/unigram_hf", "tokenizers/qwen2"}) {
+  for (const char* dir :
+       {"models/llama", "tokenizers/gpt2", "tokenizers/t5", "tokenizers/bloom", "tokenizers/llama3",
+        "tokenizers/unigram_hf", "tokenizers/qwen2", "tokenizers/gpt_oss"}) {
     SCOPED_TRACE(dir);
     auto t = Load(dir);
     ASSERT_TRUE(t);

@@ -46,7 +46,7 @@ TEST(TokenBytes, ConcatenatedAreWhatHfDecodes) {
 
 TEST(TokenBytes, SpecialTokensAndUnknownIdsHaveNone) {
   tgis::EnableSentencePieceModels();
-  for (const char* name : {"llama2", "llama_spm", "gpt2", "llama3"}) {
+  for (const char* name : {"llama2", "llama_spm", "gpt2", "llama3", "gpt_oss"}) {
     auto tok =
         tgis::Tokenizer::FromDirectory(std::string(TGIS_FIXTURES_DIR) + "/tokenizers/" + name);
     ASSERT_TRUE(tok.ok()) << tok.status();
