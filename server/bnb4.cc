@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/quantized.h"
+#include "server/block_codes.h"
 #include "server/config_keys.h"
 #include "server/quantization.h"
 #include "server/weights.h"
@@ -191,28 +192,6 @@ absl::StatusOr<std::vector<float>> BlockAbsmax(const WeightStore& w, const std::
     }
   }
   return absmax;
-}
-
-// The weight of `slice` (its rows, its columns) of an [out, in] weight whose code at (n, k) is
-// code_at(n, k) and whose blocks of `block` columns have `absmax` ([out, in / block]).
-template <typename CodeAt>
-Tensor BlockCodesWeight(const LinearSlice& slice, int64_t in, int64_t block,
-                        const std::vector<float>& absmax, const std::vector<float>& table,
-                        CodeAt code_at) {
-  const Range c = slice.cols;
-  const int64_t groups = in / block;
-  const int64_t nsel = static_cast<int64_t>(slice.rows.size()), kc = c.size();
-  std::vector<uint8_t> codes(nsel * kc);
-  std::vector<float> scales(nsel * groups);
-  for (int64_t i = 0; i < nsel; ++i) {
-    const int64_t n = slice.rows[i];
-    for (int64_t k = 0; k < kc; ++k) codes[i * kc + k] = code_at(n, c.begin + k);
-    std::memcpy(&scales[i * groups], &absmax[n * groups], groups * sizeof(float));
-  }
-  std::vector<int32_t> group(kc);
-  for (int64_t k = 0; k < kc; ++k) group[k] = static_cast<int32_t>((c.begin + k) / block);
-  return Tensor::Quantized(std::make_shared<const kernels::QuantizedWeight>(
-      kernels::BuildCodebook4(nsel, kc, codes, group, groups, scales, table)));
 }
 
 }  // namespace

@@ -34,8 +34,9 @@
 //    modules transformers' Mxfp4 quantizer converts): per expert tensor `X` of [E, out, in],
 //    `X_blocks` u8 [E, out, in / 32, 16] (two E2M1 codes a byte, the element of even index in
 //    the low nibble) and `X_scales` u8 [E, out, in / 32] (E8M0: a block's factor is
-//    2^(scale - 127)). Dequantized at load to the run dtype, as transformers' `dequantize`
-//    does on machines without its Triton kernels: the experts then run as dense weights.
+//    2^(scale - 127)). Served as they are: 4-bit codes of the E2M1 table, the kernels' table
+//    path (bitsandbytes' fp4 and nf4 take it too), w = E2M1[code] * 2^(scale - 127) as
+//    transformers' dequantize computes it.
 #pragma once
 
 #include <cstdint>
@@ -63,7 +64,7 @@ enum class QuantMethod {
   kBnbInt8,
   kBnb4,        // bitsandbytes' nf4 and fp4 checkpoints
   kBnb4AtLoad,  // --quantize bitsandbytes-nf4 / -fp4 (TGI's): dense weights to 4 bits at load
-  kMxfp4,       // the gpt-oss checkpoints' experts (ShardedLoader reads them dense)
+  kMxfp4,       // the gpt-oss checkpoints' experts (4-bit codes of the E2M1 table)
 };
 
 struct QuantConfig {
@@ -154,6 +155,13 @@ absl::StatusOr<kernels::Tensor> QuantizeBnb4AtLoad(const kernels::Tensor& dense,
 // The name of the quant_state record that marks `prefix` as a bitsandbytes 4-bit linear, if
 // the store has one.
 std::optional<std::string> Bnb4QuantStateOf(const WeightStore& w, const std::string& prefix);
+
+// Expert `expert` (of `experts`) of the MXFP4 weight `name` (its name_blocks and name_scales,
+// [out, in] per expert), rows and columns as above.
+absl::StatusOr<kernels::Tensor> LoadMxfp4Expert(const WeightStore& w, const std::string& name,
+                                                int64_t expert, int64_t experts,
+                                                const std::vector<Range>& rows,
+                                                std::optional<ColumnSlice> cols);
 
 // The fp8 linear `prefix` (its weight and weight_scale), rows and columns as above.
 absl::StatusOr<kernels::Tensor> LoadFp8Linear(const WeightStore& w, const QuantConfig& q,

@@ -8,7 +8,7 @@
 // and down projections have biases, and its activation is the clamped SwiGLU
 // (up.clamp(-limit, limit) + 1) * gate * sigmoid(1.702 gate), gate clamped above at limit
 // (swiglu_limit, 7). The released checkpoints store the experts MXFP4 (quantization_config
-// quant_method "mxfp4"), dequantized at load (server/quantization.h).
+// quant_method "mxfp4"), served as 4-bit codes (server/quantization.h).
 // Not read: hidden_act (GptOss's experts hard-code their activation, as here),
 // initial_context_length and experts_per_token (informational copies of rope_scaling's
 // original_max_position_embeddings and of num_experts_per_tok, which transformers reads;

@@ -152,7 +152,6 @@ Tensor Select(const Tensor& src, int dim, const std::vector<Range>& ranges, bool
 }  // namespace
 
 absl::StatusOr<Tensor> ShardedLoader::Raw(const std::string& name) const {
-  if (expert_ && StoresMxfp4(name)) return Mxfp4Expert(name);
   auto t = w_.View(name);
   if (!t.ok()) return t.status();
   if (expert_) {
@@ -178,46 +177,6 @@ bool ShardedLoader::StoresMxfp4(const std::string& name) const {
          w_.Has(name + "_blocks");
 }
 
-absl::StatusOr<Tensor> ShardedLoader::Mxfp4Expert(const std::string& name) const {
-  const std::string blocks_name = name + "_blocks", scales_name = name + "_scales";
-  auto blocks = w_.View(blocks_name);
-  if (!blocks.ok()) return blocks.status();
-  auto scales = w_.View(scales_name);
-  if (!scales.ok()) return scales.status();
-  const Tensor& b = *blocks;
-  const Tensor& sc = *scales;
-  if (b.dtype() != DType::kU8 || b.rank() != 4 || b.dim(0) != spec_.num_experts || b.dim(3) != 16 ||
-      sc.dtype() != DType::kU8 || sc.rank() != 3 ||
-      sc.shape() != kernels::Shape{b.dim(0), b.dim(1), b.dim(2)}) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(blocks_name, " ", b.DebugString(), " and ", scales_name, " ", sc.DebugString(),
-                     ": expected uint8 [", spec_.num_experts, ", out, in / 32, 16] and [",
-                     spec_.num_experts, ", out, in / 32] (MXFP4, ", w_.FileOf(blocks_name), ")"));
-  }
-  // E2M1 codes: sign bit 3, then exponent and mantissa (0, 0.5, 1, 1.5, 2, 3, 4, 6).
-  static constexpr float kE2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-  const int64_t out = b.dim(1), groups = b.dim(2), in = groups * 32;
-  const uint8_t* code = b.data<uint8_t>() + *expert_ * out * groups * 16;
-  const uint8_t* exps = sc.data<uint8_t>() + *expert_ * out * groups;
-  Tensor dense = Tensor::Empty({out, in}, DType::kF32);
-  float* d = dense.data<float>();
-  for (int64_t o = 0; o < out; ++o) {
-    for (int64_t g = 0; g < groups; ++g) {
-      // ldexp is exact: E2M1 values times a power of two (2^-127 .. 2^128; f32 holds the
-      // products transformers' bf16 ldexp gives, up to its overflow at 2^128).
-      const int e = static_cast<int>(exps[o * groups + g]) - 127;
-      const uint8_t* byte = code + (o * groups + g) * 16;
-      float* row = d + o * in + g * 32;
-      for (int64_t k = 0; k < 16; ++k) {
-        row[2 * k] = std::ldexp(kE2m1[byte[k] & 0xF], e);
-        row[2 * k + 1] = std::ldexp(kE2m1[byte[k] >> 4], e);
-      }
-    }
-  }
-  return dense;
-}
-
 std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string& name,
                                                                const std::vector<Range>& rows,
                                                                std::optional<Range> range) const {
@@ -225,6 +184,9 @@ std::optional<absl::StatusOr<Tensor>> ShardedLoader::Quantized(const std::string
   // Row-parallel inputs split evenly over the ranks (ShardLayout).
   std::optional<ColumnSlice> cols;
   if (range) cols = ColumnSlice{*range, range->size() * layout_.world_size};
+  if (expert_ && StoresMxfp4(name)) {
+    return LoadMxfp4Expert(w_, name, *expert_, spec_.num_experts, rows, cols);
+  }
   if (q.method != QuantMethod::kGptq && q.method != QuantMethod::kAwq &&
       q.method != QuantMethod::kFp8 && q.method != QuantMethod::kCompressedInt &&
       q.method != QuantMethod::kBnbInt8 && q.method != QuantMethod::kBnb4) {

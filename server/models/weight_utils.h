@@ -60,7 +60,7 @@ class ShardedLoader {
   // A loader whose tensors are expert `expert`'s [rows, columns] of the checkpoint's 3-D
   // [experts, rows, columns] ones (GraniteMoE's input_linear and output_linear) or its [n] of
   // [experts, n] ones (GPT-OSS's biases), sliced as this one slices. Such tensors are read
-  // dense: quantized, only MXFP4 is served (dequantized at load).
+  // dense, or as MXFP4 codes (GPT-OSS's); no other quantized form is served.
   ShardedLoader Expert(int64_t expert) const {
     ShardedLoader l = *this;
     l.expert_ = expert;
@@ -96,8 +96,8 @@ class ShardedLoader {
   // Whether the checkpoint holds linear weight `name` in any form: dense, or the tensors of a
   // quantized linear (GPTQ/AWQ's qweight, compressed-tensors' weight_packed).
   bool Stores(const std::string& name) const;
-  // Whether expert weight `name` is stored MXFP4 (name_blocks, name_scales): read through
-  // Expert(e), it is then [out, in], not the dense parameter's [in, out].
+  // Whether expert weight `name` is stored MXFP4 (name_blocks, name_scales): [out, in] then,
+  // where transformers' dense parameter is [in, out] (conv1d), and loaded as 4-bit codes.
   bool StoresMxfp4(const std::string& name) const;
   // The lm_head as the quantization method serves it: int8 (or 4 bits) at load under
   // bitsandbytes (TGIS quantizes the head then, never the embedding), else as loaded
@@ -113,10 +113,6 @@ class ShardedLoader {
 
  private:
   absl::StatusOr<kernels::Tensor> Raw(const std::string& name) const;
-  // Expert expert_'s weight `name` of an MXFP4 checkpoint (name_blocks and name_scales,
-  // server/quantization.h) dequantized to f32 [out, in]: the transpose of transformers' dense
-  // [in, out] parameter.
-  absl::StatusOr<kernels::Tensor> Mxfp4Expert(const std::string& name) const;
   // The quantized form of linear weight `name` (rows and columns of it), or nullopt when the
   // weight is stored dense and not to be quantized at load.
   std::optional<absl::StatusOr<kernels::Tensor>> Quantized(const std::string& name,

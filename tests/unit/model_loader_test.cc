@@ -1040,6 +1040,14 @@ TEST(ModelConfigTest, GptOssReadsItsLayoutAndMxfp4Experts) {
                        })
                        .status(),
                    "model.layers.0.mlp.experts.down_proj_scales");
+  ExpectBuildError(
+      FixtureSpecWith(
+          "gpt_oss_mxfp4", [](Json&) {},
+          [](Json& h) { h["model.layers.1.mlp.experts.gate_up_proj_blocks"]["dtype"] = "I8"; })
+          .status(),
+      "model.layers.1.mlp.experts.gate_up_proj_blocks (i8 [4, 128, 2, 16]) and "
+      "model.layers.1.mlp.experts.gate_up_proj_scales (u8 [4, 128, 2]): expected uint8 "
+      "[4, out, in / 32, 16] and [4, out, in / 32] (MXFP4");
   // Without its quantization_config the blocks are not read as MXFP4: named, never ignored.
   ExpectBuildError(
       BuildFixtureWith("gpt_oss_mxfp4", [](Json& c) { c.erase("quantization_config"); }),

@@ -1299,9 +1299,7 @@ TEST_P(CpuBf16ParityTest, KvCacheHoldsTheModelsBf16) {
   ASSERT_TRUE(config.ok()) << config.status();
   auto quant = tgis::server::ReadQuantConfig(dir_, *config, quantize_);
   ASSERT_TRUE(quant.ok()) << quant.status();
-  // MXFP4 experts are dequantized at load: the model is then a bf16 one.
-  const bool quantized = quant->method != tgis::server::QuantMethod::kNone &&
-                         quant->method != tgis::server::QuantMethod::kMxfp4;
+  const bool quantized = quant->method != tgis::server::QuantMethod::kNone;
   prefix_caching_ = false;  // each run computes its prompts whole
   OnEveryRank([&](Engine& engine) {
     const tgis::server::Model& m = engine.model();
