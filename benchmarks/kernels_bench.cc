@@ -5,7 +5,7 @@
 //   kernels_bench [--quick] [--hot] [--t=N] [--shape=OUTxIN] [--int8-activations]
 //                 [--isa=scalar|avx2|avx512|vnni|bf16] [format ...]
 // formats: bf16 f16 f32 int8 gptq8 gptq4 (g128) gptq4g32 fp8 gptq4g32-f32 (f32 run constants)
-// nf4 (bitsandbytes' table codes, blocks of 64)
+// nf4 (bitsandbytes' table codes, blocks of 64) mxfp4 (table codes, blocks of 32)
 //
 // --hot adds a 1024x2048 weight read from cache (one copy, called repeatedly): the kernels'
 // compute ceiling, without DRAM in the way. --shape times that weight shape only: with --hot and
@@ -117,7 +117,7 @@ struct Format {
   // Quantized scales that are f16 values (as GPTQ and AWQ write them), which 4-bit weights
   // keep compact (QuantizedWeight::compact); false: f32 values, kept as f32.
   bool f16_scales = true;
-  bool codebook = false;  // 4-bit codes index bitsandbytes' nf4 table
+  bool codebook = false;  // 4-bit codes index a table of 16 values (nf4's, MXFP4's E2M1)
 };
 
 // A weight of `f`'s layout with small deterministic values (speed does not depend on them).
@@ -249,6 +249,8 @@ int main(int argc, char** argv) {
       {"gptq4g32-f32", DType::kF32, 4, 32, false, 0.5, false},
       // bitsandbytes nf4 (codes that index a table) in blocks of 64, f32 absmax scales.
       {"nf4", DType::kF32, 4, 64, false, 0.5, false, true},
+      // MXFP4 (gpt-oss's experts): table codes in blocks of 32, power-of-two f32 scales.
+      {"mxfp4", DType::kF32, 4, 32, false, 0.5, false, true},
   };
   for (const Format& f : formats) {
     if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), f.name) == wanted.end())
@@ -260,8 +262,9 @@ int main(int argc, char** argv) {
     if (shape_out > 0) shapes = {Shape{shape_out, shape_in}};
     for (Shape s : shapes) {
       // Short rows (a LoRA adapter's B) are timed for dense formats; codes want whole groups.
-      if (s.in % 128 != 0 && (f.quant_bits != 0 || f.fp8)) {
-        std::printf("%-8s %5lldx%-8lld skipped: IN not a multiple of 128\n", f.name,
+      const int64_t whole = f.group > 0 ? f.group : 128;
+      if (s.in % whole != 0 && (f.quant_bits != 0 || f.fp8)) {
+        std::printf("%-8s %5lldx%-8lld skipped: IN not a multiple of its group\n", f.name,
                     static_cast<long long>(s.out_f), static_cast<long long>(s.in));
         continue;
       }

@@ -247,8 +247,7 @@ struct AttentionBias {
   int max_distance = 0;
   bool bidirectional = false;
   // Attention sinks (GPT-OSS): sinks[h] is one more logit in head h's softmax, over no value:
-  // it takes its share of the denominator only. [Hq], on the host; empty: none. CUDA has no
-  // kernel for them yet (the shard refuses such models there).
+  // it takes its share of the denominator only. [Hq], on the host; empty: none.
   std::vector<float> sinks;
 };
 void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionBatch& batch,

@@ -282,11 +282,6 @@ int main(int argc, char** argv) {
         "Mamba-2 layers (config.json's layer_types \"mamba\") have no CUDA kernels yet: serve "
         "this model on the CPU (--device cpu, env TGIS_DEVICE=cpu)");
   }
-  if (cuda && (*model)->spec().attention_sinks) {
-    return Fail(
-        "attention sinks (GPT-OSS's self_attn.sinks) have no CUDA kernel yet: serve this model "
-        "on the CPU (--device cpu, env TGIS_DEVICE=cpu)");
-  }
   (*model)->MoveTo(cuda ? tgis::kernels::Device::kCuda : tgis::kernels::Device::kCpu);
   if (const size_t derived = tgis::kernels::CpuDerivedLayoutBytes(); derived > 0) {
     const size_t released = tgis::kernels::CpuReleasedCodeBytes();

@@ -73,7 +73,7 @@ constexpr int kDimsPerThread = kMaxHeadDim / kThreads;
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    AttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc, const T* vc,
+    AttentionKernel(const AttnParams p, const HeadTerms terms, const T* q, const T* kc, const T* vc,
                     T* out, float* part_m, float* part_l, float* part_acc) {
   PriorGridsDone();
   __shared__ float q_s[kMaxHeadDim];
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads)
   const int kvh = h / (p.hq / p.hk);
   const T* qr = q + (static_cast<int64_t>(t) * p.hq + h) * p.d;
   for (int i = tid; i < p.d; i += blockDim.x) q_s[i] = ToF32(qr[i]);
-  const float slope = p.alibi ? slopes.v[h] : 0.0f;
+  const float slope = p.alibi ? terms.slope[h] : 0.0f;
 
   // Online softmax over chunks of keys: running max, running sum, and this thread's output
   // dimensions (tid, tid + kThreads, ...), rescaled whenever the max grows.
@@ -159,7 +159,8 @@ __global__ void __launch_bounds__(kThreads)
     const int i = tid + r * kThreads;
     if (i >= p.d) continue;
     if (p.partitions == 1) {
-      out[(static_cast<int64_t>(t) * p.hq + h) * p.d + i] = FromF32<T>(acc[r] / l_run);
+      out[(static_cast<int64_t>(t) * p.hq + h) * p.d + i] =
+          FromF32<T>(acc[r] / SoftmaxDenominator(p, terms, h, m_run, l_run));
     } else {
       part_acc[part_index * p.d + i] = acc[r];
     }
@@ -200,7 +201,7 @@ struct TileShape {
 
 template <typename T>
 __global__ void __launch_bounds__(kTileThreads)
-    TiledAttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc,
+    TiledAttentionKernel(const AttnParams p, const HeadTerms terms, const T* q, const T* kc,
                          const T* vc, T* out) {
   PriorGridsDone();
   constexpr int kKeys = TileShape<T>::kKeys, kStride = TileShape<T>::kStride;
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(kTileThreads)
   }
   const int k_first = p.window > 0 ? max(0, pos0 - p.window + 1) : 0;
   const int k_last = p.causal ? pos0 + rows : ctx;  // exclusive
-  const float slope = p.alibi ? slopes.v[h] : 0.0f;
+  const float slope = p.alibi ? terms.slope[h] : 0.0f;
 
   float m_run[kTileRowsPerWarp], l_run[kTileRowsPerWarp];
   float acc[kTileRowsPerWarp][kTileDimsPerLane];
@@ -313,10 +314,11 @@ __global__ void __launch_bounds__(kTileThreads)
     const int row = warp * kTileRowsPerWarp + r;
     if (row >= rows) continue;
     T* o = out + (static_cast<int64_t>(q0 + row0 + row) * p.hq + h) * p.d;
+    const float denominator = SoftmaxDenominator(p, terms, h, m_run[r], l_run[r]);
 #pragma unroll
     for (int x = 0; x < kTileDimsPerLane; ++x) {
       const int dim = lane + 32 * x;
-      if (dim < p.d) o[dim] = FromF32<T>(acc[r][x] / l_run[r]);
+      if (dim < p.d) o[dim] = FromF32<T>(acc[r][x] / denominator);
     }
   }
 }
@@ -391,8 +393,10 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
   }
   TGIS_CHECK(batch.causal || sliding_window <= 0, "%s: a sliding window needs causal attention",
              op);
-  TGIS_CHECK(bias == nullptr || bias->sinks.empty(),
-             "%s: attention sinks have no CUDA kernel yet (serve the model on the CPU)", op);
+  const bool sinks = bias != nullptr && !bias->sinks.empty();
+  TGIS_CHECK(!sinks || static_cast<int64_t>(bias->sinks.size()) == hq,
+             "%s: %zu attention sinks for %lld heads", op, sinks ? bias->sinks.size() : 0,
+             static_cast<long long>(hq));
   TGIS_CHECK(!alibi || static_cast<int64_t>(alibi_slopes->size()) == hq,
              "%s: %zu ALiBi slopes for %lld heads", op, alibi ? alibi_slopes->size() : 0,
              static_cast<long long>(hq));
@@ -412,6 +416,7 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
                bias != nullptr ? bias->softcap : 0.0f,
                sliding_window,
                alibi,
+               sinks,
                batch.causal,
                relative ? bias->relative_table.data<float>() : nullptr,
                relative ? bias->num_buckets : 0,
@@ -420,8 +425,9 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
                /*partitions=*/1,
                /*keys_per_part=*/1,
                /*tiled_min_rows=*/0};
-  Slopes slopes{};
-  if (alibi) std::copy(alibi_slopes->begin(), alibi_slopes->end(), slopes.v);
+  HeadTerms terms{};
+  if (alibi) std::copy(alibi_slopes->begin(), alibi_slopes->end(), terms.slope);
+  if (sinks) std::copy(bias->sinks.begin(), bias->sinks.end(), terms.sink);
 
   // Sequences of kTiledMinRows or more query rows (prompts, chunks) take a tiled kernel: on
   // tensor cores for 16-bit activations and head sizes in multiples of 16 up to 128, in f32
@@ -441,17 +447,16 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
                     static_cast<unsigned>(hq));
     if (mma) {
       if (q.dtype() == DType::kBF16) {
-        Launch(MmaAttentionKernel<bf16>, grid, kMmaThreads, p, slopes, q.data<bf16>(),
+        Launch(MmaAttentionKernel<bf16>, grid, kMmaThreads, p, terms, q.data<bf16>(),
                cache.k.data<bf16>(), cache.v.data<bf16>(), out->data<bf16>());
       } else {
-        Launch(MmaAttentionKernel<f16>, grid, kMmaThreads, p, slopes, q.data<f16>(),
+        Launch(MmaAttentionKernel<f16>, grid, kMmaThreads, p, terms, q.data<f16>(),
                cache.k.data<f16>(), cache.v.data<f16>(), out->data<f16>());
       }
     } else {
-      TGIS_DISPATCH_FLOAT(
-          q.dtype(), op,
-          Launch(TiledAttentionKernel<T>, grid, kTileThreads, p, slopes, q.data<T>(),
-                 cache.k.data<T>(), cache.v.data<T>(), out->data<T>()));
+      TGIS_DISPATCH_FLOAT(q.dtype(), op,
+                          Launch(TiledAttentionKernel<T>, grid, kTileThreads, p, terms, q.data<T>(),
+                                 cache.k.data<T>(), cache.v.data<T>(), out->data<T>()));
     }
     if (shortest >= kTiledMinRows) return;
   }
@@ -503,7 +508,7 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
       auto kernel = one_wave ? GroupedAttentionKernel<T, kGroupUnroll, false>
                     : staged ? GroupedAttentionKernel<T, 1, true>
                              : GroupedAttentionKernel<T, 1, false>;
-      Launch(kernel, grid, kGroupThreads, p, slopes, q.data<T>(), cache.k.data<T>(),
+      Launch(kernel, grid, kGroupThreads, p, terms, q.data<T>(), cache.k.data<T>(),
              cache.v.data<T>(), out->data<T>(), m.data<float>(), l.data<float>(),
              acc.data<float>());
     });
@@ -511,15 +516,16 @@ void PagedAttention(const Tensor& q, const KvCacheLayer& cache, const AttentionB
     const dim3 grid(static_cast<unsigned>(t), static_cast<unsigned>(hq),
                     static_cast<unsigned>(partitions));
     TGIS_DISPATCH_FLOAT(q.dtype(), op,
-                        Launch(AttentionKernel<T>, grid, kThreads, p, slopes, q.data<T>(),
+                        Launch(AttentionKernel<T>, grid, kThreads, p, terms, q.data<T>(),
                                cache.k.data<T>(), cache.v.data<T>(), out->data<T>(),
                                m.data<float>(), l.data<float>(), acc.data<float>()));
   }
   if (partitions > 1) {
     const dim3 cgrid(static_cast<unsigned>(t), static_cast<unsigned>(hq));
-    TGIS_DISPATCH_FLOAT(q.dtype(), op,
-                        Launch(CombinePartitionsKernel<T>, cgrid, RowThreads(d), p, m.data<float>(),
-                               l.data<float>(), acc.data<float>(), out->data<T>()));
+    TGIS_DISPATCH_FLOAT(
+        q.dtype(), op,
+        Launch(CombinePartitionsKernel<T>, cgrid, RowThreads(d), p, terms, m.data<float>(),
+               l.data<float>(), acc.data<float>(), out->data<T>()));
   }
 }
 

@@ -11,8 +11,11 @@ namespace {
 
 constexpr int kMaxAttentionHeads = 256;
 
-struct Slopes {
-  float v[kMaxAttentionHeads];
+// What each query head adds to its softmax: an ALiBi slope (AttnParams::alibi) and an
+// attention sink (AttnParams::sinks, AttentionBias::sinks).
+struct HeadTerms {
+  float slope[kMaxAttentionHeads];
+  float sink[kMaxAttentionHeads];
 };
 
 struct AttnParams {
@@ -25,6 +28,7 @@ struct AttnParams {
   float softcap;  // > 0: AttentionBias::softcap
   int window;
   bool alibi;
+  bool sinks;  // HeadTerms::sink: one more logit in each head's softmax denominator
   bool causal;
   const float* relative;  // [hq, num_buckets] or null
   int num_buckets, max_distance;
@@ -42,6 +46,14 @@ struct AttnParams {
 __device__ __forceinline__ float ScaledLogit(const AttnParams& p, float dot) {
   const float s = dot * p.scale;
   return p.softcap > 0 ? tanhf(s / p.softcap) * p.softcap : s;
+}
+
+// What a row of head h divides its sum of p * v by: its sum of p, l, at its running maximum m,
+// with the head's attention sink joined when there are sinks (exp(sink - m) may overflow when
+// the sink dwarfs every score: the output is then 0, the limit it tends to).
+__device__ __forceinline__ float SoftmaxDenominator(const AttnParams& p, const HeadTerms& terms,
+                                                    int h, float m, float l) {
+  return p.sinks ? l + expf(terms.sink[h] - m) : l;
 }
 
 // The cache row (slot * Hk + kv head) of sequence s's key at position pos, through its block
@@ -95,11 +107,13 @@ __device__ __forceinline__ bool LocateTile(const AttnParams& p, int tile_rows, i
   return true;
 }
 
-// Combines the partitions of one (row, head): rescale each by exp(m_p - max) and normalize.
+// Combines the partitions of one (row, head): rescale each by exp(m_p - max) and normalize
+// (an attention sink joins the denominator here, once).
 // Rows of the sequences a tiled kernel takes are left to it.
 template <typename T>
-__global__ void CombinePartitionsKernel(const AttnParams p, const float* part_m,
-                                        const float* part_l, const float* part_acc, T* out) {
+__global__ void CombinePartitionsKernel(const AttnParams p, const HeadTerms terms,
+                                        const float* part_m, const float* part_l,
+                                        const float* part_acc, T* out) {
   PriorGridsDone();
   const int row = blockIdx.x, hq = p.hq, d = p.d, partitions = p.partitions;
   const int s = SequenceOfRow(p, row);
@@ -113,6 +127,7 @@ __global__ void CombinePartitionsKernel(const AttnParams p, const float* part_m,
   for (int k = 0; k < partitions; ++k) {
     if (m[k] != -INFINITY) total += l[k] * expf(m[k] - mx);
   }
+  total = SoftmaxDenominator(p, terms, blockIdx.y, mx, total);
   for (int i = threadIdx.x; i < d; i += blockDim.x) {
     float acc = 0;
     for (int k = 0; k < partitions; ++k) {

@@ -64,7 +64,7 @@ __device__ __forceinline__ int LanesForPieces(int pieces, int most) {
 
 template <typename T, int kUnroll, bool kStaged>
 __global__ void __launch_bounds__(kGroupThreads)
-    GroupedAttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc,
+    GroupedAttentionKernel(const AttnParams p, const HeadTerms terms, const T* q, const T* kc,
                            const T* vc, T* out, float* part_m, float* part_l, float* part_acc) {
   static_assert(!kStaged || kUnroll == 1, "a staged row is read from shared memory, one a time");
   PriorGridsDone();
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(kGroupThreads)
           for (int g = 0; g < heads; ++g) {
             sm.loop.scores[g][j[u]] =
                 ScaledLogit(p, dot[u][g]) +
-                (p.alibi ? slopes.v[h0 + g] * static_cast<float>(c0 + j[u] - qpos) : 0.0f);
+                (p.alibi ? terms.slope[h0 + g] * static_cast<float>(c0 + j[u] - qpos) : 0.0f);
           }
         }
       }
@@ -300,7 +300,8 @@ __global__ void __launch_bounds__(kGroupThreads)
     float sum = 0.0f;
     for (int k = 0; k < key_groups; ++k) sum += sm.partial[(k * heads + g) * p.d + x];
     if (p.partitions == 1) {
-      out[(static_cast<int64_t>(t) * p.hq + h0 + g) * p.d + x] = FromF32<T>(sum / l_s[g]);
+      out[(static_cast<int64_t>(t) * p.hq + h0 + g) * p.d + x] =
+          FromF32<T>(sum / SoftmaxDenominator(p, terms, h0 + g, m_s[g], l_s[g]));
     } else {
       part_acc[(part_base + g * p.partitions) * p.d + x] = sum;
     }

@@ -44,7 +44,7 @@ constexpr int kMmaStride = kMmaMaxDim + 8;
 
 template <typename T>
 __global__ void __launch_bounds__(kMmaThreads)
-    MmaAttentionKernel(const AttnParams p, const Slopes slopes, const T* q, const T* kc,
+    MmaAttentionKernel(const AttnParams p, const HeadTerms terms, const T* q, const T* kc,
                        const T* vc, T* out) {
   PriorGridsDone();
   struct alignas(16) Staged {
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int k_first = p.window > 0 ? max(0, pos0 - p.window + 1) : 0;
   const int k_last = p.causal ? pos0 + rows : ctx;  // exclusive
   const int warp_last_pos = pos0 + warp * 16 + warp_rows - 1;
-  const float slope = p.alibi ? slopes.v[h] : 0.0f;
+  const float slope = p.alibi ? terms.slope[h] : 0.0f;
 
   // Running max and sum of this lane's two rows (the sum is this lane's share; the four lanes
   // of a group add theirs at the end), and its share of their outputs: o[i][0..1] row lo,
@@ -255,6 +255,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
   l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
   l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  l_lo = SoftmaxDenominator(p, terms, h, m_lo, l_lo);
+  l_hi = SoftmaxDenominator(p, terms, h, m_hi, l_hi);
   T* o_lo = out + (static_cast<int64_t>(q0 + row0 + r_lo) * p.hq + h) * p.d;
   T* o_hi = out + (static_cast<int64_t>(q0 + row0 + r_hi) * p.hq + h) * p.d;
 #pragma unroll

@@ -14,7 +14,6 @@
 // original_max_position_embeddings and of num_experts_per_tok, which transformers reads;
 // a differing experts_per_token is warned about), and, read only in training,
 // output_router_logits and router_aux_loss_coef.
-// Attention sinks have no CUDA kernel yet: the shard refuses such models on CUDA.
 #include <cmath>
 #include <string>
 #include <vector>

@@ -37,7 +37,8 @@ struct Case {
   int window = 0;
   bool alibi = false;
   bool causal = true;
-  float softcap = 0;  // > 0: Gemma 2's soft cap on the scaled logits
+  float softcap = 0;   // > 0: Gemma 2's soft cap on the scaled logits
+  bool sinks = false;  // GPT-OSS's attention sinks, one logit a head in the denominator
 };
 
 struct Seq {
@@ -117,17 +118,21 @@ void RunCase(Kernel kernel, const Case& c, const std::vector<Seq>& seqs, double 
   p.softcap = c.softcap;
   p.window = c.window;
   p.alibi = c.alibi;
+  p.sinks = c.sinks;
   p.causal = c.causal;
   p.partitions = 1;
   p.keys_per_part = 1;
   p.tiled_min_rows = kTiledMinRows;
-  Slopes slopes{};
-  for (int h = 0; h < c.hq; ++h) slopes.v[h] = std::exp2(-1.0f - static_cast<float>(h));
+  HeadTerms terms{};
+  for (int h = 0; h < c.hq; ++h) terms.slope[h] = std::exp2(-1.0f - static_cast<float>(h));
+  // Sinks from below to above these logits (~0.6 rms), so that they take from a little to most
+  // of the weight.
+  for (int h = 0; h < c.hq; ++h) terms.sink[h] = -2.0f + 5.0f * static_cast<float>(h) / c.hq;
   if (kernel == Kernel::kMma) {
     if constexpr (sizeof(T) == 2) {  // tensor cores take 16-bit elements
       const EmuDim3 grid{static_cast<unsigned>((rows + kMmaTileQ - 1) / kMmaTileQ + num_seqs),
                          static_cast<unsigned>(c.hq), 1};
-      EmulateLaunch(grid, kMmaThreads, &MmaAttentionKernel<T>, p, slopes, q.data(), kc.data(),
+      EmulateLaunch(grid, kMmaThreads, &MmaAttentionKernel<T>, p, terms, q.data(), kc.data(),
                     vc.data(), out.data());
     } else {
       FAIL() << "the tensor-core kernel takes bf16 and f16";
@@ -143,7 +148,7 @@ void RunCase(Kernel kernel, const Case& c, const std::vector<Seq>& seqs, double 
                        static_cast<unsigned>(p.partitions)};
     // Every variant (PagedAttention picks one by the grid's size): kGroupUnroll direct loads,
     // one, and rows staged in shared memory; the same bits.
-    using Variant = void (*)(const AttnParams, const Slopes, const T*, const T*, const T*, T*,
+    using Variant = void (*)(const AttnParams, const HeadTerms, const T*, const T*, const T*, T*,
                              float*, float*, float*);
     const std::pair<Variant, const char*> variants[] = {
         {&GroupedAttentionKernel<T, kGroupUnroll, false>, "kGroupUnroll direct loads"},
@@ -153,12 +158,12 @@ void RunCase(Kernel kernel, const Case& c, const std::vector<Seq>& seqs, double 
     for (const auto& [variant, name] : variants) {
       std::vector<float> part_m(parts), part_l(parts), part_acc(parts * d);
       std::vector<T> o = out;
-      EmulateLaunch(grid, kGroupThreads, variant, p, slopes, q.data(), kc.data(), vc.data(),
+      EmulateLaunch(grid, kGroupThreads, variant, p, terms, q.data(), kc.data(), vc.data(),
                     o.data(), part_m.data(), part_l.data(), part_acc.data());
       if (p.partitions > 1) {
         EmulateLaunch({static_cast<unsigned>(rows), static_cast<unsigned>(c.hq), 1}, 32,
-                      &CombinePartitionsKernel<T>, p, part_m.data(), part_l.data(), part_acc.data(),
-                      o.data());
+                      &CombinePartitionsKernel<T>, p, terms, part_m.data(), part_l.data(),
+                      part_acc.data(), o.data());
       }
       if (first.empty()) {
         first = o;
@@ -195,11 +200,12 @@ void RunCase(Kernel kernel, const Case& c, const std::vector<Seq>& seqs, double 
                 ToF32(q[(static_cast<size_t>(row) * c.hq + h) * d + x]) * cached(kc, s, j, kvh, x);
           double l = dot * p.scale;
           if (c.softcap > 0) l = std::tanh(l / c.softcap) * c.softcap;
-          logits.push_back(l + (c.alibi ? slopes.v[h] * (j - qpos) : 0.0));
+          logits.push_back(l + (c.alibi ? terms.slope[h] * (j - qpos) : 0.0));
           seen.push_back(j);
         }
-        const double mx = *std::max_element(logits.begin(), logits.end());
-        double sum = 0;
+        double mx = *std::max_element(logits.begin(), logits.end());
+        if (c.sinks) mx = std::max(mx, double{terms.sink[h]});
+        double sum = c.sinks ? std::exp(terms.sink[h] - mx) : 0;
         for (double& l : logits) sum += (l = std::exp(l - mx));
         for (int x = 0; x < d; ++x) {
           double want = 0, mag = 1e-3;
@@ -268,6 +274,18 @@ TEST(AttentionEmulated, MmaSoftCapWindowBf16) {
 TEST(AttentionEmulated, GroupedSoftCapWindowF16) {
   Case c{4, 1, 64, /*window=*/40};
   c.softcap = 0.2f;
+  RunCase<EmuF16>(Kernel::kGrouped, c, kDecodes, 2e-3);
+}
+// GPT-OSS's attention sinks, with its sliding window and GQA on the tensor-core kernel, and on
+// the grouped one (whose decode over three partitions adds the sink once, combining them).
+TEST(AttentionEmulated, MmaSinksWindowBf16) {
+  Case c{8, 2, 64, /*window=*/40};
+  c.sinks = true;
+  RunCase<EmuBf16>(Kernel::kMma, c, kPrefills, 1e-2);
+}
+TEST(AttentionEmulated, GroupedSinksF16) {
+  Case c{4, 1, 64};
+  c.sinks = true;
   RunCase<EmuF16>(Kernel::kGrouped, c, kDecodes, 2e-3);
 }
 TEST(AttentionEmulated, GroupedNotCausalF32) {

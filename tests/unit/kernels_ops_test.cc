@@ -2033,9 +2033,6 @@ TEST_P(OpsTest, PagedAttentionSoftCap) {
 // GPT-OSS's attention sinks: alone with GQA, with its sliding window over a 70-token prefill,
 // at long contexts, and on the scalar path's head size.
 TEST_P(OpsTest, PagedAttentionSinks) {
-  if (device() != Device::kCpu) {
-    GTEST_SKIP() << "PagedAttentionSinks: attention sinks have no CUDA kernel yet";
-  }
   AttnCase c{8, 2, 0, false};
   c.sinks = true;
   RunAttention(this, c, dtype(), device(), tol());

@@ -142,7 +142,6 @@ class ParityFixture {
       const Json types = config.is_object() ? config.value("layer_types", Json()) : Json();
       recurrent_ =
           types.is_array() && std::find(types.begin(), types.end(), "mamba") != types.end();
-      sinks_ = config.is_object() && config.value("model_type", "") == "gpt_oss";
     }
     // A dense checkpoint whose goldens are of it quantized at load (--quantize).
     if (j.contains("quantize")) quantize_ = j["quantize"].get<std::string>();
@@ -343,7 +342,6 @@ class ParityFixture {
   // with the whole length's frequencies, so only stepwise runs can match them.
   bool rope_stepwise_ = false;
   bool recurrent_ = false;  // Mamba-2 layers (config.json layer_types): one rank only
-  bool sinks_ = false;      // attention sinks (GPT-OSS): CPU only for now
 };
 
 class ParityTest : public ParityFixture,
@@ -1263,7 +1261,6 @@ class CudaParityTest
     if (tgis::kernels::GpuCount() == 0) GTEST_SKIP() << "CUDA not built/available";
     Load(std::get<0>(GetParam()));
     if (recurrent_) GTEST_SKIP() << "Mamba-2 layers have no CUDA kernel yet (the shard refuses)";
-    if (sinks_) GTEST_SKIP() << "attention sinks have no CUDA kernel yet (the shard refuses)";
     device_ = tgis::kernels::Device::kCuda;
     dtype_ = std::get<1>(GetParam());
   }
