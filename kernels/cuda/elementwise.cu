@@ -137,41 +137,42 @@ __device__ float ActivateOne(Activation kind, float v) {
   return v;
 }
 
-template <typename T>
-__global__ void GatedActivationKernel(Activation kind, const T* gate_up, int64_t inter,
-                                      int64_t rows, T* out) {
+// out[r, c] = combine(gate_up[r, c], gate_up[r, inter + c]) over [gate | up] rows.
+template <typename T, typename Combine>
+__global__ void GatedKernel(const T* gate_up, int64_t inter, int64_t rows, T* out,
+                            Combine combine) {
   PriorGridsDone();
   const int64_t n = rows * inter;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / inter, c = i % inter;
-    const float g = ToF32(gate_up[r * 2 * inter + c]);
-    const float u = ToF32(gate_up[r * 2 * inter + inter + c]);
-    // HF: act(gate) * up, each a dtype tensor: the activation is rounded before the product.
-    out[i] = FromF32<T>(ToF32(FromF32<T>(ActivateOne(kind, g))) * u);
+    out[i] = combine(ToF32(gate_up[r * 2 * inter + c]), ToF32(gate_up[r * 2 * inter + inter + c]));
   }
 }
 
+// HF: act(gate) * up, each a dtype tensor: the activation is rounded before the product.
 template <typename T>
-__global__ void ClampedSwiGluKernel(const T* gate_up, float alpha, float limit, int64_t inter,
-                                    int64_t rows, T* out) {
-  PriorGridsDone();
-  const int64_t n = rows * inter;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / inter, c = i % inter;
-    const float g0 = ToF32(gate_up[r * 2 * inter + c]);
-    const float u0 = ToF32(gate_up[r * 2 * inter + inter + c]);
-    // NaN stays NaN (torch.clamp), which fminf/fmaxf would drop.
+struct ActThenUp {
+  Activation kind;
+  __device__ T operator()(float g, float u) const {
+    return FromF32<T>(ToF32(FromF32<T>(ActivateOne(kind, g))) * u);
+  }
+};
+
+// GPT-OSS's clamped SwiGLU in transformers' order, each step a dtype tensor: sigmoid(g * alpha),
+// g * it, (up + 1) * it. NaN stays NaN (torch.clamp), which fminf/fmaxf would drop.
+template <typename T>
+struct ClampedSwiGluOf {
+  float alpha, limit;
+  __device__ T operator()(float g0, float u0) const {
     const float g = g0 > limit ? limit : g0;
     const float u = u0 > limit ? limit : (u0 < -limit ? -limit : u0);
-    // transformers' order, each step a dtype tensor: sigmoid(g * alpha), g * it, (up + 1) * it.
     const float ga = ToF32(FromF32<T>(g * alpha));
     const float sig = ToF32(FromF32<T>(1.0f / (1.0f + expf(-ga))));
     const float glu = ToF32(FromF32<T>(g * sig));
-    out[i] = FromF32<T>(ToF32(FromF32<T>(u + 1.0f)) * glu);
+    return FromF32<T>(ToF32(FromF32<T>(u + 1.0f)) * glu);
   }
-}
+};
 
 template <typename T>
 __global__ void ActivateKernel(Activation kind, T* x, int64_t n) {
@@ -267,6 +268,19 @@ void EmbeddingRows(const Tensor& ids, const Tensor& weight, int64_t first_id, Te
                              h, out->data<T>()));
 }
 
+// Checks gate_up [T, 2I], sizes out [T, I] and launches GatedKernel with Combine<T>{args...}.
+template <template <typename> class Combine, typename... Args>
+void LaunchGated(const char* op, const Tensor& gate_up, Tensor* out, Args... args) {
+  CheckCudaFloat(gate_up, op, "gate_up");
+  TGIS_CHECK(gate_up.rank() == 2 && gate_up.dim(1) % 2 == 0, "%s: gate_up must be [T, 2I]", op);
+  const int64_t rows = gate_up.dim(0), inter = gate_up.dim(1) / 2;
+  PrepareOut(out, {rows, inter}, gate_up.dtype(), op);
+  if (rows * inter == 0) return;
+  TGIS_DISPATCH_FLOAT(gate_up.dtype(), op,
+                      Launch(GatedKernel<T, Combine<T>>, StrideBlocks(rows * inter), 256,
+                             gate_up.data<T>(), inter, rows, out->data<T>(), Combine<T>{args...}));
+}
+
 }  // namespace
 
 void Embedding(const Tensor& ids, const Tensor& weight, Tensor* out) {
@@ -340,27 +354,11 @@ void AddInPlace(Tensor* x, const Tensor& y) {
 }
 
 void GatedActivation(Activation kind, const Tensor& gate_up, Tensor* out) {
-  const char* op = "GatedActivation";
-  CheckCudaFloat(gate_up, op, "gate_up");
-  TGIS_CHECK(gate_up.rank() == 2 && gate_up.dim(1) % 2 == 0, "%s: gate_up must be [T, 2I]", op);
-  const int64_t rows = gate_up.dim(0), inter = gate_up.dim(1) / 2;
-  PrepareOut(out, {rows, inter}, gate_up.dtype(), op);
-  if (rows * inter == 0) return;
-  TGIS_DISPATCH_FLOAT(gate_up.dtype(), op,
-                      Launch(GatedActivationKernel<T>, StrideBlocks(rows * inter), 256, kind,
-                             gate_up.data<T>(), inter, rows, out->data<T>()));
+  LaunchGated<ActThenUp>("GatedActivation", gate_up, out, kind);
 }
 
 void ClampedSwiGlu(const Tensor& gate_up, float alpha, float limit, Tensor* out) {
-  const char* op = "ClampedSwiGlu";
-  CheckCudaFloat(gate_up, op, "gate_up");
-  TGIS_CHECK(gate_up.rank() == 2 && gate_up.dim(1) % 2 == 0, "%s: gate_up must be [T, 2I]", op);
-  const int64_t rows = gate_up.dim(0), inter = gate_up.dim(1) / 2;
-  PrepareOut(out, {rows, inter}, gate_up.dtype(), op);
-  if (rows * inter == 0) return;
-  TGIS_DISPATCH_FLOAT(gate_up.dtype(), op,
-                      Launch(ClampedSwiGluKernel<T>, StrideBlocks(rows * inter), 256,
-                             gate_up.data<T>(), alpha, limit, inter, rows, out->data<T>()));
+  LaunchGated<ClampedSwiGluOf>("ClampedSwiGlu", gate_up, out, alpha, limit);
 }
 
 void Activate(Activation kind, Tensor* x) {
