@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "glog/logging.h"
 #include "server/models/weight_utils.h"
 #include "server/rope_config.h"
@@ -531,8 +532,9 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
         auto sinks = ld.Whole(a + "sinks");
         if (!sinks.ok()) return sinks.status();
         if (sinks->shape() != kernels::Shape{s.num_heads}) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(a, "sinks: expected [", s.num_heads, "], found ", sinks->DebugString()));
+          return absl::InvalidArgumentError(absl::StrCat(a, "sinks: expected [", s.num_heads,
+                                                         "], found [",
+                                                         absl::StrJoin(sinks->shape(), ", "), "]"));
         }
         const float* all = sinks->data<float>();
         l.attn_sinks.assign(all + ld.layout().q_heads.begin, all + ld.layout().q_heads.end);

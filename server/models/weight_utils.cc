@@ -93,6 +93,22 @@ void Transpose(const Tensor& in, Tensor* out) {
   }
 }
 
+// Calls f(T{}) with T the unsigned integer type of `es` bytes (1, 2, 4 or 8): elements moved
+// as such.
+template <typename F>
+void WithElementType(size_t es, F&& f) {
+  switch (es) {
+    case 1:
+      return f(uint8_t{});
+    case 2:
+      return f(uint16_t{});
+    case 4:
+      return f(uint32_t{});
+    default:
+      return f(uint64_t{});
+  }
+}
+
 // Ranges [begin, end) of `src` along `dim` (0 or 1 of a 2-D tensor, 0 of a 1-D one), copied
 // in the stored dtype; transposed when `transpose` (2-D); then converted to `dtype`. Reads only
 // the selected elements.
@@ -120,30 +136,29 @@ Tensor Select(const Tensor& src, int dim, const std::vector<Range>& ranges, bool
     const int64_t rows = src.dim(0), cols = src.dim(1);
     picked = Tensor::Empty({rows, n}, src.dtype());
     char* dst = static_cast<char*>(picked.raw());
-    for (int64_t i = 0; i < rows; ++i) {
-      const char* row = static_cast<const char*>(src.raw()) + i * cols * es;
-      for (const Range& r : ranges) {
-        std::memcpy(dst, row + r.begin * es, r.size() * es);
-        dst += r.size() * es;
+    if (std::all_of(ranges.begin(), ranges.end(), [](const Range& r) { return r.size() == 1; })) {
+      // Single columns (GPT-OSS's interleaved gate|up), element by element, not a call each.
+      WithElementType(es, [&](auto zero) {
+        using T = decltype(zero);
+        const T* from = static_cast<const T*>(src.raw());
+        T* to = reinterpret_cast<T*>(dst);
+        for (int64_t i = 0; i < rows; ++i, to += n) {
+          for (int64_t j = 0; j < n; ++j) to[j] = from[i * cols + ranges[j].begin];
+        }
+      });
+    } else {
+      for (int64_t i = 0; i < rows; ++i) {
+        const char* row = static_cast<const char*>(src.raw()) + i * cols * es;
+        for (const Range& r : ranges) {
+          std::memcpy(dst, row + r.begin * es, r.size() * es);
+          dst += r.size() * es;
+        }
       }
     }
   }
   if (transpose && matrix) {
     Tensor t = Tensor::Empty({picked.dim(1), picked.dim(0)}, picked.dtype());
-    switch (es) {
-      case 1:
-        Transpose<uint8_t>(picked, &t);
-        break;
-      case 2:
-        Transpose<uint16_t>(picked, &t);
-        break;
-      case 4:
-        Transpose<uint32_t>(picked, &t);
-        break;
-      default:
-        Transpose<uint64_t>(picked, &t);
-        break;
-    }
+    WithElementType(es, [&](auto zero) { Transpose<decltype(zero)>(picked, &t); });
     picked = t;
   }
   return picked.dtype() == dtype ? picked : picked.To(dtype);
