@@ -89,16 +89,18 @@ bool Avx512AtHalfWidth() {
   return zen4;
 }
 
-// The AVX-512 streaming kernel, for the weights it takes (others fall back to AVX2; codes
-// that index a table always do). On Zen 4, 4-bit codes take the AVX2 panels: the AVX-512
+// The AVX-512 streaming kernel, for the weights it takes (others fall back to AVX2). On Zen 4,
+// 4-bit integer codes take the AVX2 panels: the AVX-512
 // kernel's table lookup (a 512-bit permute per 16 weights) measured slower there than the
 // panels' mask, convert and FMA per 8 (EPYC Zen 4, kernels_bench --quick --t=1 gptq4g32 --isa=
 // avx2 against avx512: 17-21 against 10-14 GB/s; engine_bench TinyLlama GPTQ g32 decode 17.7-21.2
 // against 12.6-15.3 tok/s, prefill alike), and their rows can then go (every path reads the
 // panels); int8-activation prefill then runs on the panels too (135-161 against the VNNI GEMM's
-// 205-216 tok/s there), for the codes' memory once instead of twice.
-bool UseAvx512(const QuantizedWeight* q) {
-  if (q != nullptr && !q->codebook.empty()) return false;
+// 205-216 tok/s there), for the codes' memory once instead of twice. Codes that index a table
+// (nf4, fp4, MXFP4) have no panels; the same permute per 16 weights beat the AVX2 table kernel
+// there too (kernels_bench --shape=5760x2880 --t=1 nf4 mxfp4, --isa=avx512 against avx2:
+// 0.60-0.62 against 0.94-0.95 ms nf4, 0.71-0.75 against 1.01-1.02 mxfp4).
+bool UseAvx512Stream(const QuantizedWeight* q) {
   switch (g_isa.load(std::memory_order_relaxed)) {
     case Isa::kScalar:
     case Isa::kAvx2:
@@ -115,10 +117,15 @@ bool UseAvx512(const QuantizedWeight* q) {
       break;
     case Isa::kAuto:
       if (!CpuHasAvx512()) return false;
-      if (q != nullptr && q->bits == 4 && Avx512AtHalfWidth()) return false;
+      if (q != nullptr && q->bits == 4 && q->codebook.empty() && Avx512AtHalfWidth()) return false;
       break;
   }
   return WholeBlockRuns(q);
+}
+// The AVX-512 kernels of every kind (decode, GEMM, VNNI), for weights other than tables: those
+// take the AVX-512 streaming kernel only (UseAvx512Stream) and the AVX2 paths otherwise.
+bool UseAvx512(const QuantizedWeight* q) {
+  return (q == nullptr || q->codebook.empty()) && UseAvx512Stream(q);
 }
 
 // Integer dot products for 8- and 4-bit codes (among the weights UseAvx512 takes).
@@ -453,7 +460,9 @@ void CheckCodesReadable(const QuantizedWeight* q, bool panels_path) {
 
 template <WFmt W>
 void SmallT(const SmallArgs& args) {
-  const bool avx512 = UseAvx512(args.q);
+  // Tables: the AVX-512 streaming kernel or else AVX2's own (below), never the other AVX-512
+  // kernels.
+  const bool avx512 = W == WFmt::kLut4 ? UseAvx512Stream(args.q) : UseAvx512(args.q);
   const bool avx2 = UseAvx2();
   CheckCodesReadable(args.q, !avx512 && avx2);
   const int64_t tiles = (args.n + kTileRows - 1) / kTileRows;
@@ -487,7 +496,7 @@ void SmallT(const SmallArgs& args) {
     }
   }
   SmallArgs a = args;
-  if constexpr (W == WFmt::kLut4) {  // AVX2 or scalar: UseAvx512 does not take tables
+  if (W == WFmt::kLut4 && !avx512) {
     const bool lut = avx2 && LutDecodeTakes(a);
     thread_local std::vector<float> ordered;
     if (lut) {
@@ -516,7 +525,7 @@ void SmallT(const SmallArgs& args) {
       if (vnni) return SmallVnni<W>(a, *fx, n0, n1);
     }
     if (avx512) {
-      if constexpr (W != WFmt::kLut4) SmallAvx512<W>(a, n0, n1);
+      SmallAvx512<W>(a, n0, n1);
     } else if (avx2) {
       SmallAvx2<W>(a, n0, n1);
     } else {

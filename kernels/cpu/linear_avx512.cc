@@ -4,8 +4,9 @@
 // memory system needs time to deliver it, most of all for quantized codes (8-bit codes reached a
 // third of the DRAM bandwidth, 4-bit a sixth). Here a step covers 32 columns of a row as two
 // 16-lane vectors and the dequantization is cheaper:
-//  - 4-bit codes index a 16-entry table of the run's dequantized values, (i - zero) * scale,
-//    with one permute per 16 weights. The codes of a 32-column block come out as its even
+//  - 4-bit codes index a 16-entry table of the run's dequantized values, (i - zero) * scale
+//    or, for codes that index a codebook (nf4, fp4, MXFP4), codebook[i] * scale, with one
+//    permute per 16 weights. The codes of a 32-column block come out as its even
 //    columns and then its odd ones, so x is reordered to match once per call
 //    (Avx512OrderX);
 //  - bf16 rows are widened by interleaving a 64-byte load with zeros within 128-bit lanes,
@@ -95,6 +96,8 @@ struct RowDecoder {
       const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(row.Zero(r))),
                             _mm512_set1_ps(row.Scale(r)));
+    } else if constexpr (W == WFmt::kLut4) {
+      table = _mm512_mul_ps(_mm512_loadu_ps(row.lut), _mm512_set1_ps(row.Scale(r)));
     } else {
       zero = _mm512_set1_ps(row.zero[r]);
       scale = _mm512_set1_ps(row.scale[r]);
@@ -127,7 +130,7 @@ struct RowDecoder {
                               : _mm512_loadu_si512(p);
       *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
       *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1));
-    } else if constexpr (W == WFmt::kQ4) {
+    } else if constexpr (W == WFmt::kQ4 || W == WFmt::kLut4) {
       Enter(k);
       // Byte i of the block holds columns 2i (low nibble) and 2i + 1; the permute reads only
       // the low 4 bits of each index.
@@ -180,10 +183,10 @@ TGIS_AVX512 inline void Direct(RowDecoder<W>* dec, const float* x, int64_t ldx, 
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       __m512 lo, hi;
-      if constexpr (W == WFmt::kQ8 || W == WFmt::kQ4 || W == WFmt::kF8) {
+      if constexpr (W != WFmt::kF32 && W != WFmt::kBF16 && W != WFmt::kF16) {
         // Quantized rows are short streams (1-4 KB) that the hardware prefetcher picks up
         // late: fetch the same column of the rows two tiles on.
-        const int64_t byte = W == WFmt::kQ4 ? k / 2 : k;
+        const int64_t byte = W == WFmt::kQ4 || W == WFmt::kLut4 ? k / 2 : k;
         _mm_prefetch(static_cast<const char*>(dec[r].row.p) + byte + prefetch, _MM_HINT_T0);
       }
       dec[r].template Block<kTail>(k, m, &lo, &hi);
@@ -205,14 +208,15 @@ TGIS_AVX512 inline void Direct(RowDecoder<W>* dec, const float* x, int64_t ldx, 
 // measured at a third of the DRAM bandwidth on 4-bit g32 weights.)
 // kCompact: the weight's run constants are compact (f16 scales, byte zeros), read without a
 // branch per row and run, the zeros through a table (no int-to-float conversion on the way).
-template <int R, int TT, bool kCompact>
+template <int R, int TT, WFmt W, bool kCompact>
 TGIS_AVX512 inline void DirectQ4(const SmallArgs& a, int64_t n, int64_t full, __m512* acc) {
   WRow rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = RowOf<WFmt::kQ4>(a, n + r);
+  for (int r = 0; r < R; ++r) rows[r] = RowOf<W>(a, n + r);
   const int32_t* block_run = a.q->block_run.data<int32_t>();
   const int64_t ahead = 2 * kRows * a.q->codes.dim(1);  // bytes: the rows two tiles on
   const int64_t runs_ahead = 2 * kRows * a.q->runs();   // their scales and zeros
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 codebook = W == WFmt::kLut4 ? _mm512_loadu_ps(rows[0].lut) : iota;
   __m512 acc_r[R][TT][2], table[R];
   for (int r = 0; r < R; ++r) {
     table[r] = _mm512_setzero_ps();
@@ -227,9 +231,14 @@ TGIS_AVX512 inline void DirectQ4(const SmallArgs& a, int64_t n, int64_t full, __
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         if (run % 16 == 0) PrefetchRuns(rows[r], run + runs_ahead);
-        const float zero = kCompact ? kByteValue[rows[r].zero_b[run]] : rows[r].zero[run];
         const float scale = kCompact ? _cvtsh_ss(rows[r].scale_h[run]) : rows[r].scale[run];
-        table[r] = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(zero)), _mm512_set1_ps(scale));
+        if constexpr (W == WFmt::kLut4) {
+          table[r] = _mm512_mul_ps(codebook, _mm512_set1_ps(scale));
+        } else {
+          const float zero = kCompact ? kByteValue[rows[r].zero_b[run]] : rows[r].zero[run];
+          table[r] =
+              _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(zero)), _mm512_set1_ps(scale));
+        }
       }
     }
     __m512 xl[TT], xh[TT];
@@ -330,12 +339,14 @@ TGIS_AVX512 void Tile(const SmallArgs& a, int64_t n) {
 
   if (t_count <= 2) {
     const int64_t prefetch = a.q ? 2 * kRows * a.q->codes.dim(1) : 0;  // bytes
-    if constexpr (W == WFmt::kQ4) {                                    // no partial block
+    if constexpr (W == WFmt::kQ4 || W == WFmt::kLut4) {                // no partial block
       const bool compact = a.q->compact();
       if (t_count == 1) {
-        compact ? DirectQ4<R, 1, true>(a, n, full, acc) : DirectQ4<R, 1, false>(a, n, full, acc);
+        compact ? DirectQ4<R, 1, W, true>(a, n, full, acc)
+                : DirectQ4<R, 1, W, false>(a, n, full, acc);
       } else {
-        compact ? DirectQ4<R, 2, true>(a, n, full, acc) : DirectQ4<R, 2, false>(a, n, full, acc);
+        compact ? DirectQ4<R, 2, W, true>(a, n, full, acc)
+                : DirectQ4<R, 2, W, false>(a, n, full, acc);
       }
     } else if (t_count == 1) {
       Direct<R, 1, W, false>(dec, a.x, ldx, 0, full, Mask{}, Mask{}, prefetch, acc);
@@ -464,7 +475,7 @@ const float* Avx512OrderX(WFmt w, const float* x, int64_t t, int64_t k) {
   const int64_t width = Avx512OrderedWidth(k);
   storage.resize(t * width + 16);
   float* out = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / 4 % 16) % 16;
-  OrderBlocks(x, t, k, width, w == WFmt::kQ4 ? kQ4Order : kBf16Order, out);
+  OrderBlocks(x, t, k, width, w == WFmt::kBF16 ? kBf16Order : kQ4Order, out);
   return out;
 }
 
@@ -490,5 +501,6 @@ template void SmallAvx512<WFmt::kF16>(const SmallArgs&, int64_t, int64_t);
 template void SmallAvx512<WFmt::kQ8>(const SmallArgs&, int64_t, int64_t);
 template void SmallAvx512<WFmt::kQ4>(const SmallArgs&, int64_t, int64_t);
 template void SmallAvx512<WFmt::kF8>(const SmallArgs&, int64_t, int64_t);
+template void SmallAvx512<WFmt::kLut4>(const SmallArgs&, int64_t, int64_t);
 
 }  // namespace tgis::kernels::cpu

@@ -619,19 +619,21 @@ TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {
       Linear(x, dense, nullptr, &want);
       ASSERT_EQ(0, std::memcmp(got.raw(), want.raw(), want.nbytes())) << isa_name << " " << bits;
     }
-    // Codes that index a table take the AVX2 (or scalar) kernel on every CPU. The scalar one
-    // sums as the dense path does; the AVX2 one as the dense path does on columns taken in
-    // its order, each 8 as 0 2 4 6 1 3 5 7 (linear_lut.cc), at every decode T.
-    if (isa == cpu::Isa::kAvx2 || isa == cpu::Isa::kScalar) {
+    // Codes that index a table sum as the dense path does on columns taken in the kernel's
+    // order, at every decode T: the scalar kernel in order; the AVX2 one each 8 as
+    // 0 2 4 6 1 3 5 7 (linear_lut.cc); the AVX-512 one each 32 as its even columns, then its
+    // odd ones (linear_avx512.cc, whose f32 kernel sums two such halves the same way).
+    {
       const int64_t out_f = 37, in = 1024;
       const CodebookCase c = RandomCodebookWeight(out_f, in, 64, 12);
-      const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-      const bool scalar = isa == cpu::Isa::kScalar;  // (clang: no capture of a binding)
-      auto reorder = [&](const std::vector<float>& v) {
-        if (scalar) return v;
+      const int64_t span = isa == cpu::Isa::kScalar ? 1 : isa == cpu::Isa::kAvx2 ? 8 : 32;
+      auto reorder = [span](const std::vector<float>& v) {
         std::vector<float> o(v.size());
-        for (size_t i = 0; i < v.size(); i += 8)
-          for (int j = 0; j < 8; ++j) o[i + j] = v[i + order[j]];
+        for (size_t i = 0; i < v.size(); i += span) {
+          for (int64_t j = 0; j < span; ++j) {  // evens of the span, then odds
+            o[i + j] = v[i + (j < span / 2 ? 2 * j : 2 * (j - span / 2) + 1) % span];
+          }
+        }
         return o;
       };
       for (int64_t t : {1, 2, 5, 16}) {
