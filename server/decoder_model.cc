@@ -221,6 +221,20 @@ CausalLM::CausalLM(DecoderSpec spec, DecoderWeights weights, std::shared_ptr<Com
   }
   attn_bias_.softcap = spec_.attn_softcap;
   attn_bias_used_ = !attn_bias_.alibi_slopes.empty() || attn_bias_.softcap > 0;
+  if (std::any_of(w_.layers.begin(), w_.layers.end(),
+                  [](const LayerWeights& l) { return !l.attn_sinks.empty(); })) {
+    layer_attn_bias_.assign(w_.layers.size(), attn_bias_);
+    for (size_t l = 0; l < w_.layers.size(); ++l)
+      layer_attn_bias_[l].sinks = w_.layers[l].attn_sinks;
+  }
+}
+
+const kernels::AttentionBias* CausalLM::AttentionBiasOf(int64_t layer) const {
+  const size_t l = static_cast<size_t>(layer);
+  if (l < layer_attn_bias_.size() && !layer_attn_bias_[l].sinks.empty()) {
+    return &layer_attn_bias_[l];
+  }
+  return attn_bias_used_ ? &attn_bias_ : nullptr;
 }
 
 size_t CausalLM::KvBytesPerToken() const {
@@ -659,14 +673,8 @@ Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCa
         kernels::QkvToCache(qkv, rotary ? &s.RotaryOf(l) : nullptr, in.positions, in.slot_mapping,
                             &q, &(*cache)[l]);
       }
-      const kernels::AttentionBias* bias = attn_bias_used_ ? &attn_bias_ : nullptr;
-      kernels::AttentionBias with_sinks;
-      if (!w.attn_sinks.empty()) {  // a layer's own (GPT-OSS): a copy of Hq floats a step
-        with_sinks = attn_bias_;
-        with_sinks.sinks = w.attn_sinks;
-        bias = &with_sinks;
-      }
-      kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.WindowOf(l), bias, &attn);
+      kernels::PagedAttention(q, (*cache)[l], in.attn, s.attn_scale, s.WindowOf(l),
+                              AttentionBiasOf(l), &attn);
       kernels::Linear(attn.Reshape({t, hq * d}), w.o_w, RowParallelBias(w.o_b), &o);
       AddLora(in, l, &LoraLayer::o, attn.Reshape({t, hq * d}), &o);
     }

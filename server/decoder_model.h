@@ -185,6 +185,10 @@ class CausalLM : public Model {
   // This rank's heads' ALiBi slopes and the soft cap; attn_bias_used_: whether either is set.
   kernels::AttentionBias attn_bias_;
   bool attn_bias_used_ = false;
+  // Where layers have their own attention sinks (GPT-OSS): per layer, attn_bias_ with them,
+  // built once at load; else empty. AttentionBiasOf(l) says which a layer's attention takes.
+  std::vector<kernels::AttentionBias> layer_attn_bias_;
+  const kernels::AttentionBias* AttentionBiasOf(int64_t layer) const;
   kernels::Device device_ = kernels::Device::kCpu;
   kernels::DType act_dtype_ = kernels::DType::kF32;
 };

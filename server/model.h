@@ -146,8 +146,6 @@ struct DecoderSpec {
   // in place of act(gate) * up; 0: the plain gated activation.
   float glu_limit = 0;
   float glu_alpha = 0;
-  // Per-head attention sinks in every attention layer (LayerWeights::attn_sinks; GPT-OSS).
-  bool attention_sinks = false;
   // Per layer: true where a Mamba-2 mixer (`mamba`) stands in place of attention; empty: none.
   std::vector<bool> mamba_layers;
   MambaSpec mamba;

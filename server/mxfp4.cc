@@ -1,6 +1,7 @@
 // MXFP4 experts (server/quantization.h): the OCP microscaling format the gpt-oss checkpoints
 // store their mixtures of experts in, read as 4-bit codes of the E2M1 table, one power-of-two
 // scale per block of 32 input columns.
+#include <array>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -25,6 +26,17 @@ const std::vector<float>& E2m1Table() {
   static const std::vector<float> table = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
   return table;
+}
+
+// 2^(e - 127) for every E8M0 byte e, exactly (f32 holds 2^-127 as a subnormal; 255 gives
+// infinity, as transformers' bf16 ldexp overflows too).
+const std::array<float, 256>& E8m0Factors() {
+  static const std::array<float, 256> factors = [] {
+    std::array<float, 256> f{};
+    for (int e = 0; e < 256; ++e) f[e] = std::ldexp(1.0f, e - 127);
+    return f;
+  }();
+  return factors;
 }
 
 }  // namespace
@@ -53,13 +65,11 @@ absl::StatusOr<Tensor> LoadMxfp4Expert(const WeightStore& w, const std::string& 
   const int64_t out = b.dim(1), groups = b.dim(2), in = groups * kBlock;
   auto slice = SliceOfLinear(name, w.FileOf(blocks_name), out, in, rows, cols);
   if (!slice.ok()) return slice.status();
-  // Each block's factor, 2^(scale - 127), exactly (f32 holds 2^-127 as a subnormal; 255 gives
-  // infinity, as transformers' bf16 ldexp overflows too).
+  // Each block's factor, 2^(scale - 127), from a table of the 256 (gpt-oss-120b's experts have
+  // ~3.6e9 blocks: a libm call each would add up at load).
   const uint8_t* exps = sc.data<uint8_t>() + expert * out * groups;
   std::vector<float> factors(out * groups);
-  for (int64_t i = 0; i < out * groups; ++i) {
-    factors[i] = std::ldexp(1.0f, static_cast<int>(exps[i]) - 127);
-  }
+  for (int64_t i = 0; i < out * groups; ++i) factors[i] = E8m0Factors()[exps[i]];
   // Two codes a byte, the element of even index in the low nibble.
   const uint8_t* codes = b.data<uint8_t>() + expert * out * groups * (kBlock / 2);
   const int64_t row_bytes = groups * (kBlock / 2);

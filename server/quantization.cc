@@ -353,7 +353,8 @@ absl::StatusOr<Tensor> Tensor2D(const WeightStore& w, const std::string& name, D
 
 // transformers' Mxfp4Config as the gpt-oss checkpoints carry it. modules_to_not_convert: dense
 // modules, read as dense by their tensors (only experts hold *_blocks); dequantize: whether
-// transformers dequantizes at load, a choice of its runtime (we always do).
+// transformers dequantizes to bf16 at load, a choice of its runtime: we serve the codes as they
+// are (server/mxfp4.cc), which equals the dequantized experts up to summation order.
 absl::StatusOr<QuantConfig> ParseMxfp4(const Json& j, const std::string& where) {
   if (auto st = CheckKeys(j, where, {}, {"quant_method", "modules_to_not_convert", "dequantize"});
       !st.ok()) {

@@ -58,7 +58,34 @@ TGIS_ACT_AVX2 inline __m256 SoftCap8(__m256 cap, __m256 v) {
   return _mm256_mul_ps(Tanh8(_mm256_div_ps(v, cap)), cap);
 }
 
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit). min_ps returns
+// its second operand where either is NaN, so a NaN gate or up stays NaN, as torch.clamp keeps it.
+TGIS_ACT_AVX2 inline __m256 ClampedSwiGlu8(__m256 alpha, __m256 limit, __m256 gate, __m256 up) {
+  const __m256 g = _mm256_min_ps(limit, gate);
+  const __m256 u =
+      _mm256_min_ps(limit, _mm256_max_ps(_mm256_xor_ps(limit, _mm256_set1_ps(-0.0f)), up));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 minus_ag = _mm256_xor_ps(_mm256_mul_ps(alpha, g), _mm256_set1_ps(-0.0f));
+  return _mm256_mul_ps(_mm256_add_ps(u, one), _mm256_div_ps(g, _mm256_add_ps(one, Exp8(minus_ag))));
+}
+
 }  // namespace
+
+TGIS_ACT_AVX2 void ClampedSwiGluAvx2(float alpha, float limit, const float* gate, const float* up,
+                                     float* out, int64_t n) {
+  const __m256 a = _mm256_set1_ps(alpha), l = _mm256_set1_ps(limit);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i,
+                     ClampedSwiGlu8(a, l, _mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i)));
+  }
+  if (i < n) {
+    const __m256i m = TailMask(n - i);
+    _mm256_maskstore_ps(
+        out + i, m,
+        ClampedSwiGlu8(a, l, _mm256_maskload_ps(gate + i, m), _mm256_maskload_ps(up + i, m)));
+  }
+}
 
 void ActivateAvx2(Activation kind, const float* x, const float* up, float* out, int64_t n) {
   switch (kind) {

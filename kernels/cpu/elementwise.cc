@@ -196,11 +196,16 @@ void ClampedSwiGlu(const Tensor& gate_up, float alpha, float limit, Tensor* out)
   PrepareOut(out, shape, op);
   const float* g = gate_up.data<float>();
   float* o = out->data<float>();
+  const bool avx2 = UseAvx2Kernels();
   ParallelFor(rows, RowGrain(two_i), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* gr = g + r * two_i;
       const float* ur = gr + inter;
       float* orow = o + r * inter;
+      if (avx2) {
+        ClampedSwiGluAvx2(alpha, limit, gr, ur, orow, inter);
+        continue;
+      }
       for (int64_t i = 0; i < inter; ++i) {
         // std::min(x, limit) and std::clamp keep a NaN x, as torch.clamp does.
         const float gate = std::min(gr[i], limit);

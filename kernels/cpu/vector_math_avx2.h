@@ -88,5 +88,8 @@ TGIS_VMATH_AVX2 inline __m256 Erf8(__m256 x) {
 void ActivateAvx2(Activation kind, const float* x, const float* up, float* out, int64_t n);
 // x[i] = tanh(x[i] / cap) * cap.
 void SoftCapAvx2(float cap, float* x, int64_t n);
+// GPT-OSS's clamped SwiGLU (kernels::ClampedSwiGlu) of n gate and up values.
+void ClampedSwiGluAvx2(float alpha, float limit, const float* gate, const float* up, float* out,
+                       int64_t n);
 
 }  // namespace tgis::kernels::cpu

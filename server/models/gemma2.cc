@@ -6,7 +6,8 @@
 // - soft caps: each scaled attention logit becomes tanh(v / 50) * 50 and each output logit
 //   tanh(v / 30) * 30 (attn_logit_softcapping, final_logit_softcapping; null: none);
 // - attention scaled by query_pre_attn_scalar^-0.5 instead of head_dim^-0.5;
-// - sliding_window (4096) on the even layers only, the odd ones attending to every key;
+// - sliding_window (4096) on the layers layer_types marks "sliding_attention" (absent: the even
+//   ones), the others attending to every key;
 // - the MLP's activation from hidden_activation (hidden_act is read only to warn).
 // Absent keys take Gemma2Config's defaults, as transformers gives them. cache_implementation
 // ("hybrid") is how transformers' generate() stores the cache; the paged cache serves it.
@@ -34,8 +35,10 @@ absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
   } else {
     opt->sliding_window = 4096;
   }
-  for (int64_t l = 0; l < c.num_layers; ++l)
-    opt->layer_windows.push_back(l % 2 == 0 ? opt->sliding_window : 0);
+  // transformers >= 4.53 saves layer_types (its default is the even-layers rule).
+  auto windows = ReadLayerTypesOrEvenLayers(c, opt->sliding_window);
+  if (!windows.ok()) return windows.status();
+  opt->layer_windows = *std::move(windows);
   return absl::OkStatus();
 }
 

@@ -36,11 +36,8 @@ absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
   opt->rms_norm_eps_default = 1e-5;
   auto window = ReadWindowSize(c, 128);
   if (!window.ok()) return window.status();
-  auto windows = ReadLayerTypes(c, *window);
+  auto windows = ReadLayerTypesOrEvenLayers(c, *window);
   if (!windows.ok()) return windows.status();
-  if (windows->empty()) {
-    for (int64_t l = 0; l < c.num_layers; ++l) windows->push_back(l % 2 == 0 ? *window : 0);
-  }
   opt->layer_windows = *std::move(windows);
   auto limit = c.Get<double>("swiglu_limit", 7.0);
   if (!limit.ok()) return limit.status();
@@ -51,8 +48,10 @@ absl::Status ReadOptions(const ModelConfig& c, LlamaStyleOptions* opt) {
   opt->glu_limit = static_cast<float>(*limit);
   opt->glu_alpha = kGluAlpha;
   auto per_token = c.Get<int64_t>("num_experts_per_tok", int64_t{4});
-  auto copy = c.Get<int64_t>("experts_per_token", per_token.ok() ? *per_token : 0);
-  if (per_token.ok() && copy.ok() && *copy != *per_token) {
+  if (!per_token.ok()) return per_token.status();
+  auto copy = c.Get<int64_t>("experts_per_token", *per_token);
+  if (!copy.ok()) return copy.status();
+  if (*copy != *per_token) {
     LOG(WARNING) << "config.json: experts_per_token " << *copy << " differs from "
                  << "num_experts_per_tok " << *per_token
                  << "; each token takes num_experts_per_tok experts, as in transformers";

@@ -349,6 +349,13 @@ absl::StatusOr<std::vector<int>> ReadLayerTypes(const ModelConfig& c, int window
   return windows;
 }
 
+absl::StatusOr<std::vector<int>> ReadLayerTypesOrEvenLayers(const ModelConfig& c, int window) {
+  auto windows = ReadLayerTypes(c, window);
+  if (!windows.ok() || !windows->empty()) return windows;
+  for (int64_t l = 0; l < c.num_layers; ++l) windows->push_back(l % 2 == 0 ? window : 0);
+  return windows;
+}
+
 absl::StatusOr<float> ReadSoftCap(const ModelConfig& c, const char* key, double absent) {
   auto it = c.raw.find(key);
   if (it == c.raw.end()) return static_cast<float>(absent);
@@ -481,7 +488,6 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
       opt.moe == MoeLayout::kGptOss) {
     s.routing = ExpertRouting::kTopKSoftmax;
   }
-  s.attention_sinks = opt.attention_sinks;
   s.glu_alpha = opt.glu_alpha;
   s.glu_limit = opt.glu_limit;
   if (opt.moe == MoeLayout::kGraniteMoeShared) {

@@ -162,6 +162,9 @@ absl::StatusOr<int> ReadWindowSize(const ModelConfig& config, int64_t absent);
 // attention layers): each layer's window, `window` for "sliding_attention" and 0 for
 // "full_attention". Absent or null: an empty list (the family's own rule applies).
 absl::StatusOr<std::vector<int>> ReadLayerTypes(const ModelConfig& config, int window);
+// ReadLayerTypes, or without layer_types `window` on the even layers and full attention on the
+// odd ones (Gemma2Config's and GptOssConfig's rule).
+absl::StatusOr<std::vector<int>> ReadLayerTypesOrEvenLayers(const ModelConfig& config, int window);
 // A soft cap (Gemma 2's and 3's attn_logit_softcapping, final_logit_softcapping): `absent` when
 // config.json has no such key, 0 (none) for null, else a positive, finite float.
 absl::StatusOr<float> ReadSoftCap(const ModelConfig& config, const char* key, double absent);

@@ -1192,16 +1192,22 @@ TEST_P(OpsTest, ClampedSwiGlu) {
       scale.push_back(1e-6 + std::fabs(u + 1) * std::min(1.0, std::fabs(g)));
     }
   }
-  Tensor out;
-  ClampedSwiGlu(gu, alpha, limit, &out);
-  ASSERT_EQ(out.shape(), (Shape{t_count, inter}));
-  ExpectClose(Host(out), ref, scale, tol(), "clamped SwiGLU");
-  v[0] = std::numeric_limits<float>::quiet_NaN();
-  v[inter + 1] = std::numeric_limits<float>::quiet_NaN();
-  ClampedSwiGlu(Act(v, {t_count, 2 * inter}), alpha, limit, &out);
-  const std::vector<float> got = Host(out);
-  EXPECT_TRUE(std::isnan(got[0]));
-  EXPECT_TRUE(std::isnan(got[1]));
+  std::vector<float> nan_v = v;
+  nan_v[0] = std::numeric_limits<float>::quiet_NaN();
+  nan_v[inter + 1] = std::numeric_limits<float>::quiet_NaN();
+  // The CPU's paths: libm on the scalar one, the vector e^x on AVX2 (rows of 37: 4 whole
+  // vectors and a masked tail).
+  for (const auto& [isa, isa_name] : Isas()) {
+    cpu::SetIsaForTesting(isa);
+    Tensor out;
+    ClampedSwiGlu(gu, alpha, limit, &out);
+    ASSERT_EQ(out.shape(), (Shape{t_count, inter}));
+    ExpectClose(Host(out), ref, scale, tol(), "clamped SwiGLU " + isa_name);
+    ClampedSwiGlu(Act(nan_v, {t_count, 2 * inter}), alpha, limit, &out);
+    const std::vector<float> got = Host(out);
+    EXPECT_TRUE(std::isnan(got[0])) << isa_name;
+    EXPECT_TRUE(std::isnan(got[1])) << isa_name;
+  }
 }
 
 double ActivationReference(Activation kind, double d) {

