@@ -3,14 +3,15 @@
 //   engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] [--quantize METHOD]
 //                [--prompt 128] [--steps 32] [--batches 1,16] [--int8-activations true]
 //                [--device cpu|cuda] [--cuda-graphs true] [--cuda-pdl false]
-//                [--cuda-mma-gemv true] [--lora ADAPTER_DIR]
+//                [--cuda-mma-gemv true] [--lora ADAPTER_DIR] [--isa avx2|...]
 // Prints prefill and decode tokens/s per batch size, the memory bandwidth measured in the
 // same run, and the fraction of it that batch-1 decode achieves (weights streamed per token),
 // after one untimed warm-up prompt.
 // --quantize is the shard's flag (bitsandbytes: int8 at load); a quantized checkpoint is
 // detected without it. cpu_bench.py runs it beside llama.cpp and CTranslate2. --lora: every
 // sequence takes that PEFT LoRA adapter (the shard's per-request LoRA; engine_bench.py
-// --lora-rank makes one and compares with the base model and with PEFT).
+// --lora-rank makes one and compares with the base model and with PEFT). --isa: every Linear
+// on that CPU code path (as kernels_bench's --isa), set before the weights' layouts are made.
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/cpu/cpu_ops.h"
 #include "kernels/ops.h"
 #include "server/engine.h"
 #include "server/lora.h"
@@ -99,7 +101,8 @@ int main(int argc, char** argv) {
     std::cerr << "usage: engine_bench MODEL_DIR [--dtype float32|bfloat16|float16] "
                  "[--quantize METHOD] [--prompt N] [--steps N] [--batches 1,16] "
                  "[--int8-activations true] [--device cpu|cuda] [--cuda-graphs true] "
-                 "[--cuda-pdl false] [--cuda-mma-gemv true] [--lora ADAPTER_DIR]\n";
+                 "[--cuda-pdl false] [--cuda-mma-gemv true] [--lora ADAPTER_DIR] "
+                 "[--isa scalar|avx2|avx512|vnni|bf16]\n";
     return 2;
   }
   const std::string dir = argv[1];
@@ -132,6 +135,14 @@ int main(int argc, char** argv) {
       lora_dir = v;
     } else if (k == "--batches") {
       batches_arg = v;
+    } else if (k == "--isa") {  // one CPU code path for every Linear, as kernels_bench's --isa
+      namespace cpu = tgis::kernels::cpu;
+      const cpu::Isa isa = cpu::IsaNamed(v);
+      if (isa == cpu::Isa::kAuto || !cpu::IsaAvailable(isa)) {
+        std::cerr << "--isa: " << v << " is not one of scalar avx2 avx512 vnni bf16 this CPU has\n";
+        return 2;
+      }
+      cpu::SetIsaForTesting(isa);
     } else if (k == "--int8-activations") {  // the shard's --cpu-int8-activations
       if (v == "true" && !tgis::kernels::SetCpuInt8Activations(true)) {
         std::cerr << "--int8-activations: this CPU has no AVX-512 VNNI\n";

@@ -210,12 +210,7 @@ int main(int argc, char** argv) {
     } else if (std::strncmp(argv[i], "--isa=", 6) == 0) {
       namespace cpu = tgis::kernels::cpu;
       const std::string name = argv[i] + 6;
-      const cpu::Isa isa = name == "scalar"   ? cpu::Isa::kScalar
-                           : name == "avx2"   ? cpu::Isa::kAvx2
-                           : name == "avx512" ? cpu::Isa::kAvx512
-                           : name == "vnni"   ? cpu::Isa::kAvx512Vnni
-                           : name == "bf16"   ? cpu::Isa::kAvx512Bf16
-                                              : cpu::Isa::kAuto;
+      const cpu::Isa isa = cpu::IsaNamed(name);
       if (isa == cpu::Isa::kAuto || !cpu::IsaAvailable(isa)) {
         std::fprintf(stderr, "--isa: %s is not one of scalar avx2 avx512 vnni bf16 this CPU has\n",
                      name.c_str());

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kernels/ops.h"
@@ -26,6 +27,8 @@ enum class Isa { kAuto, kScalar, kAvx2, kAvx512, kAvx512Vnni, kAvx512Bf16 };
 void SetIsaForTesting(Isa isa);
 // Whether this CPU can run `isa`'s path (kAuto and kScalar always can).
 bool IsaAvailable(Isa isa);
+// The path the benchmarks' --isa names: scalar, avx2, avx512, vnni or bf16; kAuto for any other.
+Isa IsaNamed(std::string_view name);
 // Whether Linear, as set now, multiplies x rounded to bf16 (to nearest even) for weights of
 // dtype `w` and k columns: bf16 weights with AVX512_BF16 (k even), at every T.
 bool Bf16DotTakes(DType w, int64_t k);

@@ -666,6 +666,15 @@ bool IsaAvailable(Isa isa) {
   return true;
 }
 
+Isa IsaNamed(std::string_view name) {
+  return name == "scalar"   ? Isa::kScalar
+         : name == "avx2"   ? Isa::kAvx2
+         : name == "avx512" ? Isa::kAvx512
+         : name == "vnni"   ? Isa::kAvx512Vnni
+         : name == "bf16"   ? Isa::kAvx512Bf16
+                            : Isa::kAuto;
+}
+
 const char* ActiveIsaName() {
   if (UseAvx512(nullptr)) {
     if (UseBf16Dot()) return "avx512+vnni+bf16";
