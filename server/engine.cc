@@ -191,6 +191,21 @@ void Engine::ReleaseAll() {
   seqs_.clear();
 }
 
+namespace {
+// Recurrent states stay f32 whatever the activations: the scan adds into them at every token.
+constexpr kernels::DType kStateDType = kernels::DType::kF32;
+}  // namespace
+
+size_t RecurrentStateBytes(const DecoderSpec& spec) {
+  size_t bytes = 0;
+  for (const kernels::Shape& shape : spec.RecurrentStateShapes()) {
+    size_t n = kernels::DTypeSize(kStateDType);
+    for (int64_t d : shape) n *= static_cast<size_t>(d);
+    bytes += n;
+  }
+  return bytes;
+}
+
 void Engine::AcquireState(Sequence* s) {
   if (state_shapes_.empty() || s->state_slot >= 0) return;
   if (!free_states_.empty()) {
@@ -200,7 +215,7 @@ void Engine::AcquireState(Sequence* s) {
   }
   std::vector<kernels::Tensor> slot;
   for (const kernels::Shape& shape : state_shapes_) {
-    slot.push_back(kernels::Tensor::Zeros(shape, kernels::DType::kF32, model_->device()));
+    slot.push_back(kernels::Tensor::Zeros(shape, kStateDType, model_->device()));
   }
   s->state_slot = static_cast<int32_t>(states_.size());
   states_.push_back(std::move(slot));

@@ -90,6 +90,10 @@ struct PrefillReuse {
 // preemption's recomputation rely on.
 bool KeysIndependentOfLength(const Model& model);
 
+// One sequence's recurrent states (DecoderSpec::RecurrentStateShapes) in bytes, as the engine
+// keeps them (f32, one slot per live sequence); 0 for models without.
+size_t RecurrentStateBytes(const DecoderSpec& spec);
+
 class Engine {
  public:
   // `max_positions`: the config's max_position_embeddings; a model whose rope scaling serves

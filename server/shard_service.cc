@@ -176,9 +176,29 @@ grpc::Status ShardService::EnsureEngine() {
   if (engine_) return grpc::Status::OK;
   if (!pending_model_) return grpc::Status(grpc::StatusCode::INTERNAL, "no model loaded");
   // TGIS's BATCH_SAFETY_MARGIN: a share of the free memory that nothing is sized to use.
-  const double usable = static_cast<double>(AvailableMemory(pending_model_->device(),
-                                                            options_.process_memory_fraction)) *
-                        (1.0 - options_.batch_safety_margin / 100.0);
+  double usable = static_cast<double>(
+                      AvailableMemory(pending_model_->device(), options_.process_memory_fraction)) *
+                  (1.0 - options_.batch_safety_margin / 100.0);
+  // Recurrent states (Mamba-2 layers) are one fixed slot per live sequence: those of the most
+  // sequences a step may hold come out of the memory first, so that neither the KV cache nor a
+  // prefill counts on it (Granite 4.0-H-Small: ~150 MB a sequence in f32).
+  const size_t per_sequence = RecurrentStateBytes(pending_model_->spec());
+  if (per_sequence > 0) {
+    const double states = static_cast<double>(per_sequence) * static_cast<double>(max_sequences_);
+    const auto mib = [](double bytes) { return absl::StrFormat("%.1f MiB", bytes / (1 << 20)); };
+    if (states >= usable) {
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("the recurrent (Mamba-2) states of ", max_sequences_, " sequences (",
+                       mib(static_cast<double>(per_sequence)),
+                       " each; the router's --max-batch-size, MAX_BATCH_SIZE) need ", mib(states),
+                       ", more than the ", mib(usable), " available: lower MAX_BATCH_SIZE"));
+    }
+    usable -= states;
+    LOG(INFO) << "recurrent states: " << max_sequences_ << " sequences of "
+              << mib(static_cast<double>(per_sequence)) << ", " << mib(states)
+              << " set aside before the KV cache";
+  }
   int64_t blocks = options_.num_blocks;
   if (blocks <= 0) {
     const size_t per_block = pending_model_->KvBytesPerToken() * options_.block_size;
@@ -236,6 +256,7 @@ grpc::Status ShardService::PrefixLookup(grpc::ServerContext*, const pb::PrefixLo
 grpc::Status ShardService::Warmup(grpc::ServerContext*, const pb::WarmupRequest* req,
                                   pb::WarmupResponse* resp) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!engine_) max_sequences_ = std::max<int64_t>(1, req->max_batch_size());
   if (!engine_ && req->max_batch_total_tokens() > 0 && options_.num_blocks <= 0) {
     options_.num_blocks = static_cast<int>(
         (req->max_batch_total_tokens() + options_.block_size - 1) / options_.block_size);

@@ -91,8 +91,11 @@ class ShardService final : public generate::v1::TextGenerationService::Service {
   ShardOptions options_;
   std::map<uint64_t, std::vector<uint64_t>> batches_;  // batch id -> request ids
   uint32_t max_prefill_tokens_ = 0;                    // sized with the KV cache
-  std::unique_ptr<PrefixStore> prefixes_;              // thread-safe itself
-  GuidedAutomatonCache guided_;                        // under mu_
+  // The most sequences a step holds (the router's max_batch_size, from Warmup): recurrent
+  // models' states for that many are set aside before the KV cache is sized.
+  int64_t max_sequences_ = 1;
+  std::unique_ptr<PrefixStore> prefixes_;  // thread-safe itself
+  GuidedAutomatonCache guided_;            // under mu_
 };
 
 }  // namespace tgis::server

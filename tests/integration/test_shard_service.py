@@ -233,3 +233,34 @@ def test_unusable_device_fails_at_start_saying_why(tmp_path, device, message):
     rc = proc.proc.wait(timeout=30)
     assert rc != 0
     assert message in proc.output()
+
+
+def test_recurrent_states_are_set_aside_before_the_kv_cache(tmp_path):
+    """A Mamba-2 model's per-sequence states for the router's max_batch_size come out of the
+    memory before the KV cache is sized; more than the memory holds is refused at Warmup,
+    naming the flag, and a Warmup within it then succeeds."""
+    server = binary("server/text-generation-server")
+    if not server.exists():
+        pytest.skip(f"{server} not built")
+    model = FIXTURES / "models" / "granite4_h"
+    if not (model / "config.json").exists():
+        pytest.skip("no model fixtures")
+    pb, pb_grpc = proto_module("generate")
+    uds = str(tmp_path / "shard")
+    proc = Process([server, "serve", model, "--uds-path", uds, "--block_size", "4"])
+    try:
+        proc.wait_for(lambda: os.path.exists(uds + "-0"), what="listening")
+        with grpc.insecure_channel(f"unix://{uds}-0") as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            stub = pb_grpc.TextGenerationServiceStub(channel)
+            # ~10 KiB of states a sequence (the fixture's one Mamba-2 layer) times 2^32 - 1.
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Warmup(pb.WarmupRequest(max_input_length=16, max_batch_size=2**32 - 1))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "recurrent (Mamba-2) states of 4294967295 sequences" in err.value.details()
+            assert "lower MAX_BATCH_SIZE" in err.value.details()
+            warm = stub.Warmup(pb.WarmupRequest(max_input_length=16, max_batch_size=4))
+            assert warm.num_blocks > 0
+        assert "recurrent states: 4 sequences of " in proc.output()
+    finally:
+        proc.close()
