@@ -181,26 +181,30 @@ grpc::Status ShardService::EnsureEngine() {
                   (1.0 - options_.batch_safety_margin / 100.0);
   // Recurrent states (Mamba-2 layers) are one fixed slot per live sequence: those of the most
   // sequences a step may hold come out of the memory first, so that neither the KV cache nor a
-  // prefill counts on it (Granite 4.0-H-Small: ~150 MB a sequence in f32).
+  // prefill counts on it (Granite 4.0-H-Small: ~150 MB a sequence in f32). Too many are refused
+  // after the ranks' agreement below, so that every rank takes part in it.
+  grpc::Status states_fit = grpc::Status::OK;
   const size_t per_sequence = RecurrentStateBytes(pending_model_->spec());
   if (per_sequence > 0) {
     const double states = static_cast<double>(per_sequence) * static_cast<double>(max_sequences_);
     const auto mib = [](double bytes) { return absl::StrFormat("%.1f MiB", bytes / (1 << 20)); };
     if (states >= usable) {
-      return grpc::Status(
+      states_fit = grpc::Status(
           grpc::StatusCode::RESOURCE_EXHAUSTED,
           absl::StrCat("the recurrent (Mamba-2) states of ", max_sequences_, " sequences (",
                        mib(static_cast<double>(per_sequence)),
                        " each; the router's --max-batch-size, MAX_BATCH_SIZE) need ", mib(states),
                        ", more than the ", mib(usable), " available: lower MAX_BATCH_SIZE"));
+      usable = 0;
+    } else {
+      usable -= states;
+      LOG(INFO) << "recurrent states: " << max_sequences_ << " sequences of "
+                << mib(static_cast<double>(per_sequence)) << ", " << mib(states)
+                << " set aside before the KV cache";
     }
-    usable -= states;
-    LOG(INFO) << "recurrent states: " << max_sequences_ << " sequences of "
-              << mib(static_cast<double>(per_sequence)) << ", " << mib(states)
-              << " set aside before the KV cache";
   }
-  int64_t blocks = options_.num_blocks;
-  if (blocks <= 0) {
+  int64_t blocks = states_fit.ok() ? options_.num_blocks : 0;
+  if (blocks <= 0 && states_fit.ok()) {
     const size_t per_block = pending_model_->KvBytesPerToken() * options_.block_size;
     const uint64_t budget = static_cast<uint64_t>(usable * options_.memory_fraction);
     blocks = static_cast<int64_t>(std::min<uint64_t>(budget / per_block, 1u << 20));
@@ -217,6 +221,7 @@ grpc::Status ShardService::EnsureEngine() {
   pending_model_->communicator().AllReduceMin(std::span<int64_t>(agreed, 2));
   blocks = agreed[0];
   max_prefill_tokens_ = static_cast<uint32_t>(agreed[1]);
+  if (!states_fit.ok()) return states_fit;
   if (blocks <= 0) {
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         "not enough memory for a single KV cache block");
