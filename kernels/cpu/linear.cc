@@ -90,7 +90,7 @@ bool Avx512AtHalfWidth() {
 }
 
 // The AVX-512 streaming kernel, for the weights it takes (others fall back to AVX2). On Zen 4,
-// 4-bit integer codes take the AVX2 panels: the AVX-512
+// 4-bit integer codes take the panels (linear_panels.cc, 16 lanes wide there): the AVX-512
 // kernel's table lookup (a 512-bit permute per 16 weights) measured slower there than the
 // panels' mask, convert and FMA per 8 (EPYC Zen 4, kernels_bench --quick --t=1 gptq4g32 --isa=
 // avx2 against avx512: 17-21 against 10-14 GB/s; engine_bench TinyLlama GPTQ g32 decode 17.7-21.2
@@ -492,7 +492,9 @@ void SmallT(const SmallArgs& args) {
     // Else (x with a NaN or inf, 8-bit codes of a width not a multiple of 64 on VNNI) the
     // dequantizing kernels.
     if (EveryPathTakesPanels(args.q)) {
-      if (const CodePanels* panels = CodePanelsOf(*args.q)) return PanelsExactLinear(args, *panels);
+      if (const CodePanels* panels = CodePanelsOf(*args.q)) {
+        return PanelsExactLinear(args, *panels, UseAvx512Stream(nullptr));
+      }
     }
   }
   SmallArgs a = args;

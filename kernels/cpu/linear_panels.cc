@@ -24,6 +24,15 @@
 // 17.9-22.4; int8 (per-row scales) in cache 25.0 -> 43.4, from DRAM 14.7-19.7 -> 24.9-30.9
 // (77-95% of the probe). engine_bench on the cpu_bench TinyLlama shape, decode: GPTQ 4-bit g32
 // 14.6 -> 27.0 tok/s, --quantize bitsandbytes 15.2-15.8 -> 24.5-27.0.
+//
+// Where the CPU has AVX-512 (and the kernels may use it), two panels go in one 16-lane vector
+// (PairTile16): the same lanes' operations, half the instructions. On Zen 4, which runs those
+// as two 256-bit halves and takes 4-bit codes here (linear.cc's UseAvx512), against the 8-lane
+// tiles (kernels_bench --shape=5760x2880 gptq4g32, --isa=avx2 against the default): T=1
+// 0.447 -> 0.39-0.41 ms (in cache, --quick --hot: 102 -> 113-116 GFLOP/s), T=2 0.60 -> 0.51,
+// T=4 1.16 -> 0.74, T=16 4.6 -> 2.64 (with 4-token tiles, which 16 lanes leave room for);
+// engine_bench on cpu_bench's GPTQ TinyLlama: decode 29.3-30.1 -> 32.2-34.3 tok/s at batch 1,
+// 45.8-46.8 -> 66-73 at batch 16.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -235,8 +244,91 @@ TGIS_AVX2 void Tile(const SmallArgs& a, const ScaledX& x, const CodePanels& p, i
   for (int i = 0; i < P; ++i) StorePanel8(a, (panel + i) * kRows, t0, TT, out[i]);
 }
 
+// ---- exact decode, two panels a 16-lane vector (AVX-512) ----------------------------------
+
+#define TGIS_PANELS_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+template <int B, int K>
+TGIS_PANELS_AVX512 inline __attribute__((always_inline)) __m512 CodeAt16(__m512i v) {
+  constexpr int kTop = 32 / B - 1;
+  if constexpr (K == kTop) {
+    return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 32 - B));
+  } else {
+    return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(((1 << B) - 1) << (B * K))));
+  }
+}
+
+template <int B, int K, int TT>
+TGIS_PANELS_AVX512 inline __attribute__((always_inline)) void Column16(__m512i v, const float* xk,
+                                                                       int64_t x_step,
+                                                                       __m512 (*acc)[4]) {
+  const __m512 f = CodeAt16<B, K>(v);
+  for (int t = 0; t < TT; ++t) {
+    acc[t][K % 4] = _mm512_fmadd_ps(f, _mm512_set1_ps(xk[t * x_step + K]), acc[t][K % 4]);
+  }
+}
+
+template <int B, int TT, int... K>
+TGIS_PANELS_AVX512 inline __attribute__((always_inline)) void Columns16(
+    __m512i v, const float* xk, int64_t x_step, __m512 (*acc)[4],
+    std::integer_sequence<int, K...>) {
+  (Column16<B, K, TT>(v, xk, x_step, acc), ...);
+}
+
+// Tile's sums for panels panel and panel + 1 at once, lanes 0-7 the first's rows and 8-15 the
+// second's: every lane takes Tile's operations in Tile's order, so the same bits. On Zen 4,
+// which runs a 512-bit instruction as two 256-bit halves, half the instructions per weight.
+template <int B, int TT, bool kCompact>
+TGIS_PANELS_AVX512 void PairTile16(const SmallArgs& a, const ScaledX& x, const CodePanels& p,
+                                   int64_t panel, int64_t t0) {
+  constexpr int kPer = 32 / B;  // codes per dword
+  constexpr int64_t kBlockBytes = 32 * B;
+  const int64_t blocks = p.blocks;
+  const uint8_t* w0 = &p.codes[panel * blocks * kBlockBytes];
+  const uint8_t* w1 = w0 + blocks * kBlockBytes;
+  __m512 out[TT];
+  for (int t = 0; t < TT; ++t) out[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512 acc[TT][4];
+    for (int t = 0; t < TT; ++t)
+      for (int c = 0; c < 4; ++c) acc[t][c] = _mm512_setzero_ps();
+    for (int64_t line = 0; line < kBlockBytes; line += 64) {
+      PrefetchCodesAhead(w0 + b * kBlockBytes + line);
+      PrefetchCodesAhead(w1 + b * kBlockBytes + line);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < B; ++j) {
+      const __m512i v = _mm512_inserti64x4(
+          _mm512_castsi256_si512(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + b * kBlockBytes + 32 * j))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + b * kBlockBytes + 32 * j)), 1);
+      const float* xk = &x.x[(t0 * blocks + b) * kBlock + kPer * j];
+      Columns16<B, TT>(v, xk, blocks * kBlock, acc, std::make_integer_sequence<int, kPer>{});
+    }
+    __m256 ws0, wz0, ws1, wz1;
+    PanelRunConstants<kCompact>(p, panel, b, &ws0, &wz0);
+    PanelRunConstants<kCompact>(p, panel + 1, b, &ws1, &wz1);
+    const __m512 ws = _mm512_insertf32x8(_mm512_castps256_ps512(ws0), ws1, 1);
+    const __m512 wz = _mm512_insertf32x8(_mm512_castps256_ps512(wz0), wz1, 1);
+    for (int t = 0; t < TT; ++t) {
+      const __m512 block =
+          _mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]), _mm512_add_ps(acc[t][2], acc[t][3]));
+      const __m512 sum = _mm512_set1_ps(x.sum[(t0 + t) * blocks + b]);
+      out[t] = _mm512_fmadd_ps(ws, _mm512_fnmadd_ps(wz, sum, block), out[t]);
+    }
+  }
+  __m256 lo[TT], hi[TT];
+  for (int t = 0; t < TT; ++t) {
+    lo[t] = _mm512_castps512_ps256(out[t]);
+    hi[t] = _mm512_extractf32x8_ps(out[t], 1);
+  }
+  StorePanel8(a, panel * kRows, t0, TT, lo);
+  StorePanel8(a, (panel + 1) * kRows, t0, TT, hi);
+}
+
 template <int B, bool kCompact>
-void Panels(const SmallArgs& a, const ScaledX& x, const CodePanels& p) {
+void Panels(const SmallArgs& a, const ScaledX& x, const CodePanels& p, bool avx512) {
   // About 32 KB of codes per parallel chunk, in pairs of panels.
   const int64_t panel_bytes = p.blocks * p.block_bytes();
   const int64_t pairs = (p.panels + 1) / 2;
@@ -249,6 +341,12 @@ void Panels(const SmallArgs& a, const ScaledX& x, const CodePanels& p) {
         continue;
       }
       int64_t t0 = 0;
+      if (avx512) {
+        for (; t0 + 4 <= a.t; t0 += 4) PairTile16<B, 4, kCompact>(a, x, p, panel, t0);
+        for (; t0 + 2 <= a.t; t0 += 2) PairTile16<B, 2, kCompact>(a, x, p, panel, t0);
+        if (t0 < a.t) PairTile16<B, 1, kCompact>(a, x, p, panel, t0);
+        continue;
+      }
       // Two tokens share each panel's converted codes; one token takes two panels at once.
       for (; t0 + 2 <= a.t; t0 += 2) {
         Tile<B, 1, 2, kCompact>(a, x, p, panel, t0);
@@ -342,15 +440,15 @@ void PanelRowsF32(const CodePanels& p, int64_t n0, int64_t rows, float* dst) {
   }
 }
 
-void PanelsExactLinear(const SmallArgs& a, const CodePanels& p) {
+void PanelsExactLinear(const SmallArgs& a, const CodePanels& p, bool avx512) {
   thread_local ScaledX x;
   const ScaledX* shared = &x;  // workers read the calling thread's copy
   if (p.bits == 4) {
     x.Prepare<4>(a.x, a.t, a.k);
-    p.compact() ? Panels<4, true>(a, *shared, p) : Panels<4, false>(a, *shared, p);
+    p.compact() ? Panels<4, true>(a, *shared, p, avx512) : Panels<4, false>(a, *shared, p, avx512);
   } else {
     x.Prepare<8>(a.x, a.t, a.k);
-    p.compact() ? Panels<8, true>(a, *shared, p) : Panels<8, false>(a, *shared, p);
+    p.compact() ? Panels<8, true>(a, *shared, p, avx512) : Panels<8, false>(a, *shared, p, avx512);
   }
 }
 

@@ -241,8 +241,9 @@ size_t PanelBytes();
 // same result).
 void Int8PanelsLinear(const SmallArgs& a, const Int8Blocks& x, const CodePanels& p, bool vnni);
 // out = x @ w^T (+ bias) for T <= kSmallT with x in f32: the exact decode of 8- and 4-bit codes
-// on AVX2, on the thread pool.
-void PanelsExactLinear(const SmallArgs& a, const CodePanels& p);
+// on AVX2, on the thread pool; `avx512` (the CPU has it and may use it): two panels a 16-lane
+// vector, the same bits.
+void PanelsExactLinear(const SmallArgs& a, const CodePanels& p, bool avx512);
 // Rows [n0, n0 + rows) of the weight as f32 [rows, k] (its stored columns) into dst, from the
 // panels: (code - zero) * scale, rounded once, as Dequantize and the row kernels compute them.
 // For exact prefill of weights whose codes are kept only in the panels.

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/linear_stream.h"  // the exact panels' two widths, below
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/ops.h"
 #include "kernels/quantized.h"
@@ -646,6 +647,34 @@ TEST_P(OpsTest, QuantizedDecodeIsBitwiseTheDenseF32Path) {
         ASSERT_EQ(0, std::memcmp(got.raw(), want.raw(), want.nbytes()))
             << isa_name << " codebook T=" << t;
       }
+    }
+  }
+}
+
+// Exact decode from the code panels two at a time in 16-lane vectors (AVX-512: Zen 4's path for
+// 4-bit codes) gives the 8-lane kernel's bits: every lane takes the same operations in the same
+// order. Both widths, 8- and 4-bit codes, f32 and compact run constants, every decode T's mix
+// of 4-, 2- and 1-token tiles, an odd last panel (37 rows: 5 panels) and a bias.
+TEST_P(OpsTest, ExactPanelsOnAvx512GiveTheAvx2Bits) {
+  if (device() != Device::kCpu || dtype() != DType::kF32) GTEST_SKIP() << "CPU property";
+  if (!cpu::IsaAvailable(cpu::Isa::kAvx512)) GTEST_SKIP() << "skipped: this CPU has no AVX-512";
+  const int64_t out_f = 37, in = 1024;
+  const std::vector<float> bias = Random(out_f, 3);
+  for (int bits : {8, 4, 5}) {  // 5: 4-bit codes with compact run constants
+    const bool compact = bits == 5;
+    const QuantizedWeight q =
+        RandomQuant(compact ? 4 : bits, out_f, in, 128, false, 11, compact).Build();
+    const cpu::CodePanels* panels = cpu::CodePanelsOf(q);
+    ASSERT_NE(panels, nullptr);
+    for (int64_t t : {1, 2, 3, 4, 7, 16}) {
+      const std::vector<float> x = Random(t * in, 12);
+      std::vector<float> narrow(t * out_f), wide(t * out_f);
+      cpu::SmallArgs a{x.data(), t, in, q.codes.raw(), &q, out_f, bias.data(), narrow.data()};
+      cpu::PanelsExactLinear(a, *panels, /*avx512=*/false);
+      a.out = wide.data();
+      cpu::PanelsExactLinear(a, *panels, /*avx512=*/true);
+      ASSERT_EQ(0, std::memcmp(narrow.data(), wide.data(), narrow.size() * 4))
+          << "bits " << bits << " T=" << t;
     }
   }
 }
