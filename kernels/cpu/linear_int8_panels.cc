@@ -20,7 +20,12 @@
 //    --quick --hot --t=512 --int8-activations int8: 177 against 185 GFLOP/s).
 //
 // With AVX-512 VNNI (linear_int8_panels_vnni.cc) the 4-bit sums take vpdpbusd, the same
-// integers.
+// integers, and from T = 5 two panels go in one 16-lane vector (PairTile16: half the
+// instructions where 512-bit ones run as two halves). On Zen 4 (kernels_bench --shape=5760x2880
+// --int8-activations gptq4g32, 8 lanes against 16): T=6 0.573 -> 0.517 ms, T=8 0.72 -> 0.63,
+// T=16 1.375 -> 1.07-1.12, T=512 (prefill) 38.5-39.7 -> 30.2-30.6. At T <= 4, where the 8-lane
+// tiles already stream at the DRAM's rate, the pairs' two streams of codes were slower (T=1
+// 0.29 -> 0.36, T=2 0.30 -> 0.40; T=4 even), so those keep 8 lanes.
 //
 // Measured on AMD EPYC Zen 3, 2 threads: see benchmarks/README.md, sessions 17 and 19.
 #include <immintrin.h>

@@ -2392,8 +2392,9 @@ TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
   if (!cpu::Int8ActivationsAvailable()) GTEST_SKIP() << "no AVX2 on this CPU";
   const int64_t out_f = 37, in = 384;
   int isas_run = 0;
-  // 4-bit decode takes the panels on both ISAs, through vpdpbusd with VNNI: the same integer
-  // sums, so the same bits. AVX2's results by case, for the VNNI pass to compare.
+  // 4-bit decode takes the panels on both ISAs, through vpdpbusd with VNNI (from T = 5 two
+  // panels a 16-lane vector: T = 7 takes tiles of 4, 2 and 1 tokens): the same integer sums,
+  // so the same bits. AVX2's results by case, for the VNNI pass to compare.
   std::map<std::string, std::vector<float>> panels_avx2;
   for (const cpu::Isa isa : {cpu::Isa::kAvx2, cpu::Isa::kAvx512Vnni}) {
     if (!cpu::IsaAvailable(isa)) {
@@ -2404,7 +2405,7 @@ TEST(CpuInt8Activations, EqualsTheRoundedActivationsReference) {
     ++isas_run;
     std::mt19937 case_rng(5);  // the same weights and x on each ISA
     for (int bits : {4, 8})
-      for (int64_t t_count : {3, 40})
+      for (int64_t t_count : {3, 7, 40})
         for (int64_t group : {32, 64, 128, 384})
           for (bool f16_scales : {false, true}) {
             const std::string key = std::to_string(bits) + "/" + std::to_string(t_count) + "/" +
