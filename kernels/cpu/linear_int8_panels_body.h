@@ -160,11 +160,8 @@ TGIS_PANELS_TARGET void PairTile16(const SmallArgs& a, const Int8Blocks& x, cons
         odd_sums[t] = _mm512_dpbusd_epi32(odd_sums[t], odd, _mm512_set1_epi32(o));
       }
     }
-    __m256 ws0, wz0, ws1, wz1;
-    PanelRunConstants<kCompact>(p, panel, b, &ws0, &wz0);
-    PanelRunConstants<kCompact>(p, panel + 1, b, &ws1, &wz1);
-    const __m512 ws = _mm512_insertf32x8(_mm512_castps256_ps512(ws0), ws1, 1);
-    const __m512 wz = _mm512_insertf32x8(_mm512_castps256_ps512(wz0), wz1, 1);
+    __m512 ws, wz;
+    PanelPairRunConstants<kCompact>(p, panel, b, &ws, &wz);
 #pragma GCC unroll 4
     for (int t = 0; t < TT; ++t) {
       const int64_t at = (t0 + t) * blocks + b;
@@ -174,13 +171,7 @@ TGIS_PANELS_TARGET void PairTile16(const SmallArgs& a, const Int8Blocks& x, cons
       acc[t] = _mm512_fmadd_ps(exact, _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[at])), acc[t]);
     }
   }
-  __m256 lo[TT], hi[TT];
-  for (int t = 0; t < TT; ++t) {
-    lo[t] = _mm512_castps512_ps256(acc[t]);
-    hi[t] = _mm512_extractf32x8_ps(acc[t], 1);
-  }
-  StorePanel8(a, panel * kRows, t0, TT, lo);
-  StorePanel8(a, (panel + 1) * kRows, t0, TT, hi);
+  StorePanelPair(a, panel * kRows, t0, TT, acc);
 }
 #endif
 

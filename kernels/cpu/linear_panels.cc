@@ -246,11 +246,8 @@ TGIS_AVX2 void Tile(const SmallArgs& a, const ScaledX& x, const CodePanels& p, i
 
 // ---- exact decode, two panels a 16-lane vector (AVX-512) ----------------------------------
 
-#define TGIS_PANELS_AVX512 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
-
 template <int B, int K>
-TGIS_PANELS_AVX512 inline __attribute__((always_inline)) __m512 CodeAt16(__m512i v) {
+TGIS_PANEL_PAIRS inline __attribute__((always_inline)) __m512 CodeAt16(__m512i v) {
   constexpr int kTop = 32 / B - 1;
   if constexpr (K == kTop) {
     return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 32 - B));
@@ -260,9 +257,9 @@ TGIS_PANELS_AVX512 inline __attribute__((always_inline)) __m512 CodeAt16(__m512i
 }
 
 template <int B, int K, int TT>
-TGIS_PANELS_AVX512 inline __attribute__((always_inline)) void Column16(__m512i v, const float* xk,
-                                                                       int64_t x_step,
-                                                                       __m512 (*acc)[4]) {
+TGIS_PANEL_PAIRS inline __attribute__((always_inline)) void Column16(__m512i v, const float* xk,
+                                                                     int64_t x_step,
+                                                                     __m512 (*acc)[4]) {
   const __m512 f = CodeAt16<B, K>(v);
   for (int t = 0; t < TT; ++t) {
     acc[t][K % 4] = _mm512_fmadd_ps(f, _mm512_set1_ps(xk[t * x_step + K]), acc[t][K % 4]);
@@ -270,7 +267,7 @@ TGIS_PANELS_AVX512 inline __attribute__((always_inline)) void Column16(__m512i v
 }
 
 template <int B, int TT, int... K>
-TGIS_PANELS_AVX512 inline __attribute__((always_inline)) void Columns16(
+TGIS_PANEL_PAIRS inline __attribute__((always_inline)) void Columns16(
     __m512i v, const float* xk, int64_t x_step, __m512 (*acc)[4],
     std::integer_sequence<int, K...>) {
   (Column16<B, K, TT>(v, xk, x_step, acc), ...);
@@ -280,8 +277,8 @@ TGIS_PANELS_AVX512 inline __attribute__((always_inline)) void Columns16(
 // second's: every lane takes Tile's operations in Tile's order, so the same bits. On Zen 4,
 // which runs a 512-bit instruction as two 256-bit halves, half the instructions per weight.
 template <int B, int TT, bool kCompact>
-TGIS_PANELS_AVX512 void PairTile16(const SmallArgs& a, const ScaledX& x, const CodePanels& p,
-                                   int64_t panel, int64_t t0) {
+TGIS_PANEL_PAIRS void PairTile16(const SmallArgs& a, const ScaledX& x, const CodePanels& p,
+                                 int64_t panel, int64_t t0) {
   constexpr int kPer = 32 / B;  // codes per dword
   constexpr int64_t kBlockBytes = 32 * B;
   const int64_t blocks = p.blocks;
@@ -306,11 +303,8 @@ TGIS_PANELS_AVX512 void PairTile16(const SmallArgs& a, const ScaledX& x, const C
       const float* xk = &x.x[(t0 * blocks + b) * kBlock + kPer * j];
       Columns16<B, TT>(v, xk, blocks * kBlock, acc, std::make_integer_sequence<int, kPer>{});
     }
-    __m256 ws0, wz0, ws1, wz1;
-    PanelRunConstants<kCompact>(p, panel, b, &ws0, &wz0);
-    PanelRunConstants<kCompact>(p, panel + 1, b, &ws1, &wz1);
-    const __m512 ws = _mm512_insertf32x8(_mm512_castps256_ps512(ws0), ws1, 1);
-    const __m512 wz = _mm512_insertf32x8(_mm512_castps256_ps512(wz0), wz1, 1);
+    __m512 ws, wz;
+    PanelPairRunConstants<kCompact>(p, panel, b, &ws, &wz);
     for (int t = 0; t < TT; ++t) {
       const __m512 block =
           _mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]), _mm512_add_ps(acc[t][2], acc[t][3]));
@@ -318,13 +312,7 @@ TGIS_PANELS_AVX512 void PairTile16(const SmallArgs& a, const ScaledX& x, const C
       out[t] = _mm512_fmadd_ps(ws, _mm512_fnmadd_ps(wz, sum, block), out[t]);
     }
   }
-  __m256 lo[TT], hi[TT];
-  for (int t = 0; t < TT; ++t) {
-    lo[t] = _mm512_castps512_ps256(out[t]);
-    hi[t] = _mm512_extractf32x8_ps(out[t], 1);
-  }
-  StorePanel8(a, panel * kRows, t0, TT, lo);
-  StorePanel8(a, (panel + 1) * kRows, t0, TT, hi);
+  StorePanelPair(a, panel * kRows, t0, TT, out);
 }
 
 template <int B, bool kCompact>

@@ -276,6 +276,30 @@ TGIS_AVX2 inline void StorePanel8(const SmallArgs& a, int64_t n0, int64_t t0, in
   for (int t = 0; t < tt; ++t)
     _mm256_maskstore_ps(a.out + (t0 + t) * a.n + n0, mask, _mm256_add_ps(acc[t], bias));
 }
+// The kernels that take two panels a 16-lane vector (lanes 0-7 panel's rows, 8-15 the next
+// one's: linear_panels.cc, linear_int8_panels_body.h) are compiled for at least this.
+#define TGIS_PANEL_PAIRS __attribute__((target("avx512f,avx512dq,avx2,fma,f16c")))
+// PanelRunConstants of panels panel and panel + 1 in one vector each.
+template <bool kCompact>
+TGIS_PANEL_PAIRS inline __attribute__((always_inline)) void PanelPairRunConstants(
+    const CodePanels& p, int64_t panel, int64_t b, __m512* ws, __m512* wz) {
+  __m256 s0, z0, s1, z1;
+  PanelRunConstants<kCompact>(p, panel, b, &s0, &z0);
+  PanelRunConstants<kCompact>(p, panel + 1, b, &s1, &z1);
+  *ws = _mm512_insertf32x8(_mm512_castps256_ps512(s0), s1, 1);
+  *wz = _mm512_insertf32x8(_mm512_castps256_ps512(z0), z1, 1);
+}
+// StorePanel8 of both panels' rows [n0, n0 + 16).
+TGIS_PANEL_PAIRS inline void StorePanelPair(const SmallArgs& a, int64_t n0, int64_t t0, int tt,
+                                            const __m512* acc) {
+  __m256 lo[kSmallT], hi[kSmallT];
+  for (int t = 0; t < tt; ++t) {
+    lo[t] = _mm512_castps512_ps256(acc[t]);
+    hi[t] = _mm512_extractf32x8_ps(acc[t], 1);
+  }
+  StorePanel8(a, n0, t0, tt, lo);
+  StorePanel8(a, n0 + 8, t0, tt, hi);
+}
 
 // The AVX-512 prefill GEMM (T > kSmallT; linear_gemm_avx512.cc) for every weight format: it
 // asks `rows_of` for weight rows [n0, n0 + rows) as f32 [rows, K], written into `scratch`
