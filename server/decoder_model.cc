@@ -73,6 +73,31 @@ absl::StatusOr<ShardLayout> ShardLayout::Make(const DecoderSpec& s, int rank, in
   l.intermediate = {rank * inter, (rank + 1) * inter};
   const int64_t shared = s.shared_expert_intermediate / world;
   l.shared_expert = {rank * shared, (rank + 1) * shared};
+  l.mamba = s.mamba;
+  if (!s.mamba_layers.empty()) {
+    const int64_t heads = s.mamba.ssm.heads, groups = s.mamba.ssm.groups;
+    if (heads % world != 0) return indivisible("the number of Mamba-2 heads", heads);
+    if (groups <= 0 || heads % groups != 0) {
+      return absl::InvalidArgumentError("Mamba-2 heads are not a multiple of the groups");
+    }
+    if (groups % world != 0 && world % groups != 0) {
+      // A rank's heads would read parts of two groups.
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor parallel: the number of Mamba-2 groups (", groups,
+                       ") and the world size (", world, "): neither divides the other"));
+    }
+    const int64_t mine = heads / world;
+    l.mamba_heads = {rank * mine, (rank + 1) * mine};
+    if (groups % world == 0) {
+      const int64_t g = groups / world;
+      l.mamba_groups = {rank * g, (rank + 1) * g};
+    } else {
+      const int64_t g = rank * groups / world;
+      l.mamba_groups = {g, g + 1};
+    }
+    l.mamba.ssm.heads = l.mamba_heads.size();
+    l.mamba.ssm.groups = l.mamba_groups.size();
+  }
   l.vocab_chunk = (s.vocab + world - 1) / world;
   l.vocab = {std::min(s.vocab, rank * l.vocab_chunk),
              std::min(s.vocab, (rank + 1) * l.vocab_chunk)};
@@ -128,14 +153,14 @@ absl::Status ValidateWeights(const DecoderSpec& s, const ShardLayout& layout,
     const std::string p = absl::StrCat("layer ", i, " ");
     std::vector<std::tuple<const Tensor*, kernels::Shape, std::string>> want;
     if (s.IsMamba(i)) {
-      const MambaSpec& m = s.mamba;
+      const MambaSpec& m = layout.mamba;  // this rank's heads and groups
       const int64_t c = m.conv_channels(), heads = m.ssm.heads;
       want = {{&l.mamba_in_w, {m.projection(), s.hidden}, "mamba in_proj"},
               {&l.conv_w, {c, m.ssm.conv_kernel}, "mamba conv1d"},
               {&l.dt_bias, {heads}, "mamba dt_bias"},
               {&l.a_log, {heads}, "mamba A_log"},
               {&l.ssm_d, {heads}, "mamba D"},
-              {&l.mamba_norm_w, {m.inner()}, "mamba norm"},
+              {&l.mamba_norm_w, {s.mamba.inner()}, "mamba norm"},  // whole: see MambaMixer
               {&l.mamba_out_w, {s.hidden, m.inner()}, "mamba out_proj"}};
       if (m.conv_bias) want.emplace_back(&l.conv_b, kernels::Shape{c}, "mamba conv1d bias");
       if (m.proj_bias) {
@@ -209,6 +234,8 @@ CausalLM::CausalLM(DecoderSpec spec, DecoderWeights weights, std::shared_ptr<Com
     std::abort();
   }
   layout_ = *layout;
+  // The mixers and their states (RecurrentStateShapes) are this rank's heads and groups.
+  spec_.mamba = layout_.mamba;
   if (spec_.attn_scale == 0) {
     spec_.attn_scale = 1.0f / std::sqrt(static_cast<float>(spec_.head_dim));
   }
@@ -501,22 +528,26 @@ void CausalLM::NormHeads(const LayerWeights& w, Tensor* qkv) const {
     Tensor rows = heads.Reshape({t * part.heads, d});
     int64_t mine = 0;
     if (spec_.qk_norms_whole) {
-      rows = heads;
-      if (world > 1) {
-        Tensor gathered = Buf({world, t, width});
-        comm_->AllGather(heads, &gathered);
-        const Tensor by_rank = gathered.Reshape({world * t, width});
-        rows = Buf({t, world * width});
-        for (int r = 0; r < world; ++r) {
-          kernels::CopyColumns(by_rank.Rows(r * t, (r + 1) * t), 0, width, &rows, r * width);
-        }
-        mine = layout_.rank * width;
-      }
+      rows = world > 1 ? ColumnsOfEveryRank(heads) : heads;
+      mine = layout_.rank * width;
     }
     Tensor normed = Buf(rows.shape());
     Norm(rows, part.w, part.b, &normed);
     kernels::CopyColumns(normed.Reshape({t, normed.numel() / t}), mine, width, qkv, part.first * d);
   }
+}
+
+Tensor CausalLM::ColumnsOfEveryRank(const Tensor& mine) const {
+  const int world = layout_.world_size;
+  const int64_t t = mine.dim(0), width = mine.dim(1);
+  Tensor gathered = Buf({world, t, width});
+  comm_->AllGather(mine, &gathered);
+  const Tensor by_rank = gathered.Reshape({world * t, width});
+  Tensor rows = Buf({t, world * width});
+  for (int r = 0; r < world; ++r) {
+    kernels::CopyColumns(by_rank.Rows(r * t, (r + 1) * t), 0, width, &rows, r * width);
+  }
+  return rows;
 }
 
 void CausalLM::Rotate(const ForwardInput& in, Tensor* q, Tensor* k) const {
@@ -610,12 +641,20 @@ void CausalLM::MambaMixer(const ForwardInput& in, int64_t layer, const Tensor& x
   Tensor zy = Buf({t, 2 * m.inner()});
   kernels::SelectiveScan(m.ssm, proj, w.conv_w, w.conv_b, w.dt_bias, w.a_log, w.ssm_d,
                          in.host_query_start, conv, ssm, in.recurrent_fresh, &zy);
-  // transformers' gated RMSNorm: norm(y * silu(z)) over the whole inner width.
+  // transformers' gated RMSNorm: norm(y * silu(z)) over the whole inner width, so with tensor
+  // parallelism over every rank's heads gathered (the sums of squares as at world size 1), this
+  // rank's columns taken back for its part of out_proj.
   Tensor gated = Buf({t, m.inner()});
   kernels::GatedActivation(kernels::Activation::kSilu, zy, &gated);
-  Tensor normed = Buf({t, m.inner()});
-  kernels::RmsNorm(gated, w.mamba_norm_w, spec_.norm_eps, &normed);
-  kernels::Linear(normed, w.mamba_out_w, w.mamba_out_b.defined() ? &w.mamba_out_b : nullptr, out);
+  const bool parallel = layout_.world_size > 1;
+  const Tensor whole = parallel ? ColumnsOfEveryRank(gated) : gated;
+  Tensor normed = Buf(whole.shape());
+  kernels::RmsNorm(whole, w.mamba_norm_w, spec_.norm_eps, &normed);
+  if (parallel) {
+    kernels::CopyColumns(normed, layout_.rank * m.inner(), m.inner(), &gated, 0);
+    normed = gated;
+  }
+  kernels::Linear(normed, w.mamba_out_w, RowParallelBias(w.mamba_out_b), out);
 }
 
 Tensor CausalLM::ForwardHidden(const ForwardInput& in, std::vector<kernels::KvCacheLayer>* cache,

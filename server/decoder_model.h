@@ -170,6 +170,9 @@ class CausalLM : public Model {
   // DecoderSpec::qk_norms: this rank's q and k heads in qkv [T, (Hq + 2 Hk) * D] normed in place
   // (qk_norms_whole: over the whole projections).
   void NormHeads(const LayerWeights& w, kernels::Tensor* qkv) const;
+  // [T, world * W] from each rank's [T, W]: rank r's columns at r * W (ranks hold consecutive
+  // heads in rank order, so the rows are the whole projection's). A collective.
+  kernels::Tensor ColumnsOfEveryRank(const kernels::Tensor& mine) const;
   void Norm(const kernels::Tensor& x, const kernels::Tensor& w, const kernels::Tensor& b,
             kernels::Tensor* out) const;
   // x += y; out = Norm(x) (fused for RMSNorm).

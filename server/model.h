@@ -178,11 +178,19 @@ struct ShardLayout {
   Range shared_expert;      // the shared expert's columns (DecoderSpec::shared_expert_intermediate)
   Range vocab;              // embedding and lm_head rows
   int64_t vocab_chunk = 0;  // vocab rows per rank, ceil(V / world_size); the last may hold fewer
+  // Mamba-2 mixers: this rank's heads (their z, x and dt rows of in_proj, x channels of the
+  // convolution, out_proj input columns) and the groups of B and C they read: a slice of the
+  // groups when the world size divides them, else the one group the rank's heads all share
+  // (Granite 4.0-H has one group: every rank keeps it). `mamba` is the rank's mixer, those
+  // heads and groups.
+  Range mamba_heads;
+  Range mamba_groups;
+  MambaSpec mamba;
 
   // Splits `spec` over `world_size` ranks: attention heads and the MLP evenly (both must be
   // divisible by the world size); KV heads evenly when there are at least as many as ranks,
   // else each rank keeps the one KV head its q heads use (MQA, few KV heads); the vocabulary
-  // in chunks of ceil(V / world_size).
+  // in chunks of ceil(V / world_size); Mamba-2 heads evenly, their groups as said above.
   static absl::StatusOr<ShardLayout> Make(const DecoderSpec& spec, int rank, int world_size);
 
   // Rows of this rank's q, k and v in projections laid out head by head (head_dim `d`).

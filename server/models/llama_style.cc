@@ -166,29 +166,73 @@ absl::Status LoadExperts(const ShardedLoader& ld, const std::string& p, const De
   return AssignLoads(&loads);
 }
 
-// A Mamba-2 mixer's weights (GraniteMoeHybrid's `mamba.` modules), at world size 1: the two
-// projections in the run dtype, the rest in f32.
+// Ranges with the neighbours that touch joined (so a rank holding everything reads one range:
+// a view of the mapped file, not a copy).
+std::vector<Range> Joined(const std::vector<Range>& ranges) {
+  std::vector<Range> out;
+  for (const Range& r : ranges) {
+    if (!out.empty() && out.back().end == r.begin) {
+      out.back().end = r.end;
+    } else {
+      out.push_back(r);
+    }
+  }
+  return out;
+}
+
+// Small f32 tensor `name`, whole, that must have `shape`, then rows `ranges` of its first
+// dimension ([rows, the rest flattened]; 1-D: [rows]): the whole shape checked before a rank
+// takes its part, so a tensor longer than the config says is an error at every world size.
+absl::StatusOr<Tensor> RowsOfWhole(const ShardedLoader& ld, const std::string& name,
+                                   const kernels::Shape& shape, const std::vector<Range>& ranges) {
+  auto whole = ld.WholeShaped(name, shape);
+  if (!whole.ok()) return whole.status();
+  const Tensor all =
+      shape.size() == 1 ? *whole : whole->Reshape({shape[0], whole->numel() / shape[0]});
+  std::vector<Tensor> parts;
+  for (const Range& r : ranges) parts.push_back(all.Rows(r.begin, r.end));
+  return ConcatRows(parts, name);
+}
+
+// A Mamba-2 mixer's weights (GraniteMoeHybrid's `mamba.` modules): the two projections in the
+// run dtype, the rest in f32, each this rank's heads and groups (ShardLayout). in_proj's rows
+// are [z | x | B | C | dt] (heads of head_dim, groups of state_size, one dt a head); the
+// convolution's channels [x | B | C]; out_proj's input columns the heads'. The gated norm's
+// weight is whole (CausalLM::MambaMixer norms every rank's columns together).
 absl::Status LoadMamba(const ShardedLoader& ld, const std::string& m, const MambaSpec& spec,
                        LayerWeights* l) {
+  const ShardLayout& layout = ld.layout();
+  const int64_t inner = spec.inner(), grouped = spec.ssm.groups * spec.ssm.state_size;
+  const Range x = layout.mamba_heads.Scaled(spec.ssm.head_dim);
+  const Range groups = layout.mamba_groups.Scaled(spec.ssm.state_size);
+  const std::vector<Range> channels =
+      Joined({x, groups.Shifted(inner), groups.Shifted(inner + grouped)});
+  std::vector<Range> rows = {x};
+  for (const Range& c : channels) rows.push_back(c.Shifted(inner));
+  rows.push_back(layout.mamba_heads.Shifted(2 * inner + 2 * grouped));
+  rows = Joined(rows);
+  const Range heads = layout.mamba_heads;
   TensorLoads loads;
-  loads.emplace_back(&l->mamba_in_w,
-                     ld.OutputRows(m + "in_proj.weight", {Range{0, spec.projection()}}));
-  loads.emplace_back(&l->mamba_out_w, ld.InputColumns(m + "out_proj.weight", {0, spec.inner()}));
+  loads.emplace_back(&l->mamba_in_w, ld.OutputRows(m + "in_proj.weight", rows));
+  loads.emplace_back(&l->mamba_out_w, ld.InputColumns(m + "out_proj.weight", x));
   if (spec.proj_bias) {
-    loads.emplace_back(&l->mamba_in_b, ld.Whole(m + "in_proj.bias"));
+    loads.emplace_back(&l->mamba_in_b,
+                       RowsOfWhole(ld, m + "in_proj.bias", {spec.projection()}, rows));
     loads.emplace_back(&l->mamba_out_b, ld.Whole(m + "out_proj.bias"));
   }
   // transformers' Conv1d keeps [C, 1, K].
-  loads.emplace_back(&l->conv_w, ld.WholeShaped(m + "conv1d.weight",
-                                                {spec.conv_channels(), 1, spec.ssm.conv_kernel}));
-  if (spec.conv_bias) loads.emplace_back(&l->conv_b, ld.Whole(m + "conv1d.bias"));
-  loads.emplace_back(&l->dt_bias, ld.Whole(m + "dt_bias"));
-  loads.emplace_back(&l->a_log, ld.Whole(m + "A_log"));
-  loads.emplace_back(&l->ssm_d, ld.Whole(m + "D"));
+  loads.emplace_back(&l->conv_w,
+                     RowsOfWhole(ld, m + "conv1d.weight",
+                                 {spec.conv_channels(), 1, spec.ssm.conv_kernel}, channels));
+  if (spec.conv_bias) {
+    loads.emplace_back(&l->conv_b,
+                       RowsOfWhole(ld, m + "conv1d.bias", {spec.conv_channels()}, channels));
+  }
+  loads.emplace_back(&l->dt_bias, RowsOfWhole(ld, m + "dt_bias", {spec.ssm.heads}, {heads}));
+  loads.emplace_back(&l->a_log, RowsOfWhole(ld, m + "A_log", {spec.ssm.heads}, {heads}));
+  loads.emplace_back(&l->ssm_d, RowsOfWhole(ld, m + "D", {spec.ssm.heads}, {heads}));
   loads.emplace_back(&l->mamba_norm_w, ld.Whole(m + "norm.weight"));
-  if (auto st = AssignLoads(&loads); !st.ok()) return st;
-  l->conv_w = l->conv_w.Reshape({spec.conv_channels(), spec.ssm.conv_kernel});
-  return absl::OkStatus();
+  return AssignLoads(&loads);
 }
 
 bool IsQwenMoe(MoeLayout layout) {
@@ -476,10 +520,6 @@ absl::StatusOr<std::unique_ptr<CausalLM>> BuildLlamaStyle(const ModelConfig& c,
   s.embed_scale_in_act_dtype = opt.embed_scale_in_act_dtype;
   s.mamba_layers = opt.mamba_layers;
   s.mamba = opt.mamba;
-  if (!s.mamba_layers.empty() && comm->world_size() > 1) {
-    return absl::UnimplementedError(
-        "tensor parallel: Mamba-2 layers are served by one shard only (set NUM_SHARDS=1)");
-  }
   if (opt.moe != MoeLayout::kNone) {
     if (auto st = ReadExpertCounts(c, opt.moe, &s); !st.ok()) return st;
   }

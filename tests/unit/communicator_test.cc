@@ -94,6 +94,55 @@ TEST(ShardLayoutTest, IndivisibleSizesAreErrors) {
   EXPECT_FALSE(ShardLayout::Make(Spec(4, 2), 2, 2).ok());       // rank out of range
 }
 
+// Granite 4.0-H-style mixers: 8 heads of 16 in `groups` groups, state 16.
+DecoderSpec MambaSpec(int64_t groups) {
+  DecoderSpec s = Spec(4, 2);
+  s.mamba_layers = {true, false};
+  s.mamba.ssm = {.heads = 8, .head_dim = 16, .groups = groups, .state_size = 16, .conv_kernel = 4};
+  return s;
+}
+
+TEST(ShardLayoutTest, MambaHeadsSplitAndTheirGroupsSplitOrAreShared) {
+  // 4 groups over 2 ranks: 2 each, beside 4 heads each.
+  for (int r = 0; r < 2; ++r) {
+    auto l = ShardLayout::Make(MambaSpec(4), r, 2);
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_EQ(l->mamba_heads.begin, 4 * r);
+    EXPECT_EQ(l->mamba_heads.size(), 4);
+    EXPECT_EQ(l->mamba_groups.begin, 2 * r);
+    EXPECT_EQ(l->mamba_groups.size(), 2);
+    EXPECT_EQ(l->mamba.ssm.heads, 4);
+    EXPECT_EQ(l->mamba.ssm.groups, 2);
+    EXPECT_EQ(l->mamba.conv_channels(), 4 * 16 + 2 * 2 * 16);
+  }
+  // 2 groups over 4 ranks: ranks 0, 1 read group 0 (heads 0-3), ranks 2, 3 group 1.
+  for (int r = 0; r < 4; ++r) {
+    auto l = ShardLayout::Make(MambaSpec(2), r, 4);
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_EQ(l->mamba_heads.begin, 2 * r);
+    EXPECT_EQ(l->mamba_groups.begin, r / 2);
+    EXPECT_EQ(l->mamba.ssm.groups, 1);
+  }
+  // One group (Granite 4.0-H): every rank keeps it.
+  auto l = ShardLayout::Make(MambaSpec(1), 1, 2);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->mamba_groups.begin, 0);
+  EXPECT_EQ(l->mamba.ssm.groups, 1);
+  EXPECT_EQ(l->mamba.ssm.heads, 4);
+}
+
+TEST(ShardLayoutTest, MambaSplitsThatCutAGroupAreErrors) {
+  DecoderSpec s = MambaSpec(2);
+  s.mamba.ssm.heads = 6;  // 3 heads a group; over 4 ranks heads do not divide
+  EXPECT_NE(ShardLayout::Make(s, 0, 4).status().message().find("Mamba-2 heads"), std::string::npos);
+  s.mamba.ssm = {.heads = 12, .head_dim = 16, .groups = 3, .state_size = 16, .conv_kernel = 4};
+  auto cut = ShardLayout::Make(s, 0, 2);  // rank 0's heads 0-5 would read groups 0 and half of 1
+  ASSERT_FALSE(cut.ok());
+  EXPECT_NE(cut.status().message().find("Mamba-2 groups (3) and the world size (2)"),
+            std::string::npos)
+      << cut.status();
+}
+
 TEST(SingleProcessCommunicatorTest, CollectivesAreTheIdentity) {
   auto comm = tgis::server::MakeSingleProcessCommunicator();
   EXPECT_EQ(comm->rank(), 0);

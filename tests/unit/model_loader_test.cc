@@ -1098,7 +1098,8 @@ TEST(ModelConfigTest, GraniteHybridReadsLayerTypesAndMambaSizes) {
                    "config.json: hidden_act = \"gelu\": Mamba-2 layers are served with silu only");
   ExpectBuildError(BuildFixtureWith("granite4_h", [](Json& c) { c["mamba_d_conv"] = 3; }),
                    "model.layers.0.mamba.conv1d.weight: expected [192, 1, 3], found [192, 1, 4]");
-  // Tensor parallelism is refused by name before any weight is sliced.
+  // Under tensor parallelism each rank holds half the mixer's heads and, of its two groups,
+  // the one they read: its states are that part's.
   struct TwoRanks : tgis::server::Communicator {
     int rank() const override { return 0; }
     int world_size() const override { return 2; }
@@ -1115,11 +1116,12 @@ TEST(ModelConfigTest, GraniteHybridReadsLayerTypesAndMambaSizes) {
   ASSERT_TRUE(config.ok()) << config.status();
   auto weights = tgis::server::ModelRegistry::OpenWeights(dir, *config);
   ASSERT_TRUE(weights.ok()) << weights.status();
-  ExpectBuildError(
-      tgis::server::ModelRegistry::Get()
-          .Build(*config, **weights, tgis::kernels::DType::kF32, std::make_shared<TwoRanks>())
-          .status(),
-      "tensor parallel: Mamba-2 layers are served by one shard only");
+  auto half = tgis::server::ModelRegistry::Get().Build(
+      *config, **weights, tgis::kernels::DType::kF32, std::make_shared<TwoRanks>());
+  ASSERT_TRUE(half.ok()) << half.status();
+  // 4 heads of 16 and one group of state 16: conv channels 64 + 2 * 16, kernel 4.
+  EXPECT_EQ((*half)->spec().RecurrentStateShapes(),
+            (std::vector<tgis::kernels::Shape>{{96, 3}, {4, 16, 16}}));
   ExpectBuildError(
       BuildFixtureWith("granite4_micro", [](Json& c) { c["layer_types"] = {"attention"}; }),
       "expected one entry per layer (2)");
