@@ -203,8 +203,11 @@ grpc::Status ShardService::EnsureEngine() {
                 << " set aside before the KV cache";
     }
   }
-  int64_t blocks = states_fit.ok() ? options_.num_blocks : 0;
-  if (blocks <= 0 && states_fit.ok()) {
+  // A rank whose states do not fit offers no blocks, so that every rank fails with it.
+  int64_t blocks = options_.num_blocks;
+  if (!states_fit.ok()) {
+    blocks = 0;
+  } else if (blocks <= 0) {
     const size_t per_block = pending_model_->KvBytesPerToken() * options_.block_size;
     const uint64_t budget = static_cast<uint64_t>(usable * options_.memory_fraction);
     blocks = static_cast<int64_t>(std::min<uint64_t>(budget / per_block, 1u << 20));

@@ -128,6 +128,10 @@ bool UseAvx512(const QuantizedWeight* q) {
   return (q == nullptr || q->codebook.empty()) && UseAvx512Stream(q);
 }
 
+// Whether the ISA setting (SetIsaForTesting) and the CPU allow AVX-512 kernels at all, whatever
+// the weight (f32 and bf16 x, the GEMM, panel pairs).
+bool Avx512Allowed() { return UseAvx512Stream(nullptr); }
+
 // Integer dot products for 8- and 4-bit codes (among the weights UseAvx512 takes).
 bool UseVnni() {
   const Isa isa = g_isa.load(std::memory_order_relaxed);
@@ -138,8 +142,7 @@ bool UseVnni() {
 // Whether bf16 weights multiply x rounded to bf16 (linear_gemm_bf16.cc, linear_decode_bf16.cc).
 bool UseBf16Dot() {
   const Isa isa = g_isa.load(std::memory_order_relaxed);
-  return UseAvx512(nullptr) &&
-         (isa == Isa::kAvx512Bf16 || (isa == Isa::kAuto && CpuHasAvx512Bf16()));
+  return Avx512Allowed() && (isa == Isa::kAvx512Bf16 || (isa == Isa::kAuto && CpuHasAvx512Bf16()));
 }
 
 // Which kernels multiply 8- and 4-bit codes by int8-rounded x (SetInt8Activations), if any:
@@ -493,7 +496,7 @@ void SmallT(const SmallArgs& args) {
     // dequantizing kernels.
     if (EveryPathTakesPanels(args.q)) {
       if (const CodePanels* panels = CodePanelsOf(*args.q)) {
-        return PanelsExactLinear(args, *panels, UseAvx512Stream(nullptr));
+        return PanelsExactLinear(args, *panels, Avx512Allowed());
       }
     }
   }
@@ -576,7 +579,7 @@ void LargeT(const SmallArgs& a) {
   const int64_t threads = ThreadPool::Global().size();
   if (W == WFmt::kBF16 && Bf16DotTakes(DType::kBF16, a.k)) {
     LargeBf16DotGemm(a);
-  } else if (UseAvx512(nullptr)) {
+  } else if (Avx512Allowed()) {
     LargeAvx512Gemm(a, [&](int64_t n0, int rows, float* scratch) -> const float* {
       if constexpr (W == WFmt::kF32) {
         return static_cast<const float*>(a.w) + n0 * a.k;
@@ -678,7 +681,7 @@ Isa IsaNamed(std::string_view name) {
 }
 
 const char* ActiveIsaName() {
-  if (UseAvx512(nullptr)) {
+  if (Avx512Allowed()) {
     if (UseBf16Dot()) return "avx512+vnni+bf16";
     return UseVnni() ? "avx512+vnni" : "avx512";
   }
@@ -687,7 +690,7 @@ const char* ActiveIsaName() {
 
 std::string PrefillGemmName() {
   if (UseBf16Dot()) return "avx512 (bf16 weights: avx512_bf16 on x rounded to bf16)";
-  return UseAvx512(nullptr) ? "avx512" : "OpenBLAS " + BlasCoreName();
+  return Avx512Allowed() ? "avx512" : "OpenBLAS " + BlasCoreName();
 }
 
 void Linear(const Tensor& x, const Tensor& w, const Tensor* bias, Tensor* out) {

@@ -97,6 +97,8 @@ struct RowDecoder {
       table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(row.Zero(r))),
                             _mm512_set1_ps(row.Scale(r)));
     } else if constexpr (W == WFmt::kLut4) {
+      // The codebook reloads from L1 once a run: a register held for it would take one of the
+      // tile's 32 per row.
       table = _mm512_mul_ps(_mm512_loadu_ps(row.lut), _mm512_set1_ps(row.Scale(r)));
     } else {
       zero = _mm512_set1_ps(row.zero[r]);

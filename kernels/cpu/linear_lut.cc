@@ -3,8 +3,8 @@
 // values are kept as four byte planes, one per byte of the f32, and 32 codes at a time look up each
 // plane with one vpshufb (16 entries per 128-bit lane) and are interleaved back into f32: 4
 // shuffles and 8 unpacks per 32 weights, where two vpermps and a blend per 8 took 2.8 against 1.9
-// cycles per 8 weights (a microbenchmark on Zen 3). Times the 32-column block's scale: table[code]
-// * scale, the product Dequantize rounds.
+// cycles per 8 weights (a microbenchmark on Zen 3). Times the 32-column block's scale:
+// table[code] * scale, the product Dequantize rounds.
 //
 // The unpacking leaves each 8 columns in the order 0 2 4 6 1 3 5 7, and x is reordered so
 // (LutOrderX). Each (row, token) sums its columns in that order in one 8-lane accumulator,

@@ -129,11 +129,10 @@ bool CpuHasAvx512();
 bool WholeBlockRuns(const QuantizedWeight* q);
 // The AVX-512 kernel applies 4-bit codes and bf16 rows to x in its own column order within
 // each 32-column block: 4-bit codes (integer or table) a block's even columns, then its odd
-// ones; bf16 rows,
-// widened by interleaving each 16-bit value with a zero within 128-bit lanes, columns 0-3 8-11
-// 16-19 24-27 and then 4-7 12-15 20-23 28-31. Avx512OrderX reorders [t, k] rows of x for
-// format w into rows of Avx512OrderedWidth(k) (k rounded up to whole blocks, zeros past k),
-// on a cache line, in the calling thread's buffer (valid until its next call).
+// ones; bf16 rows, widened by interleaving each 16-bit value with a zero within 128-bit lanes,
+// columns 0-3 8-11 16-19 24-27 and then 4-7 12-15 20-23 28-31. Avx512OrderX reorders [t, k]
+// rows of x for format w into rows of Avx512OrderedWidth(k) (k rounded up to whole blocks,
+// zeros past k), on a cache line, in the calling thread's buffer (valid until its next call).
 constexpr bool Avx512OrdersX(WFmt w) {
   return w == WFmt::kQ4 || w == WFmt::kLut4 || w == WFmt::kBF16;
 }
