@@ -341,7 +341,7 @@ class ParityFixture {
   // NTK, LongRoPE): a single teacher-forced prefill of prompt + continuation rotates every key
   // with the whole length's frequencies, so only stepwise runs can match them.
   bool rope_stepwise_ = false;
-  bool recurrent_ = false;  // Mamba-2 layers (config.json layer_types): one rank only
+  bool recurrent_ = false;  // Mamba-2 layers (config.json layer_types)
 };
 
 class ParityTest : public ParityFixture,
@@ -350,9 +350,6 @@ class ParityTest : public ParityFixture,
   void SetUp() override {
     Load(std::get<0>(GetParam()));
     world_ = std::get<1>(GetParam());
-    if (world_ > 1 && recurrent_) {
-      GTEST_SKIP() << "Mamba-2 layers are served at world size 1 (more is refused by name)";
-    }
   }
 };
 
