@@ -154,12 +154,9 @@ void SelectiveScan(const SsmConfig& cfg, const Tensor& proj, const Tensor& conv_
                    const Tensor& d, const std::vector<int32_t>& query_start,
                    const std::vector<Tensor*>& conv_states, const std::vector<Tensor*>& ssm_states,
                    const std::vector<uint8_t>& fresh, Tensor* out) {
-  // Mamba-2 models refuse CUDA at load (models/granite.cc): this is never reached there.
-  TGIS_CHECK(DeviceOf("SelectiveScan", {&proj, &conv_w, &conv_b, &dt_bias, &a_log, &d, out}) ==
-                 Device::kCpu,
-             "SelectiveScan: no CUDA kernel yet (Mamba-2 layers run on the CPU)");
-  cpu::SelectiveScan(cfg, proj, conv_w, conv_b, dt_bias, a_log, d, query_start, conv_states,
-                     ssm_states, fresh, out);
+  TGIS_DISPATCH(SelectiveScan, TGIS_TENSORS(&proj, &conv_w, &conv_b, &dt_bias, &a_log, &d, out),
+                cfg, proj, conv_w, conv_b, dt_bias, a_log, d, query_start, conv_states, ssm_states,
+                fresh, out);
 }
 
 void Softmax(Tensor* x) { TGIS_DISPATCH(Softmax, TGIS_TENSORS(x), x); }

@@ -130,7 +130,8 @@ void Activate(Activation kind, Tensor* x);
 // proj: [T, I + C + heads] (z | xBC | dt); out: [T, 2 I] = z | y, so that
 // GatedActivation(kSilu) gives the gated norm's input silu(z) * y. A sequence with fresh[s]
 // starts from zero states; its states after its last row are left in conv_states and
-// ssm_states. All f32, on the CPU (no CUDA kernel yet).
+// ssm_states. The parameters and states f32; proj and out f32 on the CPU, the activations'
+// dtype on CUDA (the recurrence in f32 there too).
 struct SsmConfig {
   int64_t heads = 0, head_dim = 0, groups = 0, state_size = 0, conv_kernel = 0;
 };

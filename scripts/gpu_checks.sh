@@ -10,6 +10,8 @@
 #   ATTENTION_ARGS="..."            extra arguments for attention_bench
 #   BENCH_ARGS="..."                extra arguments for benchmarks/gpu_bench.py
 #   ENGINE_ARGS="..."               extra arguments for the engine part (gpubench.engine_only)
+#   PARITY_FILTER="a:b"             the CUDA parity tests of these fixtures only (those a slim
+#                                   tree carries: scripts/gpu_tree.sh slim a b); default all
 #   OPS_TIMEOUT, PARITY_TIMEOUT, ATTENTION_TIMEOUT, BENCH_TIMEOUT  seconds per part (default
 #                                   120, 180, 60, 600; bench also times the engine part), so
 #                                   that a hang in one part still leaves the others and the
@@ -50,7 +52,13 @@ if [[ " $parts " == *" ops "* ]]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 if [[ " $parts " == *" parity "* ]]; then
-  timeout -k 5 "${PARITY_TIMEOUT:-180}" "$B/build/tests/model_parity_test" --gtest_filter='*Cuda*' 2>&1 | tee "$OUT/parity.log" |
+  filter='*Cuda*'
+  if [ -n "${PARITY_FILTER:-}" ]; then
+    filter=""
+    for m in ${PARITY_FILTER//:/ }; do filter="$filter:*CudaParityTest*/${m}_cuda_*"; done
+    filter=${filter#:}
+  fi
+  timeout -k 5 "${PARITY_TIMEOUT:-180}" "$B/build/tests/model_parity_test" --gtest_filter="$filter" 2>&1 | tee "$OUT/parity.log" |
     grep -E "FAILED|PASSED|Failure|error" | tail -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi

@@ -324,6 +324,11 @@ void CausalLM::MoveTo(kernels::Device device) {
     for (auto* biases : {&l.expert_up_b, &l.expert_down_b}) {
       for (Tensor& t : *biases) move(&t);
     }
+    for (Tensor* t : {&l.mamba_in_b, &l.mamba_out_b, &l.mamba_norm_w}) move(t);
+    // The selective scan's parameters stay f32 (its recurrence runs in f32).
+    for (Tensor* t : {&l.conv_w, &l.conv_b, &l.dt_bias, &l.a_log, &l.ssm_d}) {
+      MoveWeight(t, DType::kF32, device);
+    }
     for (Tensor* t : l.Linears()) move(t);
   }
   device_ = device;

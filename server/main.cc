@@ -277,11 +277,6 @@ int main(int argc, char** argv) {
   }
   auto model = registry.Build(*config, **weights, dtype, comm);
   if (!model.ok()) return Fail(std::string(model.status().message()));
-  if (cuda && !(*model)->spec().RecurrentStateShapes().empty()) {
-    return Fail(
-        "Mamba-2 layers (config.json's layer_types \"mamba\") have no CUDA kernels yet: serve "
-        "this model on the CPU (--device cpu, env TGIS_DEVICE=cpu)");
-  }
   (*model)->MoveTo(cuda ? tgis::kernels::Device::kCuda : tgis::kernels::Device::kCpu);
   if (const size_t derived = tgis::kernels::CpuDerivedLayoutBytes(); derived > 0) {
     const size_t released = tgis::kernels::CpuReleasedCodeBytes();

@@ -12,12 +12,6 @@
 namespace tgis::kernels::cpu {
 
 #include "kernels/op_signatures.inc"
-// CPU only for now (ops.h).
-void SelectiveScan(const SsmConfig& cfg, const Tensor& proj, const Tensor& conv_w,
-                   const Tensor& conv_b, const Tensor& dt_bias, const Tensor& a_log,
-                   const Tensor& d, const std::vector<int32_t>& query_start,
-                   const std::vector<Tensor*>& conv_states, const std::vector<Tensor*>& ssm_states,
-                   const std::vector<uint8_t>& fresh, Tensor* out);
 
 // Which Linear code path runs: kAuto picks the best the CPU has: AVX-512 with VNNI (integer
 // dot products for 8-bit codes) and AVX512_BF16 (bf16 weights against x rounded to bf16),

@@ -1239,6 +1239,61 @@ TEST_P(OpsTest, ClampedSwiGlu) {
   }
 }
 
+// Mamba-2's scan on every device against the CPU kernel (whose recurrence the SelectiveScan
+// tests below check) in f32 on the activations as the device holds them: three sequences of 7,
+// 1 and 4 tokens, N = 20 (two whole 8-lane partial sums and a tail), twice: from fresh states,
+// then sequence 1 carried on while 0 and 2 are fresh again. Outputs and the states left.
+TEST_P(OpsTest, SelectiveScan) {
+  const SsmConfig cfg{6, 5, 3, 20, 4};
+  const int64_t inner = 30, channels = inner + 2 * 3 * 20, width = inner + channels + 6;
+  const std::vector<int32_t> starts = {0, 7, 8, 12};
+  auto on_device = [&](const Tensor& t) {
+    return device() == Device::kCpu ? t : t.ToDevice(device());
+  };
+  const Tensor w = Tensor::FromVector(Random(channels * 4, 31, -0.5f, 0.5f), {channels, 4});
+  const Tensor b = Tensor::FromVector(Random(channels, 32, -0.1f, 0.1f), {channels});
+  const Tensor dtb = Tensor::FromVector(Random(6, 33, -1, 1), {6});
+  const Tensor alog = Tensor::FromVector(Random(6, 34, -1, 1), {6});
+  const Tensor dd = Tensor::FromVector(Random(6, 35, -1, 1), {6});
+  std::vector<Tensor> conv, ssm, ref_conv, ref_ssm;
+  for (int s = 0; s < 3; ++s) {
+    conv.push_back(on_device(Tensor::Zeros({channels, 3}, DType::kF32)));
+    ssm.push_back(on_device(Tensor::Zeros({6, 5, 20}, DType::kF32)));
+    ref_conv.push_back(Tensor::Zeros({channels, 3}, DType::kF32));
+    ref_ssm.push_back(Tensor::Zeros({6, 5, 20}, DType::kF32));
+  }
+  auto pointers = [](std::vector<Tensor>& v) {
+    std::vector<Tensor*> p;
+    for (Tensor& t : v) p.push_back(&t);
+    return p;
+  };
+  const std::vector<std::vector<uint8_t>> fresh = {{1, 1, 1}, {1, 0, 1}};
+  for (int call = 0; call < 2; ++call) {
+    const Tensor proj = Act(Random(12 * width, 40 + call, -2, 2), {12, width});
+    Tensor out = Act(std::vector<float>(12 * 2 * inner, 0.0f), {12, 2 * inner});
+    SelectiveScan(cfg, proj, on_device(w), on_device(b), on_device(dtb), on_device(alog),
+                  on_device(dd), starts, pointers(conv), pointers(ssm), fresh[call], &out);
+    Tensor ref = Tensor::Zeros({12, 2 * inner}, DType::kF32);
+    const std::vector<float> proj_host = Host(proj);
+    cpu::SelectiveScan(cfg, Tensor::FromVector(proj_host, {12, width}), w, b, dtb, alog, dd, starts,
+                       pointers(ref_conv), pointers(ref_ssm), fresh[call], &ref);
+    const std::vector<float> want = Host(ref);
+    const std::string what = "call " + std::to_string(call);
+    ExpectClose(Host(out), std::vector<double>(want.begin(), want.end()),
+                std::vector<double>(want.size(), 1.0), tol(), what + " outputs");
+    for (int s = 0; s < 3; ++s) {
+      for (const auto& [got, expected] :
+           {std::pair{&conv[s], &ref_conv[s]}, {&ssm[s], &ref_ssm[s]}}) {
+        const std::vector<float> e = Host(*expected);
+        // The states stay f32 on every device: only the inputs' rounding differs (none here).
+        ExpectClose(Host(*got), std::vector<double>(e.begin(), e.end()),
+                    std::vector<double>(e.size(), 1.0), RelTol(DType::kF32),
+                    what + " sequence " + std::to_string(s) + " states");
+      }
+    }
+  }
+}
+
 double ActivationReference(Activation kind, double d) {
   switch (kind) {
     case Activation::kRelu:

@@ -1257,7 +1257,6 @@ class CudaParityTest
   void SetUp() override {
     if (tgis::kernels::GpuCount() == 0) GTEST_SKIP() << "CUDA not built/available";
     Load(std::get<0>(GetParam()));
-    if (recurrent_) GTEST_SKIP() << "Mamba-2 layers have no CUDA kernel yet (the shard refuses)";
     device_ = tgis::kernels::Device::kCuda;
     dtype_ = std::get<1>(GetParam());
   }

@@ -1,0 +1,193 @@
+// Mamba-2's selective scan on CUDA (ops.h's contract), in the CPU kernel's order of operations:
+// the causal convolution first (one thread a channel of a sequence, over its tokens), then the
+// recurrence (one block a (sequence, head), one thread a row of the head's [head_dim, N] state,
+// over the tokens). The sequences' states and rows travel in the launch's parameters, a batch
+// of them at a time: nothing is copied from the host, so no step waits on it.
+#include <algorithm>
+
+#include "kernels/check.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda_ops.h"
+
+namespace tgis::kernels::cuda {
+
+namespace {
+
+// The convolution's past inputs live in registers: kernels up to this size (Mamba-2's is 4).
+constexpr int kMaxConvKernel = 8;
+// Sequences per launch: their descriptors (32 bytes each) fit the 4 KiB of kernel parameters.
+constexpr int kScanBatch = 64;
+
+struct ScanSequence {
+  float* conv;  // [C, K - 1], oldest first
+  float* ssm;   // [heads, P, N]
+  int32_t begin, end;
+  int32_t fresh;
+};
+
+struct ScanBatch {
+  ScanSequence seq[kScanBatch];
+};
+
+struct ScanSizes {
+  int64_t heads, p, groups, n, k, inner, channels, width;
+};
+
+// torch.nn.functional.softplus (beta 1, threshold 20), as the CPU kernel.
+__device__ __forceinline__ float Softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+__device__ __forceinline__ float Silu(float x) { return x / (1.0f + expf(-x)); }
+
+// xBC = silu(conv(xBC) + bias) of every row into xbc [T, C] (f32), z copied into out's first
+// half. Grid: (sequences, channel blocks).
+template <typename T>
+__global__ void ConvKernel(ScanBatch batch, ScanSizes sz, const T* proj, const float* w,
+                           const float* bias, float* xbc, T* out) {
+  PriorGridsDone();
+  const ScanSequence s = batch.seq[blockIdx.x];
+  const int64_t c = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= sz.channels) return;  // channels > inner: z's columns are among them
+  const int64_t k = sz.k;
+  {
+    float past[kMaxConvKernel];
+    float* state = s.conv + c * (k - 1);
+    for (int64_t j = 0; j < k - 1; ++j) past[j] = s.fresh ? 0.0f : state[j];
+    const float* wc = w + c * k;
+    const float b = bias != nullptr ? bias[c] : 0.0f;
+    for (int32_t t = s.begin; t < s.end; ++t) {
+      const float raw = ToF32(proj[t * sz.width + sz.inner + c]);
+      float acc = 0;
+      for (int64_t j = 0; j < k - 1; ++j) acc += wc[j] * past[j];
+      acc += wc[k - 1] * raw;
+      if (bias != nullptr) acc += b;
+      xbc[t * sz.channels + c] = Silu(acc);
+      for (int64_t j = 0; j + 1 < k - 1; ++j) past[j] = past[j + 1];
+      if (k > 1) past[k - 2] = raw;
+    }
+    for (int64_t j = 0; j < k - 1; ++j) state[j] = past[j];
+  }
+  if (c < sz.inner) {
+    for (int32_t t = s.begin; t < s.end; ++t) {
+      out[t * 2 * sz.inner + c] = proj[t * sz.width + c];
+    }
+  }
+}
+
+// The recurrence of head blockIdx.y of sequence blockIdx.x: thread i keeps row i of the head's
+// state (N values, in the sequence's slot) and writes y[i] of every token. The read-out sums in
+// the CPU kernel's 8 interleaved partial sums, added in its order.
+template <typename T>
+__global__ void ScanKernel(ScanBatch batch, ScanSizes sz, const T* proj, const float* xbc,
+                           const float* dt_bias, const float* a_log, const float* d, T* out) {
+  PriorGridsDone();
+  const ScanSequence s = batch.seq[blockIdx.x];
+  const int64_t h = blockIdx.y, i = threadIdx.x, n = sz.n;
+  if (i >= sz.p) return;
+  const int64_t g = h / (sz.heads / sz.groups);
+  float* state = s.ssm + (h * sz.p + i) * n;
+  if (s.fresh) {
+    for (int64_t j = 0; j < n; ++j) state[j] = 0.0f;
+  }
+  const float a = -expf(a_log[h]);
+  for (int32_t t = s.begin; t < s.end; ++t) {
+    const float* x = xbc + t * sz.channels;
+    const float* bg = x + sz.inner + g * n;
+    const float* cg = x + sz.inner + sz.groups * n + g * n;
+    const float dt = Softplus(ToF32(proj[t * sz.width + sz.inner + sz.channels + h]) + dt_bias[h]);
+    const float decay = expf(dt * a);
+    const float xi = x[h * sz.p + i];
+    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+#pragma unroll
+      for (int l = 0; l < 8; ++l) {
+        const float v = state[j + l] * decay + dt * bg[j + l] * xi;
+        state[j + l] = v;
+        part[l] += v * cg[j + l];
+      }
+    }
+    for (; j < n; ++j) {
+      const float v = state[j] * decay + dt * bg[j] * xi;
+      state[j] = v;
+      part[0] += v * cg[j];
+    }
+    const float acc =
+        ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    out[t * 2 * sz.inner + sz.inner + h * sz.p + i] = FromF32<T>(acc + d[h] * xi);
+  }
+}
+
+void CheckF32(const Tensor& t, const char* what) {
+  TGIS_CHECK(t.defined() && t.device() == Device::kCuda && t.dtype() == DType::kF32,
+             "SelectiveScan: %s must be a CUDA f32 tensor", what);
+}
+
+}  // namespace
+
+void SelectiveScan(const SsmConfig& cfg, const Tensor& proj, const Tensor& conv_w,
+                   const Tensor& conv_b, const Tensor& dt_bias, const Tensor& a_log,
+                   const Tensor& d, const std::vector<int32_t>& query_start,
+                   const std::vector<Tensor*>& conv_states, const std::vector<Tensor*>& ssm_states,
+                   const std::vector<uint8_t>& fresh, Tensor* out) {
+  const char* op = "SelectiveScan";
+  ScanSizes sz{cfg.heads, cfg.head_dim, cfg.groups, cfg.state_size, cfg.conv_kernel, 0, 0, 0};
+  sz.inner = sz.heads * sz.p;
+  sz.channels = sz.inner + 2 * sz.groups * sz.n;
+  sz.width = sz.inner + sz.channels + sz.heads;
+  const size_t seqs = query_start.empty() ? 0 : query_start.size() - 1;
+  TGIS_CHECK(sz.heads > 0 && sz.p > 0 && sz.groups > 0 && sz.n > 0 && sz.k > 0 &&
+                 sz.heads % sz.groups == 0,
+             "SelectiveScan: bad sizes");
+  TGIS_CHECK(sz.k <= kMaxConvKernel && sz.p <= 1024,
+             "SelectiveScan: CUDA takes convolution kernels up to %d and heads up to 1024 wide",
+             kMaxConvKernel);
+  CheckCudaFloat(proj, op, "proj");
+  CheckCudaFloat(*out, op, "out");
+  TGIS_CHECK(out->dtype() == proj.dtype() && proj.rank() == 2 && proj.dim(1) == sz.width &&
+                 out->rank() == 2 && out->dim(1) == 2 * sz.inner && out->dim(0) == proj.dim(0),
+             "SelectiveScan: proj [T, %lld] and out [T, %lld] of one dtype expected",
+             static_cast<long long>(sz.width), static_cast<long long>(2 * sz.inner));
+  CheckF32(conv_w, "conv_w");
+  CheckF32(dt_bias, "dt_bias");
+  CheckF32(a_log, "a_log");
+  CheckF32(d, "d");
+  if (conv_b.defined()) CheckF32(conv_b, "conv_b");
+  TGIS_CHECK(conv_w.numel() == sz.channels * sz.k &&
+                 (!conv_b.defined() || conv_b.numel() == sz.channels) &&
+                 dt_bias.numel() == sz.heads && a_log.numel() == sz.heads && d.numel() == sz.heads,
+             "SelectiveScan: parameter shapes");
+  TGIS_CHECK(conv_states.size() == seqs && ssm_states.size() == seqs && fresh.size() == seqs,
+             "SelectiveScan: one state per sequence");
+  for (size_t s = 0; s < seqs; ++s) {
+    CheckF32(*conv_states[s], "a convolution state");
+    CheckF32(*ssm_states[s], "an SSM state");
+    TGIS_CHECK(conv_states[s]->numel() == sz.channels * (sz.k - 1) &&
+                   ssm_states[s]->numel() == sz.heads * sz.p * sz.n,
+               "SelectiveScan: state shapes");
+  }
+  const int64_t rows = proj.dim(0);
+  if (seqs == 0 || rows == 0) return;
+  Tensor xbc = Tensor::Empty({rows, sz.channels}, DType::kF32, Device::kCuda);
+  const float* bias = conv_b.defined() ? conv_b.data<float>() : nullptr;
+  const int conv_threads = 128;
+  const unsigned channel_blocks = Blocks(sz.channels, conv_threads);
+  const int scan_threads = RowThreads(sz.p);
+  for (size_t first = 0; first < seqs; first += kScanBatch) {
+    const size_t count = std::min<size_t>(kScanBatch, seqs - first);
+    ScanBatch batch{};
+    for (size_t i = 0; i < count; ++i) {
+      const size_t s = first + i;
+      batch.seq[i] = {conv_states[s]->data<float>(), ssm_states[s]->data<float>(), query_start[s],
+                      query_start[s + 1], fresh[s] ? 1 : 0};
+    }
+    TGIS_DISPATCH_FLOAT(
+        proj.dtype(), op,
+        Launch(ConvKernel<T>, dim3(static_cast<unsigned>(count), channel_blocks), conv_threads,
+               batch, sz, proj.data<T>(), conv_w.data<float>(), bias, xbc.data<float>(),
+               out->data<T>());
+        Launch(ScanKernel<T>, dim3(static_cast<unsigned>(count), static_cast<unsigned>(sz.heads)),
+               scan_threads, batch, sz, proj.data<T>(), xbc.data<float>(), dt_bias.data<float>(),
+               a_log.data<float>(), d.data<float>(), out->data<T>()));
+  }
+}
+
+}  // namespace tgis::kernels::cuda
