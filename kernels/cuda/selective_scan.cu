@@ -1,8 +1,10 @@
 // Mamba-2's selective scan on CUDA (ops.h's contract), in the CPU kernel's order of operations:
 // the causal convolution first (one thread a channel of a sequence, over its tokens), then the
 // recurrence (one block a (sequence, head), one thread a row of the head's [head_dim, N] state,
-// over the tokens). The sequences' states and rows travel in the launch's parameters, a batch
-// of them at a time: nothing is copied from the host, so no step waits on it.
+// over the tokens). Any kernel size and head width: the convolution's past inputs stay in the
+// sequence's slot, and rows past 1024 go round the block again. The sequences' states and rows
+// travel in the launch's parameters, a batch of them at a time: nothing is copied from the host, so
+// no step waits on it.
 #include <algorithm>
 
 #include "kernels/check.h"
@@ -13,8 +15,6 @@ namespace tgis::kernels::cuda {
 
 namespace {
 
-// The convolution's past inputs live in registers: kernels up to this size (Mamba-2's is 4).
-constexpr int kMaxConvKernel = 8;
 // Sequences per launch: their descriptors (32 bytes each) fit the 4 KiB of kernel parameters.
 constexpr int kScanBatch = 64;
 
@@ -47,23 +47,23 @@ __global__ void ConvKernel(ScanBatch batch, ScanSizes sz, const T* proj, const f
   const int64_t c = blockIdx.y * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (c >= sz.channels) return;  // channels > inner: z's columns are among them
   const int64_t k = sz.k;
-  {
-    float past[kMaxConvKernel];
-    float* state = s.conv + c * (k - 1);
-    for (int64_t j = 0; j < k - 1; ++j) past[j] = s.fresh ? 0.0f : state[j];
-    const float* wc = w + c * k;
-    const float b = bias != nullptr ? bias[c] : 0.0f;
-    for (int32_t t = s.begin; t < s.end; ++t) {
-      const float raw = ToF32(proj[t * sz.width + sz.inner + c]);
-      float acc = 0;
-      for (int64_t j = 0; j < k - 1; ++j) acc += wc[j] * past[j];
-      acc += wc[k - 1] * raw;
-      if (bias != nullptr) acc += b;
-      xbc[t * sz.channels + c] = Silu(acc);
+  // The past K - 1 inputs stay in the slot, oldest first, as the CPU kernel keeps them (any K).
+  float* past = s.conv + c * (k - 1);
+  if (s.fresh) {
+    for (int64_t j = 0; j < k - 1; ++j) past[j] = 0.0f;
+  }
+  const float* wc = w + c * k;
+  for (int32_t t = s.begin; t < s.end; ++t) {
+    const float raw = ToF32(proj[t * sz.width + sz.inner + c]);
+    float acc = 0;
+    for (int64_t j = 0; j < k - 1; ++j) acc += wc[j] * past[j];
+    acc += wc[k - 1] * raw;
+    if (bias != nullptr) acc += bias[c];
+    xbc[t * sz.channels + c] = Silu(acc);
+    if (k > 1) {
       for (int64_t j = 0; j + 1 < k - 1; ++j) past[j] = past[j + 1];
-      if (k > 1) past[k - 2] = raw;
+      past[k - 2] = raw;
     }
-    for (int64_t j = 0; j < k - 1; ++j) state[j] = past[j];
   }
   if (c < sz.inner) {
     for (int32_t t = s.begin; t < s.end; ++t) {
@@ -80,39 +80,42 @@ __global__ void ScanKernel(ScanBatch batch, ScanSizes sz, const T* proj, const f
                            const float* dt_bias, const float* a_log, const float* d, T* out) {
   PriorGridsDone();
   const ScanSequence s = batch.seq[blockIdx.x];
-  const int64_t h = blockIdx.y, i = threadIdx.x, n = sz.n;
-  if (i >= sz.p) return;
+  const int64_t h = blockIdx.y, n = sz.n;
   const int64_t g = h / (sz.heads / sz.groups);
-  float* state = s.ssm + (h * sz.p + i) * n;
-  if (s.fresh) {
-    for (int64_t j = 0; j < n; ++j) state[j] = 0.0f;
-  }
   const float a = -expf(a_log[h]);
-  for (int32_t t = s.begin; t < s.end; ++t) {
-    const float* x = xbc + t * sz.channels;
-    const float* bg = x + sz.inner + g * n;
-    const float* cg = x + sz.inner + sz.groups * n + g * n;
-    const float dt = Softplus(ToF32(proj[t * sz.width + sz.inner + sz.channels + h]) + dt_bias[h]);
-    const float decay = expf(dt * a);
-    const float xi = x[h * sz.p + i];
-    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
+  // Rows past the block's width (head_dim over 1024) go round again.
+  for (int64_t i = threadIdx.x; i < sz.p; i += blockDim.x) {
+    float* state = s.ssm + (h * sz.p + i) * n;
+    if (s.fresh) {
+      for (int64_t j = 0; j < n; ++j) state[j] = 0.0f;
+    }
+    for (int32_t t = s.begin; t < s.end; ++t) {
+      const float* x = xbc + t * sz.channels;
+      const float* bg = x + sz.inner + g * n;
+      const float* cg = x + sz.inner + sz.groups * n + g * n;
+      const float dt =
+          Softplus(ToF32(proj[t * sz.width + sz.inner + sz.channels + h]) + dt_bias[h]);
+      const float decay = expf(dt * a);
+      const float xi = x[h * sz.p + i];
+      float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {
 #pragma unroll
-      for (int l = 0; l < 8; ++l) {
-        const float v = state[j + l] * decay + dt * bg[j + l] * xi;
-        state[j + l] = v;
-        part[l] += v * cg[j + l];
+        for (int l = 0; l < 8; ++l) {
+          const float v = state[j + l] * decay + dt * bg[j + l] * xi;
+          state[j + l] = v;
+          part[l] += v * cg[j + l];
+        }
       }
+      for (; j < n; ++j) {
+        const float v = state[j] * decay + dt * bg[j] * xi;
+        state[j] = v;
+        part[0] += v * cg[j];
+      }
+      const float acc =
+          ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      out[t * 2 * sz.inner + sz.inner + h * sz.p + i] = FromF32<T>(acc + d[h] * xi);
     }
-    for (; j < n; ++j) {
-      const float v = state[j] * decay + dt * bg[j] * xi;
-      state[j] = v;
-      part[0] += v * cg[j];
-    }
-    const float acc =
-        ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-    out[t * 2 * sz.inner + sz.inner + h * sz.p + i] = FromF32<T>(acc + d[h] * xi);
   }
 }
 
@@ -137,9 +140,6 @@ void SelectiveScan(const SsmConfig& cfg, const Tensor& proj, const Tensor& conv_
   TGIS_CHECK(sz.heads > 0 && sz.p > 0 && sz.groups > 0 && sz.n > 0 && sz.k > 0 &&
                  sz.heads % sz.groups == 0,
              "SelectiveScan: bad sizes");
-  TGIS_CHECK(sz.k <= kMaxConvKernel && sz.p <= 1024,
-             "SelectiveScan: CUDA takes convolution kernels up to %d and heads up to 1024 wide",
-             kMaxConvKernel);
   CheckCudaFloat(proj, op, "proj");
   CheckCudaFloat(*out, op, "out");
   TGIS_CHECK(out->dtype() == proj.dtype() && proj.rank() == 2 && proj.dim(1) == sz.width &&
