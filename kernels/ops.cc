@@ -154,6 +154,32 @@ void SelectiveScan(const SsmConfig& cfg, const Tensor& proj, const Tensor& conv_
                    const Tensor& d, const std::vector<int32_t>& query_start,
                    const std::vector<Tensor*>& conv_states, const std::vector<Tensor*>& ssm_states,
                    const std::vector<uint8_t>& fresh, Tensor* out) {
+  // The sizes every backend needs; each checks its own dtypes and device.
+  const int64_t heads = cfg.heads, p = cfg.head_dim, groups = cfg.groups, n = cfg.state_size;
+  const int64_t k = cfg.conv_kernel, inner = heads * p, channels = inner + 2 * groups * n;
+  const int64_t width = inner + channels + heads;
+  const size_t seqs = query_start.empty() ? 0 : query_start.size() - 1;
+  TGIS_CHECK(heads > 0 && p > 0 && groups > 0 && n > 0 && k > 0 && heads % groups == 0,
+             "SelectiveScan: bad sizes");
+  TGIS_CHECK(out->dtype() == proj.dtype() && proj.rank() == 2 && proj.dim(1) == width &&
+                 out->rank() == 2 && out->dim(1) == 2 * inner && out->dim(0) == proj.dim(0),
+             "SelectiveScan: proj [T, %lld] and out [T, %lld] of one dtype expected",
+             static_cast<long long>(width), static_cast<long long>(2 * inner));
+  TGIS_CHECK(conv_w.numel() == channels * k && (!conv_b.defined() || conv_b.numel() == channels) &&
+                 dt_bias.numel() == heads && a_log.numel() == heads && d.numel() == heads,
+             "SelectiveScan: parameter shapes");
+  TGIS_CHECK(conv_states.size() == seqs && ssm_states.size() == seqs && fresh.size() == seqs &&
+                 (seqs == 0 ? proj.dim(0) == 0 : query_start.back() == proj.dim(0)),
+             "SelectiveScan: one state per sequence, the sequences' rows proj's");
+  for (size_t s = 0; s < seqs; ++s) {
+    TGIS_CHECK(
+        conv_states[s]->numel() == channels * (k - 1) && ssm_states[s]->numel() == heads * p * n &&
+            conv_states[s]->dtype() == DType::kF32 && ssm_states[s]->dtype() == DType::kF32 &&
+            conv_states[s]->device() == proj.device() && ssm_states[s]->device() == proj.device() &&
+            query_start[s] <= query_start[s + 1],
+        "SelectiveScan: state shapes (f32, on proj's device)");
+  }
+  if (seqs == 0) return;
   TGIS_DISPATCH(SelectiveScan, TGIS_TENSORS(&proj, &conv_w, &conv_b, &dt_bias, &a_log, &d, out),
                 cfg, proj, conv_w, conv_b, dt_bias, a_log, d, query_start, conv_states, ssm_states,
                 fresh, out);

@@ -26,26 +26,12 @@ void SelectiveScan(const SsmConfig& cfg, const Tensor& proj, const Tensor& conv_
   const int64_t heads = cfg.heads, p = cfg.head_dim, groups = cfg.groups, n = cfg.state_size;
   const int64_t k = cfg.conv_kernel, inner = heads * p, channels = inner + 2 * groups * n;
   const int64_t width = inner + channels + heads;
-  const size_t seqs = query_start.empty() ? 0 : query_start.size() - 1;
-  TGIS_CHECK(heads > 0 && p > 0 && groups > 0 && n > 0 && k > 0 && heads % groups == 0,
-             "SelectiveScan: bad sizes");
-  TGIS_CHECK(proj.dtype() == DType::kF32 && out->dtype() == DType::kF32 && proj.rank() == 2 &&
-                 proj.dim(1) == width && out->rank() == 2 && out->dim(1) == 2 * inner &&
-                 out->dim(0) == proj.dim(0),
-             "SelectiveScan: proj [T, %lld] and out [T, %lld] f32 expected",
-             static_cast<long long>(width), static_cast<long long>(2 * inner));
-  TGIS_CHECK(conv_w.dtype() == DType::kF32 && conv_w.numel() == channels * k &&
-                 (!conv_b.defined() || conv_b.numel() == channels) && dt_bias.numel() == heads &&
-                 a_log.numel() == heads && d.numel() == heads,
-             "SelectiveScan: parameter shapes");
-  TGIS_CHECK(conv_states.size() == seqs && ssm_states.size() == seqs && fresh.size() == seqs,
-             "SelectiveScan: one state per sequence");
-  for (size_t s = 0; s < seqs; ++s) {
-    TGIS_CHECK(conv_states[s]->numel() == channels * (k - 1) &&
-                   ssm_states[s]->numel() == heads * p * n &&
-                   conv_states[s]->dtype() == DType::kF32 && ssm_states[s]->dtype() == DType::kF32,
-               "SelectiveScan: state shapes");
-  }
+  const size_t seqs = query_start.size() - 1;  // shapes checked by kernels::SelectiveScan
+  TGIS_CHECK(proj.dtype() == DType::kF32 && conv_w.dtype() == DType::kF32 &&
+                 (!conv_b.defined() || conv_b.dtype() == DType::kF32) &&
+                 dt_bias.dtype() == DType::kF32 && a_log.dtype() == DType::kF32 &&
+                 d.dtype() == DType::kF32,
+             "SelectiveScan: f32 activations and parameters expected on the CPU");
   const float* w = conv_w.data<float>();
   const float* bias = conv_b.defined() ? conv_b.data<float>() : nullptr;
   const float* dtb = dt_bias.data<float>();
