@@ -6,7 +6,8 @@
 // reductions, radix select, ties), against the CPU op. (On a GPU, OpsTest runs the real
 // kernels.) The decode GEMVs (gemv.cuh: streaming, code extraction, runs and their constants,
 // tokens, the warp sums) and the tensor-core one (mma_gemv.cuh: fragment layout, split columns,
-// tails), against the sums in double.
+// tails), against the sums in double. Mamba-2's scan (selective_scan.cuh: the convolution and
+// the recurrence over sequences' slots), against the CPU op.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include "kernels/cuda/grouped_attention.cuh"
 #include "kernels/cuda/mma_attention.cuh"
 #include "kernels/cuda/mma_gemv.cuh"
+#include "kernels/cuda/selective_scan.cuh"
 #include "kernels/cuda/top_logits.cuh"
 #include "kernels/ops.h"
 
@@ -647,6 +649,78 @@ TEST(GemvEmulated, MmaDenseRows) {
   RunMmaGemv<EmuBf16>(21, 8 * (4 * 8 * 4 + 14), 61);  // two tiles, the second partial; a tail
   RunMmaGemv<EmuF16>(16, 8 * 3, 62);                  // fewer steps than warps
   RunMmaGemv<EmuBf16>(5, 8 * 4 * 8 * 9, 63);          // whole chunks and a partial one
+}
+
+// The scan kernels as SelectiveScan launches them, against the CPU op on the same inputs: three
+// sequences of 7, 1 and 4 tokens (N = 20: two whole 8-lane partial sums and a tail), twice,
+// the second call carrying sequence 1 on while 0 and 2 start fresh; the recurrence with a
+// block as wide as the head and with one narrower than it (its rows going round).
+TEST(ScanEmulated, MatchesTheCpuOp) {
+  const SsmConfig cfg{6, 5, 3, 20, 4};
+  const ScanSizes sz{6, 5, 3, 20, 4, 30, 30 + 2 * 3 * 20, 30 + 150 + 6};
+  const std::vector<int32_t> starts = {0, 7, 8, 12};
+  auto random = [](size_t n, uint32_t seed, float scale) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> dist(-scale, scale);
+    std::vector<float> v(n);
+    for (float& x : v) x = dist(rng);
+    return v;
+  };
+  const std::vector<float> w = random(sz.channels * 4, 1, 0.5f), b = random(sz.channels, 2, 0.1f);
+  const std::vector<float> dtb = random(6, 3, 1), alog = random(6, 4, 1), dd = random(6, 5, 1);
+  auto tensor = [](const std::vector<float>& v) {
+    return Tensor::FromVector(v, {static_cast<int64_t>(v.size())});
+  };
+  for (const int scan_threads : {32, 2}) {
+    std::vector<Tensor> conv, ssm;  // the CPU op's
+    std::vector<std::vector<float>> our_conv, our_ssm;
+    for (int s = 0; s < 3; ++s) {
+      conv.push_back(Tensor::Zeros({sz.channels, 3}, DType::kF32));
+      ssm.push_back(Tensor::Zeros({6, 5, 20}, DType::kF32));
+      our_conv.emplace_back(sz.channels * 3, 7.0f);  // fresh slots hold garbage
+      our_ssm.emplace_back(6 * 5 * 20, 7.0f);
+    }
+    const std::vector<std::vector<uint8_t>> fresh = {{1, 1, 1}, {1, 0, 1}};
+    for (int call = 0; call < 2; ++call) {
+      const std::vector<float> proj = random(12 * sz.width, 10 + call, 2);
+      Tensor ref = Tensor::Zeros({12, 2 * sz.inner}, DType::kF32);
+      std::vector<Tensor*> conv_p, ssm_p;
+      for (int s = 0; s < 3; ++s) {
+        conv_p.push_back(&conv[s]);
+        ssm_p.push_back(&ssm[s]);
+      }
+      kernels::SelectiveScan(cfg, Tensor::FromVector(proj, {12, sz.width}),
+                             Tensor::FromVector(w, {sz.channels, 4}), tensor(b), tensor(dtb),
+                             tensor(alog), tensor(dd), starts, conv_p, ssm_p, fresh[call], &ref);
+      ScanBatch batch{};
+      for (int s = 0; s < 3; ++s) {
+        batch.seq[s] = {our_conv[s].data(), our_ssm[s].data(), starts[s], starts[s + 1],
+                        fresh[call][s]};
+      }
+      std::vector<float> xbc(12 * sz.channels), out(12 * 2 * sz.inner);
+      EmulateLaunch({3, 2, 1}, 128, &ConvKernel<float>, batch, sz, proj.data(), w.data(), b.data(),
+                    xbc.data(), out.data());
+      EmulateLaunch({3, 6, 1}, scan_threads, &ScanKernel<float>, batch, sz,
+                    static_cast<const float*>(proj.data()), static_cast<const float*>(xbc.data()),
+                    dtb.data(), alog.data(), dd.data(), out.data());
+      const std::string what =
+          "call " + std::to_string(call) + ", " + std::to_string(scan_threads) + " threads";
+      const float* want = ref.data<float>();
+      for (size_t i = 0; i < out.size(); ++i) {
+        ASSERT_NEAR(out[i], want[i], 1e-6f * (1 + std::fabs(want[i]))) << what << " out " << i;
+      }
+      for (int s = 0; s < 3; ++s) {
+        for (size_t i = 0; i < our_conv[s].size(); ++i) {
+          ASSERT_EQ(our_conv[s][i], conv[s].data<float>()[i]) << what << " conv state " << s;
+        }
+        for (size_t i = 0; i < our_ssm[s].size(); ++i) {
+          ASSERT_NEAR(our_ssm[s][i], ssm[s].data<float>()[i],
+                      1e-6f * (1 + std::fabs(ssm[s].data<float>()[i])))
+              << what << " ssm state " << s << " element " << i;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
