@@ -6,7 +6,7 @@
 #                          (CUDA runtime, cuBLAS, NCCL)
 #   .device/wheels/        grpcio, grpcio-tools and protobuf for Python 3.12, so the Python
 #                          client side matches the versions the stubs are generated with
-# GPU_BUNDLE=tests packs only the test binaries, engine_bench and attention_bench, and no wheels
+# GPU_BUNDLE=tests packs only the test binaries and engine_, attention_ and ssm_bench, and no wheels
 # (the router's ICU data alone is ~7.5 MB compressed). The device tool's 64 MiB must cover what
 # travels of the tree and the bundle: the tracked tree alone is over it (78 MB, 68 of them model
 # fixtures), so scripts/gpu_tree.sh slim leaves the fixtures a call does not read behind.
@@ -19,11 +19,12 @@ rm -rf "$OUT" && mkdir -p "$OUT/stage/lib" "$OUT/wheels"
 
 if [ "${GPU_BUNDLE:-all}" = tests ]; then
   bins=(tests/kernels_test tests/model_parity_test tests/tensor_parallel_test
-        benchmarks/engine_bench benchmarks/attention_bench)
+        benchmarks/engine_bench benchmarks/attention_bench benchmarks/ssm_bench)
 else
   bins=(tests/kernels_test tests/model_parity_test tests/tensor_parallel_test
         server/text-generation-server router/text-generation-router
-        launcher/text-generation-launcher benchmarks/engine_bench benchmarks/attention_bench)
+        launcher/text-generation-launcher benchmarks/engine_bench benchmarks/attention_bench
+        benchmarks/ssm_bench)
 fi
 for b in "${bins[@]}"; do
   test -x "$BUILD_DIR/$b" || { echo "missing $BUILD_DIR/$b: run make build first" >&2; exit 1; }
